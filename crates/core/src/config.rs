@@ -1,0 +1,598 @@
+//! Limit configurations: the validated [`Config`] and its serde form [`RawConfig`].
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// One second in milliseconds.
+pub const SECOND: f64 = 1_000.0;
+/// One minute in milliseconds.
+pub const MINUTE: f64 = 60.0 * SECOND;
+/// One hour in milliseconds.
+pub const HOUR: f64 = 60.0 * MINUTE;
+/// One day in milliseconds.
+pub const DAY: f64 = 24.0 * HOUR;
+
+/// The most shards a limit may be split over.
+pub const MAX_SHARDS: u16 = 1024;
+
+/// How tokens come back to a limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// Tokens flow back continuously at `rate` per `period`, up to `capacity`.
+    TokenBucket,
+    /// `rate` tokens come back at once at the start of every window of `period`, up to `capacity`.
+    FixedWindow,
+}
+
+impl Kind {
+    /// The spelling used in JSON and TOML: `"token bucket"` or `"fixed window"`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Kind::TokenBucket => "token bucket",
+            Kind::FixedWindow => "fixed window",
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A validated rate limit configuration (SPEC §1).
+///
+/// A `Config` cannot hold an invalid value. The `const` constructors panic on invalid input,
+/// which turns a bad constant into a compile error; input that arrives at run time (JSON, TOML)
+/// goes through [`RawConfig`] and [`Config::try_from`], which return a [`ConfigError`] instead.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{Config, MINUTE};
+///
+/// // 10 per minute, bursts of up to 3.
+/// const SEND_MESSAGE: Config = Config::token_bucket(10.0, MINUTE).with_capacity(3.0);
+/// assert_eq!(SEND_MESSAGE.capacity(), 3.0);
+/// ```
+///
+/// A constant that breaks the rules does not compile:
+///
+/// ```compile_fail
+/// use tollgate_core::Config;
+/// const BROKEN: Config = Config::token_bucket(10.0, 0.0); // period must be > 0
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Config {
+    kind: Kind,
+    rate: f64,
+    period: f64,
+    capacity: f64,
+    max_reserved: Option<f64>,
+    shards: u16,
+    start: Option<f64>,
+}
+
+const fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+const fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
+}
+
+impl Config {
+    const fn new(kind: Kind, rate: f64, period: f64) -> Self {
+        assert!(positive(rate), "rate must be finite and > 0");
+        assert!(positive(period), "period must be finite and > 0");
+        Config { kind, rate, period, capacity: rate, max_reserved: None, shards: 1, start: None }
+    }
+
+    /// A token bucket that adds `rate` tokens per `period` milliseconds; capacity defaults to `rate`.
+    ///
+    /// # Panics
+    ///
+    /// If `rate` or `period` is not finite and > 0 (a compile error in a `const`).
+    pub const fn token_bucket(rate: f64, period: f64) -> Self {
+        Self::new(Kind::TokenBucket, rate, period)
+    }
+
+    /// A fixed window that grants `rate` tokens every `period` milliseconds; capacity defaults
+    /// to `rate`.
+    ///
+    /// # Panics
+    ///
+    /// If `rate` or `period` is not finite and > 0 (a compile error in a `const`).
+    pub const fn fixed_window(rate: f64, period: f64) -> Self {
+        Self::new(Kind::FixedWindow, rate, period)
+    }
+
+    /// Sets the most tokens that can accumulate (default: `rate`).
+    ///
+    /// # Panics
+    ///
+    /// If `capacity` is not finite and >= 0.
+    #[must_use]
+    pub const fn with_capacity(mut self, capacity: f64) -> Self {
+        assert!(non_negative(capacity), "capacity must be finite and >= 0");
+        self.capacity = capacity;
+        self
+    }
+
+    /// Sets the most tokens that may be reserved ahead (default: unbounded).
+    ///
+    /// # Panics
+    ///
+    /// If `max_reserved` is not finite and >= 0.
+    #[must_use]
+    pub const fn with_max_reserved(mut self, max_reserved: f64) -> Self {
+        assert!(non_negative(max_reserved), "maxReserved must be finite and >= 0");
+        self.max_reserved = Some(max_reserved);
+        self
+    }
+
+    /// Splits the limit over `shards` independent shards (SPEC §3; default 1).
+    ///
+    /// # Panics
+    ///
+    /// If `shards` is not in `1..=1024`.
+    #[must_use]
+    pub const fn with_shards(mut self, shards: u16) -> Self {
+        assert!(shards >= 1 && shards <= MAX_SHARDS, "shards must be an integer in 1..=1024");
+        self.shards = shards;
+        self
+    }
+
+    /// Aligns a fixed window's windows to `start` (ms since the Unix epoch); without it each
+    /// (name, key, shard) gets its own pseudo-random alignment.
+    ///
+    /// # Panics
+    ///
+    /// If `start` is not finite, or the config is a token bucket.
+    #[must_use]
+    pub const fn with_start(mut self, start: f64) -> Self {
+        assert!(start.is_finite(), "start must be finite");
+        assert!(matches!(self.kind, Kind::FixedWindow), "start applies to fixed windows only");
+        self.start = Some(start);
+        self
+    }
+
+    /// The limit's kind.
+    pub const fn kind(&self) -> Kind {
+        self.kind
+    }
+    /// Tokens added per period.
+    pub const fn rate(&self) -> f64 {
+        self.rate
+    }
+    /// The period in milliseconds.
+    pub const fn period(&self) -> f64 {
+        self.period
+    }
+    /// The most tokens that can accumulate.
+    pub const fn capacity(&self) -> f64 {
+        self.capacity
+    }
+    /// The most tokens that may be reserved ahead, if bounded.
+    pub const fn max_reserved(&self) -> Option<f64> {
+        self.max_reserved
+    }
+    /// The number of shards.
+    pub const fn shards(&self) -> u16 {
+        self.shards
+    }
+    /// A fixed window's explicit alignment, if any.
+    pub const fn start(&self) -> Option<f64> {
+        self.start
+    }
+
+    /// `shardFactor` of SPEC §2: 1 below three shards, else half the shard count.
+    pub fn shard_factor(&self) -> f64 {
+        if self.shards < 3 { 1.0 } else { f64::from(self.shards) / 2.0 }
+    }
+
+    /// The parameters of one shard: rate, capacity and `maxReserved` divided by the shard count.
+    pub fn per_shard(&self) -> Config {
+        let n = f64::from(self.shards);
+        if self.shards == 1 {
+            return *self;
+        }
+        Config {
+            rate: self.rate / n,
+            capacity: self.capacity / n,
+            max_reserved: self.max_reserved.map(|m| m / n),
+            ..*self
+        }
+    }
+
+    /// The config with a fixed window's `start` set to `alignment` (when it has none), as the
+    /// `value` operation reports it.
+    #[must_use]
+    pub fn with_alignment(mut self, alignment: f64) -> Config {
+        if self.kind == Kind::FixedWindow && self.start.is_none() {
+            self.start = Some(alignment);
+        }
+        self
+    }
+
+    /// The serializable form with every default filled in.
+    pub fn to_raw(&self) -> RawConfig {
+        RawConfig {
+            kind: self.kind.as_str().to_owned(),
+            rate: self.rate,
+            period: Period::Millis(self.period),
+            capacity: Some(self.capacity),
+            max_reserved: self.max_reserved,
+            shards: Some(f64::from(self.shards)),
+            start: self.start,
+        }
+    }
+}
+
+impl Serialize for Config {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.to_raw().serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Config {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = RawConfig::deserialize(deserializer)?;
+        Config::try_from(raw).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A period as written in JSON or TOML: milliseconds, or a duration string such as `"10s"`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Period {
+    /// Milliseconds.
+    Millis(#[serde(serialize_with = "serialize_number")] f64),
+    /// A number followed by a unit: `ms`, `s`, `m`, `h` or `d` (`"1.5s"`, `"10m"`).
+    Text(String),
+}
+
+impl Period {
+    /// The period in milliseconds.
+    ///
+    /// # Errors
+    ///
+    /// A string that is not a number followed by one of the units.
+    pub fn millis(&self) -> Result<f64, ConfigError> {
+        match self {
+            Period::Millis(ms) => Ok(*ms),
+            Period::Text(text) => parse_duration(text)
+                .ok_or_else(|| ConfigError::new("period", format!("{text:?}"), PERIOD_RULE)),
+        }
+    }
+}
+
+const PERIOD_RULE: &str =
+    "must be milliseconds > 0 or a duration such as \"500ms\", \"10s\", \"1m\", \"1h\", \"1d\"";
+
+fn parse_duration(text: &str) -> Option<f64> {
+    let text = text.trim();
+    let split = text.find(|c: char| c.is_ascii_alphabetic())?;
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.trim().parse().ok()?;
+    let unit_ms = match unit {
+        "ms" => 1.0,
+        "s" => SECOND,
+        "m" => MINUTE,
+        "h" => HOUR,
+        "d" => DAY,
+        _ => return None,
+    };
+    Some(number * unit_ms)
+}
+
+/// A limit configuration as written in JSON or TOML (camelCase), before validation.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{Config, RawConfig};
+///
+/// let raw: RawConfig = serde_json::from_str(
+///     r#"{ "kind": "token bucket", "rate": 10, "period": "1m", "capacity": 3 }"#,
+/// ).unwrap();
+/// let config = Config::try_from(raw).unwrap();
+/// assert_eq!(config.period(), 60_000.0);
+///
+/// let raw: RawConfig = serde_json::from_str(r#"{ "kind": "token bucket", "rate": -1, "period": 1000 }"#).unwrap();
+/// let err = Config::try_from(raw).unwrap_err();
+/// assert_eq!(err.to_string(), "invalid config: rate is -1; it must be finite and > 0");
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawConfig {
+    /// `"token bucket"` or `"fixed window"`.
+    pub kind: String,
+    /// Tokens added per period.
+    #[serde(serialize_with = "serialize_number")]
+    pub rate: f64,
+    /// Milliseconds, or a duration string.
+    pub period: Period,
+    /// Most tokens that can accumulate; default `rate`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_some_number"
+    )]
+    pub capacity: Option<f64>,
+    /// Most tokens that may be reserved ahead; default unbounded.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_some_number"
+    )]
+    pub max_reserved: Option<f64>,
+    /// Number of shards, an integer in 1..=1024; default 1.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_some_number"
+    )]
+    pub shards: Option<f64>,
+    /// Fixed window alignment, ms since the Unix epoch.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_some_number"
+    )]
+    pub start: Option<f64>,
+}
+
+impl TryFrom<RawConfig> for Config {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
+        Config::try_from(&raw)
+    }
+}
+
+impl TryFrom<&RawConfig> for Config {
+    type Error = ConfigError;
+
+    fn try_from(raw: &RawConfig) -> Result<Self, ConfigError> {
+        let kind = match raw.kind.as_str() {
+            "token bucket" => Kind::TokenBucket,
+            "fixed window" => Kind::FixedWindow,
+            other => {
+                return Err(ConfigError::new(
+                    "kind",
+                    format!("{other:?}"),
+                    "must be \"token bucket\" or \"fixed window\"",
+                ));
+            }
+        };
+        let check = |field: &'static str, value: f64, ok: bool, rule: &'static str| {
+            if ok { Ok(value) } else { Err(ConfigError::new(field, fmt_number(value), rule)) }
+        };
+        let rate = check("rate", raw.rate, positive(raw.rate), "must be finite and > 0")?;
+        let period = raw.period.millis()?;
+        let period = check("period", period, positive(period), "must be finite and > 0")?;
+        let mut config = Config::new(kind, rate, period);
+        if let Some(capacity) = raw.capacity {
+            config.capacity =
+                check("capacity", capacity, non_negative(capacity), "must be finite and >= 0")?;
+        }
+        if let Some(max) = raw.max_reserved {
+            config.max_reserved =
+                Some(check("maxReserved", max, non_negative(max), "must be finite and >= 0")?);
+        }
+        if let Some(shards) = raw.shards {
+            let ok = shards.fract() == 0.0 && (1.0..=f64::from(MAX_SHARDS)).contains(&shards);
+            config.shards = check("shards", shards, ok, "must be an integer in 1..=1024")? as u16;
+        }
+        if let Some(start) = raw.start {
+            if kind != Kind::FixedWindow {
+                return Err(ConfigError::new(
+                    "start",
+                    fmt_number(start),
+                    "applies to fixed windows only",
+                ));
+            }
+            config.start = Some(check("start", start, start.is_finite(), "must be finite")?);
+        }
+        Ok(config)
+    }
+}
+
+/// Serializes an `f64` that holds an integer as a JSON/TOML integer (`10`, not `10.0`).
+///
+/// # Errors
+///
+/// Whatever the serializer returns.
+pub fn serialize_number<S: serde::Serializer>(x: &f64, serializer: S) -> Result<S::Ok, S::Error> {
+    // 2^53: every integer below it is exact in an f64 and in an i64.
+    if x.fract() == 0.0 && x.abs() < 9_007_199_254_740_992.0 {
+        serializer.serialize_i64(*x as i64)
+    } else {
+        serializer.serialize_f64(*x)
+    }
+}
+
+fn serialize_some_number<S: serde::Serializer>(
+    x: &Option<f64>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match x {
+        Some(x) => serialize_number(x, serializer),
+        None => serializer.serialize_none(),
+    }
+}
+
+/// Formats a number in its shortest form: `3`, `2.5`, `-1`, `NaN`, `inf`.
+pub fn fmt_number(x: f64) -> String {
+    format!("{x}")
+}
+
+/// A config that breaks the rules of SPEC §1, naming the field and the value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    field: &'static str,
+    value: String,
+    rule: &'static str,
+}
+
+impl ConfigError {
+    fn new(field: &'static str, value: String, rule: &'static str) -> Self {
+        ConfigError { field, value, rule }
+    }
+
+    /// The offending field, in its JSON spelling (`maxReserved`).
+    pub fn field(&self) -> &'static str {
+        self.field
+    }
+
+    /// The offending value as written.
+    pub fn value(&self) -> &str {
+        &self.value
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid config: {} is {}; it {}", self.field, self.value, self.rule)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<Config, String> {
+        let raw: RawConfig = serde_json::from_str(json).map_err(|e| e.to_string())?;
+        Config::try_from(raw).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_follow_spec() {
+        let c = parse(r#"{"kind":"fixed window","rate":100,"period":3600000}"#).unwrap();
+        assert_eq!(c.kind(), Kind::FixedWindow);
+        assert_eq!(c.capacity(), 100.0);
+        assert_eq!(c.max_reserved(), None);
+        assert_eq!(c.shards(), 1);
+        assert_eq!(c.start(), None);
+    }
+
+    #[test]
+    fn period_strings() {
+        for (text, ms) in [
+            ("10s", 10_000.0),
+            ("1m", 60_000.0),
+            ("1h", 3_600_000.0),
+            ("250ms", 250.0),
+            ("1.5s", 1500.0),
+            ("2d", 2.0 * DAY),
+        ] {
+            let c =
+                parse(&format!(r#"{{"kind":"token bucket","rate":1,"period":"{text}"}}"#)).unwrap();
+            assert_eq!(c.period(), ms, "{text}");
+        }
+        let err =
+            parse(r#"{"kind":"token bucket","rate":1,"period":"10 fortnights"}"#).unwrap_err();
+        assert!(err.starts_with("invalid config: period is \"10 fortnights\""), "{err}");
+    }
+
+    #[test]
+    fn errors_name_field_and_value() {
+        let cases = [
+            (
+                r#"{"kind":"leaky bucket","rate":1,"period":1}"#,
+                "invalid config: kind is \"leaky bucket\"; it must be \"token bucket\" or \"fixed window\"",
+            ),
+            (
+                r#"{"kind":"token bucket","rate":0,"period":1}"#,
+                "invalid config: rate is 0; it must be finite and > 0",
+            ),
+            (
+                r#"{"kind":"token bucket","rate":1,"period":-5}"#,
+                "invalid config: period is -5; it must be finite and > 0",
+            ),
+            (
+                r#"{"kind":"token bucket","rate":1,"period":1,"capacity":-0.5}"#,
+                "invalid config: capacity is -0.5; it must be finite and >= 0",
+            ),
+            (
+                r#"{"kind":"token bucket","rate":1,"period":1,"maxReserved":-1}"#,
+                "invalid config: maxReserved is -1; it must be finite and >= 0",
+            ),
+            (
+                r#"{"kind":"token bucket","rate":1,"period":1,"shards":2.5}"#,
+                "invalid config: shards is 2.5; it must be an integer in 1..=1024",
+            ),
+            (
+                r#"{"kind":"token bucket","rate":1,"period":1,"shards":1025}"#,
+                "invalid config: shards is 1025; it must be an integer in 1..=1024",
+            ),
+            (
+                r#"{"kind":"token bucket","rate":1,"period":1,"start":0}"#,
+                "invalid config: start is 0; it applies to fixed windows only",
+            ),
+        ];
+        for (json, want) in cases {
+            assert_eq!(parse(json).unwrap_err(), want, "{json}");
+        }
+        assert!(
+            parse(r#"{"kind":"token bucket","rate":1,"period":1,"burst":3}"#)
+                .unwrap_err()
+                .contains("unknown field `burst`")
+        );
+    }
+
+    #[test]
+    fn non_finite_values_are_refused() {
+        let raw = RawConfig {
+            kind: "token bucket".into(),
+            rate: f64::INFINITY,
+            period: Period::Millis(1.0),
+            capacity: None,
+            max_reserved: None,
+            shards: None,
+            start: None,
+        };
+        assert_eq!(
+            Config::try_from(raw).unwrap_err().to_string(),
+            "invalid config: rate is inf; it must be finite and > 0"
+        );
+        let raw = RawConfig {
+            kind: "token bucket".into(),
+            rate: 1.0,
+            period: Period::Millis(f64::NAN),
+            capacity: None,
+            max_reserved: None,
+            shards: None,
+            start: None,
+        };
+        assert_eq!(Config::try_from(raw).unwrap_err().field(), "period");
+    }
+
+    #[test]
+    fn round_trips_with_defaults_filled() {
+        let c = Config::token_bucket(10.0, MINUTE).with_shards(4);
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(
+            json,
+            r#"{"kind":"token bucket","rate":10,"period":60000,"capacity":10,"shards":4}"#
+        );
+        let back: Config = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn per_shard_divides() {
+        let c = Config::token_bucket(40.0, MINUTE)
+            .with_capacity(20.0)
+            .with_max_reserved(8.0)
+            .with_shards(4);
+        let s = c.per_shard();
+        assert_eq!((s.rate(), s.capacity(), s.max_reserved()), (10.0, 5.0, Some(2.0)));
+        assert_eq!(c.shard_factor(), 2.0);
+        assert_eq!(Config::token_bucket(1.0, 1.0).with_shards(2).shard_factor(), 1.0);
+    }
+}

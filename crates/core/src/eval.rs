@@ -1,0 +1,477 @@
+//! The algebra of SPEC §2: one shard's state, evaluated at a time, for a count.
+
+use std::fmt;
+
+use crate::config::{Config, Kind, fmt_number};
+
+/// The two numbers stored per (name, key, shard).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct State {
+    /// Tokens available at `ts`; negative after a reservation.
+    pub value: f64,
+    /// Milliseconds since the Unix epoch: a token bucket's last evaluation, or the start of a
+    /// fixed window's current window.
+    pub ts: f64,
+}
+
+/// The answer to a request: admitted or refused, and when to come back.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct Decision {
+    /// Whether the tokens were (or, for a check, would be) granted.
+    pub ok: bool,
+    /// Milliseconds to wait: before retrying when refused, before doing the work when a
+    /// reservation was granted. `None` when granted with tokens on hand.
+    pub retry_after: Option<f64>,
+}
+
+impl Decision {
+    /// Granted with tokens on hand.
+    pub const ADMIT: Decision = Decision { ok: true, retry_after: None };
+}
+
+/// The result of evaluating one shard: the state it would store and the decision.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evaluation {
+    /// `value'` and `ts'`. Stored only when `decision.ok` and the operation writes.
+    pub state: State,
+    /// The decision for this shard alone.
+    pub decision: Decision,
+}
+
+/// The state a shard without a stored state starts from.
+///
+/// A token bucket starts full at `now`. A fixed window starts full at the start of the window
+/// that contains `now`, with windows aligned to `alignment` (the config's `start`, or the
+/// pseudo-random offset of [`alignment`]).
+pub fn fresh_state(shard: &Config, alignment: f64, now: f64) -> State {
+    let ts = match shard.kind() {
+        Kind::TokenBucket => now,
+        Kind::FixedWindow => window_start(alignment, shard.period(), now),
+    };
+    State { value: shard.capacity(), ts }
+}
+
+/// The start of the window containing `now`, for windows of `period` aligned to `alignment`.
+fn window_start(alignment: f64, period: f64, now: f64) -> f64 {
+    alignment + ((now - alignment) / period).floor() * period
+}
+
+/// Evaluates one shard (SPEC §2).
+///
+/// `shard` holds one shard's parameters ([`Config::per_shard`]); `state` is the stored state,
+/// or `None` for a fresh one aligned to `alignment` (see [`fresh_state`]). This is a pure
+/// function: clients that fetched a state with the `value` operation can run it themselves to
+/// learn a limit's value at any time.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{evaluate, Config, State, MINUTE};
+///
+/// let config = Config::token_bucket(10.0, MINUTE);
+/// // 5 tokens at t = 0; six seconds later one more has flowed back.
+/// let at_6s = evaluate(&config, Some(State { value: 5.0, ts: 0.0 }), 0.0, 6_000.0, 0.0, false);
+/// assert_eq!(at_6s.state.value, 6.0);
+/// ```
+pub fn evaluate(
+    shard: &Config,
+    state: Option<State>,
+    alignment: f64,
+    now: f64,
+    count: f64,
+    reserve: bool,
+) -> Evaluation {
+    let State { value, ts } = state.unwrap_or_else(|| fresh_state(shard, alignment, now));
+    let (rate, period, max) = (shard.rate(), shard.period(), shard.capacity());
+    let (value, ts, retry_after) = match shard.kind() {
+        Kind::TokenBucket => {
+            // value' = min(value + (now - ts) * rate / period, max) - count; ts' = now
+            let value = (value + (now - ts) * rate / period).min(max) - count;
+            // retryAfter = -value' / (rate / period)
+            (value, now, (value < 0.0).then(|| -value * period / rate))
+        }
+        Kind::FixedWindow => {
+            // windows = floor((now - ts) / period); value' = min(value + rate * windows, max) - count
+            let windows = ((now - ts) / period).floor();
+            let value = (value + rate * windows).min(max) - count;
+            let ts = ts + windows * period;
+            // retryAfter = ts' + period * ceil(-value' / rate) - now
+            (value, ts, (value < 0.0).then(|| ts + period * (-value / rate).ceil() - now))
+        }
+    };
+    let over_reserved = shard.max_reserved().is_some_and(|max| -value > max);
+    let ok = value >= 0.0 || (reserve && !over_reserved);
+    Evaluation { state: State { value, ts }, decision: Decision { ok, retry_after } }
+}
+
+/// When a stored state will have refilled to capacity and so carry no information: from then
+/// on a store may drop it (the memory store sweeps it, Redis expires it).
+///
+/// A token bucket is full once `capacity - value` tokens have flowed back. A fixed window is
+/// full at the start of the first window by which enough whole windows have been granted.
+pub fn full_at(shard: &Config, state: State) -> f64 {
+    let missing = shard.capacity() - state.value;
+    if missing <= 0.0 {
+        return state.ts;
+    }
+    match shard.kind() {
+        Kind::TokenBucket => state.ts + missing * shard.period() / shard.rate(),
+        Kind::FixedWindow => state.ts + (missing / shard.rate()).ceil() * shard.period(),
+    }
+}
+
+/// A fixed window's pseudo-random alignment for (name, key, shard): an offset in
+/// `[0, period)` from the Unix epoch, or the config's `start` when it has one.
+///
+/// SPEC §1 asks for a random alignment per (name, key, shard) so that refused clients do not
+/// all come back at the same instant. Deriving it from a hash instead of drawing it keeps it
+/// the same in every process that shares a store and across the state being dropped when full,
+/// so dropping a full state never moves a window. `seed` changes every alignment at once.
+pub fn alignment(config: &Config, seed: u64, name: &str, key: Option<&str>, shard: u16) -> f64 {
+    if let Some(start) = config.start() {
+        return start;
+    }
+    if config.kind() == Kind::TokenBucket {
+        return 0.0;
+    }
+    let mut h = Fnv::new(seed);
+    h.write(name.as_bytes());
+    match key {
+        // A byte that cannot appear in UTF-8 separates name and key, and tells None from "".
+        Some(key) => {
+            h.write(&[0xff]);
+            h.write(key.as_bytes());
+        }
+        None => h.write(&[0xfe]),
+    }
+    h.write(&shard.to_le_bytes());
+    unit_interval(h.finish()) * config.period()
+}
+
+/// Maps 64 random bits to a float uniform in `[0, 1)`.
+pub fn unit_interval(bits: u64) -> f64 {
+    (bits >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// FNV-1a with a splitmix64 finish: stable across platforms, versions and processes, which
+/// is what an alignment shared between processes needs (std's and foldhash's hashers are not).
+struct Fnv(u64);
+
+impl Fnv {
+    fn new(seed: u64) -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325 ^ splitmix64(seed))
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn finish(&self) -> u64 {
+        splitmix64(self.0)
+    }
+}
+
+/// The splitmix64 finalizer: a cheap, well-mixed bijection on 64 bits.
+pub fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A request that can never succeed, refused before any evaluation (SPEC §2).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidRequest(String);
+
+impl InvalidRequest {
+    /// An invalid request with this message.
+    pub fn new(message: impl Into<String>) -> Self {
+        InvalidRequest(message.into())
+    }
+    /// The message, as SPEC §2 words it.
+    pub fn message(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for InvalidRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidRequest {}
+
+/// The longest a name may be, in bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+/// The longest a key may be, in bytes.
+pub const MAX_KEY_BYTES: usize = 1024;
+
+/// Checks a name and key against the limits of SPEC §1.
+///
+/// # Errors
+///
+/// An empty name, a name over 256 bytes, or a key over 1024 bytes.
+pub fn validate_name_key(name: &str, key: Option<&str>) -> Result<(), InvalidRequest> {
+    if name.is_empty() {
+        return Err(InvalidRequest::new("Rate limit name must not be empty."));
+    }
+    if name.len() > MAX_NAME_BYTES {
+        return Err(InvalidRequest::new(format!(
+            "Rate limit name is {} bytes; the most is {MAX_NAME_BYTES}.",
+            name.len()
+        )));
+    }
+    if let Some(key) = key
+        && key.len() > MAX_KEY_BYTES
+    {
+        return Err(InvalidRequest::new(format!(
+            "Rate limit {name} key is {} bytes; the most is {MAX_KEY_BYTES}.",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `count` tokens could ever be granted (SPEC §2, validation).
+///
+/// # Errors
+///
+/// A count that is not finite or is negative, or exceeds what the limit can ever grant, with
+/// the message of SPEC §2 (`Rate limit <name> count <count> exceeds <limitMax>.`).
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{validate_count, Config, MINUTE};
+///
+/// let config = Config::token_bucket(10.0, MINUTE).with_capacity(3.0);
+/// let err = validate_count("sendMessage", &config, 4.0, false).unwrap_err();
+/// assert_eq!(err.to_string(), "Rate limit sendMessage count 4 exceeds 3.");
+/// assert!(validate_count("sendMessage", &config, 4.0, true).is_ok());
+/// ```
+pub fn validate_count(
+    name: &str,
+    config: &Config,
+    count: f64,
+    reserve: bool,
+) -> Result<(), InvalidRequest> {
+    if !count.is_finite() || count < 0.0 {
+        return Err(InvalidRequest::new(format!(
+            "Rate limit {name} count {} must be a finite number >= 0.",
+            fmt_number(count)
+        )));
+    }
+    let factor = config.shard_factor();
+    let limit_max = config.capacity() / factor;
+    let allowed = match (reserve, config.max_reserved()) {
+        (false, _) => limit_max,
+        (true, Some(max_reserved)) => limit_max + max_reserved / factor,
+        (true, None) => return Ok(()),
+    };
+    if count > allowed {
+        let per_shards = if config.shards() > 1 {
+            format!(" per {} shards", config.shards())
+        } else {
+            String::new()
+        };
+        return Err(InvalidRequest::new(format!(
+            "Rate limit {name} count {} exceeds {}{per_shards}.",
+            fmt_number(count),
+            fmt_number(allowed)
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{MINUTE, SECOND};
+
+    const T0: f64 = 1_700_000_000_000.0;
+
+    fn run(config: &Config, steps: &[(f64, f64, bool)]) -> Vec<(Decision, State)> {
+        let mut state = None;
+        let alignment = config.start().unwrap_or(0.0);
+        steps
+            .iter()
+            .map(|&(at, count, reserve)| {
+                let e = evaluate(config, state, alignment, at, count, reserve);
+                if e.decision.ok {
+                    state = Some(e.state);
+                }
+                (e.decision, state.unwrap_or(e.state))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn token_bucket_spec_example() {
+        let c = Config::token_bucket(10.0, MINUTE);
+        let r = run(
+            &c,
+            &[(T0, 5.0, false), (T0 + 6.0 * SECOND, 6.0, false), (T0 + 6.0 * SECOND, 10.0, false)],
+        );
+        assert_eq!(r[0], (Decision::ADMIT, State { value: 5.0, ts: T0 }));
+        assert_eq!(r[1], (Decision::ADMIT, State { value: 0.0, ts: T0 + 6_000.0 }));
+        assert_eq!(r[2].0, Decision { ok: false, retry_after: Some(60_000.0) });
+        assert_eq!(r[2].1, State { value: 0.0, ts: T0 + 6_000.0 }, "a refusal stores nothing");
+    }
+
+    #[test]
+    fn token_bucket_spec_example_reserved() {
+        let c = Config::token_bucket(10.0, MINUTE);
+        let r = run(
+            &c,
+            &[(T0, 5.0, true), (T0 + 6.0 * SECOND, 6.0, true), (T0 + 6.0 * SECOND, 10.0, true)],
+        );
+        assert_eq!(r[1].1.value, 0.0);
+        assert_eq!(
+            r[2],
+            (
+                Decision { ok: true, retry_after: Some(60_000.0) },
+                State { value: -10.0, ts: T0 + 6_000.0 }
+            )
+        );
+    }
+
+    #[test]
+    fn fixed_window_spec_example() {
+        let c = Config::fixed_window(10.0, MINUTE).with_start(T0);
+        let r = run(&c, &[(T0, 5.0, false), (T0 + MINUTE, 6.0, false), (T0 + MINUTE, 10.0, false)]);
+        assert_eq!(r[0], (Decision::ADMIT, State { value: 5.0, ts: T0 }));
+        assert_eq!(r[1], (Decision::ADMIT, State { value: 4.0, ts: T0 + MINUTE }));
+        assert_eq!(r[2].0, Decision { ok: false, retry_after: Some(MINUTE) });
+        // Six seconds in, the first window still holds only 5.
+        let r = run(&c, &[(T0, 5.0, false), (T0 + 6.0 * SECOND, 6.0, false)]);
+        assert_eq!(r[1].0, Decision { ok: false, retry_after: Some(54_000.0) });
+    }
+
+    #[test]
+    fn fixed_window_spec_example_reserved() {
+        let c = Config::fixed_window(10.0, MINUTE).with_start(T0);
+        let r = run(&c, &[(T0, 5.0, true), (T0 + MINUTE, 6.0, true), (T0 + MINUTE, 10.0, true)]);
+        assert_eq!(
+            r[2],
+            (
+                Decision { ok: true, retry_after: Some(MINUTE) },
+                State { value: -6.0, ts: T0 + MINUTE }
+            )
+        );
+        // 16 more would need two further windows.
+        let e = evaluate(&c, Some(r[2].1), T0, T0 + MINUTE, 16.0, true);
+        assert_eq!(e.decision, Decision { ok: true, retry_after: Some(3.0 * MINUTE) });
+    }
+
+    #[test]
+    fn capacity_three_burst() {
+        let c = Config::token_bucket(10.0, MINUTE).with_capacity(3.0);
+        let r = run(&c, &[(T0, 1.0, false), (T0, 1.0, false), (T0, 1.0, false), (T0, 1.0, false)]);
+        assert!(r[..3].iter().all(|(d, _)| d.ok));
+        assert_eq!(r[3].0, Decision { ok: false, retry_after: Some(6_000.0) });
+        // A long idle time refills only to capacity.
+        let e =
+            evaluate(&c, Some(State { value: 0.0, ts: T0 }), 0.0, T0 + 10.0 * MINUTE, 0.0, false);
+        assert_eq!(e.state.value, 3.0);
+    }
+
+    #[test]
+    fn max_reserved_bounds_reservations() {
+        let c = Config::token_bucket(10.0, MINUTE).with_max_reserved(5.0);
+        let r = run(&c, &[(T0, 10.0, true), (T0, 5.0, true), (T0, 1.0, true)]);
+        assert_eq!(
+            r[1],
+            (Decision { ok: true, retry_after: Some(30_000.0) }, State { value: -5.0, ts: T0 })
+        );
+        assert_eq!(r[2].0, Decision { ok: false, retry_after: Some(36_000.0) });
+        assert_eq!(r[2].1.value, -5.0);
+        assert!(validate_count("llm", &c, 15.0, true).is_ok());
+        assert_eq!(
+            validate_count("llm", &c, 15.5, true).unwrap_err().to_string(),
+            "Rate limit llm count 15.5 exceeds 15."
+        );
+    }
+
+    #[test]
+    fn zero_capacity_with_reserve_spaces_requests() {
+        let c = Config::token_bucket(1.0, SECOND).with_capacity(0.0);
+        let r = run(&c, &[(T0, 1.0, true), (T0, 1.0, true)]);
+        assert_eq!(r[0].0.retry_after, Some(1_000.0));
+        assert_eq!(r[1].0.retry_after, Some(2_000.0));
+    }
+
+    #[test]
+    fn validation_messages_word_for_word() {
+        let c = Config::token_bucket(10.0, MINUTE).with_capacity(3.0);
+        assert_eq!(
+            validate_count("a", &c, 3.5, false).unwrap_err().message(),
+            "Rate limit a count 3.5 exceeds 3."
+        );
+        let sharded = Config::token_bucket(100.0, MINUTE).with_shards(10);
+        assert_eq!(
+            validate_count("b", &sharded, 21.0, false).unwrap_err().message(),
+            "Rate limit b count 21 exceeds 20 per 10 shards."
+        );
+        assert!(validate_count("b", &sharded, 20.0, false).is_ok());
+        let two = Config::token_bucket(5.0, MINUTE).with_shards(2);
+        assert_eq!(
+            validate_count("c", &two, 6.0, false).unwrap_err().message(),
+            "Rate limit c count 6 exceeds 5 per 2 shards."
+        );
+        let reserved = Config::token_bucket(100.0, MINUTE).with_shards(10).with_max_reserved(10.0);
+        assert_eq!(
+            validate_count("d", &reserved, 23.0, true).unwrap_err().message(),
+            "Rate limit d count 23 exceeds 22 per 10 shards."
+        );
+        assert_eq!(
+            validate_count("e", &c, -1.0, false).unwrap_err().message(),
+            "Rate limit e count -1 must be a finite number >= 0."
+        );
+        assert_eq!(
+            validate_count("e", &c, f64::NAN, true).unwrap_err().message(),
+            "Rate limit e count NaN must be a finite number >= 0."
+        );
+        assert!(
+            validate_count("f", &c, 1e9, true).is_ok(),
+            "unbounded reservations accept any count"
+        );
+        assert_eq!(
+            validate_name_key("", None).unwrap_err().message(),
+            "Rate limit name must not be empty."
+        );
+        assert!(validate_name_key(&"n".repeat(256), Some(&"k".repeat(1024))).is_ok());
+        assert!(validate_name_key(&"n".repeat(257), None).is_err());
+        assert!(validate_name_key("n", Some(&"k".repeat(1025))).is_err());
+    }
+
+    #[test]
+    fn fixed_window_fresh_state_is_aligned() {
+        let c = Config::fixed_window(10.0, MINUTE);
+        let a = alignment(&c, 0, "x", Some("k"), 0);
+        assert!((0.0..MINUTE).contains(&a));
+        assert_eq!(a, alignment(&c, 0, "x", Some("k"), 0), "stable");
+        assert_ne!(a, alignment(&c, 0, "x", None, 0), "None is not the empty key");
+        assert_ne!(a, alignment(&c, 1, "x", Some("k"), 0), "the seed moves it");
+        let s = fresh_state(&c, a, T0);
+        assert!(s.ts <= T0 && T0 - s.ts < MINUTE);
+        assert_eq!(((s.ts - a) / MINUTE).fract(), 0.0);
+    }
+
+    #[test]
+    fn full_at_is_when_evaluation_reaches_capacity() {
+        let tb = Config::token_bucket(10.0, MINUTE);
+        let s = State { value: -2.0, ts: T0 };
+        let full = full_at(&tb, s);
+        assert_eq!(full, T0 + 72_000.0);
+        assert_eq!(evaluate(&tb, Some(s), 0.0, full, 0.0, false).state.value, 10.0);
+        let fw = Config::fixed_window(10.0, MINUTE).with_capacity(15.0);
+        let s = State { value: 1.0, ts: T0 };
+        assert_eq!(full_at(&fw, s), T0 + 2.0 * MINUTE);
+        assert_eq!(
+            evaluate(&fw, Some(s), 0.0, T0 + 2.0 * MINUTE - 1.0, 0.0, false).state.value,
+            11.0
+        );
+        assert_eq!(evaluate(&fw, Some(s), 0.0, T0 + 2.0 * MINUTE, 0.0, false).state.value, 15.0);
+    }
+}

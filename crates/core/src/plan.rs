@@ -1,0 +1,531 @@
+//! Requests, sharding (SPEC §3) and all-or-nothing transactions (SPEC §4), as a [`Plan`]
+//! that a store executes: load the plan's slots, call [`Plan::decide`], save what changed.
+
+use smallvec::SmallVec;
+
+use crate::config::Config;
+use crate::eval::{
+    Decision, Evaluation, InvalidRequest, State, alignment, evaluate, splitmix64, validate_count,
+    validate_name_key,
+};
+
+/// One request to take (or check) tokens from a limit.
+#[derive(Clone, Copy, Debug)]
+pub struct Take<'a> {
+    /// The limit's name.
+    pub name: &'a str,
+    /// The key; `None` is the one global value of the name (distinct from `Some("")`).
+    pub key: Option<&'a str>,
+    /// The limit's config.
+    pub config: Config,
+    /// Tokens asked for.
+    pub count: f64,
+    /// Whether a shortfall may be booked ahead (SPEC §2, reservations).
+    pub reserve: bool,
+}
+
+/// One (name, key, shard) state that a plan reads and may write.
+#[derive(Clone, Copy, Debug)]
+pub struct Slot<'a> {
+    /// The limit's name.
+    pub name: &'a str,
+    /// The key, if any.
+    pub key: Option<&'a str>,
+    /// The shard index, `0..shards`.
+    pub shard: u16,
+    /// The shard's own parameters ([`Config::per_shard`]).
+    pub config: Config,
+    /// The fixed-window alignment of this slot (see [`alignment`]).
+    pub alignment: f64,
+}
+
+impl Slot<'_> {
+    /// Whether two slots name the same stored state.
+    pub fn same_state(&self, other: &Slot<'_>) -> bool {
+        self.shard == other.shard && self.key == other.key && self.name == other.name
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    count: f64,
+    reserve: bool,
+    sharded: bool,
+    a: usize,
+    b: Option<usize>,
+}
+
+/// What a store does for one request: the slots to load, and how to decide.
+///
+/// A plan holds one [`Take`] for `limit` and `check`, or several for a transaction. The random
+/// shard choices are made when a take is pushed, so deciding is a pure function of the loaded
+/// states and the time, and a store may run it again after a lost race.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{Config, Plan, Take, MINUTE};
+///
+/// let mut plan = Plan::new(true);
+/// let take = Take { name: "send", key: Some("alice"), config: Config::token_bucket(10.0, MINUTE), count: 4.0, reserve: false };
+/// plan.push(&take, 0, 42).unwrap();
+/// // A store loads the states of plan.slots() (none here), decides, saves what changed.
+/// let mut states = vec![None; plan.slots().len()];
+/// let outcome = plan.decide(0.0, &mut states);
+/// assert!(outcome.ok);
+/// assert_eq!(states[0].unwrap().value, 6.0);
+/// ```
+#[derive(Clone, Debug)]
+pub struct Plan<'a> {
+    writes: bool,
+    items: SmallVec<[Item; 1]>,
+    slots: SmallVec<[Slot<'a>; 2]>,
+}
+
+/// The result of deciding a plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    /// Whether every take was granted.
+    pub ok: bool,
+    /// The largest `retry_after` of the takes.
+    pub retry_after: Option<f64>,
+    /// One decision per take, in order.
+    pub results: SmallVec<[Decision; 1]>,
+    /// Per slot: whether its new state must be saved.
+    pub changed: SmallVec<[bool; 2]>,
+}
+
+impl Outcome {
+    /// The single decision of a one-take plan (or the combined one of a transaction).
+    pub fn decision(&self) -> Decision {
+        Decision { ok: self.ok, retry_after: self.retry_after }
+    }
+
+    /// Whether any slot must be saved.
+    pub fn any_changed(&self) -> bool {
+        self.changed.iter().any(|&c| c)
+    }
+}
+
+impl<'a> Plan<'a> {
+    /// An empty plan; `writes` is true for `limit` and transactions, false for `check`.
+    pub fn new(writes: bool) -> Self {
+        Plan { writes, items: SmallVec::new(), slots: SmallVec::new() }
+    }
+
+    /// Whether deciding this plan may change states.
+    pub fn writes(&self) -> bool {
+        self.writes
+    }
+
+    /// The slots to load, in a fixed order; [`Plan::decide`] takes their states in that order.
+    pub fn slots(&self) -> &[Slot<'a>] {
+        &self.slots
+    }
+
+    /// Adds a take. `seed` fixes fixed-window alignments; `random` supplies the shard choice.
+    ///
+    /// # Errors
+    ///
+    /// The validation errors of SPEC §1 and §2: a bad name or key, a count that is not finite
+    /// and >= 0, or a count the limit can never grant.
+    pub fn push(&mut self, take: &Take<'a>, seed: u64, random: u64) -> Result<(), InvalidRequest> {
+        validate_name_key(take.name, take.key)?;
+        validate_count(take.name, &take.config, take.count, take.reserve)?;
+        let shards = take.config.shards();
+        let per_shard = take.config.per_shard();
+        let (a, b) = pick_shards(shards, random);
+        let a = self.slot(take, per_shard, seed, a);
+        let b = b.map(|b| self.slot(take, per_shard, seed, b));
+        self.items.push(Item {
+            count: take.count,
+            reserve: take.reserve,
+            sharded: shards > 1,
+            a,
+            b,
+        });
+        Ok(())
+    }
+
+    fn slot(&mut self, take: &Take<'a>, config: Config, seed: u64, shard: u16) -> usize {
+        let slot = Slot {
+            name: take.name,
+            key: take.key,
+            shard,
+            config,
+            alignment: alignment(&config, seed, take.name, take.key, shard),
+        };
+        if let Some(i) = self.slots.iter().position(|s| s.same_state(&slot)) {
+            return i;
+        }
+        self.slots.push(slot);
+        self.slots.len() - 1
+    }
+
+    /// Decides every take against `states` (the loaded states of [`Plan::slots`], in order) at
+    /// `now`, all or nothing.
+    ///
+    /// When every take is granted and the plan writes, `states` holds the new states and
+    /// `changed` marks the slots to save; otherwise `states` is left as loaded and nothing
+    /// is marked. Takes in one plan see each other's effects in order, so two takes from the
+    /// same limit add up.
+    ///
+    /// # Panics
+    ///
+    /// If `states` is shorter than [`Plan::slots`].
+    pub fn decide(&self, now: f64, states: &mut [Option<State>]) -> Outcome {
+        assert!(states.len() >= self.slots.len(), "one state per slot");
+        let mut working: SmallVec<[Option<State>; 2]> =
+            SmallVec::from_slice(&states[..self.slots.len()]);
+        let mut changed: SmallVec<[bool; 2]> = SmallVec::from_elem(false, self.slots.len());
+        let mut results = SmallVec::with_capacity(self.items.len());
+        let (mut ok, mut retry_after) = (true, None::<f64>);
+        for item in &self.items {
+            let (decision, writes) = self.decide_item(item, now, &working);
+            if decision.ok {
+                for (slot, state) in writes.into_iter().flatten() {
+                    working[slot] = Some(state);
+                    changed[slot] = true;
+                }
+            }
+            ok &= decision.ok;
+            retry_after = max_option(retry_after, decision.retry_after);
+            results.push(decision);
+        }
+        if ok && self.writes {
+            states[..self.slots.len()].copy_from_slice(&working);
+        } else {
+            changed.iter_mut().for_each(|c| *c = false);
+        }
+        Outcome { ok, retry_after, results, changed }
+    }
+
+    fn eval(
+        &self,
+        slot: usize,
+        states: &[Option<State>],
+        now: f64,
+        count: f64,
+        reserve: bool,
+    ) -> Evaluation {
+        let s = &self.slots[slot];
+        evaluate(&s.config, states[slot], s.alignment, now, count, reserve)
+    }
+
+    /// One take: a single shard, or the power of two choices (SPEC §3).
+    fn decide_item(
+        &self,
+        item: &Item,
+        now: f64,
+        states: &[Option<State>],
+    ) -> (Decision, [Option<(usize, State)>; 2]) {
+        let alone = |slot: usize, e: Evaluation| (e.decision, [Some((slot, e.state)), None]);
+        let ea = self.eval(item.a, states, now, item.count, item.reserve);
+        let b = match item.b {
+            // With fewer than three shards, or a shard A never used, A decides alone.
+            Some(b) if item.sharded && states[item.a].is_some() => b,
+            _ => return alone(item.a, ea),
+        };
+        let eb = self.eval(b, states, now, item.count, item.reserve);
+        match (ea.decision.ok, eb.decision.ok) {
+            (true, true) if eb.state.value > ea.state.value => alone(b, eb),
+            (true, _) => alone(item.a, ea),
+            (false, true) => alone(b, eb),
+            (false, false) => {
+                // Take the count from both so they end equal:
+                // balance = valueA' + valueB' + count; count_i = value_i' + count - balance / 2.
+                let balance = ea.state.value + eb.state.value + item.count;
+                let count_a = ea.state.value + item.count - balance / 2.0;
+                let count_b = eb.state.value + item.count - balance / 2.0;
+                let ca = self.eval(item.a, states, now, count_a, item.reserve);
+                let cb = self.eval(b, states, now, count_b, item.reserve);
+                let retry_after = max_option(ca.decision.retry_after, cb.decision.retry_after);
+                if ca.decision.ok && cb.decision.ok {
+                    (
+                        Decision { ok: true, retry_after },
+                        [Some((item.a, ca.state)), Some((b, cb.state))],
+                    )
+                } else {
+                    (Decision { ok: false, retry_after }, [None, None])
+                }
+            }
+        }
+    }
+}
+
+/// Shard A uniform in `0..n`; shard B uniform among the others when `n >= 3`.
+fn pick_shards(n: u16, random: u64) -> (u16, Option<u16>) {
+    if n == 1 {
+        return (0, None);
+    }
+    let n = u64::from(n);
+    // Multiply-shift maps 32 random bits onto 0..n without the bias of `%`.
+    let a = ((random & 0xffff_ffff) * n) >> 32;
+    if n < 3 {
+        return (a as u16, None);
+    }
+    let offset = ((random >> 32) * (n - 1)) >> 32;
+    (a as u16, Some(((a + 1 + offset) % n) as u16))
+}
+
+/// The larger of two optional waits.
+pub fn max_option(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// A limit's value as the `value` operation reports it (SPEC §4).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Reading {
+    /// Tokens available: the stored value of an unsharded limit, or the estimated total of a
+    /// sharded one at `ts`.
+    pub value: f64,
+    /// The stored `ts`, or the time the estimate was made.
+    pub ts: f64,
+    /// The shard read (the fullest sampled one).
+    pub shard: u16,
+    /// The config with every default filled in and a fixed window's `start` set.
+    pub config: Config,
+}
+
+/// One sampled shard for [`read`]: its index, stored state and alignment.
+#[derive(Clone, Copy, Debug)]
+pub struct Sample {
+    /// The shard index.
+    pub shard: u16,
+    /// Its stored state.
+    pub state: Option<State>,
+    /// Its fixed-window alignment.
+    pub alignment: f64,
+}
+
+/// Computes the `value` answer from sampled shards (SPEC §4).
+///
+/// One shard: its stored state, or `capacity` at ts 0 when it has none. Several: each sampled
+/// shard is evaluated at `now` without taking anything, and the total is their sum scaled up
+/// to all shards.
+///
+/// # Panics
+///
+/// If `samples` is empty.
+pub fn read(config: &Config, samples: &[Sample], now: f64) -> Reading {
+    assert!(!samples.is_empty(), "at least one sample");
+    let per_shard = config.per_shard();
+    if config.shards() == 1 {
+        let s = samples[0];
+        let state = s.state.unwrap_or(State { value: config.capacity(), ts: 0.0 });
+        return Reading {
+            value: state.value,
+            ts: state.ts,
+            shard: 0,
+            config: config.with_alignment(s.alignment),
+        };
+    }
+    let mut total = 0.0;
+    let mut fullest = (f64::NEG_INFINITY, samples[0]);
+    for s in samples {
+        let v = evaluate(&per_shard, s.state, s.alignment, now, 0.0, false).state.value;
+        total += v;
+        if v > fullest.0 {
+            fullest = (v, *s);
+        }
+    }
+    let scale = f64::from(config.shards()) / samples.len() as f64;
+    Reading {
+        value: total * scale,
+        ts: now,
+        shard: fullest.1.shard,
+        config: config.with_alignment(fullest.1.alignment),
+    }
+}
+
+/// Picks `k` distinct shards of `n` from a random stream (for `value`'s sampling).
+pub fn sample_shards(n: u16, k: u16, mut random: u64) -> SmallVec<[u16; 4]> {
+    let k = k.clamp(1, n);
+    let mut picked: SmallVec<[u16; 4]> = SmallVec::new();
+    if k == n {
+        picked.extend(0..n);
+        return picked;
+    }
+    while picked.len() < usize::from(k) {
+        random = splitmix64(random);
+        let shard = (((random & 0xffff_ffff) * u64::from(n)) >> 32) as u16;
+        if !picked.contains(&shard) {
+            picked.push(shard);
+        }
+    }
+    picked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::MINUTE;
+
+    fn take(config: Config, count: f64) -> Take<'static> {
+        Take { name: "n", key: Some("k"), config, count, reserve: false }
+    }
+
+    #[test]
+    fn picks_are_uniform_and_distinct() {
+        let mut hits = [0u32; 5];
+        for r in 0..50_000u64 {
+            let (a, b) = pick_shards(5, splitmix64(r));
+            let b = b.unwrap();
+            assert_ne!(a, b);
+            assert!(a < 5 && b < 5);
+            hits[usize::from(a)] += 1;
+        }
+        assert!(hits.iter().all(|&h| (9_000..11_000).contains(&h)), "{hits:?}");
+        assert_eq!(pick_shards(2, u64::MAX).1, None);
+        assert_eq!(pick_shards(1, u64::MAX), (0, None));
+    }
+
+    /// Shards A=0 and B=1 of 4, preloaded with the given values at time 0.
+    fn two_shards(
+        va: f64,
+        vb: f64,
+        count: f64,
+        reserve: bool,
+    ) -> (Outcome, SmallVec<[Option<State>; 2]>) {
+        // 10 per shard; at most 2 reserved per shard.
+        let config = Config::token_bucket(40.0, MINUTE).with_shards(4).with_max_reserved(8.0);
+        let mut plan = Plan::new(true);
+        // random = 0 picks a = 0 and b = 1.
+        plan.push(&Take { reserve, ..take(config, count) }, 0, 0).unwrap();
+        assert_eq!((plan.slots()[0].shard, plan.slots()[1].shard), (0, 1));
+        let mut states: SmallVec<[Option<State>; 2]> = SmallVec::from_slice(&[
+            Some(State { value: va, ts: 0.0 }),
+            Some(State { value: vb, ts: 0.0 }),
+        ]);
+        let out = plan.decide(0.0, &mut states);
+        (out, states)
+    }
+
+    #[test]
+    fn power_of_two_uses_the_fuller_shard() {
+        let (out, states) = two_shards(3.0, 7.0, 2.0, false);
+        assert!(out.ok);
+        assert_eq!(out.changed.as_slice(), &[false, true]);
+        assert_eq!(states[1].unwrap().value, 5.0);
+    }
+
+    #[test]
+    fn power_of_two_uses_the_only_ok_shard() {
+        let (out, states) = two_shards(6.0, 1.0, 5.0, false);
+        assert!(out.ok);
+        assert_eq!(states[0].unwrap().value, 1.0);
+        assert_eq!(states[1].unwrap().value, 1.0);
+        assert_eq!(out.changed.as_slice(), &[true, false]);
+    }
+
+    #[test]
+    fn power_of_two_combines_two_shards() {
+        // Neither 4 nor 3 covers 5; together they do, and end equal at 1.
+        let (out, states) = two_shards(4.0, 3.0, 5.0, false);
+        assert_eq!(out.decision(), Decision::ADMIT);
+        assert_eq!(states[0].unwrap().value, 1.0);
+        assert_eq!(states[1].unwrap().value, 1.0);
+        assert_eq!(out.changed.as_slice(), &[true, true]);
+    }
+
+    #[test]
+    fn power_of_two_refuses_when_two_shards_are_not_enough() {
+        // 2 + 1 < 5: refused, nothing written; each shard would need 1 more token (1.5 s).
+        let (out, states) = two_shards(2.0, 1.0, 5.0, false);
+        assert!(!out.ok);
+        assert_eq!(out.retry_after, Some(6_000.0));
+        assert_eq!(states[0].unwrap().value, 2.0);
+        assert!(!out.any_changed());
+    }
+
+    #[test]
+    fn power_of_two_combined_reservation_waits_for_the_later_shard() {
+        // Alone, A would go to -3 and B to -4, past the 2 each may reserve; together both
+        // end at -1, each waiting for one token: 6 s at 10 per minute.
+        let (out, states) = two_shards(2.0, 1.0, 5.0, true);
+        assert_eq!(out.decision(), Decision { ok: true, retry_after: Some(6_000.0) });
+        assert_eq!(states[0].unwrap().value, -1.0);
+        assert_eq!(states[1].unwrap().value, -1.0);
+    }
+
+    #[test]
+    fn fresh_shard_a_decides_alone() {
+        let config = Config::token_bucket(40.0, MINUTE).with_shards(4);
+        let mut plan = Plan::new(true);
+        plan.push(&take(config, 1.0), 0, 0).unwrap();
+        let mut states = [None, Some(State { value: 10.0, ts: 0.0 })];
+        let out = plan.decide(0.0, &mut states);
+        assert_eq!(out.changed.as_slice(), &[true, false]);
+        assert_eq!(states[0].unwrap().value, 9.0);
+    }
+
+    #[test]
+    fn transaction_is_all_or_nothing() {
+        let a = Take { name: "a", ..take(Config::token_bucket(10.0, MINUTE), 4.0) };
+        let b = Take { name: "b", ..take(Config::token_bucket(3.0, MINUTE), 3.0) };
+        let mut plan = Plan::new(true);
+        plan.push(&a, 0, 0).unwrap();
+        plan.push(&b, 0, 0).unwrap();
+        let mut states = [None, Some(State { value: 1.0, ts: 0.0 })];
+        let out = plan.decide(0.0, &mut states);
+        assert!(!out.ok);
+        assert_eq!(
+            out.results.as_slice(),
+            &[Decision::ADMIT, Decision { ok: false, retry_after: Some(40_000.0) }]
+        );
+        assert_eq!(out.retry_after, Some(40_000.0));
+        assert_eq!(states, [None, Some(State { value: 1.0, ts: 0.0 })], "nothing written");
+    }
+
+    #[test]
+    fn takes_from_one_limit_in_a_transaction_add_up() {
+        let t = take(Config::token_bucket(10.0, MINUTE), 6.0);
+        let mut plan = Plan::new(true);
+        plan.push(&t, 0, 0).unwrap();
+        plan.push(&t, 0, 0).unwrap();
+        assert_eq!(plan.slots().len(), 1);
+        let mut states = [None];
+        let out = plan.decide(0.0, &mut states);
+        assert_eq!(out.results[1], Decision { ok: false, retry_after: Some(12_000.0) });
+        assert_eq!(states, [None]);
+    }
+
+    #[test]
+    fn check_never_changes_states() {
+        let mut plan = Plan::new(false);
+        plan.push(&take(Config::token_bucket(10.0, MINUTE), 6.0), 0, 0).unwrap();
+        let mut states = [None];
+        assert!(plan.decide(0.0, &mut states).ok);
+        assert_eq!(states, [None]);
+    }
+
+    #[test]
+    fn read_reports_state_or_estimate() {
+        let one = Config::fixed_window(10.0, MINUTE);
+        let r = read(&one, &[Sample { shard: 0, state: None, alignment: 123.0 }], 5.0);
+        assert_eq!((r.value, r.ts, r.shard), (10.0, 0.0, 0));
+        assert_eq!(r.config.start(), Some(123.0));
+        let four = Config::token_bucket(40.0, MINUTE).with_shards(4);
+        let samples = [
+            Sample { shard: 2, state: Some(State { value: 4.0, ts: 0.0 }), alignment: 0.0 },
+            Sample { shard: 3, state: None, alignment: 0.0 },
+        ];
+        let r = read(&four, &samples, 6_000.0);
+        // Shard 2 refilled to 5, shard 3 is full at 10: (5 + 10) * 4 / 2.
+        assert_eq!((r.value, r.ts, r.shard), (30.0, 6_000.0, 3));
+    }
+
+    #[test]
+    fn sampled_shards_are_distinct() {
+        let s = sample_shards(10, 4, 7);
+        assert_eq!(s.len(), 4);
+        let mut d = s.to_vec();
+        d.sort_unstable();
+        d.dedup();
+        assert_eq!(d.len(), 4);
+        assert_eq!(sample_shards(3, 9, 1).as_slice(), &[0, 1, 2]);
+    }
+}

@@ -1,0 +1,48 @@
+//! Application-layer rate limiting where each limit is two numbers.
+//!
+//! tollgate keeps, per (name, key, shard), a `value` and a `ts`, and updates them with the
+//! exact algebra of `tollgate-core` inside one atomic step of a [`Store`]: token buckets
+//! and fixed windows, burst `capacity`, reservations that book future tokens instead of
+//! retrying, sharding with the power of two choices for hot limits, several limits taken all
+//! or nothing, and a `retry_after` on every refusal.
+//!
+//! # Examples
+//!
+//! ```
+//! use tollgate::{MemoryStore, RateLimiter, Request};
+//! use tollgate::{Config, MINUTE};
+//!
+//! let limiter = RateLimiter::new(MemoryStore::new());
+//! let send_message = Config::token_bucket(10.0, MINUTE).with_capacity(3.0);
+//!
+//! let decision = limiter.limit(("sendMessage", send_message), Request::new().key("alice")).unwrap();
+//! assert!(decision.ok);
+//!
+//! // An LLM call of 5,000 tokens against 40,000 per minute, booked ahead when short:
+//! let llm = Config::token_bucket(40_000.0, MINUTE);
+//! let d = limiter.limit(("llmTokens", llm), Request::new().count(5_000.0).reserve()).unwrap();
+//! if let Some(wait) = d.retry_after {
+//!     // Schedule the work `wait` ms from now; the tokens are already ours.
+//!     # let _ = wait;
+//! }
+//! ```
+//!
+//! Declare limits in a type of your own with [`Limits`] so that names are checked by the
+//! compiler; see [`Limits`] and [`RateLimiter`].
+
+mod error;
+mod limiter;
+pub mod store;
+
+pub use error::{Error, StoreError};
+pub use limiter::{
+    Call, Limits, RateLimiter, RateLimiterBuilder, Request, Target, TransactionDecision, jitter,
+};
+pub use store::{MemoryStore, MemoryStoreBuilder, Store};
+pub use tollgate_core::{
+    Clock, Config, ConfigError, DAY, Decision, HOUR, Kind, MINUTE, ManualClock, RawConfig, Reading,
+    SECOND, State, SystemClock,
+};
+
+/// The algebra, re-exported: evaluate states yourself, or build a store.
+pub use tollgate_core as core;

@@ -1,0 +1,516 @@
+//! [`RateLimiter`]: the operations of SPEC §4 over any [`Store`].
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use foldhash::fast::RandomState;
+use hashbrown::HashMap;
+use smallvec::SmallVec;
+use tollgate_core::{
+    Config, Decision, Plan, Reading, Sample, Slot, Take, alignment, read, sample_shards,
+    splitmix64, unit_interval,
+};
+
+use crate::Error;
+use crate::store::{MemoryStore, Store};
+
+/// A set of limits declared once, in a type of your own, so that a misspelled name does not
+/// compile.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate::{Config, Limits, ManualClock, MemoryStore, RateLimiter, Request, HOUR, MINUTE};
+///
+/// #[derive(Clone, Copy)]
+/// enum Limit {
+///     SendMessage,
+///     FreeTrialSignUp,
+/// }
+///
+/// impl Limits for Limit {
+///     fn name(self) -> &'static str {
+///         match self {
+///             Limit::SendMessage => "sendMessage",
+///             Limit::FreeTrialSignUp => "freeTrialSignUp",
+///         }
+///     }
+///     fn config(self) -> Config {
+///         match self {
+///             // Checked at compile time: an invalid constant does not build.
+///             Limit::SendMessage => const { Config::token_bucket(10.0, MINUTE).with_capacity(3.0) },
+///             Limit::FreeTrialSignUp => const { Config::fixed_window(100.0, HOUR) },
+///         }
+///     }
+/// }
+///
+/// // A stopped clock makes the numbers exact; use MemoryStore::new() for the real one.
+/// let limiter = RateLimiter::new(MemoryStore::with_clock(ManualClock::new(0.0)));
+/// for _ in 0..3 {
+///     assert!(limiter.limit(Limit::SendMessage, Request::new().key("alice")).unwrap().ok);
+/// }
+/// let refused = limiter.limit(Limit::SendMessage, Request::new().key("alice")).unwrap();
+/// assert!(!refused.ok);
+/// assert_eq!(refused.retry_after, Some(6_000.0)); // one token flows back every 6 s
+/// // Other keys are independent.
+/// assert!(limiter.limit(Limit::SendMessage, Request::new().key("bob")).unwrap().ok);
+/// ```
+pub trait Limits: Copy {
+    /// The limit's name, as stored.
+    fn name(self) -> &'static str;
+    /// The limit's config.
+    fn config(self) -> Config;
+}
+
+/// Which limit a call is about: a typed limit, an inline `(name, config)`, or a name defined
+/// on the limiter at run time.
+#[derive(Clone, Copy, Debug)]
+pub enum Target<'a> {
+    /// A name defined with [`RateLimiterBuilder::define`]; [`Error::NotDefined`] otherwise.
+    Named(&'a str),
+    /// A name with its config given at the call.
+    Inline(&'a str, Config),
+}
+
+impl<L: Limits> From<L> for Target<'static> {
+    fn from(limit: L) -> Self {
+        Target::Inline(limit.name(), limit.config())
+    }
+}
+
+impl<'a> From<&'a str> for Target<'a> {
+    fn from(name: &'a str) -> Self {
+        Target::Named(name)
+    }
+}
+
+impl<'a> From<(&'a str, Config)> for Target<'a> {
+    fn from((name, config): (&'a str, Config)) -> Self {
+        Target::Inline(name, config)
+    }
+}
+
+impl<'a> Target<'a> {
+    /// Pairs the target with a request, for [`RateLimiter::transaction`].
+    pub fn with(self, request: impl Into<Request<'a>>) -> Call<'a> {
+        Call { target: self, request: request.into() }
+    }
+
+    fn name(&self) -> &'a str {
+        match *self {
+            Target::Named(name) | Target::Inline(name, _) => name,
+        }
+    }
+}
+
+/// The options of one request: key, count, reserve, throws.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate::Request;
+///
+/// let request = Request::new().key("alice").count(3.0).reserve();
+/// assert_eq!(request, Request::from("alice").count(3.0).reserve());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Request<'a> {
+    key: Option<&'a str>,
+    count: f64,
+    reserve: bool,
+    throws: bool,
+}
+
+impl Default for Request<'_> {
+    fn default() -> Self {
+        Request { key: None, count: 1.0, reserve: false, throws: false }
+    }
+}
+
+impl<'a> Request<'a> {
+    /// One token from the global (unkeyed) value of the limit.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Uses the value of `key` (a user, a team, an IP), independent of other keys.
+    #[must_use]
+    pub fn key(mut self, key: &'a str) -> Self {
+        self.key = Some(key);
+        self
+    }
+
+    /// Asks for `count` tokens instead of one.
+    #[must_use]
+    pub fn count(mut self, count: f64) -> Self {
+        self.count = count;
+        self
+    }
+
+    /// Books a shortfall ahead instead of refusing: the answer is ok with a `retry_after`
+    /// to wait before doing the work (up to the config's `max_reserved`).
+    #[must_use]
+    pub fn reserve(mut self) -> Self {
+        self.reserve = true;
+        self
+    }
+
+    /// Turns a refusal into [`Error::RateLimited`] (a granted reservation is not an error).
+    #[must_use]
+    pub fn throws(mut self) -> Self {
+        self.throws = true;
+        self
+    }
+}
+
+impl<'a> From<&'a str> for Request<'a> {
+    fn from(key: &'a str) -> Self {
+        Request::new().key(key)
+    }
+}
+
+/// One limit of a [`RateLimiter::transaction`]: a target and its request.
+#[derive(Clone, Copy, Debug)]
+pub struct Call<'a> {
+    target: Target<'a>,
+    request: Request<'a>,
+}
+
+impl<'a> Call<'a> {
+    /// A call of `target` with `request`.
+    pub fn new(target: impl Into<Target<'a>>, request: impl Into<Request<'a>>) -> Self {
+        Call { target: target.into(), request: request.into() }
+    }
+}
+
+/// The answer to a transaction: all granted, or nothing written.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TransactionDecision {
+    /// Whether every limit granted its tokens (and so all were taken).
+    pub ok: bool,
+    /// The largest wait among the results.
+    pub retry_after: Option<f64>,
+    /// One decision per call, in order.
+    pub results: Vec<Decision>,
+}
+
+/// Application-layer rate limiting over a [`Store`] (SPEC §4).
+///
+/// Cheap to share: wrap it in an `Arc`, or keep it in a `static` with `LazyLock`. Every
+/// method takes `&self`.
+///
+/// # Examples
+///
+/// Inline configs with string names, for limits that are only known at run time:
+///
+/// ```
+/// use tollgate::{MemoryStore, RateLimiter, Request};
+/// use tollgate::{Config, SECOND};
+///
+/// let limiter = RateLimiter::builder(MemoryStore::new())
+///     .define("search", Config::token_bucket(5.0, SECOND))
+///     .build();
+/// assert!(limiter.limit("search", Request::new().key("alice")).unwrap().ok);
+/// // Or at the call site:
+/// let once_a_second = Config::fixed_window(1.0, SECOND);
+/// assert!(limiter.limit(("export", once_a_second), Request::new()).unwrap().ok);
+/// // An undefined name without a config is an error, not a refusal:
+/// assert!(limiter.limit("serch", Request::new()).is_err());
+/// ```
+pub struct RateLimiter<S = MemoryStore> {
+    store: S,
+    defined: HashMap<Box<str>, Config, RandomState>,
+    seed: u64,
+    draws: Option<AtomicU64>,
+}
+
+/// Options for a [`RateLimiter`].
+pub struct RateLimiterBuilder<S> {
+    store: S,
+    defined: HashMap<Box<str>, Config, RandomState>,
+    seed: Option<u64>,
+}
+
+impl<S: Store> RateLimiterBuilder<S> {
+    /// Defines a named limit, to be used by name ([`Target::Named`]).
+    #[must_use]
+    pub fn define(mut self, name: impl Into<Box<str>>, config: Config) -> Self {
+        self.defined.insert(name.into(), config);
+        self
+    }
+
+    /// Fixes every random choice (fixed-window alignments, shard choices, jitter is not
+    /// affected) so that runs repeat exactly; for the simulator and tests.
+    ///
+    /// Without a seed, shard choices come from a per-thread generator, and fixed-window
+    /// alignments from seed 0, so that every process sharing a store agrees on them.
+    #[must_use]
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// Builds the limiter.
+    pub fn build(self) -> RateLimiter<S> {
+        RateLimiter {
+            store: self.store,
+            defined: self.defined,
+            seed: self.seed.unwrap_or(0),
+            draws: self.seed.map(AtomicU64::new),
+        }
+    }
+}
+
+impl<S: Store> RateLimiter<S> {
+    /// A limiter over `store` with no names defined (use typed [`Limits`] or inline configs).
+    pub fn new(store: S) -> Self {
+        Self::builder(store).build()
+    }
+
+    /// Options: names defined at run time, a seed.
+    pub fn builder(store: S) -> RateLimiterBuilder<S> {
+        RateLimiterBuilder { store, defined: HashMap::default(), seed: None }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The names defined at run time, with their configs.
+    pub fn defined(&self) -> impl Iterator<Item = (&str, &Config)> {
+        self.defined.iter().map(|(name, config)| (&**name, config))
+    }
+
+    /// Takes tokens: `ok` and, when refused or reserved, how long to wait.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] or [`Error::NotDefined`] for a request that can never succeed;
+    /// [`Error::Store`] if the store fails; [`Error::RateLimited`] for a refusal when the
+    /// request [`throws`](Request::throws). Nothing is consumed when an error is returned.
+    pub fn limit<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        request: impl Into<Request<'a>>,
+    ) -> Result<Decision, Error> {
+        self.single(true, target.into(), request.into())
+    }
+
+    /// Like [`RateLimiter::limit`], but never takes anything: would it be granted now?
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit`].
+    pub fn check<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        request: impl Into<Request<'a>>,
+    ) -> Result<Decision, Error> {
+        self.single(false, target.into(), request.into())
+    }
+
+    fn single(
+        &self,
+        writes: bool,
+        target: Target<'_>,
+        request: Request<'_>,
+    ) -> Result<Decision, Error> {
+        let mut plan = Plan::new(writes);
+        let name = self.push(&mut plan, &target, &request)?;
+        let decision = self.store.execute(&plan)?.decision();
+        if request.throws && !decision.ok {
+            return Err(refused(name, decision));
+        }
+        Ok(decision)
+    }
+
+    /// Takes tokens from several limits at once, all or nothing: if any is refused (or
+    /// invalid), nothing is taken from any. `retry_after` is the largest wait.
+    ///
+    /// Two calls to the same limit and key add up.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit`]; with `throws` on any call, a refusal is
+    /// [`Error::RateLimited`] naming the call with the longest wait.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, RateLimiter, Target};
+    /// use tollgate::{Config, MINUTE};
+    ///
+    /// let limiter = RateLimiter::new(MemoryStore::new());
+    /// let per_user = Target::Inline("perUser", Config::token_bucket(10.0, MINUTE));
+    /// let global = Target::Inline("global", Config::token_bucket(3.0, MINUTE));
+    /// let t = limiter.transaction(&[per_user.with("alice"), global.with(tollgate::Request::new().count(4.0).reserve())]).unwrap();
+    /// assert!(t.ok);
+    /// assert_eq!(t.retry_after, Some(20_000.0)); // the global limit booked one token ahead
+    /// ```
+    pub fn transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
+        let mut plan = Plan::new(true);
+        for call in calls {
+            self.push(&mut plan, &call.target, &call.request)?;
+        }
+        let outcome = self.store.execute(&plan)?;
+        if !outcome.ok && calls.iter().any(|c| c.request.throws) {
+            let (call, decision) = calls
+                .iter()
+                .zip(&outcome.results)
+                .filter(|(_, d)| !d.ok)
+                .max_by(|a, b| {
+                    a.1.retry_after.unwrap_or(0.0).total_cmp(&b.1.retry_after.unwrap_or(0.0))
+                })
+                .expect("a refused transaction has a refused call");
+            return Err(refused(call.target.name(), *decision));
+        }
+        Ok(TransactionDecision {
+            ok: outcome.ok,
+            retry_after: outcome.retry_after,
+            results: outcome.results.to_vec(),
+        })
+    }
+
+    /// Forgets the state of (name, key) in every shard: the next request starts fresh.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`] for an unknown name; [`Error::Store`] if the store fails.
+    pub fn reset<'a>(&self, target: impl Into<Target<'a>>, key: Option<&str>) -> Result<(), Error> {
+        let target = target.into();
+        let config = self.resolve(&target)?;
+        tollgate_core::validate_name_key(target.name(), key)?;
+        Ok(self.store.delete(target.name(), key, config.shards())?)
+    }
+
+    /// The value of (name, key): one shard's stored state, or for a sharded limit the total
+    /// estimated from one sampled shard. See [`RateLimiter::value_sampled`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`] for an unknown name; [`Error::Store`] if the store fails.
+    pub fn value<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        key: Option<&str>,
+    ) -> Result<Reading, Error> {
+        self.value_sampled(target, key, 1)
+    }
+
+    /// The value of (name, key) (SPEC §4, `value`).
+    ///
+    /// For an unsharded limit: its stored state (`capacity` at ts 0 if none) and its config
+    /// with every default filled in (a fixed window's `start` set to its alignment), so a
+    /// client can run [`tollgate_core::evaluate`] itself. For a sharded limit: the total
+    /// estimated from `sample_shards` sampled shards brought to the current time, and the
+    /// fullest sampled shard.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`] for an unknown name; [`Error::Store`] if the store fails.
+    pub fn value_sampled<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        key: Option<&str>,
+        sample_shards: u16,
+    ) -> Result<Reading, Error> {
+        let target = target.into();
+        let config = self.resolve(&target)?;
+        let name = target.name();
+        tollgate_core::validate_name_key(name, key)?;
+        let per_shard = config.per_shard();
+        let shards = sample_shards_of(config.shards(), sample_shards, self.draw());
+        let slots: SmallVec<[Slot<'_>; 4]> = shards
+            .iter()
+            .map(|&shard| Slot {
+                name,
+                key,
+                shard,
+                config: per_shard,
+                alignment: alignment(&per_shard, self.seed, name, key, shard),
+            })
+            .collect();
+        let (now, states) = self.store.read(&slots)?;
+        let samples: SmallVec<[Sample; 4]> = slots
+            .iter()
+            .zip(states)
+            .map(|(slot, state)| Sample { shard: slot.shard, state, alignment: slot.alignment })
+            .collect();
+        Ok(read(&config, &samples, now))
+    }
+
+    fn resolve(&self, target: &Target<'_>) -> Result<Config, Error> {
+        match *target {
+            Target::Inline(_, config) => Ok(config),
+            Target::Named(name) => self
+                .defined
+                .get(name)
+                .copied()
+                .ok_or_else(|| Error::NotDefined { name: name.to_owned() }),
+        }
+    }
+
+    fn push<'a>(
+        &self,
+        plan: &mut Plan<'a>,
+        target: &Target<'a>,
+        request: &Request<'a>,
+    ) -> Result<&'a str, Error> {
+        let config = self.resolve(target)?;
+        let name = target.name();
+        let random = if config.shards() > 1 { self.draw() } else { 0 };
+        let take =
+            Take { name, key: request.key, config, count: request.count, reserve: request.reserve };
+        plan.push(&take, self.seed, random)?;
+        Ok(name)
+    }
+
+    /// 64 random bits: from the seeded sequence if any, else from a per-thread generator.
+    fn draw(&self) -> u64 {
+        match &self.draws {
+            Some(counter) => splitmix64(counter.fetch_add(1, Ordering::Relaxed)),
+            None => thread_random(),
+        }
+    }
+}
+
+fn sample_shards_of(shards: u16, k: u16, random: u64) -> SmallVec<[u16; 4]> {
+    if shards == 1 { SmallVec::from_slice(&[0]) } else { sample_shards(shards, k, random) }
+}
+
+fn refused(name: &str, decision: Decision) -> Error {
+    Error::RateLimited { name: name.to_owned(), retry_after: decision.retry_after.unwrap_or(0.0) }
+}
+
+thread_local! {
+    static RNG: Cell<u64> = Cell::new({
+        // Each thread starts from a different point: the address of its own state and the time.
+        let local = 0u8;
+        let time = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        splitmix64(std::ptr::from_ref(&local) as u64 ^ time)
+    });
+}
+
+/// 64 bits from a per-thread splitmix64 sequence: fast, not cryptographic; enough to spread
+/// shard choices and retries.
+fn thread_random() -> u64 {
+    RNG.with(|state| {
+        let next = state.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
+        state.set(next);
+        splitmix64(next)
+    })
+}
+
+/// Adds jitter to a wait: `retry_after + u * period` with `u` uniform in `[0, 1)`, so that
+/// many refused clients do not all come back at the same instant.
+///
+/// # Examples
+///
+/// ```
+/// let wait = tollgate::jitter(6_000.0, 60_000.0);
+/// assert!((6_000.0..66_000.0).contains(&wait));
+/// ```
+pub fn jitter(retry_after: f64, period: f64) -> f64 {
+    retry_after + unit_interval(thread_random()) * period
+}

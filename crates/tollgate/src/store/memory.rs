@@ -1,0 +1,444 @@
+//! The in-process store: a segmented hash table of states behind short-held locks.
+
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use foldhash::fast::RandomState;
+use hashbrown::HashMap;
+use hashbrown::HashTable;
+use parking_lot::{Mutex, MutexGuard, RwLock};
+use smallvec::SmallVec;
+use tollgate_core::{Clock, Outcome, Plan, Slot, State, SystemClock, full_at};
+
+use super::Store;
+use crate::StoreError;
+
+/// Shard indices take the low 10 bits of an entry's id (shards <= 1024), names the rest.
+const SHARD_BITS: u32 = 10;
+const MAX_NAMES: u32 = 1 << (32 - SHARD_BITS);
+/// A segment is swept of full states once it has doubled in size since the last sweep.
+const MIN_SWEEP_LEN: usize = 64;
+
+/// One stored state: 40 bytes plus the key's own bytes.
+struct Entry {
+    key: Option<Box<str>>,
+    value: f64,
+    ts: f64,
+    /// Interned name << 10 | shard.
+    id: u32,
+    /// Whole seconds since the Unix epoch at or after which the state is full again and
+    /// can be dropped (rounded up, so never early).
+    expires: u32,
+}
+
+impl Entry {
+    fn is(&self, id: u32, key: Option<&str>) -> bool {
+        self.id == id && self.key.as_deref() == key
+    }
+}
+
+/// Where a slot's entry lives.
+#[derive(Clone, Copy)]
+struct Located {
+    id: u32,
+    hash: u64,
+    segment: usize,
+}
+
+#[repr(align(64))] // one cache line per segment lock: segments do not contend falsely
+struct Segment(Mutex<Table>);
+
+struct Table {
+    entries: HashTable<Entry>,
+    /// Sweep when `entries.len()` reaches this.
+    sweep_at: usize,
+}
+
+/// The in-process store: fast, exact, bounded, and usable without an async runtime.
+///
+/// States live in a hash table split into segments, each behind its own lock, so requests
+/// for different keys rarely meet; a request holds its segments' locks only while it
+/// evaluates, and a transaction locks its segments in ascending order, so it is atomic and
+/// cannot deadlock.
+///
+/// Memory follows active keys: a state that has refilled to capacity carries no
+/// information, so it is dropped, either at once when a request leaves it full or by a
+/// sweep that runs whenever a segment has doubled in size since the last one (amortized
+/// O(1) per new key). A live key costs about 40 bytes plus its own bytes and the hash
+/// table's slack (see BENCHMARKS.md for the measured figure).
+///
+/// Names are interned (each distinct name is kept once, for the store's lifetime), so use a
+/// bounded set of names and put unbounded values (user ids, IPs) in keys.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate::{MemoryStore, RateLimiter, Request};
+/// use tollgate::{Config, MINUTE};
+///
+/// let limiter = RateLimiter::new(MemoryStore::builder().max_keys(1_000_000).build());
+/// let config = Config::token_bucket(10.0, MINUTE);
+/// assert!(limiter.limit(("upload", config), Request::new().key("alice")).unwrap().ok);
+/// ```
+pub struct MemoryStore<C: Clock = SystemClock> {
+    segments: Box<[Segment]>,
+    mask: usize,
+    hasher: RandomState,
+    names: RwLock<HashMap<Box<str>, u32, RandomState>>,
+    clock: C,
+    len: AtomicUsize,
+    max_keys: Option<usize>,
+}
+
+/// Options for a [`MemoryStore`].
+#[derive(Debug, Default)]
+pub struct MemoryStoreBuilder {
+    max_keys: Option<usize>,
+    segments: Option<usize>,
+}
+
+impl MemoryStoreBuilder {
+    /// Bounds the number of live states.
+    ///
+    /// At the bound, every segment is swept of full states first; if the store is still at
+    /// the bound, a request that needs a new state gets a [`StoreError`] and nothing is
+    /// admitted (fail closed), while requests for states that already exist go on as usual. Evicting a live
+    /// state instead would reset that limit and let its key over-consume, so the store never
+    /// does.
+    #[must_use]
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = Some(max_keys);
+        self
+    }
+
+    /// The number of segments (rounded up to a power of two); by default four per core,
+    /// at least 16.
+    #[must_use]
+    pub fn segments(mut self, segments: usize) -> Self {
+        self.segments = Some(segments);
+        self
+    }
+
+    /// Builds the store on the system clock.
+    pub fn build(self) -> MemoryStore {
+        self.build_with_clock(SystemClock)
+    }
+
+    /// Builds the store on `clock` (a [`tollgate_core::ManualClock`] in tests).
+    pub fn build_with_clock<C: Clock>(self, clock: C) -> MemoryStore<C> {
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let n = self.segments.unwrap_or(cores * 4).max(1).next_power_of_two();
+        let n = if self.segments.is_some() { n } else { n.max(16) };
+        let segments = (0..n)
+            .map(|_| {
+                Segment(Mutex::new(Table { entries: HashTable::new(), sweep_at: MIN_SWEEP_LEN }))
+            })
+            .collect();
+        MemoryStore {
+            segments,
+            mask: n - 1,
+            hasher: RandomState::default(),
+            names: RwLock::new(HashMap::default()),
+            clock,
+            len: AtomicUsize::new(0),
+            max_keys: self.max_keys,
+        }
+    }
+}
+
+impl MemoryStore {
+    /// A store on the system clock with no bound on keys.
+    pub fn new() -> Self {
+        MemoryStoreBuilder::default().build()
+    }
+
+    /// Options: a bound on keys, the number of segments.
+    pub fn builder() -> MemoryStoreBuilder {
+        MemoryStoreBuilder::default()
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<C: Clock> MemoryStore<C> {
+    /// A store on `clock` with no bound on keys.
+    pub fn with_clock(clock: C) -> Self {
+        MemoryStoreBuilder::default().build_with_clock(clock)
+    }
+
+    /// The number of live states.
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+
+    /// Whether no state is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every state that is full at the store's current time; returns how many.
+    ///
+    /// Sweeps also run by themselves as segments grow; call this to reclaim memory at once.
+    pub fn sweep(&self) -> usize {
+        let now = expiry_now(self.clock.now());
+        self.segments.iter().map(|s| self.sweep_table(&mut s.0.lock(), now)).sum()
+    }
+
+    fn sweep_table(&self, table: &mut Table, now_secs: u32) -> usize {
+        let before = table.entries.len();
+        table.entries.retain(|e| e.expires > now_secs);
+        let dropped = before - table.entries.len();
+        if table.entries.capacity() > 4 * table.entries.len().max(MIN_SWEEP_LEN) {
+            table.entries.shrink_to(2 * table.entries.len(), |e| self.hash(e.id, e.key.as_deref()));
+        }
+        table.sweep_at = (2 * table.entries.len()).max(MIN_SWEEP_LEN);
+        self.len.fetch_sub(dropped, Ordering::Relaxed);
+        dropped
+    }
+
+    /// The interned id of `name`, interning it if `create`.
+    fn name_id(&self, name: &str, create: bool) -> Result<Option<u32>, StoreError> {
+        if let Some(&id) = self.names.read().get(name) {
+            return Ok(Some(id));
+        }
+        if !create {
+            return Ok(None);
+        }
+        let mut names = self.names.write();
+        let next = names.len() as u32;
+        if next >= MAX_NAMES {
+            return Err(StoreError::new(format!(
+                "the memory store holds at most {MAX_NAMES} distinct names; put unbounded values in keys"
+            )));
+        }
+        Ok(Some(*names.entry_ref(name).or_insert(next)))
+    }
+
+    #[inline]
+    fn hash(&self, id: u32, key: Option<&str>) -> u64 {
+        self.hasher.hash_one((id, key))
+    }
+
+    #[inline]
+    fn segment_of(&self, hash: u64) -> usize {
+        // hashbrown takes its bucket index from the low bits and its tag from the top 7:
+        // the segment comes from bits in between so the three stay independent.
+        (hash >> 40) as usize & self.mask
+    }
+
+    /// Locates the slots. `None` when a name was never seen, so none of its states exist
+    /// (reads only).
+    fn locate(
+        &self,
+        slots: &[Slot<'_>],
+        create: bool,
+    ) -> Result<SmallVec<[Option<Located>; 2]>, StoreError> {
+        slots
+            .iter()
+            .map(|slot| {
+                Ok(self.name_id(slot.name, create)?.map(|name| {
+                    let id = name << SHARD_BITS | u32::from(slot.shard);
+                    let hash = self.hash(id, slot.key);
+                    Located { id, hash, segment: self.segment_of(hash) }
+                }))
+            })
+            .collect()
+    }
+
+    /// Saves `state` for a slot in a locked table: updates, inserts, or drops it when full.
+    /// Room for an insert was reserved in `len` by [`Self::reserve`].
+    fn save(&self, table: &mut Table, slot: &Slot<'_>, id: u32, hash: u64, state: State, now: f64) {
+        let expires = expiry_secs(full_at(&slot.config, state));
+        let now_secs = expiry_now(now);
+        match table.entries.find_entry(hash, |e| e.is(id, slot.key)) {
+            Ok(entry) if expires <= now_secs => {
+                entry.remove();
+                self.len.fetch_sub(1, Ordering::Relaxed);
+            }
+            Ok(mut entry) => {
+                let e = entry.get_mut();
+                (e.value, e.ts, e.expires) = (state.value, state.ts, expires);
+            }
+            Err(_) if expires <= now_secs => {
+                self.len.fetch_sub(1, Ordering::Relaxed); // the reserved room is not used
+            }
+            Err(_) => {
+                if table.entries.len() >= table.sweep_at {
+                    self.sweep_table(table, now_secs);
+                }
+                let entry = Entry {
+                    key: slot.key.map(Box::from),
+                    value: state.value,
+                    ts: state.ts,
+                    id,
+                    expires,
+                };
+                table.entries.insert_unique(hash, entry, |e| self.hash(e.id, e.key.as_deref()));
+            }
+        }
+    }
+
+    /// Reserves room for `new` states; false if that would pass `max_keys`.
+    fn reserve(&self, new: usize) -> bool {
+        if new == 0 {
+            return true;
+        }
+        let before = self.len.fetch_add(new, Ordering::Relaxed);
+        if self.max_keys.is_some_and(|max| before + new > max) {
+            self.len.fetch_sub(new, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    fn full_error(&self) -> StoreError {
+        StoreError::new(format!(
+            "the memory store is full ({} live states, max_keys); nothing was admitted",
+            self.max_keys.unwrap_or_default()
+        ))
+    }
+
+    /// Runs `attempt`; if the store was full, sweeps every segment and runs it once more.
+    /// Deciding is pure, so running a plan again is safe.
+    fn with_room(
+        &self,
+        attempt: impl Fn() -> Result<Option<Outcome>, StoreError>,
+    ) -> Result<Outcome, StoreError> {
+        if let Some(outcome) = attempt()? {
+            return Ok(outcome);
+        }
+        self.sweep();
+        attempt()?.ok_or_else(|| self.full_error())
+    }
+
+    /// One slot under one lock: the hot path. `Ok(None)` when there was no room.
+    fn execute_one(&self, plan: &Plan<'_>) -> Result<Option<Outcome>, StoreError> {
+        let slot = &plan.slots()[0];
+        let now = self.clock.now();
+        let Some(Located { id, hash, segment }) = self.locate(plan.slots(), plan.writes())?[0]
+        else {
+            // A check of a name never written: decide against a fresh state.
+            return Ok(Some(plan.decide(now, &mut [None])));
+        };
+        let mut table = self.segments[segment].0.lock();
+        let found = table.entries.find(hash, |e| e.is(id, slot.key));
+        let mut states = [found.map(|e| State { value: e.value, ts: e.ts })];
+        let outcome = plan.decide(now, &mut states);
+        if outcome.changed[0] {
+            if found.is_none() && !self.reserve(1) {
+                return Ok(None);
+            }
+            self.save(&mut table, slot, id, hash, states[0].expect("changed states are set"), now);
+        }
+        Ok(Some(outcome))
+    }
+
+    /// Several slots: their segments locked once each, in ascending order.
+    fn execute_many(&self, plan: &Plan<'_>) -> Result<Option<Outcome>, StoreError> {
+        let slots = plan.slots();
+        let located = self.locate(slots, plan.writes())?;
+        let mut order: SmallVec<[usize; 4]> = located.iter().flatten().map(|l| l.segment).collect();
+        order.sort_unstable();
+        order.dedup();
+        let now = self.clock.now();
+        let mut guards: SmallVec<[MutexGuard<'_, Table>; 4]> =
+            order.iter().map(|&s| self.segments[s].0.lock()).collect();
+        let guard_of = |segment: usize| order.binary_search(&segment).expect("locked");
+        let mut states: SmallVec<[Option<State>; 2]> = slots
+            .iter()
+            .zip(&located)
+            .map(|(slot, l)| {
+                let Located { id, hash, segment } = (*l)?;
+                let e = guards[guard_of(segment)].entries.find(hash, |e| e.is(id, slot.key))?;
+                Some(State { value: e.value, ts: e.ts })
+            })
+            .collect();
+        let found: SmallVec<[bool; 2]> = states.iter().map(Option::is_some).collect();
+        let outcome = plan.decide(now, &mut states);
+        let new = (0..slots.len()).filter(|&i| outcome.changed[i] && !found[i]).count();
+        if !self.reserve(new) {
+            return Ok(None);
+        }
+        for (i, slot) in slots.iter().enumerate() {
+            if outcome.changed[i] {
+                let Located { id, hash, segment } =
+                    located[i].expect("a writing plan locates every slot");
+                let state = states[i].expect("changed states are set");
+                self.save(&mut guards[guard_of(segment)], slot, id, hash, state, now);
+            }
+        }
+        Ok(Some(outcome))
+    }
+}
+
+fn expiry_secs(ms: f64) -> u32 {
+    // Rounded up: a state is dropped at or after it is full, never before.
+    (ms / 1_000.0).ceil().clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
+fn expiry_now(now_ms: f64) -> u32 {
+    (now_ms / 1_000.0).floor().clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
+impl<C: Clock> Store for MemoryStore<C> {
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        if plan.slots().len() == 1 {
+            self.with_room(|| self.execute_one(plan))
+        } else {
+            self.with_room(|| self.execute_many(plan))
+        }
+    }
+
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        let located = self.locate(slots, false)?;
+        let now = self.clock.now();
+        let states = slots
+            .iter()
+            .zip(&located)
+            .map(|(slot, l)| {
+                let Located { id, hash, segment } = (*l)?;
+                let table = self.segments[segment].0.lock();
+                let e = table.entries.find(hash, |e| e.is(id, slot.key))?;
+                Some(State { value: e.value, ts: e.ts })
+            })
+            .collect();
+        Ok((now, states))
+    }
+
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+        let Some(name) = self.name_id(name, false)? else { return Ok(()) };
+        for shard in 0..shards {
+            let id = name << SHARD_BITS | u32::from(shard);
+            let hash = self.hash(id, key);
+            let mut table = self.segments[self.segment_of(hash)].0.lock();
+            if let Ok(entry) = table.entries.find_entry(hash, |e| e.is(id, key)) {
+                entry.remove();
+                self.len.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_is_forty_bytes() {
+        assert_eq!(std::mem::size_of::<Entry>(), 40);
+    }
+
+    #[test]
+    fn expiry_rounds_safely() {
+        assert_eq!(expiry_secs(1_000.0), 1);
+        assert_eq!(expiry_secs(1_000.5), 2);
+        assert_eq!(expiry_now(1_999.9), 1);
+        assert_eq!(expiry_secs(-5.0), 0);
+        assert_eq!(expiry_secs(1e20), u32::MAX);
+    }
+}

@@ -1,0 +1,73 @@
+//! Where states live: the [`Store`] trait and its implementations.
+//!
+//! A store's only job is to load and save (name, key, shard) states atomically for a whole
+//! request; `tollgate-core` decides. Each request arrives as a [`Plan`]: the store loads the
+//! states of [`Plan::slots`], reads its clock once, calls [`Plan::decide`], and saves the
+//! states that the [`Outcome`] marks changed, all within one atomic unit. Because deciding
+//! is a pure function of (states, time), a store that loses a race may simply run it again.
+//!
+//! # How each store does it
+//!
+//! - **Memory** ([`MemoryStore`]): the slots' segments are locked in a fixed order, so a
+//!   transaction over several limits is atomic and cannot deadlock.
+//! - **SQLite** (next): `BEGIN IMMEDIATE` takes the write lock up front (no upgrade deadlock),
+//!   one `SELECT` for the slots, `decide`, one upsert per changed slot, `COMMIT`.
+//! - **PostgreSQL** (next): within the caller's transaction or its own, `INSERT … ON CONFLICT
+//!   DO NOTHING` makes the rows exist and `SELECT … FOR UPDATE` (rows sorted by primary key,
+//!   so no deadlock) locks them, which is correct under READ COMMITTED; the time is the
+//!   database's (`clock_timestamp()`); `decide`; upserts.
+//! - **Redis** (next): a Lua script receives the plan (slots, per-shard configs, counts,
+//!   reserve flags and the shard choices already made) and runs the same algebra server-side
+//!   with `TIME`, in one round trip; keys get a `PEXPIREAT` at [`tollgate_core::full_at`]. A
+//!   differential test keeps the script equal to `tollgate-core`.
+//!
+//! Stores that read their own clock accept a fixed one in tests (for the memory store,
+//! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).
+
+mod memory;
+
+pub use memory::{MemoryStore, MemoryStoreBuilder};
+
+use tollgate_core::{Outcome, Plan, Slot, State};
+
+use crate::StoreError;
+
+/// Loads and saves limit states atomically per request.
+///
+/// Implementations must make [`Store::execute`] atomic: no other request may change the
+/// plan's slots between the load and the save, or limits over-admit.
+pub trait Store: Send + Sync {
+    /// Loads the plan's slots, decides at the store's current time, and saves the changed
+    /// states, atomically. States that are full again by then may be dropped instead.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be loaded or saved; nothing is admitted.
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError>;
+
+    /// Reads the states of `slots` without changing them; returns the store's time too.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be read.
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError>;
+
+    /// Deletes the states of every shard of (name, key).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be deleted.
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError>;
+}
+
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        (**self).execute(plan)
+    }
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        (**self).read(slots)
+    }
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+        (**self).delete(name, key, shards)
+    }
+}

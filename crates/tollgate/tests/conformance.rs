@@ -1,0 +1,308 @@
+//! The behaviours every store must show, written once: each function takes a way to make a
+//! store on a given clock. Backends join with one line at the bottom.
+
+use std::sync::Arc;
+
+use tollgate::{
+    Call, Config, Decision, Error, MINUTE, ManualClock, RateLimiter, Request, SECOND, State, Store,
+    Target,
+};
+
+const T0: f64 = 1_700_000_000_000.0;
+
+/// Makes a fresh, empty store whose clock is `clock`.
+trait Backend: Fn(ManualClock) -> Self::Store {
+    type Store: Store + 'static;
+}
+impl<S: Store + 'static, F: Fn(ManualClock) -> S> Backend for F {
+    type Store = S;
+}
+
+fn setup<B: Backend>(backend: &B) -> (RateLimiter<B::Store>, ManualClock) {
+    let clock = ManualClock::new(T0);
+    (RateLimiter::builder(backend(clock.clone())).seed(7).build(), clock)
+}
+
+fn tb() -> Target<'static> {
+    Target::Inline("tb", Config::token_bucket(10.0, MINUTE))
+}
+
+fn fw() -> Target<'static> {
+    Target::Inline("fw", Config::fixed_window(10.0, MINUTE).with_start(T0))
+}
+
+fn state<S: Store>(l: &RateLimiter<S>, t: Target<'_>, key: Option<&str>) -> State {
+    let r = l.value(t, key).unwrap();
+    State { value: r.value, ts: r.ts }
+}
+
+const fn refused(retry_after: f64) -> Decision {
+    Decision { ok: false, retry_after: Some(retry_after) }
+}
+
+fn token_bucket_spec_numbers(b: &impl Backend) {
+    let (l, clock) = setup(b);
+    let k = Request::new().key("u");
+    assert_eq!(l.limit(tb(), k.count(5.0)).unwrap(), Decision::ADMIT);
+    clock.advance(6.0 * SECOND);
+    assert_eq!(l.limit(tb(), k.count(6.0)).unwrap(), Decision::ADMIT);
+    assert_eq!(state(&l, tb(), Some("u")), State { value: 0.0, ts: T0 + 6_000.0 });
+    assert_eq!(l.limit(tb(), k.count(10.0)).unwrap(), refused(MINUTE));
+    assert_eq!(state(&l, tb(), Some("u")).value, 0.0, "a refusal stores nothing");
+}
+
+fn token_bucket_spec_numbers_reserved(b: &impl Backend) {
+    let (l, clock) = setup(b);
+    let k = Request::new().key("u").reserve();
+    l.limit(tb(), k.count(5.0)).unwrap();
+    clock.advance(6.0 * SECOND);
+    l.limit(tb(), k.count(6.0)).unwrap();
+    assert_eq!(
+        l.limit(tb(), k.count(10.0)).unwrap(),
+        Decision { ok: true, retry_after: Some(MINUTE) }
+    );
+    assert_eq!(state(&l, tb(), Some("u")).value, -10.0);
+}
+
+fn fixed_window_spec_numbers(b: &impl Backend) {
+    let (l, clock) = setup(b);
+    let k = Request::new().key("u");
+    l.limit(fw(), k.count(5.0)).unwrap();
+    clock.advance(6.0 * SECOND);
+    assert_eq!(l.limit(fw(), k.count(6.0)).unwrap(), refused(54_000.0), "one window holds 10");
+    clock.set(T0 + MINUTE);
+    assert_eq!(l.limit(fw(), k.count(6.0)).unwrap(), Decision::ADMIT);
+    assert_eq!(state(&l, fw(), Some("u")), State { value: 4.0, ts: T0 + MINUTE });
+    assert_eq!(l.limit(fw(), k.count(10.0)).unwrap(), refused(MINUTE));
+    assert_eq!(
+        l.limit(fw(), k.count(10.0).reserve()).unwrap(),
+        Decision { ok: true, retry_after: Some(MINUTE) }
+    );
+    assert_eq!(state(&l, fw(), Some("u")).value, -6.0);
+}
+
+fn capacity_burst(b: &impl Backend) {
+    let (l, clock) = setup(b);
+    let burst = Target::Inline("burst", Config::token_bucket(10.0, MINUTE).with_capacity(3.0));
+    clock.advance(10.0 * MINUTE);
+    for _ in 0..3 {
+        assert!(l.limit(burst, "u").unwrap().ok);
+    }
+    assert_eq!(l.limit(burst, "u").unwrap(), refused(6_000.0));
+}
+
+fn max_reserved(b: &impl Backend) {
+    let (l, _) = setup(b);
+    let t = Target::Inline("mr", Config::token_bucket(10.0, MINUTE).with_max_reserved(5.0));
+    let r = Request::new().reserve();
+    assert_eq!(l.limit(t, r.count(10.0)).unwrap(), Decision::ADMIT);
+    assert_eq!(
+        l.limit(t, r.count(5.0)).unwrap(),
+        Decision { ok: true, retry_after: Some(30_000.0) }
+    );
+    assert_eq!(l.limit(t, r.count(1.0)).unwrap(), refused(36_000.0));
+    assert_eq!(state(&l, t, None).value, -5.0);
+    let err = l.limit(t, r.count(16.0)).unwrap_err();
+    assert_eq!(err.to_string(), "Rate limit mr count 16 exceeds 15.");
+}
+
+fn check_does_not_consume(b: &impl Backend) {
+    let (l, _) = setup(b);
+    for _ in 0..5 {
+        assert_eq!(l.check(tb(), Request::new().count(10.0)).unwrap(), Decision::ADMIT);
+    }
+    assert_eq!(
+        l.check(tb(), Request::new().count(11.0)).unwrap_err().to_string(),
+        "Rate limit tb count 11 exceeds 10."
+    );
+    l.limit(tb(), Request::new().count(4.0)).unwrap();
+    assert_eq!(l.check(tb(), Request::new().count(7.0)).unwrap(), refused(6_000.0));
+    assert_eq!(state(&l, tb(), None).value, 6.0);
+}
+
+fn invalid_requests_consume_nothing(b: &impl Backend) {
+    let (l, _) = setup(b);
+    for bad in [-1.0, f64::NAN, f64::INFINITY, 11.0] {
+        assert!(
+            matches!(l.limit(tb(), Request::new().count(bad)), Err(Error::Invalid(_))),
+            "{bad}"
+        );
+    }
+    let long_key = "k".repeat(1025);
+    assert!(matches!(l.limit(tb(), Request::new().key(&long_key)), Err(Error::Invalid(_))));
+    assert_eq!(state(&l, tb(), None), State { value: 10.0, ts: 0.0 });
+    let err = l.limit("nowhere", Request::new()).unwrap_err();
+    assert!(matches!(err, Error::NotDefined { .. }));
+    assert!(err.to_string().starts_with("Rate limit nowhere not defined."), "{err}");
+}
+
+fn throws_turns_refusal_into_error(b: &impl Backend) {
+    let (l, _) = setup(b);
+    l.limit(tb(), Request::new().count(10.0)).unwrap();
+    match l.limit(tb(), Request::new().throws()) {
+        Err(Error::RateLimited { name, retry_after }) => {
+            assert_eq!((name.as_str(), retry_after), ("tb", 6_000.0))
+        }
+        other => panic!("expected RateLimited, got {other:?}"),
+    }
+    // A granted reservation is not an error.
+    assert_eq!(
+        l.limit(tb(), Request::new().reserve().throws()).unwrap(),
+        Decision { ok: true, retry_after: Some(6_000.0) }
+    );
+    assert!(matches!(l.check(tb(), Request::new().throws()), Err(Error::RateLimited { .. })));
+}
+
+fn reset_forgets(b: &impl Backend) {
+    let (l, _) = setup(b);
+    let sharded = Target::Inline("sh", Config::token_bucket(40.0, MINUTE).with_shards(4));
+    for _ in 0..20 {
+        l.limit(sharded, "u").unwrap();
+    }
+    l.limit(tb(), Request::new().key("u").count(10.0)).unwrap();
+    l.limit(tb(), Request::new().key("v").count(10.0)).unwrap();
+    l.reset(tb(), Some("u")).unwrap();
+    l.reset(sharded, Some("u")).unwrap();
+    assert_eq!(l.limit(tb(), Request::new().key("u").count(10.0)).unwrap(), Decision::ADMIT);
+    assert!(!l.limit(tb(), "v").unwrap().ok, "other keys keep their state");
+    assert_eq!(l.value_sampled(sharded, Some("u"), 4).unwrap().value, 40.0);
+}
+
+fn keys_are_isolated(b: &impl Backend) {
+    let (l, _) = setup(b);
+    l.limit(tb(), Request::new().key("a").count(10.0)).unwrap();
+    assert!(l.limit(tb(), Request::new().key("b").count(10.0)).unwrap().ok);
+    assert!(l.limit(tb(), Request::new().count(10.0)).unwrap().ok, "no key is the global value");
+    assert!(
+        l.limit(tb(), Request::new().key("").count(10.0)).unwrap().ok,
+        "the empty key is its own key"
+    );
+    let other_name = Target::Inline("tb2", Config::token_bucket(10.0, MINUTE));
+    assert!(
+        l.limit(other_name, Request::new().key("a").count(10.0)).unwrap().ok,
+        "names are isolated"
+    );
+    assert!(!l.limit(tb(), "a").unwrap().ok);
+}
+
+fn value_reports_config_and_state(b: &impl Backend) {
+    let (l, clock) = setup(b);
+    let fresh = l.value(tb(), Some("new")).unwrap();
+    assert_eq!((fresh.value, fresh.ts), (10.0, 0.0));
+    assert_eq!(fresh.config.capacity(), 10.0);
+    l.limit(tb(), Request::new().key("u").count(4.0)).unwrap();
+    clock.advance(12.0 * SECOND);
+    let r = l.value(tb(), Some("u")).unwrap();
+    assert_eq!((r.value, r.ts, r.shard), (6.0, T0, 0));
+    // The client can run the algebra itself from what value returned.
+    let at_now = tollgate::core::evaluate(
+        &r.config,
+        Some(State { value: r.value, ts: r.ts }),
+        0.0,
+        T0 + 12_000.0,
+        0.0,
+        false,
+    );
+    assert_eq!(at_now.state.value, 8.0);
+    let window = Target::Inline("win", Config::fixed_window(10.0, MINUTE));
+    let start = l.value(window, Some("u")).unwrap().config.start().expect("start is filled in");
+    assert!((0.0..MINUTE).contains(&start));
+    l.limit(window, "u").unwrap();
+    let stored = l.value(window, Some("u")).unwrap();
+    assert_eq!(
+        ((stored.ts - start) / MINUTE).fract(),
+        0.0,
+        "the stored window is aligned to start"
+    );
+}
+
+fn transaction_all_or_nothing(b: &impl Backend) {
+    let (l, _) = setup(b);
+    let small = Target::Inline("small", Config::token_bucket(3.0, MINUTE));
+    l.limit(small, Request::new().count(2.0)).unwrap();
+    let t = l
+        .transaction(&[tb().with(Request::new().count(4.0)), small.with(Request::new().count(2.0))])
+        .unwrap();
+    assert!(!t.ok);
+    assert_eq!(t.results, vec![Decision::ADMIT, refused(20_000.0)]);
+    assert_eq!(t.retry_after, Some(20_000.0));
+    assert_eq!(state(&l, tb(), None).value, 10.0, "the admitted part was not taken");
+    let t =
+        l.transaction(&[tb().with(Request::new().count(4.0)), small.with(Request::new())]).unwrap();
+    assert!(t.ok);
+    assert_eq!(state(&l, tb(), None).value, 6.0);
+    assert_eq!(state(&l, small, None).value, 0.0);
+    // Invalid anywhere: an error, nothing taken.
+    assert!(
+        l.transaction(&[tb().with(Request::new()), small.with(Request::new().count(4.0))]).is_err()
+    );
+    assert_eq!(state(&l, tb(), None).value, 6.0);
+    // throws names the refused limit.
+    let err = l
+        .transaction(&[tb().with(Request::new()), Call::new(small, Request::new().throws())])
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::RateLimited { ref name, retry_after } if name == "small" && retry_after == 20_000.0),
+        "{err:?}"
+    );
+}
+
+fn sharded_never_over_admits(b: &impl Backend) {
+    let (l, clock) = setup(b);
+    let sharded = Target::Inline("hot", Config::token_bucket(100.0, MINUTE).with_shards(10));
+    let mut admitted = 0;
+    for _ in 0..300 {
+        if l.limit(sharded, Request::new()).unwrap().ok {
+            admitted += 1;
+        }
+    }
+    assert!(admitted <= 100, "{admitted}");
+    assert!(admitted >= 90, "the power of two choices keeps shards usable: {admitted}");
+    clock.advance(30.0 * SECOND);
+    let mut more = 0;
+    for _ in 0..300 {
+        if l.limit(sharded, Request::new()).unwrap().ok {
+            more += 1;
+        }
+    }
+    assert!(more <= 50, "{more}");
+}
+
+fn concurrent_exactness(b: &impl Backend) {
+    // 64 threads race for a limit of 100, 20 times: exactly 100 admitted each time.
+    for round in 0..20 {
+        let (l, _) = setup(b);
+        let l = Arc::new(l);
+        let limit = Target::Inline("race", Config::token_bucket(100.0, MINUTE));
+        let threads: Vec<_> = (0..64)
+            .map(|_| {
+                let l = Arc::clone(&l);
+                std::thread::spawn(move || {
+                    (0..4).filter(|_| l.limit(limit, Request::new()).unwrap().ok).count()
+                })
+            })
+            .collect();
+        let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert_eq!(admitted, 100, "round {round}");
+    }
+}
+
+macro_rules! conformance {
+    ($backend:ident, $make:expr) => {
+        mod $backend {
+            conformance!(@tests $make; token_bucket_spec_numbers, token_bucket_spec_numbers_reserved,
+                fixed_window_spec_numbers, capacity_burst, max_reserved, check_does_not_consume,
+                invalid_requests_consume_nothing, throws_turns_refusal_into_error, reset_forgets,
+                keys_are_isolated, value_reports_config_and_state, transaction_all_or_nothing,
+                sharded_never_over_admits, concurrent_exactness);
+        }
+    };
+    (@tests $make:expr; $($test:ident),*) => {
+        $(#[test] fn $test() { super::$test(&$make) })*
+    };
+}
+
+conformance!(memory, |clock| tollgate::MemoryStore::with_clock(clock));
+conformance!(memory_two_segments, |clock| tollgate::MemoryStore::builder()
+    .segments(2)
+    .build_with_clock(clock));

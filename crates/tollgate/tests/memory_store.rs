@@ -1,0 +1,119 @@
+//! Behaviours of the memory store itself: bounded memory, max_keys, exactness under threads.
+
+use std::sync::Arc;
+
+use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, SECOND, Target};
+
+const T0: f64 = 1_700_000_000_000.0;
+
+#[test]
+fn full_token_buckets_are_dropped() {
+    let clock = ManualClock::new(T0);
+    let l = RateLimiter::new(MemoryStore::with_clock(clock.clone()));
+    let t = Target::Inline("t", Config::token_bucket(10.0, MINUTE));
+    let keys: Vec<String> = (0..1000).map(|i| format!("user{i}")).collect();
+    for k in &keys {
+        l.limit(t, k.as_str()).unwrap();
+    }
+    assert_eq!(l.store().len(), 1000);
+    // One token flows back in 6 s: then every state is full and carries no information.
+    clock.advance(6.0 * SECOND);
+    assert_eq!(l.store().sweep(), 1000);
+    assert!(l.store().is_empty());
+    // A dropped state is the same as a full one.
+    assert_eq!(l.value(t, Some("user1")).unwrap().value, 10.0);
+    // A request that leaves a state full stores nothing at all.
+    l.limit(t, Request::new().key("x").count(0.0)).unwrap();
+    assert!(l.store().is_empty());
+}
+
+#[test]
+fn sweeps_run_by_themselves_as_keys_churn() {
+    let clock = ManualClock::new(T0);
+    let l = RateLimiter::new(MemoryStore::builder().segments(1).build_with_clock(clock.clone()));
+    let t = Target::Inline("t", Config::token_bucket(1.0, SECOND));
+    // 100 rounds of 1,000 new keys, each round a second apart: only the last rounds live.
+    for round in 0..100 {
+        for i in 0..1000 {
+            l.limit(t, format!("r{round}k{i}").as_str()).unwrap();
+        }
+        clock.advance(SECOND);
+    }
+    assert!(l.store().len() <= 4_000, "memory follows active keys: {}", l.store().len());
+}
+
+#[test]
+fn fixed_windows_are_dropped_without_moving_their_windows() {
+    let clock = ManualClock::new(T0);
+    let l = RateLimiter::builder(MemoryStore::with_clock(clock.clone())).seed(3).build();
+    let t = Target::Inline("w", Config::fixed_window(10.0, MINUTE));
+    let start = l.value(t, Some("k")).unwrap().config.start().unwrap();
+    l.limit(t, Request::new().key("k").count(10.0)).unwrap();
+    let window = l.value(t, Some("k")).unwrap().ts;
+    // Expiry is kept in whole seconds, rounded up: the state goes within a second of full.
+    clock.set(window + MINUTE + SECOND);
+    assert_eq!(l.store().sweep(), 1);
+    // The next window starts where the stored one would have: refused until window + 2 minutes.
+    l.limit(t, Request::new().key("k").count(10.0)).unwrap();
+    let d = l.limit(t, Request::new().key("k")).unwrap();
+    assert_eq!(d.retry_after, Some(MINUTE - SECOND));
+    assert_eq!(l.value(t, Some("k")).unwrap().config.start(), Some(start));
+}
+
+#[test]
+fn max_keys_fails_closed_for_new_keys_only() {
+    let clock = ManualClock::new(T0);
+    let l = RateLimiter::new(MemoryStore::builder().max_keys(10).build_with_clock(clock.clone()));
+    let t = Target::Inline("t", Config::token_bucket(10.0, MINUTE));
+    for i in 0..10 {
+        l.limit(t, format!("k{i}").as_str()).unwrap();
+    }
+    let err = l.limit(t, "new").unwrap_err();
+    assert!(err.to_string().contains("the memory store is full"), "{err}");
+    assert!(l.limit(t, "k3").unwrap().ok, "existing keys go on");
+    // A transaction needing room for a new key takes nothing from the existing one.
+    let before = l.value(t, Some("k4")).unwrap().value;
+    assert!(l.transaction(&[t.with("k4"), t.with("new")]).is_err());
+    assert_eq!(l.value(t, Some("k4")).unwrap().value, before);
+    // Once states are full again, there is room: the store sweeps before refusing.
+    clock.advance(MINUTE);
+    assert!(l.limit(t, "new").unwrap().ok);
+}
+
+#[test]
+fn eight_threads_admit_exactly_the_limit() {
+    let l = Arc::new(RateLimiter::new(MemoryStore::new()));
+    // A day-long period: nothing flows back while the threads run.
+    let t = Target::Inline("hot", Config::token_bucket(500.0, 24.0 * 3_600_000.0));
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let l = Arc::clone(&l);
+            std::thread::spawn(move || (0..1000).filter(|_| l.limit(t, "k").unwrap().ok).count())
+        })
+        .collect();
+    let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(admitted, 500);
+}
+
+#[test]
+fn transactions_across_threads_stay_atomic() {
+    // Two limits always taken together: whatever the interleaving, both run out together.
+    let store = MemoryStore::builder().segments(64).build_with_clock(ManualClock::new(T0));
+    let l = Arc::new(RateLimiter::new(store));
+    let a = Target::Inline("a", Config::token_bucket(300.0, 24.0 * 3_600_000.0));
+    let b = Target::Inline("b", Config::token_bucket(1000.0, 24.0 * 3_600_000.0));
+    let threads: Vec<_> = (0..4)
+        .map(|i| {
+            let l = Arc::clone(&l);
+            std::thread::spawn(move || {
+                let key = if i % 2 == 0 { "x" } else { "y" };
+                (0..500)
+                    .filter(|_| l.transaction(&[a.with(key), b.with("shared")]).unwrap().ok)
+                    .count()
+            })
+        })
+        .collect();
+    let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(admitted, 600); // 300 for each key of `a`
+    assert_eq!(l.value(b, Some("shared")).unwrap().value, 400.0, "b gave exactly what a admitted");
+}
