@@ -81,27 +81,57 @@ pub fn evaluate(
     count: f64,
     reserve: bool,
 ) -> Evaluation {
-    let State { value, ts } = state.unwrap_or_else(|| fresh_state(shard, alignment, now));
-    let (rate, period, max) = (shard.rate(), shard.period(), shard.capacity());
-    let (value, ts, retry_after) = match shard.kind() {
-        Kind::TokenBucket => {
-            // value' = min(value + (now - ts) * rate / period, max) - count; ts' = now
-            let value = (value + (now - ts) * rate / period).min(max) - count;
+    let state = state.unwrap_or_else(|| fresh_state(shard, alignment, now));
+    let next = advance(shard, state, now, count);
+    let over_reserved = shard.max_reserved().is_some_and(|max| -next.value > max);
+    let ok = next.value >= 0.0 || (reserve && !over_reserved);
+    let retry_after = (next.value < 0.0).then(|| {
+        let (rate, period) = (shard.rate(), shard.period());
+        let wait = match shard.kind() {
             // retryAfter = -value' / (rate / period)
-            (value, now, (value < 0.0).then(|| -value * period / rate))
+            Kind::TokenBucket => -next.value * period / rate,
+            // retryAfter = ts' + period * ceil(-value' / rate) - now
+            Kind::FixedWindow => next.ts + period * (-next.value / rate).ceil() - now,
+        };
+        if ok {
+            // A reservation: the booked tokens have flowed in once the new state is back at 0.
+            settle(now, wait, |at| advance(shard, next, at, 0.0).value >= 0.0)
+        } else {
+            // A refusal: the same request, made again at now + wait, is granted.
+            settle(now, wait, |at| advance(shard, state, at, count).value >= 0.0)
         }
+    });
+    Evaluation { state: next, decision: Decision { ok, retry_after } }
+}
+
+/// `value'` and `ts'` of SPEC §2 for `count` tokens taken from `state` at `now`.
+fn advance(shard: &Config, State { value, ts }: State, now: f64, count: f64) -> State {
+    let (rate, period, max) = (shard.rate(), shard.period(), shard.capacity());
+    match shard.kind() {
+        // value' = min(value + (now - ts) * rate / period, max) - count; ts' = now
+        Kind::TokenBucket => State { value: (value + (now - ts) * rate / period).min(max) - count, ts: now },
         Kind::FixedWindow => {
             // windows = floor((now - ts) / period); value' = min(value + rate * windows, max) - count
             let windows = ((now - ts) / period).floor();
-            let value = (value + rate * windows).min(max) - count;
-            let ts = ts + windows * period;
-            // retryAfter = ts' + period * ceil(-value' / rate) - now
-            (value, ts, (value < 0.0).then(|| ts + period * (-value / rate).ceil() - now))
+            State { value: (value + rate * windows).min(max) - count, ts: ts + windows * period }
         }
-    };
-    let over_reserved = shard.max_reserved().is_some_and(|max| -value > max);
-    let ok = value >= 0.0 || (reserve && !over_reserved);
-    Evaluation { state: State { value, ts }, decision: Decision { ok, retry_after } }
+    }
+}
+
+/// Makes a wait exact in floating point: the formula's `wait` is exact in real numbers, but
+/// evaluating again at `now + wait` may fall a rounding error short. Moves it up, one
+/// representable time at a time, until `done(now + wait)` holds, so that a retry at
+/// `retry_after` succeeds (SPEC §2). Exact waits, like the SPEC's examples, stay as they are;
+/// if a few steps do not settle it, the formula's wait stands.
+fn settle(now: f64, wait: f64, done: impl Fn(f64) -> bool) -> f64 {
+    let mut at = now + wait;
+    for _ in 0..8 {
+        if done(at) {
+            return (at - now).max(wait);
+        }
+        at = at.next_up();
+    }
+    wait
 }
 
 /// When a stored state will have refilled to capacity and so carry no information: from then

@@ -175,6 +175,21 @@ impl<'a> Plan<'a> {
     /// If `states` is shorter than [`Plan::slots`].
     pub fn decide(&self, now: f64, states: &mut [Option<State>]) -> Outcome {
         assert!(states.len() >= self.slots.len(), "one state per slot");
+        if let ([item], [_]) = (self.items.as_slice(), self.slots.as_slice()) {
+            // One take from one shard: the common case, without the transaction's bookkeeping.
+            let decision = self.eval(0, states, now, item.count, item.reserve);
+            let changed = decision.decision.ok && self.writes;
+            if changed {
+                states[0] = Some(decision.state);
+            }
+            let Decision { ok, retry_after } = decision.decision;
+            return Outcome {
+                ok,
+                retry_after,
+                results: smallvec::smallvec![decision.decision],
+                changed: smallvec::smallvec![changed],
+            };
+        }
         let mut working: SmallVec<[Option<State>; 2]> =
             SmallVec::from_slice(&states[..self.slots.len()]);
         let mut changed: SmallVec<[bool; 2]> = SmallVec::from_elem(false, self.slots.len());

@@ -92,7 +92,10 @@ impl<'a> From<(&'a str, Config)> for Target<'a> {
 
 impl<'a> Target<'a> {
     /// Pairs the target with a request, for [`RateLimiter::transaction`].
-    pub fn with(self, request: impl Into<Request<'a>>) -> Call<'a> {
+    pub fn with<'c, 'k: 'c>(self, request: impl Into<Request<'k>>) -> Call<'c>
+    where
+        'a: 'c,
+    {
         Call { target: self, request: request.into() }
     }
 
@@ -178,7 +181,10 @@ pub struct Call<'a> {
 
 impl<'a> Call<'a> {
     /// A call of `target` with `request`.
-    pub fn new(target: impl Into<Target<'a>>, request: impl Into<Request<'a>>) -> Self {
+    pub fn new<'n: 'a, 'k: 'a>(
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
+    ) -> Self {
         Call { target: target.into(), request: request.into() }
     }
 }
@@ -289,10 +295,10 @@ impl<S: Store> RateLimiter<S> {
     /// [`Error::Invalid`] or [`Error::NotDefined`] for a request that can never succeed;
     /// [`Error::Store`] if the store fails; [`Error::RateLimited`] for a refusal when the
     /// request [`throws`](Request::throws). Nothing is consumed when an error is returned.
-    pub fn limit<'a>(
+    pub fn limit<'n, 'k>(
         &self,
-        target: impl Into<Target<'a>>,
-        request: impl Into<Request<'a>>,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
         self.single(true, target.into(), request.into())
     }
@@ -302,10 +308,10 @@ impl<S: Store> RateLimiter<S> {
     /// # Errors
     ///
     /// As for [`RateLimiter::limit`].
-    pub fn check<'a>(
+    pub fn check<'n, 'k>(
         &self,
-        target: impl Into<Target<'a>>,
-        request: impl Into<Request<'a>>,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
         self.single(false, target.into(), request.into())
     }

@@ -4,11 +4,10 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use foldhash::fast::RandomState;
-use hashbrown::HashMap;
 use hashbrown::HashTable;
-use parking_lot::{Mutex, MutexGuard, RwLock};
+use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
-use tollgate_core::{Clock, Outcome, Plan, Slot, State, SystemClock, full_at};
+use tollgate_core::{Clock, Config, Outcome, Plan, Slot, State, SystemClock, full_at};
 
 use super::Store;
 use crate::StoreError;
@@ -37,10 +36,10 @@ impl Entry {
     }
 }
 
-/// Where a slot's entry lives.
+/// Where a slot's entry lives: its hashes and segment, computed before any lock is taken.
 #[derive(Clone, Copy)]
 struct Located {
-    id: u32,
+    name_hash: u64,
     hash: u64,
     segment: usize,
 }
@@ -50,8 +49,31 @@ struct Segment(Mutex<Table>);
 
 struct Table {
     entries: HashTable<Entry>,
+    /// The names this segment has stored, interned: an entry keeps the name's index here.
+    /// Each segment keeps its own, so a request resolves its name under the lock it takes
+    /// anyway, with no shared structure to contend on.
+    names: HashTable<(Box<str>, u32)>,
+    /// The hash of each interned name, by index: what rehashing an entry needs.
+    name_hashes: Vec<u64>,
     /// Sweep when `entries.len()` reaches this.
     sweep_at: usize,
+}
+
+impl Table {
+    fn name_id(&self, name_hash: u64, name: &str) -> Option<u32> {
+        self.names.find(name_hash, |(n, _)| &**n == name).map(|&(_, id)| id)
+    }
+
+    /// The entry id of (name, shard) in this segment; `None` if the name was never stored here.
+    fn entry_id(&self, at: Located, slot: &Slot<'_>) -> Option<u32> {
+        Some(self.name_id(at.name_hash, slot.name)? << SHARD_BITS | u32::from(slot.shard))
+    }
+
+    fn find(&self, at: Located, slot: &Slot<'_>) -> Option<State> {
+        let id = self.entry_id(at, slot)?;
+        let e = self.entries.find(at.hash, |e| e.is(id, slot.key))?;
+        Some(State { value: e.value, ts: e.ts })
+    }
 }
 
 /// The in-process store: fast, exact, bounded, and usable without an async runtime.
@@ -84,7 +106,6 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     segments: Box<[Segment]>,
     mask: usize,
     hasher: RandomState,
-    names: RwLock<HashMap<Box<str>, u32, RandomState>>,
     clock: C,
     len: AtomicUsize,
     max_keys: Option<usize>,
@@ -131,14 +152,18 @@ impl MemoryStoreBuilder {
         let n = if self.segments.is_some() { n } else { n.max(16) };
         let segments = (0..n)
             .map(|_| {
-                Segment(Mutex::new(Table { entries: HashTable::new(), sweep_at: MIN_SWEEP_LEN }))
+                Segment(Mutex::new(Table {
+                    entries: HashTable::new(),
+                    names: HashTable::new(),
+                    name_hashes: Vec::new(),
+                    sweep_at: MIN_SWEEP_LEN,
+                }))
             })
             .collect();
         MemoryStore {
             segments,
             mask: n - 1,
             hasher: RandomState::default(),
-            names: RwLock::new(HashMap::default()),
             clock,
             len: AtomicUsize::new(0),
             max_keys: self.max_keys,
@@ -193,93 +218,83 @@ impl<C: Clock> MemoryStore<C> {
         table.entries.retain(|e| e.expires > now_secs);
         let dropped = before - table.entries.len();
         if table.entries.capacity() > 4 * table.entries.len().max(MIN_SWEEP_LEN) {
-            table.entries.shrink_to(2 * table.entries.len(), |e| self.hash(e.id, e.key.as_deref()));
+            let Table { entries, name_hashes, .. } = table;
+            entries.shrink_to(2 * entries.len(), |e| self.rehash(name_hashes, e));
         }
         table.sweep_at = (2 * table.entries.len()).max(MIN_SWEEP_LEN);
         self.len.fetch_sub(dropped, Ordering::Relaxed);
         dropped
     }
 
-    /// The interned id of `name`, interning it if `create`.
-    fn name_id(&self, name: &str, create: bool) -> Result<Option<u32>, StoreError> {
-        if let Some(&id) = self.names.read().get(name) {
-            return Ok(Some(id));
+    /// The hash of a slot's entry: of its name's hash, shard and key.
+    #[inline]
+    fn hash(&self, name_hash: u64, shard: u16, key: Option<&str>) -> u64 {
+        self.hasher.hash_one((name_hash, shard, key))
+    }
+
+    fn rehash(&self, name_hashes: &[u64], e: &Entry) -> u64 {
+        let shard = (e.id & ((1 << SHARD_BITS) - 1)) as u16;
+        self.hash(name_hashes[(e.id >> SHARD_BITS) as usize], shard, e.key.as_deref())
+    }
+
+    #[inline]
+    fn locate(&self, slot: &Slot<'_>) -> Located {
+        let name_hash = self.hasher.hash_one(slot.name);
+        let hash = self.hash(name_hash, slot.shard, slot.key);
+        // hashbrown takes its bucket index from the low bits and its tag from the top 7:
+        // the segment comes from bits in between so the three stay independent.
+        Located { name_hash, hash, segment: (hash >> 40) as usize & self.mask }
+    }
+
+    /// Saves `state` for a slot in its locked table: updates, inserts, or drops it when full.
+    /// Room for an insert was reserved in `len` by [`Self::reserve`].
+    fn save(&self, table: &mut Table, at: Located, slot: &Slot<'_>, state: State, now: f64) -> Result<(), StoreError> {
+        let expires = expiry_secs(full_at(&slot.config, state));
+        let now_secs = expiry_now(now);
+        let id = table.entry_id(at, slot);
+        let found = id.and_then(|id| table.entries.find_entry(at.hash, |e| e.is(id, slot.key)).ok());
+        match found {
+            Some(entry) if expires <= now_secs => {
+                entry.remove();
+                self.len.fetch_sub(1, Ordering::Relaxed);
+            }
+            Some(mut entry) => {
+                let e = entry.get_mut();
+                (e.value, e.ts, e.expires) = (state.value, state.ts, expires);
+            }
+            None if expires <= now_secs => {
+                self.len.fetch_sub(1, Ordering::Relaxed); // the reserved room is not used
+            }
+            None => {
+                let id = match id {
+                    Some(id) => id,
+                    None => self.intern(table, at.name_hash, slot.name)? << SHARD_BITS | u32::from(slot.shard),
+                };
+                if table.entries.len() >= table.sweep_at {
+                    self.sweep_table(table, now_secs);
+                }
+                let entry = Entry { key: slot.key.map(Box::from), value: state.value, ts: state.ts, id, expires };
+                let Table { entries, name_hashes, .. } = table;
+                entries.insert_unique(at.hash, entry, |e| self.rehash(name_hashes, e));
+            }
         }
-        if !create {
-            return Ok(None);
+        Ok(())
+    }
+
+    fn intern(&self, table: &mut Table, name_hash: u64, name: &str) -> Result<u32, StoreError> {
+        if let Some(id) = table.name_id(name_hash, name) {
+            return Ok(id);
         }
-        let mut names = self.names.write();
-        let next = names.len() as u32;
-        if next >= MAX_NAMES {
+        let id = table.name_hashes.len() as u32;
+        if id >= MAX_NAMES {
+            self.len.fetch_sub(1, Ordering::Relaxed);
             return Err(StoreError::new(format!(
                 "the memory store holds at most {MAX_NAMES} distinct names; put unbounded values in keys"
             )));
         }
-        Ok(Some(*names.entry_ref(name).or_insert(next)))
-    }
-
-    #[inline]
-    fn hash(&self, id: u32, key: Option<&str>) -> u64 {
-        self.hasher.hash_one((id, key))
-    }
-
-    #[inline]
-    fn segment_of(&self, hash: u64) -> usize {
-        // hashbrown takes its bucket index from the low bits and its tag from the top 7:
-        // the segment comes from bits in between so the three stay independent.
-        (hash >> 40) as usize & self.mask
-    }
-
-    /// Locates the slots. `None` when a name was never seen, so none of its states exist
-    /// (reads only).
-    fn locate(
-        &self,
-        slots: &[Slot<'_>],
-        create: bool,
-    ) -> Result<SmallVec<[Option<Located>; 2]>, StoreError> {
-        slots
-            .iter()
-            .map(|slot| {
-                Ok(self.name_id(slot.name, create)?.map(|name| {
-                    let id = name << SHARD_BITS | u32::from(slot.shard);
-                    let hash = self.hash(id, slot.key);
-                    Located { id, hash, segment: self.segment_of(hash) }
-                }))
-            })
-            .collect()
-    }
-
-    /// Saves `state` for a slot in a locked table: updates, inserts, or drops it when full.
-    /// Room for an insert was reserved in `len` by [`Self::reserve`].
-    fn save(&self, table: &mut Table, slot: &Slot<'_>, id: u32, hash: u64, state: State, now: f64) {
-        let expires = expiry_secs(full_at(&slot.config, state));
-        let now_secs = expiry_now(now);
-        match table.entries.find_entry(hash, |e| e.is(id, slot.key)) {
-            Ok(entry) if expires <= now_secs => {
-                entry.remove();
-                self.len.fetch_sub(1, Ordering::Relaxed);
-            }
-            Ok(mut entry) => {
-                let e = entry.get_mut();
-                (e.value, e.ts, e.expires) = (state.value, state.ts, expires);
-            }
-            Err(_) if expires <= now_secs => {
-                self.len.fetch_sub(1, Ordering::Relaxed); // the reserved room is not used
-            }
-            Err(_) => {
-                if table.entries.len() >= table.sweep_at {
-                    self.sweep_table(table, now_secs);
-                }
-                let entry = Entry {
-                    key: slot.key.map(Box::from),
-                    value: state.value,
-                    ts: state.ts,
-                    id,
-                    expires,
-                };
-                table.entries.insert_unique(hash, entry, |e| self.hash(e.id, e.key.as_deref()));
-            }
-        }
+        table.name_hashes.push(name_hash);
+        table.names.insert_unique(name_hash, (name.into(), id), |(n, _)| self.hasher.hash_one(&**n));
+        Ok(id)
     }
 
     /// Reserves room for `new` states; false if that would pass `max_keys`.
@@ -304,10 +319,7 @@ impl<C: Clock> MemoryStore<C> {
 
     /// Runs `attempt`; if the store was full, sweeps every segment and runs it once more.
     /// Deciding is pure, so running a plan again is safe.
-    fn with_room(
-        &self,
-        attempt: impl Fn() -> Result<Option<Outcome>, StoreError>,
-    ) -> Result<Outcome, StoreError> {
+    fn with_room(&self, attempt: impl Fn() -> Result<Option<Outcome>, StoreError>) -> Result<Outcome, StoreError> {
         if let Some(outcome) = attempt()? {
             return Ok(outcome);
         }
@@ -315,24 +327,37 @@ impl<C: Clock> MemoryStore<C> {
         attempt()?.ok_or_else(|| self.full_error())
     }
 
-    /// One slot under one lock: the hot path. `Ok(None)` when there was no room.
+    /// One slot under one lock: the hot path, with one lookup that is updated in place.
+    /// `Ok(None)` when there was no room.
     fn execute_one(&self, plan: &Plan<'_>) -> Result<Option<Outcome>, StoreError> {
         let slot = &plan.slots()[0];
+        let at = self.locate(slot);
         let now = self.clock.now();
-        let Some(Located { id, hash, segment }) = self.locate(plan.slots(), plan.writes())?[0]
-        else {
-            // A check of a name never written: decide against a fresh state.
-            return Ok(Some(plan.decide(now, &mut [None])));
-        };
-        let mut table = self.segments[segment].0.lock();
-        let found = table.entries.find(hash, |e| e.is(id, slot.key));
-        let mut states = [found.map(|e| State { value: e.value, ts: e.ts })];
+        let mut table = self.segments[at.segment].0.lock();
+        let id = table.entry_id(at, slot);
+        if let Some(Ok(mut entry)) = id.map(|id| table.entries.find_entry(at.hash, |e| e.is(id, slot.key))) {
+            let e = entry.get_mut();
+            let mut states = [Some(State { value: e.value, ts: e.ts })];
+            let outcome = plan.decide(now, &mut states);
+            if outcome.changed[0] {
+                let state = states[0].expect("changed states are set");
+                let expires = expiry_secs(full_at(&slot.config, state));
+                if expires <= expiry_now(now) {
+                    entry.remove();
+                    self.len.fetch_sub(1, Ordering::Relaxed);
+                } else {
+                    (e.value, e.ts, e.expires) = (state.value, state.ts, expires);
+                }
+            }
+            return Ok(Some(outcome));
+        }
+        let mut states = [None];
         let outcome = plan.decide(now, &mut states);
         if outcome.changed[0] {
-            if found.is_none() && !self.reserve(1) {
+            if !self.reserve(1) {
                 return Ok(None);
             }
-            self.save(&mut table, slot, id, hash, states[0].expect("changed states are set"), now);
+            self.save(&mut table, at, slot, states[0].expect("changed states are set"), now)?;
         }
         Ok(Some(outcome))
     }
@@ -340,48 +365,43 @@ impl<C: Clock> MemoryStore<C> {
     /// Several slots: their segments locked once each, in ascending order.
     fn execute_many(&self, plan: &Plan<'_>) -> Result<Option<Outcome>, StoreError> {
         let slots = plan.slots();
-        let located = self.locate(slots, plan.writes())?;
-        let mut order: SmallVec<[usize; 4]> = located.iter().flatten().map(|l| l.segment).collect();
+        let located: SmallVec<[Located; 2]> = slots.iter().map(|s| self.locate(s)).collect();
+        let mut order: SmallVec<[usize; 4]> = located.iter().map(|l| l.segment).collect();
         order.sort_unstable();
         order.dedup();
         let now = self.clock.now();
         let mut guards: SmallVec<[MutexGuard<'_, Table>; 4]> =
             order.iter().map(|&s| self.segments[s].0.lock()).collect();
         let guard_of = |segment: usize| order.binary_search(&segment).expect("locked");
-        let mut states: SmallVec<[Option<State>; 2]> = slots
-            .iter()
-            .zip(&located)
-            .map(|(slot, l)| {
-                let Located { id, hash, segment } = (*l)?;
-                let e = guards[guard_of(segment)].entries.find(hash, |e| e.is(id, slot.key))?;
-                Some(State { value: e.value, ts: e.ts })
-            })
-            .collect();
+        let mut states: SmallVec<[Option<State>; 2]> =
+            slots.iter().zip(&located).map(|(slot, &at)| guards[guard_of(at.segment)].find(at, slot)).collect();
         let found: SmallVec<[bool; 2]> = states.iter().map(Option::is_some).collect();
         let outcome = plan.decide(now, &mut states);
         let new = (0..slots.len()).filter(|&i| outcome.changed[i] && !found[i]).count();
         if !self.reserve(new) {
             return Ok(None);
         }
-        for (i, slot) in slots.iter().enumerate() {
+        for (i, (slot, &at)) in slots.iter().zip(&located).enumerate() {
             if outcome.changed[i] {
-                let Located { id, hash, segment } =
-                    located[i].expect("a writing plan locates every slot");
                 let state = states[i].expect("changed states are set");
-                self.save(&mut guards[guard_of(segment)], slot, id, hash, state, now);
+                self.save(&mut guards[guard_of(at.segment)], at, slot, state, now)?;
             }
         }
         Ok(Some(outcome))
     }
 }
 
+/// Whole seconds, rounded up: a state is dropped at or after it is full, never before.
 fn expiry_secs(ms: f64) -> u32 {
-    // Rounded up: a state is dropped at or after it is full, never before.
-    (ms / 1_000.0).ceil().clamp(0.0, f64::from(u32::MAX)) as u32
+    // `as` saturates (and maps NaN to 0); this avoids `ceil`, a library call on baseline x86-64.
+    let secs = ms / 1_000.0;
+    let whole = secs as u32;
+    if f64::from(whole) < secs { whole.saturating_add(1) } else { whole }
 }
 
+/// Whole seconds, rounded down.
 fn expiry_now(now_ms: f64) -> u32 {
-    (now_ms / 1_000.0).floor().clamp(0.0, f64::from(u32::MAX)) as u32
+    (now_ms / 1_000.0) as u32
 }
 
 impl<C: Clock> Store for MemoryStore<C> {
@@ -394,28 +414,25 @@ impl<C: Clock> Store for MemoryStore<C> {
     }
 
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        let located = self.locate(slots, false)?;
         let now = self.clock.now();
         let states = slots
             .iter()
-            .zip(&located)
-            .map(|(slot, l)| {
-                let Located { id, hash, segment } = (*l)?;
-                let table = self.segments[segment].0.lock();
-                let e = table.entries.find(hash, |e| e.is(id, slot.key))?;
-                Some(State { value: e.value, ts: e.ts })
+            .map(|slot| {
+                let at = self.locate(slot);
+                self.segments[at.segment].0.lock().find(at, slot)
             })
             .collect();
         Ok((now, states))
     }
 
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-        let Some(name) = self.name_id(name, false)? else { return Ok(()) };
         for shard in 0..shards {
-            let id = name << SHARD_BITS | u32::from(shard);
-            let hash = self.hash(id, key);
-            let mut table = self.segments[self.segment_of(hash)].0.lock();
-            if let Ok(entry) = table.entries.find_entry(hash, |e| e.is(id, key)) {
+            // Only name, key and shard locate a state; the config plays no part.
+            let slot = Slot { name, key, shard, config: Config::token_bucket(1.0, 1.0), alignment: 0.0 };
+            let at = self.locate(&slot);
+            let mut table = self.segments[at.segment].0.lock();
+            let Some(id) = table.entry_id(at, &slot) else { continue };
+            if let Ok(entry) = table.entries.find_entry(at.hash, |e| e.is(id, key)) {
                 entry.remove();
                 self.len.fetch_sub(1, Ordering::Relaxed);
             }

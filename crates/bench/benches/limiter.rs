@@ -1,0 +1,144 @@
+//! tollgate's memory store against governor, on the calls a user makes, in one run.
+//!
+//! `cargo bench -p tollgate-bench`, then `cargo run -p tollgate-bench --bin report` for the
+//! table of BENCHMARKS.md.
+
+use std::hint::black_box;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use tollgate::Request;
+use tollgate_bench::{governor_direct, governor_keyed, keys, tollgate, Limit};
+
+fn one_key_one_thread(c: &mut Criterion) {
+    let mut g = c.benchmark_group("one_key_one_thread");
+    let t = tollgate();
+    g.bench_function("tollgate", |b| {
+        b.iter(|| t.limit(Limit::PerUser, black_box("user-00000001")).unwrap())
+    });
+    let gov = governor_keyed();
+    let key = String::from("user-00000001");
+    g.bench_function("governor", |b| b.iter(|| gov.check_key(black_box(&key)).is_ok()));
+    g.finish();
+}
+
+fn global_one_thread(c: &mut Criterion) {
+    // tollgate's unkeyed limit against governor's direct limiter (which has no map at all).
+    let mut g = c.benchmark_group("global_one_thread");
+    let t = tollgate();
+    g.bench_function("tollgate", |b| b.iter(|| t.limit(Limit::Global, Request::new()).unwrap()));
+    let gov = governor_direct();
+    g.bench_function("governor", |b| b.iter(|| gov.check().is_ok()));
+    g.finish();
+}
+
+fn many_keys(c: &mut Criterion) {
+    // 100k distinct String keys, visited in a fixed shuffled order: every call hits a live key
+    // in a table far larger than the CPU caches' share per key.
+    let n = 100_000;
+    let keys = keys(n);
+    let order: Vec<usize> = (0..n).map(|i| (i * 48_271) % n).collect();
+    let mut g = c.benchmark_group("100k_string_keys");
+    let t = tollgate();
+    for k in &keys {
+        t.limit(Limit::PerUser, k.as_str()).unwrap();
+    }
+    let mut i = 0;
+    g.bench_function("tollgate", |b| {
+        b.iter(|| {
+            i = (i + 1) % n;
+            t.limit(Limit::PerUser, keys[order[i]].as_str()).unwrap()
+        })
+    });
+    let gov = governor_keyed();
+    for k in &keys {
+        let _ = gov.check_key(k);
+    }
+    let mut i = 0;
+    g.bench_function("governor", |b| {
+        b.iter(|| {
+            i = (i + 1) % n;
+            gov.check_key(&keys[order[i]]).is_ok()
+        })
+    });
+    g.finish();
+}
+
+/// Runs `op` on two threads at once, `iters` times in all; the time per op is wall time over
+/// all ops, so it falls if the threads truly run in parallel.
+fn two_threads(iters: u64, op: &(dyn Fn() + Sync)) -> Duration {
+    let barrier = Barrier::new(2);
+    std::thread::scope(|s| {
+        let worker = s.spawn(|| {
+            barrier.wait();
+            for _ in 0..iters / 2 {
+                op();
+            }
+        });
+        barrier.wait();
+        let start = Instant::now();
+        for _ in 0..iters - iters / 2 {
+            op();
+        }
+        worker.join().unwrap();
+        start.elapsed()
+    })
+}
+
+fn one_key_two_threads(c: &mut Criterion) {
+    let mut g = c.benchmark_group("one_key_two_threads");
+    let t = tollgate();
+    g.bench_function("tollgate", |b| {
+        b.iter_custom(|iters| {
+            two_threads(iters, &|| {
+                black_box(t.limit(Limit::PerUser, black_box("user-00000001")).unwrap());
+            })
+        })
+    });
+    let gov = governor_keyed();
+    let key = String::from("user-00000001");
+    g.bench_function("governor", |b| {
+        b.iter_custom(|iters| {
+            two_threads(iters, &|| {
+                black_box(gov.check_key(black_box(&key)).is_ok());
+            })
+        })
+    });
+    g.finish();
+}
+
+fn transaction_of_three(c: &mut Criterion) {
+    // tollgate takes three limits all or nothing; governor has no transaction, so it checks
+    // three keyed limiters one after another (not atomic: the first two are spent even when
+    // the third refuses).
+    let mut g = c.benchmark_group("transaction_of_3");
+    let t = tollgate();
+    g.bench_function("tollgate", |b| {
+        b.iter(|| {
+            let calls = [
+                tollgate::Target::from(Limit::PerUser).with(black_box("user-00000001")),
+                tollgate::Target::from(Limit::PerTeam).with(black_box("team-0001")),
+                tollgate::Target::from(Limit::Global).with(Request::new()),
+            ];
+            t.transaction(&calls).unwrap().ok
+        })
+    });
+    let (users, teams, global) = (governor_keyed(), governor_keyed(), governor_direct());
+    let (user, team) = (String::from("user-00000001"), String::from("team-0001"));
+    g.bench_function("governor", |b| {
+        b.iter(|| {
+            users.check_key(black_box(&user)).is_ok()
+                && teams.check_key(black_box(&team)).is_ok()
+                && global.check().is_ok()
+        })
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
+    targets = one_key_one_thread, global_one_thread, many_keys, one_key_two_threads, transaction_of_three
+}
+criterion_main!(benches);

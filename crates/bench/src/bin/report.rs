@@ -1,0 +1,105 @@
+//! Prints BENCHMARKS.md's table: per scenario, tollgate's and governor's ns/op (read from the
+//! last `cargo bench -p tollgate-bench` run) and their ratio; then measures bytes per live key
+//! for both at 100k String keys with a counting allocator.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+use tollgate_bench::{governor_keyed, keys, tollgate, Limit};
+
+/// Counts the bytes currently allocated, to measure what live keys cost.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts sizes.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+const SCENARIOS: [&str; 5] =
+    ["one_key_one_thread", "global_one_thread", "100k_string_keys", "one_key_two_threads", "transaction_of_3"];
+
+fn criterion_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"),
+        PathBuf::from,
+    );
+    target.join("criterion")
+}
+
+fn mean_ns(group: &str, id: &str) -> Option<f64> {
+    let path = criterion_dir().join(group).join(id).join("new/estimates.json");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    json["mean"]["point_estimate"].as_f64()
+}
+
+/// Bytes allocated per key after `n` live keys, beyond the keys' own bytes.
+fn bytes_per_key(n: usize, fill: impl FnOnce(&[String]) -> Box<dyn std::any::Any>) -> f64 {
+    let keys = keys(n);
+    let key_bytes: usize = keys.iter().map(String::len).sum();
+    let before = LIVE.load(Ordering::Relaxed);
+    let kept = fill(&keys);
+    let after = LIVE.load(Ordering::Relaxed);
+    drop(kept);
+    ((after - before) as f64 - key_bytes as f64) / n as f64
+}
+
+fn main() {
+    println!("| scenario | tollgate ns/op | governor ns/op | ratio (tollgate / governor) |");
+    println!("|---|---:|---:|---:|");
+    let mut missing = false;
+    for s in SCENARIOS {
+        match (mean_ns(s, "tollgate"), mean_ns(s, "governor")) {
+            (Some(t), Some(g)) => println!("| {s} | {t:.1} | {g:.1} | {:.2}x |", t / g),
+            _ => {
+                missing = true;
+                println!("| {s} | – | – | not measured |");
+            }
+        }
+    }
+    if missing {
+        println!("\n(run `cargo bench -p tollgate-bench` first: scenarios without results are marked)");
+    }
+    let n = 100_000;
+    let t = bytes_per_key(n, |keys| {
+        let t = tollgate();
+        for k in keys {
+            t.limit(Limit::PerUser, k.as_str()).unwrap();
+        }
+        assert_eq!(t.store().len(), n);
+        Box::new(t)
+    });
+    let g = bytes_per_key(n, |keys| {
+        let g = governor_keyed();
+        for k in keys {
+            let _ = g.check_key(k);
+        }
+        assert_eq!(g.len(), n);
+        Box::new(g)
+    });
+    println!();
+    println!("| memory at {n} live String keys | bytes per key beyond the key's own bytes |");
+    println!("|---|---:|");
+    println!("| tollgate | {t:.1} |");
+    println!("| governor | {g:.1} |");
+}
