@@ -7,9 +7,9 @@ use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::Request;
-use tollgate_bench::{governor_direct, governor_keyed, keys, tollgate, Limit};
+use tollgate_bench::{Limit, governor_direct, governor_keyed, keys, tollgate};
 
 fn one_key_one_thread(c: &mut Criterion) {
     let mut g = c.benchmark_group("one_key_one_thread");

@@ -1,7 +1,7 @@
 //! Time sources: milliseconds since the Unix epoch, as an `f64`.
 
-use std::sync::{Arc, OnceLock};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// A source of the current time in milliseconds since the Unix epoch.
@@ -38,7 +38,8 @@ impl Clock for SystemClock {
     fn now(&self) -> f64 {
         let (wall, at) = *ANCHOR.get_or_init(|| (SystemClock::wall(), quanta::Instant::now()));
         let elapsed = quanta::Instant::now().duration_since(at);
-        wall + elapsed.as_secs() as f64 * 1_000.0 + f64::from(elapsed.subsec_nanos()) / 1_000_000.0
+        // as_nanos() is a u128, whose conversion to f64 is a library call: split it instead.
+        wall + elapsed.as_secs() as f64 * 1_000.0 + f64::from(elapsed.subsec_nanos()) * 1e-6
     }
 }
 

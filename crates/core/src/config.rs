@@ -63,15 +63,42 @@ impl fmt::Display for Kind {
 /// use tollgate_core::Config;
 /// const BROKEN: Config = Config::token_bucket(10.0, 0.0); // period must be > 0
 /// ```
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy)]
 pub struct Config {
     kind: Kind,
+    shards: u16,
     rate: f64,
     period: f64,
     capacity: f64,
-    max_reserved: Option<f64>,
-    shards: u16,
-    start: Option<f64>,
+    /// Unbounded is `INFINITY`, so the config is 48 bytes instead of 64: it is copied
+    /// through every request.
+    max_reserved: f64,
+    /// None is NaN (a valid `start` is finite).
+    start: f64,
+}
+
+impl PartialEq for Config {
+    fn eq(&self, other: &Self) -> bool {
+        // Compared as the public view: NaN for "no start" would never equal itself.
+        (self.kind, self.shards, self.rate, self.period, self.capacity)
+            == (other.kind, other.shards, other.rate, other.period, other.capacity)
+            && self.max_reserved() == other.max_reserved()
+            && self.start() == other.start()
+    }
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("kind", &self.kind)
+            .field("rate", &self.rate)
+            .field("period", &self.period)
+            .field("capacity", &self.capacity)
+            .field("max_reserved", &self.max_reserved())
+            .field("shards", &self.shards)
+            .field("start", &self.start())
+            .finish()
+    }
 }
 
 const fn positive(x: f64) -> bool {
@@ -86,7 +113,15 @@ impl Config {
     const fn new(kind: Kind, rate: f64, period: f64) -> Self {
         assert!(positive(rate), "rate must be finite and > 0");
         assert!(positive(period), "period must be finite and > 0");
-        Config { kind, rate, period, capacity: rate, max_reserved: None, shards: 1, start: None }
+        Config {
+            kind,
+            rate,
+            period,
+            capacity: rate,
+            max_reserved: f64::INFINITY,
+            shards: 1,
+            start: f64::NAN,
+        }
     }
 
     /// A token bucket that adds `rate` tokens per `period` milliseconds; capacity defaults to `rate`.
@@ -128,7 +163,7 @@ impl Config {
     #[must_use]
     pub const fn with_max_reserved(mut self, max_reserved: f64) -> Self {
         assert!(non_negative(max_reserved), "maxReserved must be finite and >= 0");
-        self.max_reserved = Some(max_reserved);
+        self.max_reserved = max_reserved;
         self
     }
 
@@ -154,7 +189,7 @@ impl Config {
     pub const fn with_start(mut self, start: f64) -> Self {
         assert!(start.is_finite(), "start must be finite");
         assert!(matches!(self.kind, Kind::FixedWindow), "start applies to fixed windows only");
-        self.start = Some(start);
+        self.start = start;
         self
     }
 
@@ -176,7 +211,7 @@ impl Config {
     }
     /// The most tokens that may be reserved ahead, if bounded.
     pub const fn max_reserved(&self) -> Option<f64> {
-        self.max_reserved
+        if self.max_reserved.is_finite() { Some(self.max_reserved) } else { None }
     }
     /// The number of shards.
     pub const fn shards(&self) -> u16 {
@@ -184,15 +219,17 @@ impl Config {
     }
     /// A fixed window's explicit alignment, if any.
     pub const fn start(&self) -> Option<f64> {
-        self.start
+        if self.start.is_nan() { None } else { Some(self.start) }
     }
 
     /// `shardFactor` of SPEC §2: 1 below three shards, else half the shard count.
+    #[inline]
     pub fn shard_factor(&self) -> f64 {
         if self.shards < 3 { 1.0 } else { f64::from(self.shards) / 2.0 }
     }
 
     /// The parameters of one shard: rate, capacity and `maxReserved` divided by the shard count.
+    #[inline]
     pub fn per_shard(&self) -> Config {
         let n = f64::from(self.shards);
         if self.shards == 1 {
@@ -201,7 +238,7 @@ impl Config {
         Config {
             rate: self.rate / n,
             capacity: self.capacity / n,
-            max_reserved: self.max_reserved.map(|m| m / n),
+            max_reserved: self.max_reserved / n,
             ..*self
         }
     }
@@ -210,8 +247,8 @@ impl Config {
     /// `value` operation reports it.
     #[must_use]
     pub fn with_alignment(mut self, alignment: f64) -> Config {
-        if self.kind == Kind::FixedWindow && self.start.is_none() {
-            self.start = Some(alignment);
+        if self.kind == Kind::FixedWindow && self.start.is_nan() {
+            self.start = alignment;
         }
         self
     }
@@ -223,9 +260,9 @@ impl Config {
             rate: self.rate,
             period: Period::Millis(self.period),
             capacity: Some(self.capacity),
-            max_reserved: self.max_reserved,
+            max_reserved: self.max_reserved(),
             shards: Some(f64::from(self.shards)),
-            start: self.start,
+            start: self.start(),
         }
     }
 }
@@ -380,7 +417,7 @@ impl TryFrom<&RawConfig> for Config {
         }
         if let Some(max) = raw.max_reserved {
             config.max_reserved =
-                Some(check("maxReserved", max, non_negative(max), "must be finite and >= 0")?);
+                check("maxReserved", max, non_negative(max), "must be finite and >= 0")?;
         }
         if let Some(shards) = raw.shards {
             let ok = shards.fract() == 0.0 && (1.0..=f64::from(MAX_SHARDS)).contains(&shards);
@@ -394,7 +431,7 @@ impl TryFrom<&RawConfig> for Config {
                     "applies to fixed windows only",
                 ));
             }
-            config.start = Some(check("start", start, start.is_finite(), "must be finite")?);
+            config.start = check("start", start, start.is_finite(), "must be finite")?;
         }
         Ok(config)
     }
@@ -582,6 +619,15 @@ mod tests {
         );
         let back: Config = serde_json::from_str(&json).unwrap();
         assert_eq!(back, c);
+    }
+
+    #[test]
+    fn config_is_small() {
+        assert_eq!(std::mem::size_of::<Config>(), 48);
+        let c = Config::fixed_window(1.0, 1.0);
+        assert_eq!((c.max_reserved(), c.start()), (None, None));
+        let c = c.with_max_reserved(0.0).with_start(-5.0);
+        assert_eq!((c.max_reserved(), c.start()), (Some(0.0), Some(-5.0)));
     }
 
     #[test]

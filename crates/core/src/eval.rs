@@ -43,6 +43,7 @@ pub struct Evaluation {
 /// A token bucket starts full at `now`. A fixed window starts full at the start of the window
 /// that contains `now`, with windows aligned to `alignment` (the config's `start`, or the
 /// pseudo-random offset of [`alignment`]).
+#[inline]
 pub fn fresh_state(shard: &Config, alignment: f64, now: f64) -> State {
     let ts = match shard.kind() {
         Kind::TokenBucket => now,
@@ -52,6 +53,7 @@ pub fn fresh_state(shard: &Config, alignment: f64, now: f64) -> State {
 }
 
 /// The start of the window containing `now`, for windows of `period` aligned to `alignment`.
+#[inline]
 fn window_start(alignment: f64, period: f64, now: f64) -> f64 {
     alignment + ((now - alignment) / period).floor() * period
 }
@@ -73,6 +75,7 @@ fn window_start(alignment: f64, period: f64, now: f64) -> f64 {
 /// let at_6s = evaluate(&config, Some(State { value: 5.0, ts: 0.0 }), 0.0, 6_000.0, 0.0, false);
 /// assert_eq!(at_6s.state.value, 6.0);
 /// ```
+#[inline]
 pub fn evaluate(
     shard: &Config,
     state: Option<State>,
@@ -105,11 +108,14 @@ pub fn evaluate(
 }
 
 /// `value'` and `ts'` of SPEC §2 for `count` tokens taken from `state` at `now`.
+#[inline]
 fn advance(shard: &Config, State { value, ts }: State, now: f64, count: f64) -> State {
     let (rate, period, max) = (shard.rate(), shard.period(), shard.capacity());
     match shard.kind() {
         // value' = min(value + (now - ts) * rate / period, max) - count; ts' = now
-        Kind::TokenBucket => State { value: (value + (now - ts) * rate / period).min(max) - count, ts: now },
+        Kind::TokenBucket => {
+            State { value: (value + (now - ts) * rate / period).min(max) - count, ts: now }
+        }
         Kind::FixedWindow => {
             // windows = floor((now - ts) / period); value' = min(value + rate * windows, max) - count
             let windows = ((now - ts) / period).floor();
@@ -139,6 +145,7 @@ fn settle(now: f64, wait: f64, done: impl Fn(f64) -> bool) -> f64 {
 ///
 /// A token bucket is full once `capacity - value` tokens have flowed back. A fixed window is
 /// full at the start of the first window by which enough whole windows have been granted.
+#[inline]
 pub fn full_at(shard: &Config, state: State) -> f64 {
     let missing = shard.capacity() - state.value;
     if missing <= 0.0 {
@@ -157,6 +164,7 @@ pub fn full_at(shard: &Config, state: State) -> f64 {
 /// all come back at the same instant. Deriving it from a hash instead of drawing it keeps it
 /// the same in every process that shares a store and across the state being dropped when full,
 /// so dropping a full state never moves a window. `seed` changes every alignment at once.
+#[inline]
 pub fn alignment(config: &Config, seed: u64, name: &str, key: Option<&str>, shard: u16) -> f64 {
     if let Some(start) = config.start() {
         return start;
@@ -164,6 +172,11 @@ pub fn alignment(config: &Config, seed: u64, name: &str, key: Option<&str>, shar
     if config.kind() == Kind::TokenBucket {
         return 0.0;
     }
+    hashed_alignment(config.period(), seed, name, key, shard)
+}
+
+#[inline(never)]
+fn hashed_alignment(period: f64, seed: u64, name: &str, key: Option<&str>, shard: u16) -> f64 {
     let mut h = Fnv::new(seed);
     h.write(name.as_bytes());
     match key {
@@ -175,7 +188,7 @@ pub fn alignment(config: &Config, seed: u64, name: &str, key: Option<&str>, shar
         None => h.write(&[0xfe]),
     }
     h.write(&shard.to_le_bytes());
-    unit_interval(h.finish()) * config.period()
+    unit_interval(h.finish()) * period
 }
 
 /// Maps 64 random bits to a float uniform in `[0, 1)`.
@@ -242,6 +255,7 @@ pub const MAX_KEY_BYTES: usize = 1024;
 /// # Errors
 ///
 /// An empty name, a name over 256 bytes, or a key over 1024 bytes.
+#[inline]
 pub fn validate_name_key(name: &str, key: Option<&str>) -> Result<(), InvalidRequest> {
     if name.is_empty() {
         return Err(InvalidRequest::new("Rate limit name must not be empty."));
@@ -280,12 +294,18 @@ pub fn validate_name_key(name: &str, key: Option<&str>) -> Result<(), InvalidReq
 /// assert_eq!(err.to_string(), "Rate limit sendMessage count 4 exceeds 3.");
 /// assert!(validate_count("sendMessage", &config, 4.0, true).is_ok());
 /// ```
+#[inline]
 pub fn validate_count(
     name: &str,
     config: &Config,
     count: f64,
     reserve: bool,
 ) -> Result<(), InvalidRequest> {
+    // The common case first: a count within capacity, unsharded, not reserving (NaN fails
+    // the comparison and takes the long way).
+    if !reserve && config.shards() == 1 && (0.0..=config.capacity()).contains(&count) {
+        return Ok(());
+    }
     if !count.is_finite() || count < 0.0 {
         return Err(InvalidRequest::new(format!(
             "Rate limit {name} count {} must be a finite number >= 0.",

@@ -37,4 +37,6 @@ pub use eval::{
     Decision, Evaluation, InvalidRequest, MAX_KEY_BYTES, MAX_NAME_BYTES, State, alignment,
     evaluate, fresh_state, full_at, splitmix64, unit_interval, validate_count, validate_name_key,
 };
-pub use plan::{Outcome, Plan, Reading, Sample, Slot, Take, max_option, read, sample_shards};
+pub use plan::{
+    Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Take, max_option, read, sample_shards,
+};

@@ -41,10 +41,76 @@ pub struct Slot<'a> {
 
 impl Slot<'_> {
     /// Whether two slots name the same stored state.
+    #[inline]
     pub fn same_state(&self, other: &Slot<'_>) -> bool {
         self.shard == other.shard && self.key == other.key && self.name == other.name
     }
 }
+
+/// One take from an unsharded limit: the common request, which a store may serve without
+/// building a [`Plan`] (see `Store::execute_one` in the `tollgate` crate).
+#[derive(Clone, Copy, Debug)]
+pub struct OneTake<'a> {
+    /// The one slot.
+    pub slot: Slot<'a>,
+    /// Tokens asked for.
+    pub count: f64,
+    /// Whether a shortfall may be booked ahead.
+    pub reserve: bool,
+    /// Whether the new state is saved when granted (`limit`) or not (`check`).
+    pub writes: bool,
+}
+
+impl<'a> OneTake<'a> {
+    /// Validates `take` as [`Plan::push`] does.
+    ///
+    /// # Errors
+    ///
+    /// The validation errors of [`Plan::push`], and a sharded limit, which needs a [`Plan`].
+    #[inline]
+    pub fn new(take: &Take<'a>, seed: u64, writes: bool) -> Result<Self, InvalidRequest> {
+        if take.config.shards() != 1 {
+            return Err(InvalidRequest::new(format!(
+                "Rate limit {} is sharded: it needs a Plan, not a OneTake.",
+                take.name
+            )));
+        }
+        validate_name_key(take.name, take.key)?;
+        validate_count(take.name, &take.config, take.count, take.reserve)?;
+        let slot = Slot {
+            name: take.name,
+            key: take.key,
+            shard: 0,
+            config: take.config,
+            alignment: alignment(&take.config, seed, take.name, take.key, 0),
+        };
+        Ok(OneTake { slot, count: take.count, reserve: take.reserve, writes })
+    }
+
+    /// Evaluates the take against the slot's loaded state: the decision, and the state to
+    /// save if any.
+    #[inline]
+    pub fn decide(&self, now: f64, state: Option<State>) -> (Decision, Option<State>) {
+        let s = &self.slot;
+        let e = evaluate(&s.config, state, s.alignment, now, self.count, self.reserve);
+        (e.decision, (e.decision.ok && self.writes).then_some(e.state))
+    }
+
+    /// The same request as a [`Plan`], for stores that serve everything through plans.
+    pub fn to_plan(&self) -> Plan<'a> {
+        let item = Item { count: self.count, reserve: self.reserve, sharded: false, a: 0, b: None };
+        Plan {
+            writes: self.writes,
+            items: smallvec::smallvec![item],
+            slots: smallvec::smallvec![self.slot],
+        }
+    }
+}
+
+/// A small vector held inline up to four elements: a plan's takes and slots, and what a
+/// store keeps per slot. Transactions of up to four limits (or a sharded take's two slots)
+/// then need no allocation.
+pub type Inline<T> = SmallVec<[T; 4]>;
 
 #[derive(Clone, Copy, Debug)]
 struct Item {
@@ -78,8 +144,8 @@ struct Item {
 #[derive(Clone, Debug)]
 pub struct Plan<'a> {
     writes: bool,
-    items: SmallVec<[Item; 1]>,
-    slots: SmallVec<[Slot<'a>; 2]>,
+    items: Inline<Item>,
+    slots: Inline<Slot<'a>>,
 }
 
 /// The result of deciding a plan.
@@ -90,13 +156,14 @@ pub struct Outcome {
     /// The largest `retry_after` of the takes.
     pub retry_after: Option<f64>,
     /// One decision per take, in order.
-    pub results: SmallVec<[Decision; 1]>,
+    pub results: Inline<Decision>,
     /// Per slot: whether its new state must be saved.
-    pub changed: SmallVec<[bool; 2]>,
+    pub changed: Inline<bool>,
 }
 
 impl Outcome {
     /// The single decision of a one-take plan (or the combined one of a transaction).
+    #[inline]
     pub fn decision(&self) -> Decision {
         Decision { ok: self.ok, retry_after: self.retry_after }
     }
@@ -109,6 +176,7 @@ impl Outcome {
 
 impl<'a> Plan<'a> {
     /// An empty plan; `writes` is true for `limit` and transactions, false for `check`.
+    #[inline]
     pub fn new(writes: bool) -> Self {
         Plan { writes, items: SmallVec::new(), slots: SmallVec::new() }
     }
@@ -129,6 +197,7 @@ impl<'a> Plan<'a> {
     ///
     /// The validation errors of SPEC §1 and §2: a bad name or key, a count that is not finite
     /// and >= 0, or a count the limit can never grant.
+    #[inline]
     pub fn push(&mut self, take: &Take<'a>, seed: u64, random: u64) -> Result<(), InvalidRequest> {
         validate_name_key(take.name, take.key)?;
         validate_count(take.name, &take.config, take.count, take.reserve)?;
@@ -147,6 +216,7 @@ impl<'a> Plan<'a> {
         Ok(())
     }
 
+    #[inline]
     fn slot(&mut self, take: &Take<'a>, config: Config, seed: u64, shard: u16) -> usize {
         let slot = Slot {
             name: take.name,
@@ -155,6 +225,7 @@ impl<'a> Plan<'a> {
             config,
             alignment: alignment(&config, seed, take.name, take.key, shard),
         };
+        // Two takes of one state in a transaction share its slot, so they add up.
         if let Some(i) = self.slots.iter().position(|s| s.same_state(&slot)) {
             return i;
         }
@@ -173,6 +244,7 @@ impl<'a> Plan<'a> {
     /// # Panics
     ///
     /// If `states` is shorter than [`Plan::slots`].
+    #[inline]
     pub fn decide(&self, now: f64, states: &mut [Option<State>]) -> Outcome {
         assert!(states.len() >= self.slots.len(), "one state per slot");
         if let ([item], [_]) = (self.items.as_slice(), self.slots.as_slice()) {
@@ -190,9 +262,8 @@ impl<'a> Plan<'a> {
                 changed: smallvec::smallvec![changed],
             };
         }
-        let mut working: SmallVec<[Option<State>; 2]> =
-            SmallVec::from_slice(&states[..self.slots.len()]);
-        let mut changed: SmallVec<[bool; 2]> = SmallVec::from_elem(false, self.slots.len());
+        let mut working: Inline<Option<State>> = SmallVec::from_slice(&states[..self.slots.len()]);
+        let mut changed: Inline<bool> = SmallVec::from_elem(false, self.slots.len());
         let mut results = SmallVec::with_capacity(self.items.len());
         let (mut ok, mut retry_after) = (true, None::<f64>);
         for item in &self.items {
@@ -215,6 +286,7 @@ impl<'a> Plan<'a> {
         Outcome { ok, retry_after, results, changed }
     }
 
+    #[inline]
     fn eval(
         &self,
         slot: usize,
@@ -228,6 +300,7 @@ impl<'a> Plan<'a> {
     }
 
     /// One take: a single shard, or the power of two choices (SPEC §3).
+    #[inline]
     fn decide_item(
         &self,
         item: &Item,
@@ -269,6 +342,7 @@ impl<'a> Plan<'a> {
 }
 
 /// Shard A uniform in `0..n`; shard B uniform among the others when `n >= 3`.
+#[inline]
 fn pick_shards(n: u16, random: u64) -> (u16, Option<u16>) {
     if n == 1 {
         return (0, None);
@@ -284,6 +358,7 @@ fn pick_shards(n: u16, random: u64) -> (u16, Option<u16>) {
 }
 
 /// The larger of two optional waits.
+#[inline]
 pub fn max_option(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.max(b)),
@@ -399,19 +474,14 @@ mod tests {
     }
 
     /// Shards A=0 and B=1 of 4, preloaded with the given values at time 0.
-    fn two_shards(
-        va: f64,
-        vb: f64,
-        count: f64,
-        reserve: bool,
-    ) -> (Outcome, SmallVec<[Option<State>; 2]>) {
+    fn two_shards(va: f64, vb: f64, count: f64, reserve: bool) -> (Outcome, Inline<Option<State>>) {
         // 10 per shard; at most 2 reserved per shard.
         let config = Config::token_bucket(40.0, MINUTE).with_shards(4).with_max_reserved(8.0);
         let mut plan = Plan::new(true);
         // random = 0 picks a = 0 and b = 1.
         plan.push(&Take { reserve, ..take(config, count) }, 0, 0).unwrap();
         assert_eq!((plan.slots()[0].shard, plan.slots()[1].shard), (0, 1));
-        let mut states: SmallVec<[Option<State>; 2]> = SmallVec::from_slice(&[
+        let mut states: Inline<Option<State>> = SmallVec::from_slice(&[
             Some(State { value: va, ts: 0.0 }),
             Some(State { value: vb, ts: 0.0 }),
         ]);

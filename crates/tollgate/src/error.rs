@@ -22,7 +22,8 @@ pub enum Error {
         name: String,
     },
     /// Refused, for a request made with `throws`: retry after `retry_after` ms.
-    #[error("Rate limit {name} exceeded; retry after {} ms.", fmt_number(*retry_after))]
+    /// The message rounds the wait up to whole milliseconds; the field keeps it exact.
+    #[error("Rate limit {name} exceeded; retry after {} ms.", fmt_number(retry_after.ceil()))]
     RateLimited {
         /// The limit that refused (in a transaction, the one with the longest wait).
         name: String,

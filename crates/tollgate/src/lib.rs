@@ -46,3 +46,8 @@ pub use tollgate_core::{
 
 /// The algebra, re-exported: evaluate states yourself, or build a store.
 pub use tollgate_core as core;
+
+/// The README's examples, compiled and run as doc tests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;

@@ -7,7 +7,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 use tollgate_core::{
-    Config, Decision, Plan, Reading, Sample, Slot, Take, alignment, read, sample_shards,
+    Config, Decision, OneTake, Plan, Reading, Sample, Slot, Take, alignment, read, sample_shards,
     splitmix64, unit_interval,
 };
 
@@ -322,9 +322,17 @@ impl<S: Store> RateLimiter<S> {
         target: Target<'_>,
         request: Request<'_>,
     ) -> Result<Decision, Error> {
-        let mut plan = Plan::new(writes);
-        let name = self.push(&mut plan, &target, &request)?;
-        let decision = self.store.execute(&plan)?.decision();
+        let config = self.resolve(&target)?;
+        let name = target.name();
+        let take =
+            Take { name, key: request.key, config, count: request.count, reserve: request.reserve };
+        let decision = if config.shards() == 1 {
+            self.store.execute_one(&OneTake::new(&take, self.seed, writes)?)?
+        } else {
+            let mut plan = Plan::new(writes);
+            plan.push(&take, self.seed, self.draw())?;
+            self.store.execute(&plan)?.decision()
+        };
         if request.throws && !decision.ok {
             return Err(refused(name, decision));
         }

@@ -1,7 +1,7 @@
 //! The public API in the shapes users write it: typed names with borrowed keys, inline
 //! configs, names defined at run time.
 
-use tollgate::{Call, Config, Limits, MemoryStore, RateLimiter, Request, Target, MINUTE};
+use tollgate::{Call, Config, Limits, MINUTE, MemoryStore, RateLimiter, Request, Target};
 
 #[derive(Clone, Copy)]
 enum Limit {
@@ -45,13 +45,16 @@ fn typed_names_take_borrowed_keys() {
     let limiter = RateLimiter::new(MemoryStore::new());
     let user = String::from("alice");
     assert!(serve(&limiter, &user));
-    assert!(!limiter.limit(("inline", Config::token_bucket(1.0, MINUTE)), user.as_str()).unwrap().ok);
+    assert!(
+        !limiter.limit(("inline", Config::token_bucket(1.0, MINUTE)), user.as_str()).unwrap().ok
+    );
 }
 
 #[test]
 fn names_defined_at_run_time_are_listed() {
-    let limiter =
-        RateLimiter::builder(MemoryStore::new()).define("a", Config::token_bucket(1.0, MINUTE)).build();
+    let limiter = RateLimiter::builder(MemoryStore::new())
+        .define("a", Config::token_bucket(1.0, MINUTE))
+        .build();
     let names: Vec<&str> = limiter.defined().map(|(n, _)| n).collect();
     assert_eq!(names, ["a"]);
     assert!(limiter.limit("a", Request::new()).unwrap().ok);

@@ -17,7 +17,10 @@ fn full_token_buckets_are_dropped() {
     }
     assert_eq!(l.store().len(), 1000);
     // One token flows back in 6 s: then every state is full and carries no information.
+    // Sweeps drop states within a second after that (expiry is kept in whole seconds).
     clock.advance(6.0 * SECOND);
+    assert_eq!(l.store().sweep(), 0, "never before they are full");
+    clock.advance(1.0 * SECOND);
     assert_eq!(l.store().sweep(), 1000);
     assert!(l.store().is_empty());
     // A dropped state is the same as a full one.

@@ -1,10 +1,70 @@
-//! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`).
-use tollgate_bench::{tollgate, Limit};
+//! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
+//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS]`.
+use std::time::Instant;
+
+use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
+use tollgate_bench::{Limit, tollgate};
+
 fn main() {
-    let t = tollgate();
-    let mut ok = 0;
-    for _ in 0..200_000 {
-        ok += usize::from(t.limit(Limit::PerUser, std::hint::black_box("user-00000001")).unwrap().ok);
+    if std::env::args().nth(2).as_deref() == Some("parts") {
+        return parts(std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(200_000));
     }
-    println!("{ok}");
+    let n: u32 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(200_000);
+    let t = tollgate();
+    let start = Instant::now();
+    let mut ok = 0usize;
+    for _ in 0..n {
+        ok +=
+            usize::from(t.limit(Limit::PerUser, std::hint::black_box("user-00000001")).unwrap().ok);
+    }
+    let per = start.elapsed().as_nanos() as f64 / f64::from(n);
+    println!("limit, one key: {per:.1} ns/op ({ok} admitted)");
+    let manual = RateLimiter::new(MemoryStore::with_clock(tollgate::ManualClock::new(0.0)));
+    let c = Config::token_bucket(1.0, SECOND).with_capacity(4e9);
+    let start = Instant::now();
+    for _ in 0..n {
+        ok +=
+            usize::from(manual.limit(("x", c), std::hint::black_box("user-00000001")).unwrap().ok);
+    }
+    let per = start.elapsed().as_nanos() as f64 / f64::from(n);
+    println!("limit, one key, manual clock: {per:.1} ns/op");
+    let start = Instant::now();
+    for _ in 0..n {
+        ok +=
+            usize::from(t.check(Limit::PerUser, std::hint::black_box("user-00000001")).unwrap().ok);
+    }
+    let per = start.elapsed().as_nanos() as f64 / f64::from(n);
+    println!("check, one key: {per:.1} ns/op ({ok} granted in all)");
+}
+
+fn parts(n: u32) {
+    use tollgate::Store;
+    use tollgate::core::{OneTake, Take};
+    let store = MemoryStore::new();
+    let config = tollgate::Limits::config(Limit::PerUser);
+    let take =
+        Take { name: "perUser", key: Some("user-00000001"), config, count: 1.0, reserve: false };
+    let one = OneTake::new(&take, 0, true).unwrap();
+    let start = Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(store.execute_one(std::hint::black_box(&one)).unwrap());
+    }
+    println!(
+        "store.execute_one alone: {:.1} ns/op",
+        start.elapsed().as_nanos() as f64 / f64::from(n)
+    );
+    let start = Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(OneTake::new(std::hint::black_box(&take), 0, true).unwrap());
+    }
+    println!("OneTake::new alone: {:.1} ns/op", start.elapsed().as_nanos() as f64 / f64::from(n));
+    let clock = tollgate::SystemClock;
+    let start = Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(tollgate::Clock::now(&clock));
+    }
+    println!(
+        "SystemClock::now alone: {:.1} ns/op",
+        start.elapsed().as_nanos() as f64 / f64::from(n)
+    );
 }

@@ -6,7 +6,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use tollgate_bench::{governor_keyed, keys, tollgate, Limit};
+use tollgate_bench::{Limit, governor_keyed, keys, tollgate};
 
 /// Counts the bytes currently allocated, to measure what live keys cost.
 struct Counting;
@@ -36,20 +36,24 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-const SCENARIOS: [&str; 5] =
-    ["one_key_one_thread", "global_one_thread", "100k_string_keys", "one_key_two_threads", "transaction_of_3"];
+const SCENARIOS: [&str; 5] = [
+    "one_key_one_thread",
+    "global_one_thread",
+    "100k_string_keys",
+    "one_key_two_threads",
+    "transaction_of_3",
+];
 
 fn criterion_dir() -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"),
-        PathBuf::from,
-    );
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"), PathBuf::from);
     target.join("criterion")
 }
 
 fn mean_ns(group: &str, id: &str) -> Option<f64> {
     let path = criterion_dir().join(group).join(id).join("new/estimates.json");
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
     json["mean"]["point_estimate"].as_f64()
 }
 
@@ -78,7 +82,9 @@ fn main() {
         }
     }
     if missing {
-        println!("\n(run `cargo bench -p tollgate-bench` first: scenarios without results are marked)");
+        println!(
+            "\n(run `cargo bench -p tollgate-bench` first: scenarios without results are marked)"
+        );
     }
     let n = 100_000;
     let t = bytes_per_key(n, |keys| {

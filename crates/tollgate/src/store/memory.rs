@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
-use smallvec::SmallVec;
-use tollgate_core::{Clock, Config, Outcome, Plan, Slot, State, SystemClock, full_at};
+use tollgate_core::{
+    Clock, Config, Decision, Inline, OneTake, Outcome, Plan, Slot, State, SystemClock, full_at,
+};
 
 use super::Store;
 use crate::StoreError;
@@ -248,13 +249,22 @@ impl<C: Clock> MemoryStore<C> {
 
     /// Saves `state` for a slot in its locked table: updates, inserts, or drops it when full.
     /// Room for an insert was reserved in `len` by [`Self::reserve`].
-    fn save(&self, table: &mut Table, at: Located, slot: &Slot<'_>, state: State, now: f64) -> Result<(), StoreError> {
-        let expires = expiry_secs(full_at(&slot.config, state));
-        let now_secs = expiry_now(now);
+    fn save(
+        &self,
+        table: &mut Table,
+        at: Located,
+        slot: &Slot<'_>,
+        state: State,
+        now: f64,
+    ) -> Result<(), StoreError> {
+        // Full already: nothing to keep. Otherwise sweeps drop it once `expires` has passed.
+        let full_at = full_at(&slot.config, state);
+        let (full, expires) = (full_at <= now, expiry_secs(full_at));
         let id = table.entry_id(at, slot);
-        let found = id.and_then(|id| table.entries.find_entry(at.hash, |e| e.is(id, slot.key)).ok());
+        let found =
+            id.and_then(|id| table.entries.find_entry(at.hash, |e| e.is(id, slot.key)).ok());
         match found {
-            Some(entry) if expires <= now_secs => {
+            Some(entry) if full => {
                 entry.remove();
                 self.len.fetch_sub(1, Ordering::Relaxed);
             }
@@ -262,18 +272,27 @@ impl<C: Clock> MemoryStore<C> {
                 let e = entry.get_mut();
                 (e.value, e.ts, e.expires) = (state.value, state.ts, expires);
             }
-            None if expires <= now_secs => {
+            None if full => {
                 self.len.fetch_sub(1, Ordering::Relaxed); // the reserved room is not used
             }
             None => {
                 let id = match id {
                     Some(id) => id,
-                    None => self.intern(table, at.name_hash, slot.name)? << SHARD_BITS | u32::from(slot.shard),
+                    None => {
+                        self.intern(table, at.name_hash, slot.name)? << SHARD_BITS
+                            | u32::from(slot.shard)
+                    }
                 };
                 if table.entries.len() >= table.sweep_at {
-                    self.sweep_table(table, now_secs);
+                    self.sweep_table(table, expiry_now(now));
                 }
-                let entry = Entry { key: slot.key.map(Box::from), value: state.value, ts: state.ts, id, expires };
+                let entry = Entry {
+                    key: slot.key.map(Box::from),
+                    value: state.value,
+                    ts: state.ts,
+                    id,
+                    expires,
+                };
                 let Table { entries, name_hashes, .. } = table;
                 entries.insert_unique(at.hash, entry, |e| self.rehash(name_hashes, e));
             }
@@ -293,7 +312,9 @@ impl<C: Clock> MemoryStore<C> {
             )));
         }
         table.name_hashes.push(name_hash);
-        table.names.insert_unique(name_hash, (name.into(), id), |(n, _)| self.hasher.hash_one(&**n));
+        table
+            .names
+            .insert_unique(name_hash, (name.into(), id), |(n, _)| self.hasher.hash_one(&**n));
         Ok(id)
     }
 
@@ -318,64 +339,84 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// Runs `attempt`; if the store was full, sweeps every segment and runs it once more.
-    /// Deciding is pure, so running a plan again is safe.
-    fn with_room(&self, attempt: impl Fn() -> Result<Option<Outcome>, StoreError>) -> Result<Outcome, StoreError> {
-        if let Some(outcome) = attempt()? {
-            return Ok(outcome);
+    /// Deciding is pure, so running a request again is safe.
+    fn with_room<R>(
+        &self,
+        attempt: impl Fn() -> Result<Option<R>, StoreError>,
+    ) -> Result<R, StoreError> {
+        if let Some(result) = attempt()? {
+            return Ok(result);
         }
         self.sweep();
         attempt()?.ok_or_else(|| self.full_error())
     }
 
-    /// One slot under one lock: the hot path, with one lookup that is updated in place.
-    /// `Ok(None)` when there was no room.
-    fn execute_one(&self, plan: &Plan<'_>) -> Result<Option<Outcome>, StoreError> {
-        let slot = &plan.slots()[0];
+    /// One slot under one lock, with one lookup: `decide` gets the time and the stored state
+    /// and returns its result and the state to save, which updates the entry in place (or
+    /// drops it when full, or inserts it). `Ok(None)` when there was no room for an insert.
+    #[inline]
+    fn with_slot<R>(
+        &self,
+        slot: &Slot<'_>,
+        decide: impl FnOnce(f64, Option<State>) -> (R, Option<State>),
+    ) -> Result<Option<R>, StoreError> {
         let at = self.locate(slot);
         let now = self.clock.now();
         let mut table = self.segments[at.segment].0.lock();
         let id = table.entry_id(at, slot);
-        if let Some(Ok(mut entry)) = id.map(|id| table.entries.find_entry(at.hash, |e| e.is(id, slot.key))) {
+        if let Some(Ok(mut entry)) =
+            id.map(|id| table.entries.find_entry(at.hash, |e| e.is(id, slot.key)))
+        {
             let e = entry.get_mut();
-            let mut states = [Some(State { value: e.value, ts: e.ts })];
-            let outcome = plan.decide(now, &mut states);
-            if outcome.changed[0] {
-                let state = states[0].expect("changed states are set");
-                let expires = expiry_secs(full_at(&slot.config, state));
-                if expires <= expiry_now(now) {
+            let (result, save) = decide(now, Some(State { value: e.value, ts: e.ts }));
+            if let Some(state) = save {
+                let full = full_at(&slot.config, state);
+                if full <= now {
                     entry.remove();
                     self.len.fetch_sub(1, Ordering::Relaxed);
                 } else {
-                    (e.value, e.ts, e.expires) = (state.value, state.ts, expires);
+                    (e.value, e.ts, e.expires) = (state.value, state.ts, expiry_secs(full));
                 }
             }
-            return Ok(Some(outcome));
+            return Ok(Some(result));
         }
-        let mut states = [None];
-        let outcome = plan.decide(now, &mut states);
-        if outcome.changed[0] {
+        let (result, save) = decide(now, None);
+        if let Some(state) = save {
             if !self.reserve(1) {
                 return Ok(None);
             }
-            self.save(&mut table, at, slot, states[0].expect("changed states are set"), now)?;
+            self.save(&mut table, at, slot, state, now)?;
         }
-        Ok(Some(outcome))
+        Ok(Some(result))
+    }
+
+    /// A plan over one slot (one or more takes from one state).
+    fn execute_single_slot(&self, plan: &Plan<'_>) -> Result<Option<Outcome>, StoreError> {
+        self.with_slot(&plan.slots()[0], |now, state| {
+            let mut states = [state];
+            let outcome = plan.decide(now, &mut states);
+            let save = if outcome.changed[0] { states[0] } else { None };
+            (outcome, save)
+        })
     }
 
     /// Several slots: their segments locked once each, in ascending order.
     fn execute_many(&self, plan: &Plan<'_>) -> Result<Option<Outcome>, StoreError> {
         let slots = plan.slots();
-        let located: SmallVec<[Located; 2]> = slots.iter().map(|s| self.locate(s)).collect();
-        let mut order: SmallVec<[usize; 4]> = located.iter().map(|l| l.segment).collect();
+        let located: Inline<Located> = slots.iter().map(|s| self.locate(s)).collect();
+        let mut order: Inline<usize> = located.iter().map(|l| l.segment).collect();
         order.sort_unstable();
         order.dedup();
         let now = self.clock.now();
-        let mut guards: SmallVec<[MutexGuard<'_, Table>; 4]> =
+        let mut guards: Inline<MutexGuard<'_, Table>> =
             order.iter().map(|&s| self.segments[s].0.lock()).collect();
         let guard_of = |segment: usize| order.binary_search(&segment).expect("locked");
-        let mut states: SmallVec<[Option<State>; 2]> =
-            slots.iter().zip(&located).map(|(slot, &at)| guards[guard_of(at.segment)].find(at, slot)).collect();
-        let found: SmallVec<[bool; 2]> = states.iter().map(Option::is_some).collect();
+        let mut states: Inline<Option<State>> = slots
+            .iter()
+            .zip(&located)
+            .map(|(slot, &at)| guards[guard_of(at.segment)].find(at, slot))
+            .collect();
+        let found: Inline<bool> = states.iter().map(Option::is_some).collect();
         let outcome = plan.decide(now, &mut states);
         let new = (0..slots.len()).filter(|&i| outcome.changed[i] && !found[i]).count();
         if !self.reserve(new) {
@@ -391,26 +432,34 @@ impl<C: Clock> MemoryStore<C> {
     }
 }
 
-/// Whole seconds, rounded up: a state is dropped at or after it is full, never before.
+/// Whole seconds after `ms`: a state is dropped at or after it is full, never before.
+///
+/// Multiplying by 0.001 (a division is a long wait on the hot path) may be off by a rounding
+/// error either way; adding a whole second covers it. `as` saturates and maps NaN to 0.
+#[inline]
 fn expiry_secs(ms: f64) -> u32 {
-    // `as` saturates (and maps NaN to 0); this avoids `ceil`, a library call on baseline x86-64.
-    let secs = ms / 1_000.0;
-    let whole = secs as u32;
-    if f64::from(whole) < secs { whole.saturating_add(1) } else { whole }
+    ((ms * 0.001) as u32).saturating_add(1)
 }
 
-/// Whole seconds, rounded down.
+/// Whole seconds at `now_ms`, rounded down (give or take a rounding error, which the margin
+/// of [`expiry_secs`] covers).
+#[inline]
 fn expiry_now(now_ms: f64) -> u32 {
-    (now_ms / 1_000.0) as u32
+    (now_ms * 0.001) as u32
 }
 
 impl<C: Clock> Store for MemoryStore<C> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         if plan.slots().len() == 1 {
-            self.with_room(|| self.execute_one(plan))
+            self.with_room(|| self.execute_single_slot(plan))
         } else {
             self.with_room(|| self.execute_many(plan))
         }
+    }
+
+    #[inline]
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Decision, StoreError> {
+        self.with_room(|| self.with_slot(&take.slot, |now, state| take.decide(now, state)))
     }
 
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
@@ -428,7 +477,8 @@ impl<C: Clock> Store for MemoryStore<C> {
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
         for shard in 0..shards {
             // Only name, key and shard locate a state; the config plays no part.
-            let slot = Slot { name, key, shard, config: Config::token_bucket(1.0, 1.0), alignment: 0.0 };
+            let slot =
+                Slot { name, key, shard, config: Config::token_bucket(1.0, 1.0), alignment: 0.0 };
             let at = self.locate(&slot);
             let mut table = self.segments[at.segment].0.lock();
             let Some(id) = table.entry_id(at, &slot) else { continue };
@@ -451,11 +501,13 @@ mod tests {
     }
 
     #[test]
-    fn expiry_rounds_safely() {
-        assert_eq!(expiry_secs(1_000.0), 1);
-        assert_eq!(expiry_secs(1_000.5), 2);
-        assert_eq!(expiry_now(1_999.9), 1);
-        assert_eq!(expiry_secs(-5.0), 0);
+    fn expiry_is_never_early() {
+        for ms in [0.0, 999.0, 1_000.0, 1_000.5, 1_999.9, 1.7e12, 1.7e12 + 0.3, 4.2e12] {
+            // A state full at `ms` may be dropped only once the clock has passed it.
+            assert!(expiry_secs(ms) > expiry_now(ms), "{ms}");
+            assert!(f64::from(expiry_secs(ms)) * 1_000.0 >= ms, "{ms}");
+        }
+        assert_eq!(expiry_secs(-5.0), 1);
         assert_eq!(expiry_secs(1e20), u32::MAX);
     }
 }

@@ -28,7 +28,7 @@ mod memory;
 
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 
-use tollgate_core::{Outcome, Plan, Slot, State};
+use tollgate_core::{Decision, OneTake, Outcome, Plan, Slot, State};
 
 use crate::StoreError;
 
@@ -44,6 +44,16 @@ pub trait Store: Send + Sync {
     ///
     /// A [`StoreError`] if the states cannot be loaded or saved; nothing is admitted.
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError>;
+
+    /// One take from an unsharded limit, atomically: load the slot, [`OneTake::decide`],
+    /// save. The default builds a [`Plan`]; a store may serve this common request directly.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the state cannot be loaded or saved; nothing is admitted.
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Decision, StoreError> {
+        self.execute(&take.to_plan()).map(|outcome| outcome.decision())
+    }
 
     /// Reads the states of `slots` without changing them; returns the store's time too.
     ///
@@ -63,6 +73,9 @@ pub trait Store: Send + Sync {
 impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         (**self).execute(plan)
+    }
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Decision, StoreError> {
+        (**self).execute_one(take)
     }
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
         (**self).read(slots)
