@@ -6,7 +6,7 @@
 use std::thread::sleep;
 use std::time::Duration;
 
-use tollgate::{Call, Config, Error, Limits, MemoryStore, RateLimiter, Request, MINUTE, SECOND};
+use tollgate::{Call, Config, Error, Limits, MINUTE, MemoryStore, RateLimiter, Request, SECOND};
 
 /// The limits of a small chat app, declared once: a misspelled name does not compile.
 #[derive(Clone, Copy)]

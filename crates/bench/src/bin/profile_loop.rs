@@ -58,6 +58,15 @@ fn parts(n: u32) {
         std::hint::black_box(OneTake::new(std::hint::black_box(&take), 0, true).unwrap());
     }
     println!("OneTake::new alone: {:.1} ns/op", start.elapsed().as_nanos() as f64 / f64::from(n));
+    let start = Instant::now();
+    for _ in 0..n {
+        let take = std::hint::black_box(&take);
+        std::hint::black_box(store.execute_one(&OneTake::new(take, 0, true).unwrap()).unwrap());
+    }
+    println!(
+        "OneTake::new + store.execute_one: {:.1} ns/op",
+        start.elapsed().as_nanos() as f64 / f64::from(n)
+    );
     let clock = tollgate::SystemClock;
     let start = Instant::now();
     for _ in 0..n {
