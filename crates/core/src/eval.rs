@@ -38,6 +38,34 @@ pub struct Evaluation {
     pub decision: Decision,
 }
 
+impl Evaluation {
+    /// What the limit has left after this evaluation: of the new state if it was granted, of
+    /// the state as it stands (nothing taken) if it was refused.
+    #[inline]
+    pub fn status(&self, shard: &Config, count: f64, now: f64) -> Status {
+        let state = if self.decision.ok {
+            self.state
+        } else {
+            State { value: self.state.value + count, ts: self.state.ts }
+        };
+        Status {
+            remaining: state.value.max(0.0),
+            reset_after: (full_at(shard, state) - now).max(0.0),
+        }
+    }
+}
+
+/// What a limit has left right after a request: for the IETF RateLimit header fields and for
+/// dashboards.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct Status {
+    /// Tokens available now, never negative (0 while reservations are outstanding). For a
+    /// sharded limit, estimated for the whole limit from the shards the request used.
+    pub remaining: f64,
+    /// Milliseconds until the limit is full again; 0 when it is full.
+    pub reset_after: f64,
+}
+
 /// The state a shard without a stored state starts from.
 ///
 /// A token bucket starts full at `now`. A fixed window starts full at the start of the window

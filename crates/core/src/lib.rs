@@ -34,9 +34,10 @@ pub use config::{
     fmt_number, serialize_number,
 };
 pub use eval::{
-    Decision, Evaluation, InvalidRequest, MAX_KEY_BYTES, MAX_NAME_BYTES, State, alignment,
+    Decision, Evaluation, InvalidRequest, MAX_KEY_BYTES, MAX_NAME_BYTES, State, Status, alignment,
     evaluate, fresh_state, full_at, splitmix64, unit_interval, validate_count, validate_name_key,
 };
 pub use plan::{
-    Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Take, max_option, read, sample_shards,
+    Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Take, Taken, max_option, read,
+    sample_shards,
 };

@@ -5,8 +5,8 @@ use smallvec::SmallVec;
 
 use crate::config::Config;
 use crate::eval::{
-    Decision, Evaluation, InvalidRequest, State, alignment, evaluate, splitmix64, validate_count,
-    validate_name_key,
+    Decision, Evaluation, InvalidRequest, State, Status, alignment, evaluate, splitmix64,
+    validate_count, validate_name_key,
 };
 
 /// One request to take (or check) tokens from a limit.
@@ -45,6 +45,15 @@ impl Slot<'_> {
     pub fn same_state(&self, other: &Slot<'_>) -> bool {
         self.shard == other.shard && self.key == other.key && self.name == other.name
     }
+}
+
+/// A decision with the limit's status after it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Taken {
+    /// Granted or refused, and the wait.
+    pub decision: Decision,
+    /// What the limit has left.
+    pub status: Status,
 }
 
 /// One take from an unsharded limit: the common request, which a store may serve without
@@ -87,18 +96,19 @@ impl<'a> OneTake<'a> {
         Ok(OneTake { slot, count: take.count, reserve: take.reserve, writes })
     }
 
-    /// Evaluates the take against the slot's loaded state: the decision, and the state to
-    /// save if any.
+    /// Evaluates the take against the slot's loaded state: the decision with the limit's
+    /// status after it, and the state to save if any.
     #[inline]
-    pub fn decide(&self, now: f64, state: Option<State>) -> (Decision, Option<State>) {
+    pub fn decide(&self, now: f64, state: Option<State>) -> (Taken, Option<State>) {
         let s = &self.slot;
         let e = evaluate(&s.config, state, s.alignment, now, self.count, self.reserve);
-        (e.decision, (e.decision.ok && self.writes).then_some(e.state))
+        let taken = Taken { decision: e.decision, status: e.status(&s.config, self.count, now) };
+        (taken, (e.decision.ok && self.writes).then_some(e.state))
     }
 
     /// The same request as a [`Plan`], for stores that serve everything through plans.
     pub fn to_plan(&self) -> Plan<'a> {
-        let item = Item { count: self.count, reserve: self.reserve, sharded: false, a: 0, b: None };
+        let item = Item { count: self.count, reserve: self.reserve, shards: 1, a: 0, b: None };
         Plan {
             writes: self.writes,
             items: smallvec::smallvec![item],
@@ -116,7 +126,7 @@ pub type Inline<T> = SmallVec<[T; 4]>;
 struct Item {
     count: f64,
     reserve: bool,
-    sharded: bool,
+    shards: u16,
     a: usize,
     b: Option<usize>,
 }
@@ -157,6 +167,8 @@ pub struct Outcome {
     pub retry_after: Option<f64>,
     /// One decision per take, in order.
     pub results: Inline<Decision>,
+    /// Per take, what its limit has left afterwards.
+    pub statuses: Inline<Status>,
     /// Per slot: whether its new state must be saved.
     pub changed: Inline<bool>,
 }
@@ -206,13 +218,7 @@ impl<'a> Plan<'a> {
         let (a, b) = pick_shards(shards, random);
         let a = self.slot(take, per_shard, seed, a);
         let b = b.map(|b| self.slot(take, per_shard, seed, b));
-        self.items.push(Item {
-            count: take.count,
-            reserve: take.reserve,
-            sharded: shards > 1,
-            a,
-            b,
-        });
+        self.items.push(Item { count: take.count, reserve: take.reserve, shards, a, b });
         Ok(())
     }
 
@@ -249,25 +255,27 @@ impl<'a> Plan<'a> {
         assert!(states.len() >= self.slots.len(), "one state per slot");
         if let ([item], [_]) = (self.items.as_slice(), self.slots.as_slice()) {
             // One take from one shard: the common case, without the transaction's bookkeeping.
-            let decision = self.eval(0, states, now, item.count, item.reserve);
-            let changed = decision.decision.ok && self.writes;
+            let e = self.eval(0, states, now, item.count, item.reserve);
+            let changed = e.decision.ok && self.writes;
             if changed {
-                states[0] = Some(decision.state);
+                states[0] = Some(e.state);
             }
-            let Decision { ok, retry_after } = decision.decision;
+            let Decision { ok, retry_after } = e.decision;
             return Outcome {
                 ok,
                 retry_after,
-                results: smallvec::smallvec![decision.decision],
+                results: smallvec::smallvec![e.decision],
+                statuses: smallvec::smallvec![e.status(&self.slots[0].config, item.count, now)],
                 changed: smallvec::smallvec![changed],
             };
         }
         let mut working: Inline<Option<State>> = SmallVec::from_slice(&states[..self.slots.len()]);
         let mut changed: Inline<bool> = SmallVec::from_elem(false, self.slots.len());
         let mut results = SmallVec::with_capacity(self.items.len());
+        let mut statuses = SmallVec::with_capacity(self.items.len());
         let (mut ok, mut retry_after) = (true, None::<f64>);
         for item in &self.items {
-            let (decision, writes) = self.decide_item(item, now, &working);
+            let (decision, status, writes) = self.decide_item(item, now, &working);
             if decision.ok {
                 for (slot, state) in writes.into_iter().flatten() {
                     working[slot] = Some(state);
@@ -277,13 +285,14 @@ impl<'a> Plan<'a> {
             ok &= decision.ok;
             retry_after = max_option(retry_after, decision.retry_after);
             results.push(decision);
+            statuses.push(status);
         }
         if ok && self.writes {
             states[..self.slots.len()].copy_from_slice(&working);
         } else {
             changed.iter_mut().for_each(|c| *c = false);
         }
-        Outcome { ok, retry_after, results, changed }
+        Outcome { ok, retry_after, results, statuses, changed }
     }
 
     #[inline]
@@ -299,19 +308,36 @@ impl<'a> Plan<'a> {
         evaluate(&s.config, states[slot], s.alignment, now, count, reserve)
     }
 
-    /// One take: a single shard, or the power of two choices (SPEC §3).
+    /// One take: a single shard, or the power of two choices (SPEC §3). Returns the
+    /// decision, the limit's status (scaled from the shards used to all shards), and the
+    /// states to write if granted.
     #[inline]
     fn decide_item(
         &self,
         item: &Item,
         now: f64,
         states: &[Option<State>],
-    ) -> (Decision, [Option<(usize, State)>; 2]) {
-        let alone = |slot: usize, e: Evaluation| (e.decision, [Some((slot, e.state)), None]);
+    ) -> (Decision, Status, [Option<(usize, State)>; 2]) {
+        let n = f64::from(item.shards);
+        let status_of =
+            |slot: usize, e: &Evaluation| e.status(&self.slots[slot].config, item.count, now);
+        let alone = |slot: usize, e: Evaluation| {
+            let Status { remaining, reset_after } = status_of(slot, &e);
+            (
+                e.decision,
+                Status { remaining: remaining * n, reset_after },
+                [Some((slot, e.state)), None],
+            )
+        };
+        // Two shards' statuses together, scaled to all n.
+        let pair = |a: Status, b: Status| Status {
+            remaining: (a.remaining + b.remaining) * n / 2.0,
+            reset_after: a.reset_after.max(b.reset_after),
+        };
         let ea = self.eval(item.a, states, now, item.count, item.reserve);
         let b = match item.b {
             // With fewer than three shards, or a shard A never used, A decides alone.
-            Some(b) if item.sharded && states[item.a].is_some() => b,
+            Some(b) if item.shards > 1 && states[item.a].is_some() => b,
             _ => return alone(item.a, ea),
         };
         let eb = self.eval(b, states, now, item.count, item.reserve);
@@ -329,12 +355,18 @@ impl<'a> Plan<'a> {
                 let cb = self.eval(b, states, now, count_b, item.reserve);
                 let retry_after = max_option(ca.decision.retry_after, cb.decision.retry_after);
                 if ca.decision.ok && cb.decision.ok {
+                    let (sa, sb) = (
+                        ca.status(&self.slots[item.a].config, count_a, now),
+                        cb.status(&self.slots[b].config, count_b, now),
+                    );
                     (
                         Decision { ok: true, retry_after },
+                        pair(sa, sb),
                         [Some((item.a, ca.state)), Some((b, cb.state))],
                     )
                 } else {
-                    (Decision { ok: false, retry_after }, [None, None])
+                    let status = pair(status_of(item.a, &ea), status_of(b, &eb));
+                    (Decision { ok: false, retry_after }, status, [None, None])
                 }
             }
         }

@@ -41,7 +41,7 @@ pub use limiter::{
 pub use store::{MemoryStore, MemoryStoreBuilder, Store};
 pub use tollgate_core::{
     Clock, Config, ConfigError, DAY, Decision, HOUR, Kind, MINUTE, ManualClock, RawConfig, Reading,
-    SECOND, State, SystemClock,
+    SECOND, State, Status, SystemClock, Taken,
 };
 
 /// The algebra, re-exported: evaluate states yourself, or build a store.

@@ -7,8 +7,8 @@ use foldhash::fast::RandomState;
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 use tollgate_core::{
-    Config, Decision, OneTake, Plan, Reading, Sample, Slot, Take, alignment, read, sample_shards,
-    splitmix64, unit_interval,
+    Config, Decision, OneTake, Plan, Reading, Sample, Slot, Status, Take, Taken, alignment, read,
+    sample_shards, splitmix64, unit_interval,
 };
 
 use crate::Error;
@@ -198,6 +198,9 @@ pub struct TransactionDecision {
     pub retry_after: Option<f64>,
     /// One decision per call, in order.
     pub results: Vec<Decision>,
+    /// Per call, what its limit has left afterwards (after the transaction if it was
+    /// granted, as it stands if not).
+    pub statuses: Vec<Status>,
 }
 
 /// Application-layer rate limiting over a [`Store`] (SPEC §4).
@@ -300,7 +303,7 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
-        self.single(true, target.into(), request.into())
+        Ok(self.single(true, target.into(), request.into())?.decision)
     }
 
     /// Like [`RateLimiter::limit`], but never takes anything: would it be granted now?
@@ -313,6 +316,46 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
+        Ok(self.single(false, target.into(), request.into())?.decision)
+    }
+
+    /// Like [`RateLimiter::limit`], with what the limit has left afterwards (for the IETF
+    /// RateLimit header fields, or a dashboard).
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate::{Config, ManualClock, MemoryStore, RateLimiter, MINUTE};
+    ///
+    /// let limiter = RateLimiter::new(MemoryStore::with_clock(ManualClock::new(0.0)));
+    /// let limit = ("send", Config::token_bucket(10.0, MINUTE).with_capacity(3.0));
+    /// limiter.limit(limit, "alice").unwrap();
+    /// let taken = limiter.limit_with_status(limit, "alice").unwrap();
+    /// assert_eq!(taken.status.remaining, 1.0);
+    /// assert_eq!(taken.status.reset_after, 12_000.0); // two tokens at one per 6 s
+    /// ```
+    pub fn limit_with_status<'n, 'k>(
+        &self,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
+    ) -> Result<Taken, Error> {
+        self.single(true, target.into(), request.into())
+    }
+
+    /// Like [`RateLimiter::check`], with what the limit has left.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit`].
+    pub fn check_with_status<'n, 'k>(
+        &self,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
+    ) -> Result<Taken, Error> {
         self.single(false, target.into(), request.into())
     }
 
@@ -321,22 +364,23 @@ impl<S: Store> RateLimiter<S> {
         writes: bool,
         target: Target<'_>,
         request: Request<'_>,
-    ) -> Result<Decision, Error> {
+    ) -> Result<Taken, Error> {
         let config = self.resolve(&target)?;
         let name = target.name();
         let take =
             Take { name, key: request.key, config, count: request.count, reserve: request.reserve };
-        let decision = if config.shards() == 1 {
+        let taken = if config.shards() == 1 {
             self.store.execute_one(&OneTake::new(&take, self.seed, writes)?)?
         } else {
             let mut plan = Plan::new(writes);
             plan.push(&take, self.seed, self.draw())?;
-            self.store.execute(&plan)?.decision()
+            let outcome = self.store.execute(&plan)?;
+            Taken { decision: outcome.decision(), status: outcome.statuses[0] }
         };
-        if request.throws && !decision.ok {
-            return Err(refused(name, decision));
+        if request.throws && !taken.decision.ok {
+            return Err(refused(name, taken.decision));
         }
-        Ok(decision)
+        Ok(taken)
     }
 
     /// Takes tokens from several limits at once, all or nothing: if any is refused (or
@@ -383,6 +427,7 @@ impl<S: Store> RateLimiter<S> {
             ok: outcome.ok,
             retry_after: outcome.retry_after,
             results: outcome.results.to_vec(),
+            statuses: outcome.statuses.to_vec(),
         })
     }
 

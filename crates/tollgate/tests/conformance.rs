@@ -268,6 +268,29 @@ fn sharded_never_over_admits(b: &impl Backend) {
     assert!(more <= 50, "{more}");
 }
 
+fn status_after_requests(b: &impl Backend) {
+    let (l, clock) = setup(b);
+    let burst = Target::Inline("burst", Config::token_bucket(10.0, MINUTE).with_capacity(3.0));
+    let first = l.limit_with_status(burst, "u").unwrap();
+    assert_eq!((first.status.remaining, first.status.reset_after), (2.0, 6_000.0));
+    let second = l.limit_with_status(burst, "u").unwrap();
+    assert_eq!((second.status.remaining, second.status.reset_after), (1.0, 12_000.0));
+    // A refusal reports the state as it stands: nothing was taken.
+    let refused = l.check_with_status(burst, Request::new().key("u").count(2.0)).unwrap();
+    assert!(!refused.decision.ok);
+    assert_eq!((refused.status.remaining, refused.status.reset_after), (1.0, 12_000.0));
+    // Outstanding reservations: nothing remains, and full again once they are repaid.
+    let reserved = l.limit_with_status(burst, Request::new().key("u").count(3.0).reserve()).unwrap();
+    assert_eq!((reserved.status.remaining, reserved.status.reset_after), (0.0, 30_000.0));
+    // A fixed window is full again at the start of the next window.
+    let window = Target::Inline("win", Config::fixed_window(10.0, MINUTE).with_start(T0));
+    clock.advance(15.0 * SECOND);
+    let w = l.limit_with_status(window, Request::new().count(4.0)).unwrap();
+    assert_eq!((w.status.remaining, w.status.reset_after), (6.0, 45_000.0));
+    let t = l.transaction(&[burst.with("v"), window.with(Request::new())]).unwrap();
+    assert_eq!(t.statuses.iter().map(|s| s.remaining).collect::<Vec<_>>(), [2.0, 5.0]);
+}
+
 fn concurrent_exactness(b: &impl Backend) {
     // 64 threads race for a limit of 100, 20 times: exactly 100 admitted each time.
     for round in 0..20 {
@@ -294,7 +317,7 @@ macro_rules! conformance {
                 fixed_window_spec_numbers, capacity_burst, max_reserved, check_does_not_consume,
                 invalid_requests_consume_nothing, throws_turns_refusal_into_error, reset_forgets,
                 keys_are_isolated, value_reports_config_and_state, transaction_all_or_nothing,
-                sharded_never_over_admits, concurrent_exactness);
+                sharded_never_over_admits, status_after_requests, concurrent_exactness);
         }
     };
     (@tests $make:expr; $($test:ident),*) => {

@@ -7,7 +7,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
 use tollgate_core::{
-    Clock, Config, Decision, Inline, OneTake, Outcome, Plan, Slot, State, SystemClock, full_at,
+    Clock, Config, Inline, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
 
 use super::Store;
@@ -494,7 +494,7 @@ impl<C: Clock> Store for MemoryStore<C> {
     }
 
     #[inline]
-    fn execute_one(&self, take: &OneTake<'_>) -> Result<Decision, StoreError> {
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
         self.with_room(|| self.with_slot(&take.slot, |now, state| take.decide(now, state)))
     }
 

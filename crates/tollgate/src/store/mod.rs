@@ -28,7 +28,7 @@ mod memory;
 
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 
-use tollgate_core::{Decision, OneTake, Outcome, Plan, Slot, State};
+use tollgate_core::{OneTake, Outcome, Plan, Slot, State, Taken};
 
 use crate::StoreError;
 
@@ -51,8 +51,9 @@ pub trait Store: Send + Sync {
     /// # Errors
     ///
     /// A [`StoreError`] if the state cannot be loaded or saved; nothing is admitted.
-    fn execute_one(&self, take: &OneTake<'_>) -> Result<Decision, StoreError> {
-        self.execute(&take.to_plan()).map(|outcome| outcome.decision())
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        self.execute(&take.to_plan())
+            .map(|outcome| Taken { decision: outcome.decision(), status: outcome.statuses[0] })
     }
 
     /// Reads the states of `slots` without changing them; returns the store's time too.
@@ -74,7 +75,7 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         (**self).execute(plan)
     }
-    fn execute_one(&self, take: &OneTake<'_>) -> Result<Decision, StoreError> {
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
         (**self).execute_one(take)
     }
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
