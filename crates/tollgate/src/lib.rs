@@ -33,6 +33,8 @@
 mod error;
 mod limiter;
 pub mod store;
+#[cfg(feature = "tower")]
+pub mod tower;
 
 pub use error::{Error, StoreError};
 pub use limiter::{

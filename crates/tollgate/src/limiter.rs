@@ -359,6 +359,12 @@ impl<S: Store> RateLimiter<S> {
         self.single(false, target.into(), request.into())
     }
 
+    /// [`RateLimiter::limit_with_status`] of a [`Call`], for the tower layer.
+    #[cfg(feature = "tower")]
+    pub(crate) fn limit_call_with_status(&self, call: &Call<'_>) -> Result<Taken, Error> {
+        self.single(true, call.target, call.request)
+    }
+
     fn single(
         &self,
         writes: bool,

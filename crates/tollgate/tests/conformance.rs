@@ -280,7 +280,8 @@ fn status_after_requests(b: &impl Backend) {
     assert!(!refused.decision.ok);
     assert_eq!((refused.status.remaining, refused.status.reset_after), (1.0, 12_000.0));
     // Outstanding reservations: nothing remains, and full again once they are repaid.
-    let reserved = l.limit_with_status(burst, Request::new().key("u").count(3.0).reserve()).unwrap();
+    let reserved =
+        l.limit_with_status(burst, Request::new().key("u").count(3.0).reserve()).unwrap();
     assert_eq!((reserved.status.remaining, reserved.status.reset_after), (0.0, 30_000.0));
     // A fixed window is full again at the start of the next window.
     let window = Target::Inline("win", Config::fixed_window(10.0, MINUTE).with_start(T0));

@@ -1,0 +1,471 @@
+//! Rate limiting for tower services (axum, tonic, hyper): [`RateLimitLayer`].
+//!
+//! Admitted requests pass through and their responses carry the `RateLimit-Policy` and
+//! `RateLimit` header fields of the IETF draft (draft-ietf-httpapi-ratelimit-headers, as
+//! structured fields). Refused requests get `429 Too Many Requests` with `Retry-After` in
+//! whole seconds rounded up (a 0.4 s wait is `1`, never `0`), the same header fields, and a
+//! JSON body `{"kind": "RateLimited", "name": ..., "retryAfter": <ms>}`. When the store
+//! fails, the answer is `503` (fail closed) unless the limit was made to
+//! [fail open](LimitSpec::fail_open).
+//!
+//! # Examples
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tollgate::tower::{Key, LimitSpec, RateLimitLayer};
+//! use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+//!
+//! let limiter = Arc::new(RateLimiter::new(MemoryStore::new()));
+//! let per_ip = LimitSpec::new(("perIp", Config::token_bucket(60.0, MINUTE))).key(Key::peer_ip());
+//! let layer = RateLimitLayer::new(limiter, per_ip);
+//! // axum: Router::new().route("/", get(handler)).layer(layer)
+//! # let _ = layer;
+//! ```
+//!
+//! # The header fields
+//!
+//! For each limit, named by its name: `RateLimit-Policy: "name";q=<rate>;w=<period in s>`
+//! and `RateLimit: "name";r=<tokens remaining>;t=<seconds until full again>`. `w` is the
+//! period rounded up to whole seconds and `q` the rate over that window; `r` is rounded
+//! down and `t` up, so a client that trusts them is never refused for it. A name that is
+//! not printable ASCII is written with `?` for the other characters.
+
+mod key;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use tower_layer::Layer;
+use tower_service::Service;
+
+pub use key::{Key, MissingKey, TrustedProxies};
+
+use crate::core::Inline;
+use crate::limiter::{Call, RateLimiter, Target};
+use crate::store::Store;
+use crate::{Config, Error, Limits, Status};
+
+type CountFn = dyn Fn(&http::request::Parts) -> f64 + Send + Sync;
+
+/// One limit that a [`RateLimitLayer`] takes for each request: which limit, its key, its count.
+#[derive(Clone)]
+pub struct LimitSpec {
+    name: Arc<str>,
+    config: Option<Config>,
+    key: Key,
+    count: Option<Arc<CountFn>>,
+    missing_key: MissingKey,
+    fail_open: bool,
+    /// This limit's `RateLimit-Policy` member (`"name";q=..;w=..`) and the length of its
+    /// quoted name, once its config is known.
+    policy: Option<(Arc<str>, usize)>,
+}
+
+impl LimitSpec {
+    /// A limit, global until a [`key`](LimitSpec::key) is set: a value of your
+    /// [`Limits`] type, an inline `("name", config)`, or the name of a limit defined on the
+    /// limiter (`"name"`).
+    pub fn new<'a>(limit: impl Into<Target<'a>>) -> Self {
+        let (name, config) = match limit.into() {
+            Target::Named(name) => (name, None),
+            Target::Inline(name, config) => (name, Some(config)),
+        };
+        LimitSpec {
+            name: name.into(),
+            config,
+            key: Key::global(),
+            count: None,
+            missing_key: MissingKey::default(),
+            fail_open: false,
+            policy: None,
+        }
+    }
+
+    /// A typed limit (the same as [`LimitSpec::new`]).
+    pub fn limit<L: Limits>(limit: L) -> Self {
+        Self::new(limit)
+    }
+
+    /// Where each request's key comes from (default: [`Key::global`]).
+    #[must_use]
+    pub fn key(mut self, key: Key) -> Self {
+        self.key = key;
+        self
+    }
+
+    /// How many tokens a request takes (default 1), from its head: for example the tokens
+    /// an LLM request declares in a header.
+    #[must_use]
+    pub fn count(
+        mut self,
+        count: impl Fn(&http::request::Parts) -> f64 + Send + Sync + 'static,
+    ) -> Self {
+        self.count = Some(Arc::new(count));
+        self
+    }
+
+    /// What to do when a request has no key (default: refuse it with 400).
+    #[must_use]
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
+        self.missing_key = missing;
+        self
+    }
+
+    /// Lets requests through when the store fails, instead of answering 503.
+    ///
+    /// The trade: failing closed protects what is behind the limit when the limiter cannot
+    /// decide (and when the store is your database, the request would likely fail anyway);
+    /// failing open keeps serving when the limiter's store is an extra service that is down,
+    /// at the price of no limit at all while it is. Only admitted requests are affected;
+    /// invalid requests are still refused.
+    #[must_use]
+    pub fn fail_open(mut self) -> Self {
+        self.fail_open = true;
+        self
+    }
+
+    fn target(&self) -> Target<'_> {
+        match self.config {
+            Some(config) => Target::Inline(&self.name, config),
+            None => Target::Named(&self.name),
+        }
+    }
+}
+
+/// A tower [`Layer`] that rate limits every request of the service it wraps.
+///
+/// With one [`LimitSpec`], each request takes from that limit; with several
+/// ([`RateLimitLayer::with`]), from all of them as one all-or-nothing transaction.
+pub struct RateLimitLayer<S> {
+    limiter: Arc<RateLimiter<S>>,
+    specs: Arc<[LimitSpec]>,
+}
+
+/// The header fields' names, parsed once.
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+
+// Not derived: the store is shared behind an `Arc` and need not be `Clone` itself.
+impl<S> Clone for RateLimitLayer<S> {
+    fn clone(&self) -> Self {
+        RateLimitLayer { limiter: Arc::clone(&self.limiter), specs: Arc::clone(&self.specs) }
+    }
+}
+
+impl<S: Store> RateLimitLayer<S> {
+    /// A layer taking `spec` for each request.
+    pub fn new(limiter: Arc<RateLimiter<S>>, spec: LimitSpec) -> Self {
+        let spec = spec.with_policy(&limiter);
+        RateLimitLayer { limiter, specs: Arc::from([spec]) }
+    }
+
+    /// Also takes `spec`, in the same transaction as the others.
+    #[must_use]
+    pub fn with(self, spec: LimitSpec) -> Self {
+        let mut specs = self.specs.to_vec();
+        specs.push(spec.with_policy(&self.limiter));
+        RateLimitLayer { limiter: self.limiter, specs: specs.into() }
+    }
+}
+
+impl LimitSpec {
+    /// Computes the policy member once; a name the limiter does not define has none (its
+    /// requests are answered with an error anyway).
+    fn with_policy<S: Store>(mut self, limiter: &RateLimiter<S>) -> Self {
+        let config = self
+            .config
+            .or_else(|| limiter.defined().find(|(name, _)| *name == &*self.name).map(|(_, c)| *c));
+        self.policy = config.map(|config| {
+            let (q, w) = quota_window(&config);
+            let name = sf_string(&self.name);
+            (format!("{name};q={q};w={w}").into(), name.len())
+        });
+        self
+    }
+}
+
+impl<S, Inner> Layer<Inner> for RateLimitLayer<S> {
+    type Service = RateLimit<S, Inner>;
+
+    fn layer(&self, inner: Inner) -> Self::Service {
+        RateLimit { inner, limiter: Arc::clone(&self.limiter), specs: Arc::clone(&self.specs) }
+    }
+}
+
+/// The service of a [`RateLimitLayer`].
+pub struct RateLimit<S, Inner> {
+    inner: Inner,
+    limiter: Arc<RateLimiter<S>>,
+    specs: Arc<[LimitSpec]>,
+}
+
+impl<S, Inner: Clone> Clone for RateLimit<S, Inner> {
+    fn clone(&self) -> Self {
+        RateLimit {
+            inner: self.inner.clone(),
+            limiter: Arc::clone(&self.limiter),
+            specs: Arc::clone(&self.specs),
+        }
+    }
+}
+
+/// What the limits said about one request.
+enum Verdict {
+    /// Pass it on; add these header values to the response.
+    Pass(Option<(HeaderValue, HeaderValue)>),
+    /// Answer at once with this response.
+    Answer(StatusCode, Option<HeaderValue>, Option<(HeaderValue, HeaderValue)>, String),
+}
+
+impl<S: Store, Inner> RateLimit<S, Inner> {
+    fn decide(&self, parts: &http::request::Parts) -> Verdict {
+        // Resolve every spec's key and count first: a missing key or bad count takes nothing.
+        let mut keys: Inline<_> = Inline::new();
+        for spec in self.specs.iter() {
+            let key = match spec.key.of(parts) {
+                Ok(key) => key,
+                Err(missing) => match spec.missing_key {
+                    MissingKey::Reject => {
+                        let body = error_body(&format!("Rate limit {}: {}.", spec.name, missing.0));
+                        return Verdict::Answer(StatusCode::BAD_REQUEST, None, None, body);
+                    }
+                    MissingKey::Shared => None,
+                    MissingKey::Skip => continue,
+                },
+            };
+            let count = spec.count.as_ref().map_or(1.0, |count| count(parts));
+            keys.push((spec, key, count));
+        }
+        if keys.is_empty() {
+            return Verdict::Pass(None);
+        }
+        let calls: Inline<Call<'_>> = keys
+            .iter()
+            .map(|(spec, key, count)| {
+                let mut request = crate::Request::new().count(*count);
+                if let Some(key) = key {
+                    request = request.key(key);
+                }
+                spec.target().with(request)
+            })
+            .collect();
+        let outcome = if let [call] = calls.as_slice() {
+            self.limiter
+                .limit_call_with_status(call)
+                .map(|t| (t.decision.ok, t.decision.retry_after, vec![t.decision], vec![t.status]))
+        } else {
+            self.limiter.transaction(&calls).map(|t| (t.ok, t.retry_after, t.results, t.statuses))
+        };
+        match outcome {
+            Ok((ok, retry_after, results, statuses)) => {
+                let headers = self.headers(keys.iter().map(|k| k.0), &statuses);
+                if ok {
+                    return Verdict::Pass(headers);
+                }
+                // Name the refused limit with the longest wait.
+                let (spec, wait) = keys
+                    .iter()
+                    .zip(&results)
+                    .filter(|(_, d)| !d.ok)
+                    .map(|(k, d)| (k.0, d.retry_after.unwrap_or(0.0)))
+                    .max_by(|a, b| a.1.total_cmp(&b.1))
+                    .unwrap_or((keys[0].0, retry_after.unwrap_or(0.0)));
+                let body = serde_json::json!({ "kind": "RateLimited", "name": &*spec.name, "retryAfter": wait }).to_string();
+                Verdict::Answer(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    Some(retry_after_header(wait)),
+                    headers,
+                    body,
+                )
+            }
+            Err(Error::Store(_)) if keys.iter().all(|k| k.0.fail_open) => Verdict::Pass(None),
+            Err(Error::Store(err)) => Verdict::Answer(
+                StatusCode::SERVICE_UNAVAILABLE,
+                None,
+                None,
+                error_body(&err.to_string()),
+            ),
+            Err(err @ Error::NotDefined { .. }) => {
+                // A name the limiter does not know is a setup error of the app, not the client's.
+                Verdict::Answer(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    None,
+                    None,
+                    error_body(&err.to_string()),
+                )
+            }
+            Err(err) => {
+                Verdict::Answer(StatusCode::BAD_REQUEST, None, None, error_body(&err.to_string()))
+            }
+        }
+    }
+
+    fn headers<'s>(
+        &self,
+        specs: impl Iterator<Item = &'s LimitSpec>,
+        statuses: &[Status],
+    ) -> Option<(HeaderValue, HeaderValue)> {
+        use std::fmt::Write as _;
+        let mut policy = String::with_capacity(64);
+        let mut current = String::with_capacity(64);
+        for (spec, status) in specs.zip(statuses) {
+            let sep = if policy.is_empty() { "" } else { ", " };
+            let (member, name_len) = spec.policy.as_ref()?;
+            let name = &member[..*name_len];
+            let r = status.remaining.floor() as u64;
+            let t = (status.reset_after / 1_000.0).ceil() as u64;
+            let _ = write!(policy, "{sep}{member}");
+            let _ = write!(current, "{sep}{name};r={r};t={t}");
+        }
+        // From a String, the value takes the buffer over: no copy.
+        Some((HeaderValue::try_from(policy).ok()?, HeaderValue::try_from(current).ok()?))
+    }
+}
+
+/// `q` and `w` of a policy: the window is the period rounded up to whole seconds, and the
+/// quota the rate over that window, rounded down.
+fn quota_window(config: &Config) -> (u64, u64) {
+    let w = (config.period() / 1_000.0).ceil().max(1.0);
+    let q = (config.rate() * w * 1_000.0 / config.period()).floor();
+    (q as u64, w as u64)
+}
+
+/// A structured-field string: printable ASCII, with `"` and `\` escaped.
+fn sf_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('?'),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// `Retry-After` in whole seconds, rounded up: never 0 for a positive wait.
+fn retry_after_header(ms: f64) -> HeaderValue {
+    HeaderValue::from(((ms / 1_000.0).ceil().max(0.0)) as u64)
+}
+
+fn error_body(message: &str) -> String {
+    serde_json::json!({ "error": message }).to_string()
+}
+
+impl<S, Inner, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, Inner>
+where
+    S: Store,
+    Inner: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: From<String>,
+{
+    type Response = Response<ResBody>;
+    type Error = Inner::Error;
+    type Future = ResponseFuture<Inner::Future, ResBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let (parts, body) = request.into_parts();
+        match self.decide(&parts) {
+            Verdict::Pass(headers) => ResponseFuture {
+                state: State::Inner {
+                    future: self.inner.call(Request::from_parts(parts, body)),
+                    headers,
+                },
+            },
+            Verdict::Answer(status, retry_after, headers, body) => {
+                let mut response = Response::new(ResBody::from(body));
+                *response.status_mut() = status;
+                let h = response.headers_mut();
+                h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                if let Some(retry_after) = retry_after {
+                    h.insert(http::header::RETRY_AFTER, retry_after);
+                }
+                insert_rate_limit_headers(h, headers);
+                ResponseFuture { state: State::Ready { response: Some(response) } }
+            }
+        }
+    }
+}
+
+fn insert_rate_limit_headers(h: &mut http::HeaderMap, headers: Option<(HeaderValue, HeaderValue)>) {
+    if let Some((policy, current)) = headers {
+        h.insert(RATELIMIT_POLICY, policy);
+        h.insert(RATELIMIT, current);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`RateLimit`]: the inner service's, with the header fields added, or a
+    /// ready refusal.
+    pub struct ResponseFuture<F, B> {
+        #[pin]
+        state: State<F, B>,
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = StateProj]
+    enum State<F, B> {
+        Inner { #[pin] future: F, headers: Option<(HeaderValue, HeaderValue)> },
+        Ready { response: Option<Response<B>> },
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<B>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            StateProj::Inner { future, headers } => {
+                let mut response = std::task::ready!(future.poll(cx))?;
+                insert_rate_limit_headers(response.headers_mut(), headers.take());
+                Poll::Ready(Ok(response))
+            }
+            StateProj::Ready { response } => {
+                Poll::Ready(Ok(response.take().expect("ResponseFuture polled after completion")))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_and_is_never_zero_for_a_wait() {
+        assert_eq!(retry_after_header(400.0), "1");
+        assert_eq!(retry_after_header(1_000.0), "1");
+        assert_eq!(retry_after_header(1_000.1), "2");
+        assert_eq!(retry_after_header(59_999.0), "60");
+        assert_eq!(retry_after_header(0.0), "0");
+    }
+
+    #[test]
+    fn policy_quota_and_window() {
+        assert_eq!(quota_window(&Config::token_bucket(10.0, 60_000.0)), (10, 60));
+        assert_eq!(quota_window(&Config::token_bucket(5.0, 500.0)), (10, 1));
+        assert_eq!(quota_window(&Config::fixed_window(100.0, 90_500.0)), (100, 91));
+    }
+
+    #[test]
+    fn names_are_structured_field_strings() {
+        assert_eq!(sf_string("send"), "\"send\"");
+        assert_eq!(sf_string("a\"b\\c"), "\"a\\\"b\\\\c\"");
+        assert_eq!(sf_string("café"), "\"caf?\"");
+    }
+}

@@ -1,0 +1,315 @@
+//! The tower layer, driven with `oneshot`: admitted and refused paths with exact header
+//! values, Retry-After rounding, every key source, missing keys, transactions, store failure.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::{Request, Response, StatusCode};
+use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
+use tollgate::tower::{Key, LimitSpec, MissingKey, RateLimitLayer, TrustedProxies};
+use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, SECOND, Store, StoreError};
+use tower::{Layer, Service, ServiceExt};
+
+type Limiter = RateLimiter<MemoryStore<ManualClock>>;
+
+fn limiter() -> (Arc<Limiter>, ManualClock) {
+    let clock = ManualClock::new(1_700_000_000_000.0);
+    let limiter = RateLimiter::builder(MemoryStore::with_clock(clock.clone()))
+        .define("defined", Config::token_bucket(2.0, SECOND))
+        .build();
+    (Arc::new(limiter), clock)
+}
+
+fn send() -> LimitSpec {
+    LimitSpec::new(("send", Config::token_bucket(10.0, MINUTE).with_capacity(3.0)))
+}
+
+/// The app behind the layer: answers 200 "ok".
+fn app<S: Store + 'static>(
+    layer: &RateLimitLayer<S>,
+) -> impl Service<Request<String>, Response = Response<String>, Error = Infallible> + Clone {
+    layer.layer(tower::service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::from("ok")))
+    }))
+}
+
+async fn call<S: Store + 'static>(
+    layer: &RateLimitLayer<S>,
+    request: Request<String>,
+) -> Response<String> {
+    app(layer).oneshot(request).await.unwrap()
+}
+
+fn get() -> Request<String> {
+    Request::new(String::new())
+}
+
+fn header<'r>(r: &'r Response<String>, name: &str) -> Option<&'r str> {
+    r.headers().get(name).map(|v| v.to_str().unwrap())
+}
+
+#[tokio::test]
+async fn admitted_requests_carry_exact_header_fields() {
+    let (l, _) = limiter();
+    let layer = RateLimitLayer::new(l, send());
+    let first = call(&layer, get()).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(first.body(), "ok");
+    assert_eq!(header(&first, "ratelimit-policy"), Some("\"send\";q=10;w=60"));
+    assert_eq!(header(&first, "ratelimit"), Some("\"send\";r=2;t=6"));
+    // Capacity 3, 2 used, 10 a minute: 1 left, full again in 12 s.
+    let second = call(&layer, get()).await;
+    assert_eq!(header(&second, "ratelimit"), Some("\"send\";r=1;t=12"));
+    assert_eq!(header(&second, "retry-after"), None);
+}
+
+#[tokio::test]
+async fn refused_requests_get_429_with_retry_after_and_a_body() {
+    let (l, _) = limiter();
+    let layer = RateLimitLayer::new(l, send());
+    for _ in 0..3 {
+        assert_eq!(call(&layer, get()).await.status(), StatusCode::OK);
+    }
+    let refused = call(&layer, get()).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&refused, "retry-after"), Some("6"));
+    assert_eq!(header(&refused, "content-type"), Some("application/json"));
+    assert_eq!(header(&refused, "ratelimit"), Some("\"send\";r=0;t=18"));
+    assert_eq!(header(&refused, "ratelimit-policy"), Some("\"send\";q=10;w=60"));
+    let body: serde_json::Value = serde_json::from_str(refused.body()).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({ "kind": "RateLimited", "name": "send", "retryAfter": 6000.0 })
+    );
+}
+
+#[tokio::test]
+async fn retry_after_is_rounded_up_never_to_zero() {
+    let (l, clock) = limiter();
+    // One token every 400 ms.
+    let layer = RateLimitLayer::new(
+        l,
+        LimitSpec::new(("fast", Config::token_bucket(5.0, 2.0 * SECOND).with_capacity(1.0))),
+    );
+    call(&layer, get()).await;
+    let refused = call(&layer, get()).await;
+    let body: serde_json::Value = serde_json::from_str(refused.body()).unwrap();
+    assert_eq!(body["retryAfter"], 400.0);
+    assert_eq!(header(&refused, "retry-after"), Some("1"), "0.4 s is 1, not 0");
+    clock.advance(400.0);
+    assert_eq!(call(&layer, get()).await.status(), StatusCode::OK, "and it is true at 400 ms");
+}
+
+fn from_peer(ip: &str) -> Request<String> {
+    let mut r = get();
+    r.extensions_mut().insert(format!("{ip}:5000").parse::<SocketAddr>().unwrap());
+    r
+}
+
+#[tokio::test]
+async fn keys_from_the_peer_address() {
+    let (l, _) = limiter();
+    let layer = RateLimitLayer::new(Arc::clone(&l), send().key(Key::peer_ip()));
+    for _ in 0..3 {
+        call(&layer, from_peer("203.0.113.1")).await;
+    }
+    assert_eq!(
+        call(&layer, from_peer("203.0.113.1")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(call(&layer, from_peer("203.0.113.2")).await.status(), StatusCode::OK);
+    assert_eq!(
+        l.value(
+            ("send", Config::token_bucket(10.0, MINUTE).with_capacity(3.0)),
+            Some("203.0.113.2")
+        )
+        .unwrap()
+        .value,
+        2.0
+    );
+}
+
+#[tokio::test]
+async fn keys_from_forwarded_headers_only_behind_trusted_proxies() {
+    let (l, _) = limiter();
+    let key = Key::peer_ip_behind(TrustedProxies::parse(["10.0.0.0/8"]).unwrap());
+    let layer = RateLimitLayer::new(l, send().key(key));
+    let via_proxy = |client: &str| {
+        let mut r = from_peer("10.0.0.1");
+        r.headers_mut().insert("x-forwarded-for", format!("6.6.6.6, {client}").parse().unwrap());
+        r
+    };
+    for _ in 0..3 {
+        call(&layer, via_proxy("198.51.100.7")).await;
+    }
+    assert_eq!(
+        call(&layer, via_proxy("198.51.100.7")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(call(&layer, via_proxy("198.51.100.8")).await.status(), StatusCode::OK);
+    // A client talking to us directly cannot pick its key with the header: not to escape
+    // its own spent key...
+    let mut direct = from_peer("198.51.100.7");
+    direct.headers_mut().insert("x-forwarded-for", "1.2.3.4".parse().unwrap());
+    assert_eq!(call(&layer, direct).await.status(), StatusCode::TOO_MANY_REQUESTS);
+    // ...nor to spend someone else's.
+    let mut direct = from_peer("198.51.100.9");
+    direct.headers_mut().insert("x-forwarded-for", "198.51.100.7".parse().unwrap());
+    assert_eq!(call(&layer, direct).await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn keys_from_a_header_an_extension_and_a_closure() {
+    #[derive(Clone)]
+    struct User(u32);
+    let (l, _) = limiter();
+    let specs = [
+        send().key(Key::header("x-api-key")),
+        send().key(Key::extension(|u: &User| format!("user-{}", u.0))),
+        send().key(Key::from_fn(|parts| {
+            parts.uri.path().strip_prefix("/t/").map(|k| format!("path-{k}"))
+        })),
+    ];
+    let requests: [fn(&str) -> Request<String>; 3] = [
+        |k| Request::builder().header("x-api-key", format!("api-{k}")).body(String::new()).unwrap(),
+        |k| {
+            let mut r = get();
+            r.extensions_mut().insert(User(k.parse().unwrap()));
+            r
+        },
+        |k| Request::builder().uri(format!("/t/{k}")).body(String::new()).unwrap(),
+    ];
+    for (spec, request) in specs.into_iter().zip(requests) {
+        let layer = RateLimitLayer::new(Arc::clone(&l), spec);
+        for _ in 0..3 {
+            assert_eq!(call(&layer, request("1")).await.status(), StatusCode::OK);
+        }
+        assert_eq!(call(&layer, request("1")).await.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(call(&layer, request("2")).await.status(), StatusCode::OK);
+    }
+}
+
+#[tokio::test]
+async fn a_missing_key_is_refused_shared_or_skipped_as_configured() {
+    let (l, _) = limiter();
+    let reject = RateLimitLayer::new(Arc::clone(&l), send().key(Key::header("x-api-key")));
+    let r = call(&reject, get()).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(r.body(), r#"{"error":"Rate limit send: the key header is missing."}"#);
+    assert!(l.store().is_empty(), "nothing taken");
+
+    let shared = RateLimitLayer::new(
+        Arc::clone(&l),
+        send().key(Key::header("x-api-key")).on_missing_key(MissingKey::Shared),
+    );
+    for _ in 0..3 {
+        assert_eq!(call(&shared, get()).await.status(), StatusCode::OK);
+    }
+    assert_eq!(call(&shared, get()).await.status(), StatusCode::TOO_MANY_REQUESTS);
+
+    let skip = RateLimitLayer::new(l, send().key(Key::peer_ip()).on_missing_key(MissingKey::Skip));
+    for _ in 0..5 {
+        let r = call(&skip, get()).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(header(&r, "ratelimit"), None);
+    }
+}
+
+#[tokio::test]
+async fn counts_come_from_the_request() {
+    let (l, _) = limiter();
+    let tokens = LimitSpec::new(("llm", Config::token_bucket(1_000.0, MINUTE))).count(|parts| {
+        parts.headers.get("x-tokens").and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(1.0)
+    });
+    let layer = RateLimitLayer::new(l, tokens);
+    let ask = |n: &str| Request::builder().header("x-tokens", n).body(String::new()).unwrap();
+    assert_eq!(header(&call(&layer, ask("600")).await, "ratelimit"), Some("\"llm\";r=400;t=36"));
+    assert_eq!(call(&layer, ask("600")).await.status(), StatusCode::TOO_MANY_REQUESTS);
+    let invalid = call(&layer, ask("-1")).await;
+    assert_eq!(invalid.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(
+        invalid.body(),
+        r#"{"error":"Rate limit llm count -1 must be a finite number >= 0."}"#
+    );
+}
+
+#[tokio::test]
+async fn several_limits_are_one_transaction() {
+    let (l, _) = limiter();
+    let global = LimitSpec::new(("global", Config::token_bucket(2.0, MINUTE)));
+    let layer = RateLimitLayer::new(Arc::clone(&l), send().key(Key::peer_ip())).with(global);
+    let ok = call(&layer, from_peer("203.0.113.1")).await;
+    assert_eq!(header(&ok, "ratelimit-policy"), Some("\"send\";q=10;w=60, \"global\";q=2;w=60"));
+    assert_eq!(header(&ok, "ratelimit"), Some("\"send\";r=2;t=6, \"global\";r=1;t=30"));
+    call(&layer, from_peer("203.0.113.2")).await;
+    // The global limit is spent: refused, and the per-peer limit is not taken.
+    let refused = call(&layer, from_peer("203.0.113.3")).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(refused.body().contains("\"name\":\"global\""), "{}", refused.body());
+    assert_eq!(header(&refused, "retry-after"), Some("30"));
+    let per_peer = ("send", Config::token_bucket(10.0, MINUTE).with_capacity(3.0));
+    assert_eq!(l.value(per_peer, Some("203.0.113.3")).unwrap().value, 3.0);
+}
+
+#[tokio::test]
+async fn names_defined_on_the_limiter_work_too() {
+    let (l, _) = limiter();
+    let layer = RateLimitLayer::new(Arc::clone(&l), LimitSpec::new("defined"));
+    assert_eq!(header(&call(&layer, get()).await, "ratelimit-policy"), Some("\"defined\";q=2;w=1"));
+    let unknown = RateLimitLayer::new(l, LimitSpec::new("undefined"));
+    let r = call(&unknown, get()).await;
+    assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR, "a setup error of the app");
+    assert!(r.body().contains("Rate limit undefined not defined."), "{}", r.body());
+}
+
+/// A store whose server is down.
+struct Down;
+
+impl Store for Down {
+    fn execute(&self, _: &Plan<'_>) -> Result<Outcome, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+    fn execute_one(&self, _: &OneTake<'_>) -> Result<Taken, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+    fn read(&self, _: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+    fn delete(&self, _: &str, _: Option<&str>, _: u16) -> Result<(), StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+}
+
+#[tokio::test]
+async fn store_failure_fails_closed_unless_told_otherwise() {
+    let down = Arc::new(RateLimiter::new(Down));
+    let closed = RateLimitLayer::new(Arc::clone(&down), send());
+    let r = call(&closed, get()).await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.body(), r#"{"error":"rate limit store: connection refused"}"#);
+    let open = RateLimitLayer::new(Arc::clone(&down), send().fail_open());
+    let r = call(&open, get()).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(header(&r, "ratelimit"), None, "no numbers to report");
+    // In a transaction, every limit must fail open for the request to pass.
+    let mixed = RateLimitLayer::new(down, send().fail_open())
+        .with(LimitSpec::new(("other", Config::token_bucket(1.0, SECOND))));
+    assert_eq!(call(&mixed, get()).await.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test]
+async fn works_in_an_axum_router() {
+    let (l, _) = limiter();
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "hello" }))
+        .layer(RateLimitLayer::new(l, send()));
+    let request = || axum::http::Request::new(axum::body::Body::empty());
+    for _ in 0..3 {
+        assert_eq!(app.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    }
+    let refused = app.oneshot(request()).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = http_body_util::BodyExt::collect(refused.into_body()).await.unwrap().to_bytes();
+    assert_eq!(&body[..], br#"{"kind":"RateLimited","name":"send","retryAfter":6000.0}"#);
+}
