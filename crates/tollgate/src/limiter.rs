@@ -1,6 +1,7 @@
 //! [`RateLimiter`]: the operations of SPEC §4 over any [`Store`].
 
 use std::cell::Cell;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use foldhash::fast::RandomState;
@@ -228,6 +229,11 @@ pub struct TransactionDecision {
 /// ```
 pub struct RateLimiter<S = MemoryStore> {
     store: S,
+    setup: Arc<Setup>,
+}
+
+/// What a limiter knows besides its store, shared by [`RateLimiter::on`].
+struct Setup {
     defined: HashMap<Box<str>, Config, RandomState>,
     seed: u64,
     draws: Option<AtomicU64>,
@@ -261,12 +267,12 @@ impl<S: Store> RateLimiterBuilder<S> {
 
     /// Builds the limiter.
     pub fn build(self) -> RateLimiter<S> {
-        RateLimiter {
-            store: self.store,
+        let setup = Setup {
             defined: self.defined,
             seed: self.seed.unwrap_or(0),
             draws: self.seed.map(AtomicU64::new),
-        }
+        };
+        RateLimiter { store: self.store, setup: Arc::new(setup) }
     }
 }
 
@@ -286,9 +292,16 @@ impl<S: Store> RateLimiter<S> {
         &self.store
     }
 
+    /// The same limiter (its defined names and seed) over another store: for example the
+    /// caller's own database transaction, so that the tokens are spent or given back with
+    /// it. Cheap: the definitions are shared, not copied.
+    pub fn on<T: Store>(&self, store: T) -> RateLimiter<T> {
+        RateLimiter { store, setup: Arc::clone(&self.setup) }
+    }
+
     /// The names defined at run time, with their configs.
     pub fn defined(&self) -> impl Iterator<Item = (&str, &Config)> {
-        self.defined.iter().map(|(name, config)| (&**name, config))
+        self.setup.defined.iter().map(|(name, config)| (&**name, config))
     }
 
     /// Takes tokens: `ok` and, when refused or reserved, how long to wait.
@@ -376,10 +389,10 @@ impl<S: Store> RateLimiter<S> {
         let take =
             Take { name, key: request.key, config, count: request.count, reserve: request.reserve };
         let taken = if config.shards() == 1 {
-            self.store.execute_one(&OneTake::new(&take, self.seed, writes)?)?
+            self.store.execute_one(&OneTake::new(&take, self.setup.seed, writes)?)?
         } else {
             let mut plan = Plan::new(writes);
-            plan.push(&take, self.seed, self.draw())?;
+            plan.push(&take, self.setup.seed, self.draw())?;
             let outcome = self.store.execute(&plan)?;
             Taken { decision: outcome.decision(), status: outcome.statuses[0] }
         };
@@ -493,7 +506,7 @@ impl<S: Store> RateLimiter<S> {
                 key,
                 shard,
                 config: per_shard,
-                alignment: alignment(&per_shard, self.seed, name, key, shard),
+                alignment: alignment(&per_shard, self.setup.seed, name, key, shard),
             })
             .collect();
         let (now, states) = self.store.read(&slots)?;
@@ -509,6 +522,7 @@ impl<S: Store> RateLimiter<S> {
         match *target {
             Target::Inline(_, config) => Ok(config),
             Target::Named(name) => self
+                .setup
                 .defined
                 .get(name)
                 .copied()
@@ -527,13 +541,13 @@ impl<S: Store> RateLimiter<S> {
         let random = if config.shards() > 1 { self.draw() } else { 0 };
         let take =
             Take { name, key: request.key, config, count: request.count, reserve: request.reserve };
-        plan.push(&take, self.seed, random)?;
+        plan.push(&take, self.setup.seed, random)?;
         Ok(name)
     }
 
     /// 64 random bits: from the seeded sequence if any, else from a per-thread generator.
     fn draw(&self) -> u64 {
-        match &self.draws {
+        match &self.setup.draws {
             Some(counter) => splitmix64(counter.fetch_add(1, Ordering::Relaxed)),
             None => thread_random(),
         }

@@ -12,9 +12,9 @@ const T0: f64 = 1_700_000_000_000.0;
 
 /// Makes a fresh, empty store whose clock is `clock`.
 trait Backend: Fn(ManualClock) -> Self::Store {
-    type Store: Store + 'static;
+    type Store: Store + Send + Sync + 'static;
 }
-impl<S: Store + 'static, F: Fn(ManualClock) -> S> Backend for F {
+impl<S: Store + Send + Sync + 'static, F: Fn(ManualClock) -> S> Backend for F {
     type Store = S;
 }
 
@@ -330,3 +330,42 @@ conformance!(memory, |clock| tollgate::MemoryStore::with_clock(clock));
 conformance!(memory_two_segments, |clock| tollgate::MemoryStore::builder()
     .segments(2)
     .build_with_clock(clock));
+
+#[cfg(feature = "sqlite")]
+conformance!(sqlite_in_memory, |clock| {
+    tollgate::store::SqliteStore::builder().open_in_memory_with_clock(clock).unwrap()
+});
+
+#[cfg(feature = "sqlite")]
+conformance!(sqlite_file, super::on_disk::open);
+
+#[cfg(feature = "sqlite")]
+mod on_disk {
+    use tollgate::core::{Outcome, Plan, Slot, State};
+    use tollgate::store::SqliteStore;
+    use tollgate::{ManualClock, Store, StoreError};
+
+    /// A SQLite store on a file in a directory that goes away with it.
+    pub(crate) struct OnDisk {
+        store: SqliteStore<ManualClock>,
+        _dir: tempfile::TempDir,
+    }
+
+    pub(crate) fn open(clock: ManualClock) -> OnDisk {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::builder().open_with_clock(dir.path().join("t.db"), clock).unwrap();
+        OnDisk { store, _dir: dir }
+    }
+
+    impl Store for OnDisk {
+        fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+            self.store.execute(plan)
+        }
+        fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+            self.store.read(slots)
+        }
+        fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+            self.store.delete(name, key, shards)
+        }
+    }
+}

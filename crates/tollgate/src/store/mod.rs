@@ -10,8 +10,10 @@
 //!
 //! - **Memory** ([`MemoryStore`]): the slots' segments are locked in a fixed order, so a
 //!   transaction over several limits is atomic and cannot deadlock.
-//! - **SQLite** (next): `BEGIN IMMEDIATE` takes the write lock up front (no upgrade deadlock),
-//!   one `SELECT` for the slots, `decide`, one upsert per changed slot, `COMMIT`.
+//! - **SQLite** ([`SqliteStore`], feature `sqlite`): `BEGIN IMMEDIATE` takes the write lock
+//!   up front (no upgrade deadlock), a `SELECT` per slot, `decide`, an upsert (or a delete,
+//!   when full) per changed slot, `COMMIT`. [`SqliteTransaction`] runs the same inside the
+//!   caller's own transaction.
 //! - **PostgreSQL** (next): within the caller's transaction or its own, `INSERT … ON CONFLICT
 //!   DO NOTHING` makes the rows exist and `SELECT … FOR UPDATE` (rows sorted by primary key,
 //!   so no deadlock) locks them, which is correct under READ COMMITTED; the time is the
@@ -25,8 +27,12 @@
 //! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).
 
 mod memory;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 
 pub use memory::{MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous, create_schema};
 
 use tollgate_core::{OneTake, Outcome, Plan, Slot, State, Taken};
 
@@ -36,7 +42,10 @@ use crate::StoreError;
 ///
 /// Implementations must make [`Store::execute`] atomic: no other request may change the
 /// plan's slots between the load and the save, or limits over-admit.
-pub trait Store: Send + Sync {
+///
+/// A store shared between threads is `Send + Sync` (the memory and SQLite stores are); a
+/// store over a borrowed transaction need not be.
+pub trait Store {
     /// Loads the plan's slots, decides at the store's current time, and saves the changed
     /// states, atomically. States that are full again by then may be dropped instead.
     ///

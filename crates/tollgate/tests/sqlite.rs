@@ -1,0 +1,80 @@
+//! What the SQLite store adds to the conformance suite: several connections on one file,
+//! states that outlive the process's store, and the caller's own transactions.
+
+#![cfg(feature = "sqlite")]
+
+use std::sync::Arc;
+
+use rusqlite::{Connection, TransactionBehavior};
+use tollgate::store::{SqliteStore, SqliteTransaction, create_schema};
+use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, Target};
+
+const DAY: f64 = 24.0 * 3_600_000.0;
+
+#[test]
+fn connections_racing_on_one_file_admit_exactly_the_limit() {
+    // Like several processes: each thread has its own connection to the same file.
+    let dir = tempfile::tempdir().unwrap();
+    let path = Arc::new(dir.path().join("race.db"));
+    SqliteStore::open(&*path).unwrap();
+    let limit = Target::Inline("race", Config::token_bucket(500.0, DAY));
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let path = Arc::clone(&path);
+            std::thread::spawn(move || {
+                let l = RateLimiter::new(SqliteStore::open(&*path).unwrap());
+                (0..100).filter(|_| l.limit(limit, Request::new()).unwrap().ok).count()
+            })
+        })
+        .collect();
+    let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(admitted, 500, "800 requests against a limit of 500");
+    let l = RateLimiter::new(SqliteStore::open(&*path).unwrap());
+    assert!(!l.limit(limit, Request::new()).unwrap().ok, "and nothing more");
+    assert!(l.value(limit, None).unwrap().value < 1.0);
+}
+
+#[test]
+fn states_outlive_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("restart.db");
+    let clock = ManualClock::new(1_700_000_000_000.0);
+    let limit = Target::Inline("r", Config::token_bucket(10.0, MINUTE));
+    {
+        let l =
+            RateLimiter::new(SqliteStore::builder().open_with_clock(&path, clock.clone()).unwrap());
+        l.limit(limit, Request::new().key("k").count(7.0)).unwrap();
+    }
+    let l = RateLimiter::new(SqliteStore::builder().open_with_clock(&path, clock).unwrap());
+    assert_eq!(l.value(limit, Some("k")).unwrap().value, 3.0);
+    assert!(!l.limit(limit, Request::new().key("k").count(4.0)).unwrap().ok);
+}
+
+#[test]
+fn a_rolled_back_transaction_gives_the_tokens_back() {
+    let mut conn = Connection::open_in_memory().unwrap();
+    create_schema(&conn).unwrap();
+    let clock = ManualClock::new(1_700_000_000_000.0);
+    let limiter = RateLimiter::new(MemoryStore::new());
+    let limit = Target::Inline("orders", Config::token_bucket(10.0, MINUTE));
+    let value = |conn: &Connection| {
+        limiter
+            .on(SqliteTransaction::with_clock(conn, clock.clone()))
+            .value(limit, Some("u"))
+            .unwrap()
+            .value
+    };
+
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).unwrap();
+    let in_tx = limiter.on(SqliteTransaction::with_clock(&tx, clock.clone()));
+    assert!(in_tx.limit(limit, Request::new().key("u").count(4.0)).unwrap().ok);
+    assert_eq!(in_tx.value(limit, Some("u")).unwrap().value, 6.0, "visible inside");
+    tx.rollback().unwrap();
+    assert_eq!(value(&conn), 10.0, "rolled back: unchanged");
+
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).unwrap();
+    let in_tx = limiter.on(SqliteTransaction::with_clock(&tx, clock.clone()));
+    assert!(in_tx.limit(limit, Request::new().key("u").count(4.0)).unwrap().ok);
+    tx.commit().unwrap();
+    assert_eq!(value(&conn), 6.0, "committed: spent");
+}
