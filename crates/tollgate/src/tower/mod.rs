@@ -179,9 +179,7 @@ impl LimitSpec {
             .config
             .or_else(|| limiter.defined().find(|(name, _)| *name == &*self.name).map(|(_, c)| *c));
         self.policy = config.map(|config| {
-            let (q, w) = quota_window(&config);
-            let name = sf_string(&self.name);
-            (format!("{name};q={q};w={w}").into(), name.len())
+            (fields::policy_member(&self.name, &config).into(), sf_string(&self.name).len())
         });
         self
     }
@@ -314,14 +312,44 @@ impl<S: Store, Inner> RateLimit<S, Inner> {
         for (spec, status) in specs.zip(statuses) {
             let sep = if policy.is_empty() { "" } else { ", " };
             let (member, name_len) = spec.policy.as_ref()?;
-            let name = &member[..*name_len];
-            let r = status.remaining.floor() as u64;
-            let t = (status.reset_after / 1_000.0).ceil() as u64;
             let _ = write!(policy, "{sep}{member}");
-            let _ = write!(current, "{sep}{name};r={r};t={t}");
+            current.push_str(sep);
+            fields::write_status_member(&mut current, &member[..*name_len], status);
         }
         // From a String, the value takes the buffer over: no copy.
         Some((HeaderValue::try_from(policy).ok()?, HeaderValue::try_from(current).ok()?))
+    }
+}
+
+/// The IETF RateLimit header fields, formatted as the layer does, for servers that write
+/// them themselves (the `tollgate` server does).
+pub mod fields {
+    use crate::{Config, Status};
+
+    /// One member of `RateLimit-Policy`: `"name";q=<quota>;w=<window in s>`.
+    pub fn policy_member(name: &str, config: &Config) -> String {
+        let (q, w) = super::quota_window(config);
+        format!("{};q={q};w={w}", super::sf_string(name))
+    }
+
+    /// One member of `RateLimit`: `"name";r=<remaining, rounded down>;t=<s until full, rounded up>`.
+    pub fn status_member(name: &str, status: &Status) -> String {
+        let mut out = String::new();
+        write_status_member(&mut out, &super::sf_string(name), status);
+        out
+    }
+
+    /// Appends the member of `RateLimit` for an already quoted name.
+    pub(super) fn write_status_member(out: &mut String, quoted_name: &str, status: &Status) {
+        use std::fmt::Write as _;
+        let r = status.remaining.floor() as u64;
+        let t = (status.reset_after / 1_000.0).ceil() as u64;
+        let _ = write!(out, "{quoted_name};r={r};t={t}");
+    }
+
+    /// `Retry-After` in whole seconds, rounded up: never 0 for a positive wait.
+    pub fn retry_after_seconds(ms: f64) -> u64 {
+        (ms / 1_000.0).ceil().max(0.0) as u64
     }
 }
 
@@ -353,7 +381,7 @@ fn sf_string(s: &str) -> String {
 
 /// `Retry-After` in whole seconds, rounded up: never 0 for a positive wait.
 fn retry_after_header(ms: f64) -> HeaderValue {
-    HeaderValue::from(((ms / 1_000.0).ceil().max(0.0)) as u64)
+    HeaderValue::from(fields::retry_after_seconds(ms))
 }
 
 fn error_body(message: &str) -> String {

@@ -1,0 +1,405 @@
+//! The operations of SPEC §4 on JSON bodies, shared by the HTTP server and the simulator:
+//! one place decides what every request answers, with which status and header fields.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use tollgate::tower::fields;
+use tollgate::{Call, Config, Error, RateLimiter, RawConfig, Request, Status, Store, Target};
+
+/// The largest request body accepted, in bytes.
+pub const MAX_BODY: usize = 64 * 1024;
+
+/// An operation of the API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// `POST /v1/limit`.
+    Limit,
+    /// `POST /v1/check`.
+    Check,
+    /// `POST /v1/transaction`.
+    Transaction,
+    /// `POST /v1/reset`.
+    Reset,
+    /// `POST /v1/value`.
+    Value,
+}
+
+impl Op {
+    /// The name used in paths, the simulator's `op` and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Limit => "limit",
+            Op::Check => "check",
+            Op::Transaction => "transaction",
+            Op::Reset => "reset",
+            Op::Value => "value",
+        }
+    }
+
+    /// The operation named `name`.
+    pub fn parse(name: &str) -> Option<Op> {
+        [Op::Limit, Op::Check, Op::Transaction, Op::Reset, Op::Value]
+            .into_iter()
+            .find(|op| op.name() == name)
+    }
+}
+
+/// What a request is answered: status, JSON body, header fields.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// The JSON body.
+    pub body: Value,
+    /// `RateLimit-Policy`, `RateLimit` and `Retry-After`, when they apply.
+    pub headers: Vec<(&'static str, String)>,
+    /// How the request went, for metrics: `ok`, `refused`, `invalid`, `not_defined`, `store_error`.
+    pub outcome: &'static str,
+}
+
+impl Answer {
+    fn ok(body: Value) -> Self {
+        Answer { status: StatusCode::OK, body, headers: Vec::new(), outcome: "ok" }
+    }
+
+    /// An error answer: `{ "error": message }`.
+    pub fn error(status: StatusCode, message: impl Into<String>) -> Self {
+        let outcome = match status {
+            StatusCode::NOT_FOUND => "not_defined",
+            StatusCode::SERVICE_UNAVAILABLE => "store_error",
+            _ => "invalid",
+        };
+        Answer { status, body: json!({ "error": message.into() }), headers: Vec::new(), outcome }
+    }
+}
+
+/// One limit request as sent: SPEC §6's `{ name, key?, count?, reserve?, throws?, config? }`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct LimitBody {
+    name: String,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    count: Option<f64>,
+    #[serde(default)]
+    reserve: bool,
+    #[serde(default)]
+    throws: bool,
+    #[serde(default)]
+    config: Option<RawConfig>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct TransactionBody {
+    limits: Vec<LimitBody>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ResetBody {
+    name: String,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    config: Option<RawConfig>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ValueBody {
+    name: String,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    sample_shards: Option<f64>,
+    #[serde(default)]
+    config: Option<RawConfig>,
+}
+
+/// The store every server runs on, picked at run time from a URL.
+pub type DynStore = Arc<dyn Store + Send + Sync>;
+
+/// Runs the operations of the API over a limiter.
+pub struct Engine {
+    limiter: RateLimiter<DynStore>,
+    allow_inline_config: bool,
+}
+
+impl Engine {
+    /// An engine over `limiter`; `allow_inline_config` as the config file's `[server]` says.
+    pub fn new(limiter: RateLimiter<DynStore>, allow_inline_config: bool) -> Self {
+        Engine { limiter, allow_inline_config }
+    }
+
+    /// The limiter.
+    pub fn limiter(&self) -> &RateLimiter<DynStore> {
+        &self.limiter
+    }
+
+    /// Answers `op` with the JSON `body`. Nothing is consumed by a request answered with an
+    /// error.
+    pub fn run(&self, op: Op, body: &[u8]) -> Answer {
+        if body.len() > MAX_BODY {
+            return Answer::error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body is {} bytes; the most is {MAX_BODY}", body.len()),
+            );
+        }
+        let result = match op {
+            Op::Limit => parse(body).and_then(|b| self.single(b, true)),
+            Op::Check => parse(body).and_then(|b| self.single(b, false)),
+            Op::Transaction => parse(body).and_then(|b| self.transaction(b)),
+            Op::Reset => parse(body).and_then(|b| self.reset(b)),
+            Op::Value => parse(body).and_then(|b| self.value(b)),
+        };
+        result.unwrap_or_else(|answer| answer)
+    }
+
+    /// `GET /v1/time`: the store's clock.
+    pub fn time(&self) -> Answer {
+        match self.limiter.store().read(&[]) {
+            Ok((now, _)) => Answer::ok(json!({ "now": number(now) })),
+            Err(err) => Answer::error(StatusCode::SERVICE_UNAVAILABLE, err.to_string()),
+        }
+    }
+
+    /// `GET /v1/config`: the named limits, every default filled in.
+    pub fn config(&self) -> Answer {
+        let limits: BTreeMap<&str, &Config> = self.limiter.defined().collect();
+        Answer::ok(serde_json::to_value(limits).unwrap_or_default())
+    }
+
+    fn target<'a>(&self, name: &'a str, config: Option<&RawConfig>) -> Result<Target<'a>, Answer> {
+        match config {
+            None => {
+                if self.limiter.defined().any(|(n, _)| n == name) {
+                    Ok(Target::Named(name))
+                } else {
+                    Err(not_defined(name))
+                }
+            }
+            Some(_) if !self.allow_inline_config => Err(Answer::error(
+                StatusCode::BAD_REQUEST,
+                "inline configs are not allowed on this server (allowInlineConfig = false); \
+                 use a limit defined in its config file",
+            )),
+            Some(raw) => Config::try_from(raw)
+                .map(|config| Target::Inline(name, config))
+                .map_err(|e| Answer::error(StatusCode::BAD_REQUEST, e.to_string())),
+        }
+    }
+
+    fn config_of(&self, target: &Target<'_>) -> Option<Config> {
+        match *target {
+            Target::Inline(_, config) => Some(config),
+            Target::Named(name) => {
+                self.limiter.defined().find(|(n, _)| *n == name).map(|(_, c)| *c)
+            }
+        }
+    }
+
+    fn request<'a>(body: &'a LimitBody) -> Request<'a> {
+        let mut request = Request::new().count(body.count.unwrap_or(1.0));
+        if let Some(key) = &body.key {
+            request = request.key(key);
+        }
+        if body.reserve {
+            request = request.reserve();
+        }
+        // `throws` is applied here, after the decision, so a 429 carries the same header
+        // fields as any refusal.
+        request
+    }
+
+    fn single(&self, body: LimitBody, writes: bool) -> Result<Answer, Answer> {
+        let target = self.target(&body.name, body.config.as_ref())?;
+        let request = Self::request(&body);
+        let taken = if writes {
+            self.limiter.limit_with_status(target, request)
+        } else {
+            self.limiter.check_with_status(target, request)
+        };
+        let taken = taken.map_err(|e| self.error(e))?;
+        let (ok, retry_after) = (taken.decision.ok, taken.decision.retry_after);
+        let mut answer = if !ok && body.throws {
+            rate_limited(&body.name, retry_after.unwrap_or(0.0))
+        } else {
+            Answer::ok(decision_json(ok, retry_after))
+        };
+        self.rate_limit_headers(
+            &mut answer,
+            &[(&body.name, target)],
+            &[taken.status],
+            retry_after,
+            ok,
+        );
+        Ok(answer)
+    }
+
+    fn transaction(&self, body: TransactionBody) -> Result<Answer, Answer> {
+        if body.limits.is_empty() {
+            return Err(Answer::error(
+                StatusCode::BAD_REQUEST,
+                "limits: a transaction needs at least one limit",
+            ));
+        }
+        let targets = body
+            .limits
+            .iter()
+            .map(|l| Ok((l.name.as_str(), self.target(&l.name, l.config.as_ref())?)))
+            .collect::<Result<Vec<_>, Answer>>()?;
+        let calls: Vec<Call<'_>> =
+            body.limits.iter().zip(&targets).map(|(l, (_, t))| t.with(Self::request(l))).collect();
+        let t = self.limiter.transaction(&calls).map_err(|e| self.error(e))?;
+        let mut answer = if !t.ok && body.limits.iter().any(|l| l.throws) {
+            // Name the refused limit with the longest wait.
+            let (name, wait) = body
+                .limits
+                .iter()
+                .zip(&t.results)
+                .filter(|(_, d)| !d.ok)
+                .map(|(l, d)| (l.name.as_str(), d.retry_after.unwrap_or(0.0)))
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+                .unwrap_or(("", 0.0));
+            rate_limited(name, wait)
+        } else {
+            let results: Vec<Value> =
+                t.results.iter().map(|d| decision_json(d.ok, d.retry_after)).collect();
+            let mut body = decision_json(t.ok, t.retry_after);
+            body["results"] = Value::Array(results);
+            Answer::ok(body)
+        };
+        self.rate_limit_headers(&mut answer, &targets, &t.statuses, t.retry_after, t.ok);
+        Ok(answer)
+    }
+
+    fn reset(&self, body: ResetBody) -> Result<Answer, Answer> {
+        let target = self.target(&body.name, body.config.as_ref())?;
+        self.limiter.reset(target, body.key.as_deref()).map_err(|e| self.error(e))?;
+        Ok(Answer::ok(json!({})))
+    }
+
+    fn value(&self, body: ValueBody) -> Result<Answer, Answer> {
+        let target = self.target(&body.name, body.config.as_ref())?;
+        let sample = match body.sample_shards {
+            None => 1,
+            Some(n) if n.fract() == 0.0 && (1.0..=1024.0).contains(&n) => n as u16,
+            Some(n) => {
+                return Err(Answer::error(
+                    StatusCode::BAD_REQUEST,
+                    format!("sampleShards is {n}; it must be an integer in 1..=1024"),
+                ));
+            }
+        };
+        let reading = self
+            .limiter
+            .value_sampled(target, body.key.as_deref(), sample)
+            .map_err(|e| self.error(e))?;
+        Ok(Answer::ok(json!({
+            "value": number(reading.value),
+            "ts": number(reading.ts),
+            "shard": reading.shard,
+            "config": reading.config,
+        })))
+    }
+
+    /// The IETF header fields for the limits of a request, and `Retry-After` when refused.
+    fn rate_limit_headers(
+        &self,
+        answer: &mut Answer,
+        targets: &[(&str, Target<'_>)],
+        statuses: &[Status],
+        retry_after: Option<f64>,
+        ok: bool,
+    ) {
+        let mut policy = Vec::new();
+        let mut current = Vec::new();
+        for ((name, target), status) in targets.iter().zip(statuses) {
+            if let Some(config) = self.config_of(target) {
+                policy.push(fields::policy_member(name, &config));
+                current.push(fields::status_member(name, status));
+            }
+        }
+        if !policy.is_empty() {
+            answer.headers.push(("ratelimit-policy", policy.join(", ")));
+            answer.headers.push(("ratelimit", current.join(", ")));
+        }
+        if !ok {
+            answer.outcome = "refused";
+            if let Some(wait) = retry_after {
+                answer.headers.push(("retry-after", fields::retry_after_seconds(wait).to_string()));
+            }
+        }
+    }
+
+    fn error(&self, err: Error) -> Answer {
+        match err {
+            Error::Invalid(e) => Answer::error(StatusCode::BAD_REQUEST, e.to_string()),
+            Error::NotDefined { name } => not_defined(&name),
+            Error::Store(e) => Answer::error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            other => Answer::error(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
+        }
+    }
+}
+
+/// A refusal as an error, for requests with `throws`: `429 { kind, name, retryAfter }`.
+fn rate_limited(name: &str, retry_after: f64) -> Answer {
+    Answer {
+        status: StatusCode::TOO_MANY_REQUESTS,
+        body: json!({ "kind": "RateLimited", "name": name, "retryAfter": number(retry_after) }),
+        headers: Vec::new(),
+        outcome: "refused",
+    }
+}
+
+fn not_defined(name: &str) -> Answer {
+    Answer::error(
+        StatusCode::NOT_FOUND,
+        format!(
+            "Rate limit {name} not defined. Define it in a [limits.{name}] table of the server's \
+             config file, or send a config with the request."
+        ),
+    )
+}
+
+/// Parses a body, naming the field of any error: `count: invalid type: string "x", expected f64`.
+fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Answer> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut de).map_err(|err| {
+        let path = err.path().to_string();
+        let inner = err.into_inner();
+        let message = if inner.is_syntax() || inner.is_eof() {
+            format!("malformed JSON: {inner}")
+        } else if path == "." {
+            format!("invalid request body: {inner}")
+        } else {
+            format!("{path}: {inner}")
+        };
+        Answer::error(StatusCode::BAD_REQUEST, message)
+    })
+}
+
+/// `{ ok, retryAfter? }`.
+fn decision_json(ok: bool, retry_after: Option<f64>) -> Value {
+    let mut body = Map::new();
+    body.insert("ok".into(), Value::Bool(ok));
+    if let Some(wait) = retry_after {
+        body.insert("retryAfter".into(), number(wait));
+    }
+    Value::Object(body)
+}
+
+/// A number in its shortest JSON form: `60000`, not `60000.0`.
+pub fn number(x: f64) -> Value {
+    if x.fract() == 0.0 && x.abs() < 9_007_199_254_740_992.0 {
+        Value::from(x as i64)
+    } else {
+        Value::from(x)
+    }
+}

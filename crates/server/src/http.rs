@@ -1,0 +1,164 @@
+//! The HTTP API of SPEC §6 on axum.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+use crate::engine::{Answer, Engine, MAX_BODY, Op};
+use crate::metrics::Metrics;
+
+/// What every handler shares.
+pub struct App {
+    /// The operations.
+    pub engine: Arc<Engine>,
+    /// Accepted bearer tokens; empty: no authentication.
+    pub tokens: Vec<String>,
+    /// Counters for `/metrics`.
+    pub metrics: Metrics,
+    /// Whether the store blocks on I/O, so its calls run off the async threads.
+    pub blocking: bool,
+}
+
+/// The one place where answers (including errors) become HTTP responses.
+impl IntoResponse for Answer {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body)).into_response();
+        for (name, value) in self.headers {
+            if let Ok(value) = HeaderValue::from_str(&value) {
+                response.headers_mut().insert(name, value);
+            }
+        }
+        response
+    }
+}
+
+/// The router: `/v1/*` behind the bearer tokens, `/healthz`, `/metrics` and
+/// `/openapi.json` open.
+pub fn router(app: Arc<App>) -> Router {
+    let api = Router::new()
+        .route("/v1/limit", post(|s, b| operation(s, Op::Limit, b)))
+        .route("/v1/check", post(|s, b| operation(s, Op::Check, b)))
+        .route("/v1/transaction", post(|s, b| operation(s, Op::Transaction, b)))
+        .route("/v1/reset", post(|s, b| operation(s, Op::Reset, b)))
+        .route("/v1/value", post(|s, b| operation(s, Op::Value, b)))
+        .route("/v1/time", get(|State(app): State<Arc<App>>| async move { app.engine.time() }))
+        .route("/v1/config", get(|State(app): State<Arc<App>>| async move { app.engine.config() }))
+        .route_layer(middleware::from_fn_with_state(Arc::clone(&app), authenticate));
+    Router::new()
+        .merge(api)
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(|State(app): State<Arc<App>>| async move { metrics(&app) }))
+        .route("/openapi.json", get(openapi))
+        .fallback(|| async {
+            Answer::error(StatusCode::NOT_FOUND, "no such endpoint; see /openapi.json")
+        })
+        .method_not_allowed_fallback(|| async {
+            Answer::error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed; see /openapi.json")
+        })
+        // Bodies over the limit are refused before they are read to the end.
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(app)
+}
+
+async fn operation(
+    State(app): State<Arc<App>>,
+    op: Op,
+    body: Result<Bytes, BytesRejection>,
+) -> Answer {
+    let start = Instant::now();
+    let answer = match body {
+        Err(rejection) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => Answer::error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body is over {MAX_BODY} bytes"),
+        ),
+        Err(rejection) => Answer::error(rejection.status(), rejection.body_text()),
+        Ok(body) if app.blocking => {
+            let engine = Arc::clone(&app.engine);
+            tokio::task::spawn_blocking(move || engine.run(op, &body)).await.unwrap_or_else(|e| {
+                Answer::error(StatusCode::INTERNAL_SERVER_ERROR, format!("request failed: {e}"))
+            })
+        }
+        Ok(body) => app.engine.run(op, &body),
+    };
+    app.metrics.record(op.name(), answer.outcome, start.elapsed());
+    if answer.status.is_server_error() {
+        tracing::warn!(op = op.name(), status = %answer.status, body = %answer.body, "request failed");
+    }
+    answer
+}
+
+async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    if app.tokens.is_empty() {
+        return next.run(request).await;
+    }
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match presented {
+        Some(token) if app.tokens.iter().any(|t| same(t.as_bytes(), token.as_bytes())) => {
+            next.run(request).await
+        }
+        Some(_) => unauthorized("wrong bearer token"),
+        None => unauthorized("missing Authorization: Bearer <token>"),
+    }
+}
+
+fn unauthorized(message: &str) -> Response {
+    let mut response = Answer::error(StatusCode::UNAUTHORIZED, message).into_response();
+    response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+/// Compares without stopping at the first difference, so timing does not reveal a token.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn healthz(State(app): State<Arc<App>>) -> Response {
+    let engine = Arc::clone(&app.engine);
+    let probe = move || engine.limiter().store().read(&[]).map(|_| ());
+    let result = if app.blocking {
+        tokio::task::spawn_blocking(probe)
+            .await
+            .unwrap_or_else(|e| Err(tollgate::StoreError::new(e.to_string())))
+    } else {
+        probe()
+    };
+    match result {
+        Ok(()) => {
+            (StatusCode::OK, axum::Json(serde_json::json!({ "status": "ok", "store": "ok" })))
+                .into_response()
+        }
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({ "status": "degraded", "store": e.to_string() })),
+        )
+            .into_response(),
+    }
+}
+
+fn metrics(app: &App) -> Response {
+    let mut response = app.metrics.render().into_response();
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+    response
+}
+
+async fn openapi() -> Response {
+    let mut response = include_str!("openapi.json").into_response();
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}

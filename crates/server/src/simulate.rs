@@ -1,0 +1,110 @@
+//! `tollgate simulate`: deterministic replay of JSON lines (SPEC §7).
+
+use std::io::{BufRead, Write};
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use serde_json::{Value, json};
+use tollgate::{Config, ManualClock, MemoryStore, RateLimiter};
+
+use crate::engine::{Answer, DynStore, Engine, Op};
+
+/// A simulation: the memory store on a manual clock, every random choice seeded.
+pub struct Simulation {
+    engine: Engine,
+    clock: ManualClock,
+}
+
+impl Simulation {
+    /// A simulation of `limits`, with random choices fixed by `seed`.
+    pub fn new(limits: &[(String, Config)], seed: u64) -> Self {
+        let clock = ManualClock::new(0.0);
+        let store: DynStore = Arc::new(MemoryStore::with_clock(clock.clone()));
+        let mut builder = RateLimiter::builder(store).seed(seed);
+        for (name, config) in limits {
+            builder = builder.define(name.as_str(), *config);
+        }
+        Simulation { engine: Engine::new(builder.build(), true), clock }
+    }
+
+    /// Answers one input line with one output line (without the newline).
+    pub fn line(&self, line: &str) -> String {
+        self.answer(line).to_string()
+    }
+
+    fn answer(&self, line: &str) -> Value {
+        let mut input: Value = match serde_json::from_str(line) {
+            Ok(value) => value,
+            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("malformed JSON: {e}")),
+        };
+        let Some(fields) = input.as_object_mut() else {
+            return error(StatusCode::BAD_REQUEST, "a line must be a JSON object");
+        };
+        let at = match fields.remove("at") {
+            Some(Value::Number(n)) => n.as_f64().unwrap_or(f64::NAN),
+            Some(_) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "at: must be a number (ms since the Unix epoch)",
+                );
+            }
+            None => return error(StatusCode::BAD_REQUEST, "at: missing (ms since the Unix epoch)"),
+        };
+        if !at.is_finite() {
+            return error(StatusCode::BAD_REQUEST, "at: must be a finite number");
+        }
+        let op = match fields.remove("op") {
+            Some(Value::String(op)) => op,
+            _ => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "op: missing; one of limit, check, transaction, reset, value",
+                );
+            }
+        };
+        let Some(op) = Op::parse(&op) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("op: {op:?} is not one of limit, check, transaction, reset, value"),
+            );
+        };
+        self.clock.set(at);
+        let body = serde_json::to_vec(&input).unwrap_or_default();
+        with_status(self.engine.run(op, &body))
+    }
+
+    /// Reads lines from `input` until it ends, writing one answer line per line to `output`.
+    /// Empty lines are skipped.
+    ///
+    /// # Errors
+    ///
+    /// Reading or writing fails.
+    pub fn run(&self, input: impl BufRead, mut output: impl Write) -> std::io::Result<u64> {
+        let mut lines = 0;
+        for line in input.lines() {
+            let line = line?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            writeln!(output, "{}", self.line(&line))?;
+            lines += 1;
+        }
+        output.flush()?;
+        Ok(lines)
+    }
+}
+
+/// The answer body, with `status` added when it would not be 200.
+fn with_status(answer: Answer) -> Value {
+    let mut body = answer.body;
+    if answer.status != StatusCode::OK
+        && let Some(fields) = body.as_object_mut()
+    {
+        fields.insert("status".into(), json!(answer.status.as_u16()));
+    }
+    body
+}
+
+fn error(status: StatusCode, message: &str) -> Value {
+    json!({ "error": message, "status": status.as_u16() })
+}

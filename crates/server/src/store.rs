@@ -1,0 +1,50 @@
+//! Opening a store from its URL.
+
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use tollgate::MemoryStore;
+use tollgate::store::SqliteStore;
+
+use crate::engine::DynStore;
+
+/// A store opened from a URL, with what the server needs to know about it.
+pub struct Opened {
+    /// The store.
+    pub store: DynStore,
+    /// Whether its calls block on I/O (run them off the async threads).
+    pub blocking: bool,
+    /// The SQLite store, to sweep full states now and then.
+    pub sqlite: Option<Arc<SqliteStore>>,
+}
+
+/// Opens `memory` or `sqlite://PATH` (`sqlite://tollgate.db` is relative to the working
+/// directory, `sqlite:///var/lib/tollgate.db` absolute).
+///
+/// # Errors
+///
+/// An unknown scheme, a store this build does not have yet, or a file that cannot be opened.
+pub fn open(url: &str) -> anyhow::Result<Opened> {
+    if url == "memory" || url == "memory://" {
+        return Ok(Opened { store: Arc::new(MemoryStore::new()), blocking: false, sqlite: None });
+    }
+    if let Some(path) = url.strip_prefix("sqlite://") {
+        if path.is_empty() {
+            bail!("store {url:?}: give a file, as in sqlite://tollgate.db");
+        }
+        let sqlite = Arc::new(SqliteStore::open(path).with_context(|| format!("store {url:?}"))?);
+        return Ok(Opened {
+            store: Arc::clone(&sqlite) as DynStore,
+            blocking: true,
+            sqlite: Some(sqlite),
+        });
+    }
+    let scheme = url.split("://").next().unwrap_or(url);
+    match scheme {
+        "postgres" | "postgresql" | "redis" | "redis+cluster" => bail!(
+            "store {url:?}: the {scheme} store is not in this version of tollgate yet; \
+             use memory or sqlite://PATH"
+        ),
+        _ => bail!("store {url:?}: unknown store; use memory or sqlite://PATH"),
+    }
+}

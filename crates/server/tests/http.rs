@@ -1,0 +1,378 @@
+//! Every endpoint and every error of SPEC §6, through the router with `oneshot`.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
+use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Store, StoreError};
+use tollgate_server::engine::{DynStore, Engine};
+use tollgate_server::http::{App, router};
+use tollgate_server::metrics::Metrics;
+use tower::ServiceExt;
+
+const T0: f64 = 1_700_000_000_000.0;
+
+fn app_with(store: DynStore, tokens: &[&str], allow_inline: bool) -> axum::Router {
+    let limiter = RateLimiter::builder(store)
+        .define("example", Config::token_bucket(10.0, MINUTE).with_capacity(3.0))
+        .define("small", Config::token_bucket(3.0, MINUTE))
+        .build();
+    router(Arc::new(App {
+        engine: Arc::new(Engine::new(limiter, allow_inline)),
+        tokens: tokens.iter().map(|t| t.to_string()).collect(),
+        metrics: Metrics::default(),
+        blocking: false,
+    }))
+}
+
+fn app() -> (axum::Router, ManualClock) {
+    let clock = ManualClock::new(T0);
+    (app_with(Arc::new(MemoryStore::with_clock(clock.clone())), &[], true), clock)
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    body: Value,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+}
+
+async fn send(app: &axum::Router, request: Request<Body>) -> Reply {
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()));
+    Reply { status, headers, body }
+}
+
+async fn post(app: &axum::Router, path: &str, body: impl Into<String>) -> Reply {
+    let request = Request::post(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.into()))
+        .unwrap();
+    send(app, request).await
+}
+
+async fn get(app: &axum::Router, path: &str) -> Reply {
+    send(app, Request::get(path).body(Body::empty()).unwrap()).await
+}
+
+#[tokio::test]
+async fn limit_answers_with_the_header_fields() {
+    let (app, _) = app();
+    let r = post(&app, "/v1/limit", r#"{"name":"example","key":"alice"}"#).await;
+    assert_eq!((r.status, r.body.clone()), (StatusCode::OK, json!({ "ok": true })));
+    assert_eq!(r.header("ratelimit-policy"), Some("\"example\";q=10;w=60"));
+    assert_eq!(r.header("ratelimit"), Some("\"example\";r=2;t=6"));
+    post(&app, "/v1/limit", r#"{"name":"example","key":"alice","count":2}"#).await;
+    let refused = post(&app, "/v1/limit", r#"{"name":"example","key":"alice"}"#).await;
+    assert_eq!(refused.body, json!({ "ok": false, "retryAfter": 6000 }));
+    assert_eq!(refused.header("retry-after"), Some("6"));
+    assert_eq!(refused.header("ratelimit"), Some("\"example\";r=0;t=18"));
+}
+
+#[tokio::test]
+async fn throws_turns_a_refusal_into_429() {
+    let (app, _) = app();
+    post(&app, "/v1/limit", r#"{"name":"example","count":3}"#).await;
+    let r = post(&app, "/v1/limit", r#"{"name":"example","throws":true}"#).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.body, json!({ "kind": "RateLimited", "name": "example", "retryAfter": 6000 }));
+    assert_eq!(r.header("retry-after"), Some("6"));
+    assert_eq!(r.header("ratelimit"), Some("\"example\";r=0;t=18"));
+    // A granted reservation is not an error.
+    let r = post(&app, "/v1/limit", r#"{"name":"example","throws":true,"reserve":true}"#).await;
+    assert_eq!((r.status, r.body), (StatusCode::OK, json!({ "ok": true, "retryAfter": 6000 })));
+}
+
+#[tokio::test]
+async fn the_spec_numbers_over_http() {
+    let (app, clock) = app();
+    let config = r#""config":{"kind":"token bucket","rate":10,"period":"1m"}"#;
+    let limit = |count: u32| format!(r#"{{"name":"inline","count":{count},{config}}}"#);
+    assert_eq!(post(&app, "/v1/limit", limit(5)).await.body, json!({ "ok": true }));
+    clock.advance(6_000.0);
+    assert_eq!(post(&app, "/v1/limit", limit(6)).await.body, json!({ "ok": true }));
+    assert_eq!(
+        post(&app, "/v1/limit", limit(10)).await.body,
+        json!({ "ok": false, "retryAfter": 60000 })
+    );
+    let v = post(&app, "/v1/value", format!(r#"{{"name":"inline",{config}}}"#)).await;
+    assert_eq!(
+        v.body,
+        json!({ "value": 0, "ts": T0 as i64 + 6000, "shard": 0,
+        "config": { "kind": "token bucket", "rate": 10, "period": 60000, "capacity": 10, "shards": 1 } })
+    );
+}
+
+#[tokio::test]
+async fn check_consumes_nothing() {
+    let (app, _) = app();
+    for _ in 0..5 {
+        assert_eq!(
+            post(&app, "/v1/check", r#"{"name":"example","count":3}"#).await.body,
+            json!({ "ok": true })
+        );
+    }
+    let v = post(&app, "/v1/value", r#"{"name":"example"}"#).await;
+    assert_eq!(v.body["value"], json!(3));
+}
+
+#[tokio::test]
+async fn transactions_are_all_or_nothing() {
+    let (app, _) = app();
+    post(&app, "/v1/limit", r#"{"name":"small","count":2}"#).await;
+    let t = post(
+        &app,
+        "/v1/transaction",
+        r#"{"limits":[{"name":"example","count":3},{"name":"small","count":2}]}"#,
+    )
+    .await;
+    assert_eq!(t.status, StatusCode::OK);
+    assert_eq!(
+        t.body,
+        json!({ "ok": false, "retryAfter": 20000,
+        "results": [{ "ok": true }, { "ok": false, "retryAfter": 20000 }] })
+    );
+    assert_eq!(t.header("retry-after"), Some("20"));
+    assert_eq!(t.header("ratelimit-policy"), Some("\"example\";q=10;w=60, \"small\";q=3;w=60"));
+    assert_eq!(
+        post(&app, "/v1/value", r#"{"name":"example"}"#).await.body["value"],
+        json!(3),
+        "nothing taken"
+    );
+    let t = post(
+        &app,
+        "/v1/transaction",
+        r#"{"limits":[{"name":"example","count":3},{"name":"small","count":2,"throws":true}]}"#,
+    )
+    .await;
+    assert_eq!(t.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(t.body, json!({ "kind": "RateLimited", "name": "small", "retryAfter": 20000 }));
+    // Invalid anywhere: 400, nothing taken.
+    let t = post(
+        &app,
+        "/v1/transaction",
+        r#"{"limits":[{"name":"example"},{"name":"small","count":-1}]}"#,
+    )
+    .await;
+    assert_eq!(t.status, StatusCode::BAD_REQUEST);
+    assert_eq!(post(&app, "/v1/value", r#"{"name":"example"}"#).await.body["value"], json!(3));
+    assert_eq!(
+        post(&app, "/v1/transaction", r#"{"limits":[]}"#).await.status,
+        StatusCode::BAD_REQUEST
+    );
+}
+
+#[tokio::test]
+async fn reset_value_time_config() {
+    let (app, _) = app();
+    post(&app, "/v1/limit", r#"{"name":"example","key":"k","count":3}"#).await;
+    assert_eq!(post(&app, "/v1/reset", r#"{"name":"example","key":"k"}"#).await.body, json!({}));
+    assert_eq!(
+        post(&app, "/v1/limit", r#"{"name":"example","key":"k","count":3}"#).await.body,
+        json!({ "ok": true })
+    );
+    let v = post(&app, "/v1/value", r#"{"name":"example","key":"k"}"#).await;
+    assert_eq!((v.body["value"].clone(), v.body["ts"].clone()), (json!(0), json!(T0 as i64)));
+    assert_eq!(get(&app, "/v1/time").await.body, json!({ "now": T0 as i64 }));
+    let c = get(&app, "/v1/config").await.body;
+    assert_eq!(
+        c["example"],
+        json!({ "kind": "token bucket", "rate": 10, "period": 60000, "capacity": 3, "shards": 1 })
+    );
+    assert_eq!(c.as_object().unwrap().len(), 2);
+    let v = post(&app, "/v1/value", r#"{"name":"example","sampleShards":0}"#).await;
+    assert_eq!(v.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn bad_input_is_400_and_consumes_nothing() {
+    let (app, _) = app();
+    let cases: &[(&str, &str)] = &[
+        (r#"{"name":"example","#, "malformed JSON: EOF while parsing a value at line 1 column 18"),
+        ("", "malformed JSON: EOF while parsing a value at line 1 column 0"),
+        (
+            r#"{"name":"example","count":"3"}"#,
+            "count: invalid type: string \"3\", expected f64 at line 1 column 29",
+        ),
+        (
+            r#"{"name":"example","count":1e999}"#,
+            "malformed JSON: number out of range at line 1 column 31",
+        ),
+        (
+            r#"{"name":"example","burst":1}"#,
+            "burst: unknown field `burst`, expected one of `name`, `key`, `count`, `reserve`, `throws`, `config` at line 1 column 25",
+        ),
+        (
+            r#"{"name":"example","count":-1}"#,
+            "Rate limit example count -1 must be a finite number >= 0.",
+        ),
+        (r#"{"name":"example","count":4}"#, "Rate limit example count 4 exceeds 3."),
+        (
+            r#"{"name":"x","config":{"kind":"leaky bucket","rate":1,"period":1}}"#,
+            "invalid config: kind is \"leaky bucket\"; it must be \"token bucket\" or \"fixed window\"",
+        ),
+        (
+            r#"{"name":"x","config":{"kind":"token bucket","rate":0,"period":1}}"#,
+            "invalid config: rate is 0; it must be finite and > 0",
+        ),
+        (
+            r#"{"name":"","config":{"kind":"token bucket","rate":1,"period":1}}"#,
+            "Rate limit name must not be empty.",
+        ),
+        (r#"{"key":"k"}"#, "invalid request body: missing field `name` at line 1 column 11"),
+    ];
+    for (body, error) in cases {
+        let r = post(&app, "/v1/limit", *body).await;
+        assert_eq!(
+            (r.status, r.body),
+            (StatusCode::BAD_REQUEST, json!({ "error": error })),
+            "{body}"
+        );
+    }
+    assert_eq!(post(&app, "/v1/value", r#"{"name":"example"}"#).await.body["value"], json!(3));
+}
+
+#[tokio::test]
+async fn undefined_names_are_404() {
+    let (app, _) = app();
+    let r = post(&app, "/v1/limit", r#"{"name":"nope","key":"k"}"#).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        r.body["error"],
+        json!(
+            "Rate limit nope not defined. Define it in a [limits.nope] table of the server's config file, or send a config with the request."
+        )
+    );
+    assert_eq!(post(&app, "/v1/reset", r#"{"name":"nope"}"#).await.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn big_bodies_wrong_methods_and_paths() {
+    let (app, _) = app();
+    let big = format!(r#"{{"name":"example","key":"{}"}}"#, "k".repeat(70_000));
+    let r = post(&app, "/v1/limit", big).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(r.body["error"].as_str().unwrap().contains("65536"), "{}", r.body);
+    let r = get(&app, "/v1/limit").await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert!(r.body["error"].is_string());
+    assert_eq!(get(&app, "/v2/nothing").await.status, StatusCode::NOT_FOUND);
+    let long_key = format!(r#"{{"name":"example","key":"{}"}}"#, "k".repeat(1025));
+    assert_eq!(post(&app, "/v1/limit", long_key).await.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn inline_configs_can_be_forbidden() {
+    let app = app_with(Arc::new(MemoryStore::new()), &[], false);
+    let r = post(
+        &app,
+        "/v1/limit",
+        r#"{"name":"x","config":{"kind":"token bucket","rate":1,"period":1000}}"#,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.body["error"].as_str().unwrap().starts_with("inline configs are not allowed"));
+    assert_eq!(post(&app, "/v1/limit", r#"{"name":"example"}"#).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn tokens_guard_the_api_but_not_health() {
+    let app = app_with(Arc::new(MemoryStore::new()), &["s3cret", "other"], true);
+    let with = |token: Option<&str>| {
+        let mut r = Request::post("/v1/limit");
+        if let Some(t) = token {
+            r = r.header("authorization", format!("Bearer {t}"));
+        }
+        r.body(Body::from(r#"{"name":"example"}"#)).unwrap()
+    };
+    let missing = send(&app, with(None)).await;
+    assert_eq!(missing.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(missing.header("www-authenticate"), Some("Bearer"));
+    assert_eq!(send(&app, with(Some("wrong"))).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(send(&app, with(Some("s3cret"))).await.status, StatusCode::OK);
+    assert_eq!(send(&app, with(Some("other"))).await.status, StatusCode::OK);
+    assert_eq!(get(&app, "/v1/time").await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(get(&app, "/healthz").await.status, StatusCode::OK);
+}
+
+/// A store whose server is down.
+struct Down;
+
+impl Store for Down {
+    fn execute(&self, _: &Plan<'_>) -> Result<Outcome, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+    fn execute_one(&self, _: &OneTake<'_>) -> Result<Taken, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+    fn read(&self, _: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+    fn delete(&self, _: &str, _: Option<&str>, _: u16) -> Result<(), StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+}
+
+#[tokio::test]
+async fn a_failing_store_is_503() {
+    let app = app_with(Arc::new(Down), &[], true);
+    for path in ["/v1/limit", "/v1/check", "/v1/value", "/v1/reset"] {
+        let r = post(&app, path, r#"{"name":"example"}"#).await;
+        assert_eq!(
+            (r.status, r.body),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({ "error": "rate limit store: connection refused" })
+            ),
+            "{path}"
+        );
+    }
+    assert_eq!(get(&app, "/healthz").await.status, StatusCode::SERVICE_UNAVAILABLE);
+    let m = get(&app, "/metrics").await.body;
+    assert!(m.as_str().unwrap().contains("tollgate_store_errors_total 4"), "{m}");
+}
+
+#[tokio::test]
+async fn metrics_and_openapi() {
+    let (app, _) = app();
+    post(&app, "/v1/limit", r#"{"name":"example","count":3}"#).await;
+    post(&app, "/v1/limit", r#"{"name":"example"}"#).await;
+    post(&app, "/v1/limit", r#"{"name":"nope"}"#).await;
+    let m = get(&app, "/metrics").await;
+    let text = m.body.as_str().unwrap();
+    for line in [
+        "tollgate_requests_total{op=\"limit\",outcome=\"ok\"} 1",
+        "tollgate_requests_total{op=\"limit\",outcome=\"refused\"} 1",
+        "tollgate_requests_total{op=\"limit\",outcome=\"not_defined\"} 1",
+        "tollgate_request_duration_seconds_count{op=\"limit\"} 3",
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
+    let doc = get(&app, "/openapi.json").await.body;
+    assert_eq!(doc["openapi"], json!("3.0.3"));
+    for path in [
+        "/v1/limit",
+        "/v1/check",
+        "/v1/transaction",
+        "/v1/reset",
+        "/v1/value",
+        "/v1/time",
+        "/v1/config",
+        "/healthz",
+        "/metrics",
+    ] {
+        assert!(doc["paths"][path].is_object(), "{path}");
+    }
+}

@@ -1,0 +1,155 @@
+//! `tollgate simulate`: exact answers for JSON lines, in process and through the binary.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use tollgate::{Config, MINUTE};
+use tollgate_server::simulate::Simulation;
+
+fn run(sim: &Simulation, lines: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    sim.run(lines.join("\n").as_bytes(), &mut out).unwrap();
+    String::from_utf8(out).unwrap().lines().map(String::from).collect()
+}
+
+fn limits() -> Vec<(String, Config)> {
+    vec![
+        ("tb".into(), Config::token_bucket(10.0, MINUTE)),
+        ("fw".into(), Config::fixed_window(10.0, MINUTE).with_start(0.0)),
+        ("small".into(), Config::token_bucket(3.0, MINUTE)),
+    ]
+}
+
+#[test]
+fn the_spec_examples() {
+    let sim = Simulation::new(&limits(), 0);
+    let out = run(
+        &sim,
+        &[
+            r#"{"at":0,"op":"limit","name":"tb","count":5}"#,
+            r#"{"at":6000,"op":"limit","name":"tb","count":6}"#,
+            r#"{"at":6000,"op":"value","name":"tb"}"#,
+            r#"{"at":6000,"op":"limit","name":"tb","count":10}"#,
+            r#"{"at":6000,"op":"limit","name":"tb","count":10,"reserve":true}"#,
+            r#"{"at":0,"op":"limit","name":"fw","count":5}"#,
+            r#"{"at":60000,"op":"limit","name":"fw","count":6}"#,
+            r#"{"at":60000,"op":"limit","name":"fw","count":10}"#,
+            r#"{"at":60000,"op":"limit","name":"fw","count":10,"reserve":true}"#,
+            r#"{"at":60000,"op":"value","name":"fw"}"#,
+        ],
+    );
+    assert_eq!(
+        out,
+        [
+            r#"{"ok":true}"#,
+            r#"{"ok":true}"#,
+            r#"{"config":{"capacity":10,"kind":"token bucket","period":60000,"rate":10,"shards":1},"shard":0,"ts":6000,"value":0}"#,
+            r#"{"ok":false,"retryAfter":60000}"#,
+            r#"{"ok":true,"retryAfter":60000}"#,
+            r#"{"ok":true}"#,
+            r#"{"ok":true}"#,
+            r#"{"ok":false,"retryAfter":60000}"#,
+            r#"{"ok":true,"retryAfter":60000}"#,
+            r#"{"config":{"capacity":10,"kind":"fixed window","period":60000,"rate":10,"shards":1,"start":0},"shard":0,"ts":60000,"value":-6}"#,
+        ]
+    );
+}
+
+#[test]
+fn a_transaction_is_refused_as_a_whole() {
+    let sim = Simulation::new(&limits(), 0);
+    let out = run(
+        &sim,
+        &[
+            r#"{"at":0,"op":"limit","name":"small","count":2}"#,
+            r#"{"at":0,"op":"transaction","limits":[{"name":"tb","count":4},{"name":"small","count":2}]}"#,
+            r#"{"at":0,"op":"value","name":"tb"}"#,
+            r#"{"at":0,"op":"transaction","limits":[{"name":"tb","count":4},{"name":"small","count":2,"throws":true}]}"#,
+            r#"{"at":20000,"op":"transaction","limits":[{"name":"tb","count":4},{"name":"small","count":2}]}"#,
+        ],
+    );
+    assert_eq!(
+        out[1],
+        r#"{"ok":false,"results":[{"ok":true},{"ok":false,"retryAfter":20000}],"retryAfter":20000}"#
+    );
+    assert_eq!(
+        out[2],
+        r#"{"config":{"capacity":10,"kind":"token bucket","period":60000,"rate":10,"shards":1},"shard":0,"ts":0,"value":10}"#
+    );
+    assert_eq!(out[3], r#"{"kind":"RateLimited","name":"small","retryAfter":20000,"status":429}"#);
+    assert_eq!(out[4], r#"{"ok":true,"results":[{"ok":true},{"ok":true}]}"#);
+}
+
+#[test]
+fn bad_lines_are_answered_and_the_run_goes_on() {
+    let sim = Simulation::new(&limits(), 0);
+    let out = run(
+        &sim,
+        &[
+            "this is not JSON",
+            r#"[1,2]"#,
+            r#"{"op":"limit","name":"tb"}"#,
+            r#"{"at":"soon","op":"limit","name":"tb"}"#,
+            r#"{"at":0,"op":"fly","name":"tb"}"#,
+            r#"{"at":0,"op":"limit","name":"nope"}"#,
+            r#"{"at":0,"op":"limit","name":"tb","count":11}"#,
+            r#"{"at":0,"op":"limit","name":"tb"}"#,
+        ],
+    );
+    assert_eq!(
+        out,
+        [
+            r#"{"error":"malformed JSON: expected ident at line 1 column 2","status":400}"#,
+            r#"{"error":"a line must be a JSON object","status":400}"#,
+            r#"{"error":"at: missing (ms since the Unix epoch)","status":400}"#,
+            r#"{"error":"at: must be a number (ms since the Unix epoch)","status":400}"#,
+            r#"{"error":"op: \"fly\" is not one of limit, check, transaction, reset, value","status":400}"#,
+            r#"{"error":"Rate limit nope not defined. Define it in a [limits.nope] table of the server's config file, or send a config with the request.","status":404}"#,
+            r#"{"error":"Rate limit tb count 11 exceeds 10.","status":400}"#,
+            r#"{"ok":true}"#,
+        ]
+    );
+}
+
+#[test]
+fn a_seed_fixes_every_random_choice() {
+    let lines: Vec<String> = (0..40)
+        .map(|i| format!(r#"{{"at":{},"op":"limit","name":"hot","key":"k{}","config":{{"kind":"fixed window","rate":100,"period":60000,"shards":4}}}}"#, i * 1000, i % 3))
+        .chain([r#"{"at":40000,"op":"value","name":"hot","key":"k0","config":{"kind":"fixed window","rate":100,"period":60000,"shards":4},"sampleShards":4}"#.to_string()])
+        .collect();
+    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let a = run(&Simulation::new(&[], 7), &lines);
+    let b = run(&Simulation::new(&[], 7), &lines);
+    let c = run(&Simulation::new(&[], 8), &lines);
+    assert_eq!(a, b, "the same seed replays exactly");
+    assert_ne!(a.last(), c.last(), "another seed aligns the windows elsewhere");
+}
+
+#[test]
+fn the_binary_reads_stdin_and_a_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("limits.toml");
+    std::fs::write(
+        &config,
+        "[limits.send]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1m\"\ncapacity = 3\n",
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["simulate", "--seed", "1", "--config"])
+        .arg(&config)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let input =
+        (0..4).map(|_| r#"{"at":0,"op":"limit","name":"send"}"#).collect::<Vec<_>>().join("\n")
+            + "\nnot json\n";
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        "{\"ok\":true}\n{\"ok\":true}\n{\"ok\":true}\n{\"ok\":false,\"retryAfter\":6000}\n\
+         {\"error\":\"malformed JSON: expected ident at line 1 column 2\",\"status\":400}\n"
+    );
+}
