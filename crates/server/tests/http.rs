@@ -6,8 +6,8 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
-use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
-use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Store, StoreError};
+use tollgate::store::Unavailable;
+use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter};
 use tollgate_server::engine::{DynStore, Engine};
 use tollgate_server::http::{App, router};
 use tollgate_server::metrics::Metrics;
@@ -307,27 +307,9 @@ async fn tokens_guard_the_api_but_not_health() {
     assert_eq!(get(&app, "/healthz").await.status, StatusCode::OK);
 }
 
-/// A store whose server is down.
-struct Down;
-
-impl Store for Down {
-    fn execute(&self, _: &Plan<'_>) -> Result<Outcome, StoreError> {
-        Err(StoreError::new("connection refused"))
-    }
-    fn execute_one(&self, _: &OneTake<'_>) -> Result<Taken, StoreError> {
-        Err(StoreError::new("connection refused"))
-    }
-    fn read(&self, _: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        Err(StoreError::new("connection refused"))
-    }
-    fn delete(&self, _: &str, _: Option<&str>, _: u16) -> Result<(), StoreError> {
-        Err(StoreError::new("connection refused"))
-    }
-}
-
 #[tokio::test]
 async fn a_failing_store_is_503() {
-    let app = app_with(Arc::new(Down), &[], true);
+    let app = app_with(Arc::new(Unavailable::new("connection refused")), &[], true);
     for path in ["/v1/limit", "/v1/check", "/v1/value", "/v1/reset"] {
         let r = post(&app, path, r#"{"name":"example"}"#).await;
         assert_eq!(

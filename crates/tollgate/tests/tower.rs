@@ -6,9 +6,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use http::{Request, Response, StatusCode};
-use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
+use tollgate::store::Unavailable;
 use tollgate::tower::{Key, LimitSpec, MissingKey, RateLimitLayer, TrustedProxies};
-use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, SECOND, Store, StoreError};
+use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, SECOND, Store};
 use tower::{Layer, Service, ServiceExt};
 
 type Limiter = RateLimiter<MemoryStore<ManualClock>>;
@@ -263,27 +263,9 @@ async fn names_defined_on_the_limiter_work_too() {
     assert!(r.body().contains("Rate limit undefined not defined."), "{}", r.body());
 }
 
-/// A store whose server is down.
-struct Down;
-
-impl Store for Down {
-    fn execute(&self, _: &Plan<'_>) -> Result<Outcome, StoreError> {
-        Err(StoreError::new("connection refused"))
-    }
-    fn execute_one(&self, _: &OneTake<'_>) -> Result<Taken, StoreError> {
-        Err(StoreError::new("connection refused"))
-    }
-    fn read(&self, _: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        Err(StoreError::new("connection refused"))
-    }
-    fn delete(&self, _: &str, _: Option<&str>, _: u16) -> Result<(), StoreError> {
-        Err(StoreError::new("connection refused"))
-    }
-}
-
 #[tokio::test]
 async fn store_failure_fails_closed_unless_told_otherwise() {
-    let down = Arc::new(RateLimiter::new(Down));
+    let down = Arc::new(RateLimiter::new(Unavailable::new("connection refused")));
     let closed = RateLimitLayer::new(Arc::clone(&down), send());
     let r = call(&closed, get()).await;
     assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
