@@ -4,11 +4,15 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::http::StatusCode;
+use axum::http::{HeaderName, StatusCode};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tollgate::tower::fields;
 use tollgate::{Call, Config, Error, RateLimiter, RawConfig, Request, Status, Store, Target};
+
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+const RETRY_AFTER: HeaderName = HeaderName::from_static("retry-after");
 
 /// The largest request body accepted, in bytes.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -56,7 +60,7 @@ pub struct Answer {
     /// The JSON body.
     pub body: Value,
     /// `RateLimit-Policy`, `RateLimit` and `Retry-After`, when they apply.
-    pub headers: Vec<(&'static str, String)>,
+    pub headers: Vec<(HeaderName, String)>,
     /// How the request went, for metrics: `ok`, `refused`, `invalid`, `not_defined`, `store_error`.
     pub outcome: &'static str,
 }
@@ -129,12 +133,18 @@ pub type DynStore = Arc<dyn Store + Send + Sync>;
 pub struct Engine {
     limiter: RateLimiter<DynStore>,
     allow_inline_config: bool,
+    /// `RateLimit-Policy` members of the defined limits, made once.
+    policies: std::collections::HashMap<String, String>,
 }
 
 impl Engine {
     /// An engine over `limiter`; `allow_inline_config` as the config file's `[server]` says.
     pub fn new(limiter: RateLimiter<DynStore>, allow_inline_config: bool) -> Self {
-        Engine { limiter, allow_inline_config }
+        let policies = limiter
+            .defined()
+            .map(|(name, config)| (name.to_owned(), fields::policy_member(name, config)))
+            .collect();
+        Engine { limiter, allow_inline_config, policies }
     }
 
     /// The limiter.
@@ -178,7 +188,7 @@ impl Engine {
     fn target<'a>(&self, name: &'a str, config: Option<&RawConfig>) -> Result<Target<'a>, Answer> {
         match config {
             None => {
-                if self.limiter.defined().any(|(n, _)| n == name) {
+                if self.limiter.defined_config(name).is_some() {
                     Ok(Target::Named(name))
                 } else {
                     Err(not_defined(name))
@@ -192,15 +202,6 @@ impl Engine {
             Some(raw) => Config::try_from(raw)
                 .map(|config| Target::Inline(name, config))
                 .map_err(|e| Answer::error(StatusCode::BAD_REQUEST, e.to_string())),
-        }
-    }
-
-    fn config_of(&self, target: &Target<'_>) -> Option<Config> {
-        match *target {
-            Target::Inline(_, config) => Some(config),
-            Target::Named(name) => {
-                self.limiter.defined().find(|(n, _)| *n == name).map(|(_, c)| *c)
-            }
         }
     }
 
@@ -321,19 +322,23 @@ impl Engine {
         let mut policy = Vec::new();
         let mut current = Vec::new();
         for ((name, target), status) in targets.iter().zip(statuses) {
-            if let Some(config) = self.config_of(target) {
-                policy.push(fields::policy_member(name, &config));
+            let member = match target {
+                Target::Named(name) => self.policies.get(*name).cloned(),
+                Target::Inline(name, config) => Some(fields::policy_member(name, config)),
+            };
+            if let Some(member) = member {
+                policy.push(member);
                 current.push(fields::status_member(name, status));
             }
         }
         if !policy.is_empty() {
-            answer.headers.push(("ratelimit-policy", policy.join(", ")));
-            answer.headers.push(("ratelimit", current.join(", ")));
+            answer.headers.push((RATELIMIT_POLICY, policy.join(", ")));
+            answer.headers.push((RATELIMIT, current.join(", ")));
         }
         if !ok {
             answer.outcome = "refused";
             if let Some(wait) = retry_after {
-                answer.headers.push(("retry-after", fields::retry_after_seconds(wait).to_string()));
+                answer.headers.push((RETRY_AFTER, fields::retry_after_seconds(wait).to_string()));
             }
         }
     }

@@ -184,6 +184,13 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
             }
         });
     }
+    // Answers are small and each one is a single write: send it at once rather than let
+    // Nagle's algorithm hold it back waiting for an ACK.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("cannot set TCP_NODELAY: {e}");
+        }
+    });
     axum::serve(listener, http::router(app)).with_graceful_shutdown(shutdown()).await?;
     tracing::info!("stopped");
     Ok(())

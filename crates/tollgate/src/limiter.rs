@@ -299,6 +299,11 @@ impl<S: Store> RateLimiter<S> {
         RateLimiter { store, setup: Arc::clone(&self.setup) }
     }
 
+    /// The config of a name defined at run time, if it is.
+    pub fn defined_config(&self, name: &str) -> Option<Config> {
+        self.setup.defined.get(name).copied()
+    }
+
     /// The names defined at run time, with their configs.
     pub fn defined(&self) -> impl Iterator<Item = (&str, &Config)> {
         self.setup.defined.iter().map(|(name, config)| (&**name, config))
@@ -521,12 +526,9 @@ impl<S: Store> RateLimiter<S> {
     fn resolve(&self, target: &Target<'_>) -> Result<Config, Error> {
         match *target {
             Target::Inline(_, config) => Ok(config),
-            Target::Named(name) => self
-                .setup
-                .defined
-                .get(name)
-                .copied()
-                .ok_or_else(|| Error::NotDefined { name: name.to_owned() }),
+            Target::Named(name) => {
+                self.defined_config(name).ok_or_else(|| Error::NotDefined { name: name.to_owned() })
+            }
         }
     }
 

@@ -175,9 +175,7 @@ impl LimitSpec {
     /// Computes the policy member once; a name the limiter does not define has none (its
     /// requests are answered with an error anyway).
     fn with_policy<S: Store>(mut self, limiter: &RateLimiter<S>) -> Self {
-        let config = self
-            .config
-            .or_else(|| limiter.defined().find(|(name, _)| *name == &*self.name).map(|(_, c)| *c));
+        let config = self.config.or_else(|| limiter.defined_config(&self.name));
         self.policy = config.map(|config| {
             (fields::policy_member(&self.name, &config).into(), sf_string(&self.name).len())
         });
