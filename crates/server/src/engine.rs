@@ -379,7 +379,13 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Answer> {
     serde_path_to_error::deserialize(&mut de).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
-        let message = if inner.is_syntax() || inner.is_eof() {
+        let message = if inner.to_string().starts_with("number out of range") {
+            // The lexer fails before serde knows the field: find the key just before it.
+            match field_before(body, inner.line(), inner.column()) {
+                Some(field) => format!("{field}: number out of range (it must be finite)"),
+                None => format!("number out of range: {inner}"),
+            }
+        } else if inner.is_syntax() || inner.is_eof() {
             format!("malformed JSON: {inner}")
         } else if path == "." {
             format!("invalid request body: {inner}")
@@ -388,6 +394,20 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Answer> {
         };
         Answer::error(StatusCode::BAD_REQUEST, message)
     })
+}
+
+/// The name of the last object key that starts before (line, column) of `body`: the field a
+/// lexer error is about. Good enough for error messages, not a JSON parser.
+fn field_before(body: &[u8], line: usize, column: usize) -> Option<String> {
+    let text = std::str::from_utf8(body).ok()?;
+    let offset: usize =
+        text.split_inclusive('\n').take(line.saturating_sub(1)).map(str::len).sum::<usize>()
+            + column;
+    let before = text.get(..offset.min(text.len()))?;
+    let colon = before.rfind(':')?;
+    let key_end = before[..colon].trim_end().strip_suffix('"')?;
+    let key_start = key_end.rfind('"')?;
+    Some(key_end[key_start + 1..].to_owned())
 }
 
 /// `{ ok, retryAfter? }`.

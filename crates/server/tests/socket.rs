@@ -136,6 +136,50 @@ fn consumption_survives_kill_9_and_a_graceful_restart() {
     server.wait().unwrap();
 }
 
+fn client(addr: SocketAddr, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(args)
+        .args(["--server", &format!("http://{addr}"), "--token", "t0ken"])
+        .output()
+        .unwrap();
+    let text = |b: Vec<u8>| String::from_utf8(b).unwrap().trim_end().to_owned();
+    (out.status.code().unwrap(), text(out.stdout), text(out.stderr))
+}
+
+#[test]
+fn client_commands_talk_to_a_server() {
+    let mut settings = settings("memory".into());
+    settings.tokens = vec!["t0ken".into()];
+    settings.limits = vec![("one".into(), Config::token_bucket(1.0, 60_000.0))];
+    let addr = serve_in_process(&settings);
+    assert_eq!(client(addr, &["check", "one", "--key", "k"]), (0, "granted".into(), String::new()));
+    assert_eq!(client(addr, &["limit", "one", "--key", "k"]), (0, "granted".into(), String::new()));
+    let (code, out, _) = client(addr, &["limit", "one", "--key", "k"]);
+    assert_eq!(code, 1, "refused");
+    assert!(out.starts_with("refused: retry in 59."), "{out}");
+    let (code, out, _) = client(addr, &["limit", "one", "--key", "k", "--reserve"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("granted (reserved): do the work in"), "{out}");
+    let (code, out, _) = client(addr, &["value", "one", "--key", "k", "--json"]);
+    assert_eq!(code, 0);
+    let value: Value = serde_json::from_str(&out).unwrap();
+    assert!(value["value"].as_f64().unwrap() < -0.9, "{out}");
+    assert_eq!(client(addr, &["reset", "one", "--key", "k"]), (0, "reset".into(), String::new()));
+    assert_eq!(client(addr, &["limit", "one", "--key", "k"]).0, 0, "fresh after reset");
+    let (code, _, err) = client(addr, &["limit", "nope"]);
+    assert_eq!(code, 2);
+    assert!(err.starts_with("error (404): Rate limit nope not defined."), "{err}");
+    let (code, _, err) = client(addr, &["reset", "one", "--count", "2"]);
+    assert_eq!((code, err.as_str()), (2, "tollgate: --count and --reserve apply to limit and check only"));
+    // A wrong token is an error, not a refusal.
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["limit", "one", "--server", &format!("http://{addr}"), "--token", "wrong"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("error (401): wrong bearer token"));
+}
+
 #[test]
 fn refuses_a_public_address_without_tokens() {
     let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
