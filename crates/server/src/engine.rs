@@ -1,6 +1,7 @@
 //! The operations of SPEC §4 on JSON bodies, shared by the HTTP server and the simulator:
 //! one place decides what every request answers, with which status and header fields.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -58,16 +59,63 @@ pub struct Answer {
     /// The HTTP status.
     pub status: StatusCode,
     /// The JSON body.
-    pub body: Value,
+    pub body: Body,
     /// `RateLimit-Policy`, `RateLimit` and `Retry-After`, when they apply.
     pub headers: Vec<(HeaderName, String)>,
     /// How the request went, for metrics: `ok`, `refused`, `invalid`, `not_defined`, `store_error`.
     pub outcome: &'static str,
 }
 
+/// An answer's JSON body: most are built as a [`Value`]; a decision, the answer to almost
+/// every request, is written straight to its text.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Body {
+    /// Any JSON.
+    Json(Value),
+    /// `{ ok, retryAfter? }`.
+    Decision {
+        /// Granted or not.
+        ok: bool,
+        /// The wait, if any.
+        retry_after: Option<f64>,
+    },
+}
+
+impl Body {
+    /// The body as a JSON value.
+    pub fn into_value(self) -> Value {
+        match self {
+            Body::Json(value) => value,
+            Body::Decision { ok, retry_after } => decision_json(ok, retry_after),
+        }
+    }
+
+    /// The body's JSON text.
+    pub fn to_json(&self) -> String {
+        match self {
+            Body::Json(value) => value.to_string(),
+            Body::Decision { ok, retry_after } => {
+                let mut text = String::with_capacity(40);
+                text.push_str(if *ok { "{\"ok\":true" } else { "{\"ok\":false" });
+                if let Some(wait) = retry_after {
+                    text.push_str(",\"retryAfter\":");
+                    text.push_str(&number(*wait).to_string());
+                }
+                text.push('}');
+                text
+            }
+        }
+    }
+}
+
 impl Answer {
     fn ok(body: Value) -> Self {
-        Answer { status: StatusCode::OK, body, headers: Vec::new(), outcome: "ok" }
+        Answer {
+            status: StatusCode::OK,
+            body: Body::Json(body),
+            headers: Vec::new(),
+            outcome: "ok",
+        }
     }
 
     /// An error answer: `{ "error": message }`.
@@ -77,17 +125,24 @@ impl Answer {
             StatusCode::SERVICE_UNAVAILABLE => "store_error",
             _ => "invalid",
         };
-        Answer { status, body: json!({ "error": message.into() }), headers: Vec::new(), outcome }
+        Answer {
+            status,
+            body: Body::Json(json!({ "error": message.into() })),
+            headers: Vec::new(),
+            outcome,
+        }
     }
 }
 
 /// One limit request as sent: SPEC §6's `{ name, key?, count?, reserve?, throws?, config? }`.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct LimitBody {
-    name: String,
-    #[serde(default)]
-    key: Option<String>,
+struct LimitBody<'b> {
+    // Borrowed from the request body unless the JSON string has escapes.
+    #[serde(borrow)]
+    name: Cow<'b, str>,
+    #[serde(default, borrow)]
+    key: Option<Cow<'b, str>>,
     #[serde(default)]
     count: Option<f64>,
     #[serde(default)]
@@ -100,8 +155,9 @@ struct LimitBody {
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct TransactionBody {
-    limits: Vec<LimitBody>,
+struct TransactionBody<'b> {
+    #[serde(borrow)]
+    limits: Vec<LimitBody<'b>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -205,7 +261,7 @@ impl Engine {
         }
     }
 
-    fn request<'a>(body: &'a LimitBody) -> Request<'a> {
+    fn request<'a>(body: &'a LimitBody<'_>) -> Request<'a> {
         let mut request = Request::new().count(body.count.unwrap_or(1.0));
         if let Some(key) = &body.key {
             request = request.key(key);
@@ -218,7 +274,7 @@ impl Engine {
         request
     }
 
-    fn single(&self, body: LimitBody, writes: bool) -> Result<Answer, Answer> {
+    fn single(&self, body: LimitBody<'_>, writes: bool) -> Result<Answer, Answer> {
         let target = self.target(&body.name, body.config.as_ref())?;
         let request = Self::request(&body);
         let taken = if writes {
@@ -231,7 +287,12 @@ impl Engine {
         let mut answer = if !ok && body.throws {
             rate_limited(&body.name, retry_after.unwrap_or(0.0))
         } else {
-            Answer::ok(decision_json(ok, retry_after))
+            Answer {
+                status: StatusCode::OK,
+                body: Body::Decision { ok, retry_after },
+                headers: Vec::new(),
+                outcome: "ok",
+            }
         };
         self.rate_limit_headers(
             &mut answer,
@@ -243,7 +304,7 @@ impl Engine {
         Ok(answer)
     }
 
-    fn transaction(&self, body: TransactionBody) -> Result<Answer, Answer> {
+    fn transaction(&self, body: TransactionBody<'_>) -> Result<Answer, Answer> {
         if body.limits.is_empty() {
             return Err(Answer::error(
                 StatusCode::BAD_REQUEST,
@@ -253,7 +314,7 @@ impl Engine {
         let targets = body
             .limits
             .iter()
-            .map(|l| Ok((l.name.as_str(), self.target(&l.name, l.config.as_ref())?)))
+            .map(|l| Ok((&*l.name, self.target(&l.name, l.config.as_ref())?)))
             .collect::<Result<Vec<_>, Answer>>()?;
         let calls: Vec<Call<'_>> =
             body.limits.iter().zip(&targets).map(|(l, (_, t))| t.with(Self::request(l))).collect();
@@ -265,7 +326,7 @@ impl Engine {
                 .iter()
                 .zip(&t.results)
                 .filter(|(_, d)| !d.ok)
-                .map(|(l, d)| (l.name.as_str(), d.retry_after.unwrap_or(0.0)))
+                .map(|(l, d)| (&*l.name, d.retry_after.unwrap_or(0.0)))
                 .max_by(|a, b| a.1.total_cmp(&b.1))
                 .unwrap_or(("", 0.0));
             rate_limited(name, wait)
@@ -357,7 +418,9 @@ impl Engine {
 fn rate_limited(name: &str, retry_after: f64) -> Answer {
     Answer {
         status: StatusCode::TOO_MANY_REQUESTS,
-        body: json!({ "kind": "RateLimited", "name": name, "retryAfter": number(retry_after) }),
+        body: Body::Json(
+            json!({ "kind": "RateLimited", "name": name, "retryAfter": number(retry_after) }),
+        ),
         headers: Vec::new(),
         outcome: "refused",
     }
@@ -374,9 +437,15 @@ fn not_defined(name: &str) -> Answer {
 }
 
 /// Parses a body, naming the field of any error: `count: invalid type: string "x", expected f64`.
-fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Answer> {
+///
+/// The plain parser runs first; only a body that fails is parsed again, tracking the path, to
+/// word the error.
+fn parse<'b, T: Deserialize<'b>>(body: &'b [u8]) -> Result<T, Answer> {
+    if let Ok(value) = serde_json::from_slice(body) {
+        return Ok(value);
+    }
     let mut de = serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(&mut de).map_err(|err| {
+    serde_path_to_error::deserialize::<_, T>(&mut de).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
         let message = if inner.to_string().starts_with("number out of range") {

@@ -30,7 +30,8 @@ pub struct App {
 /// The one place where answers (including errors) become HTTP responses.
 impl IntoResponse for Answer {
     fn into_response(self) -> Response {
-        let mut response = (self.status, axum::Json(self.body)).into_response();
+        let content_type = [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))];
+        let mut response = (self.status, content_type, self.body.to_json()).into_response();
         for (name, value) in self.headers {
             // From a String, the value takes the buffer over: no copy.
             if let Ok(value) = HeaderValue::try_from(value) {
@@ -96,7 +97,7 @@ async fn operation(
     };
     app.metrics.record(op.name(), answer.outcome, start.elapsed());
     if answer.status.is_server_error() {
-        tracing::warn!(op = op.name(), status = %answer.status, body = %answer.body, "request failed");
+        tracing::warn!(op = op.name(), status = %answer.status, body = %answer.body.to_json(), "request failed");
     }
     answer
 }

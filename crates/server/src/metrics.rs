@@ -1,85 +1,126 @@
-//! Prometheus metrics: requests by operation and outcome, latency, store errors.
+//! Prometheus metrics: requests by operation and outcome, latency, store errors. Counted
+//! with atomics, so recording a request takes no lock.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-
-use parking_lot::Mutex;
 
 /// Upper bounds of the latency histogram's buckets, in seconds.
 const BUCKETS: [f64; 12] =
     [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
+const OPS: [&str; 5] = ["limit", "check", "transaction", "reset", "value"];
+const OUTCOMES: [&str; 5] = ["ok", "refused", "invalid", "not_defined", "store_error"];
 
 /// The server's counters.
 #[derive(Default)]
 pub struct Metrics {
-    inner: Mutex<Inner>,
-}
-
-#[derive(Default)]
-struct Inner {
-    requests: BTreeMap<(&'static str, &'static str), u64>,
-    latency: BTreeMap<&'static str, Histogram>,
+    requests: [[AtomicU64; OUTCOMES.len()]; OPS.len()],
+    latency: [Histogram; OPS.len()],
 }
 
 #[derive(Default)]
 struct Histogram {
-    buckets: [u64; BUCKETS.len()],
-    count: u64,
-    sum: f64,
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_nanos: AtomicU64,
 }
 
 impl Metrics {
-    /// Counts one request of `op` that ended as `outcome` and took `elapsed`.
+    /// Counts one request of `op` that ended as `outcome` and took `elapsed`. Names outside
+    /// the known sets are not counted.
     pub fn record(&self, op: &'static str, outcome: &'static str, elapsed: Duration) {
+        let (Some(o), Some(r)) =
+            (OPS.iter().position(|x| *x == op), OUTCOMES.iter().position(|x| *x == outcome))
+        else {
+            return;
+        };
+        self.requests[o][r].fetch_add(1, Ordering::Relaxed);
+        let h = &self.latency[o];
+        h.count.fetch_add(1, Ordering::Relaxed);
+        h.sum_nanos.fetch_add(elapsed.as_nanos().try_into().unwrap_or(u64::MAX), Ordering::Relaxed);
         let secs = elapsed.as_secs_f64();
-        let mut inner = self.inner.lock();
-        *inner.requests.entry((op, outcome)).or_default() += 1;
-        let h = inner.latency.entry(op).or_default();
-        h.count += 1;
-        h.sum += secs;
-        for (bucket, bound) in h.buckets.iter_mut().zip(BUCKETS) {
-            if secs <= bound {
-                *bucket += 1;
+        if let Some(first) = BUCKETS.iter().position(|&bound| secs <= bound) {
+            // Cumulative buckets: every bucket from the first that holds it.
+            for bucket in &h.buckets[first..] {
+                bucket.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
 
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
-        let inner = self.inner.lock();
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut out = String::new();
         out.push_str("# HELP tollgate_requests_total Requests by operation and outcome.\n");
         out.push_str("# TYPE tollgate_requests_total counter\n");
-        for ((op, outcome), n) in &inner.requests {
-            let _ =
-                writeln!(out, "tollgate_requests_total{{op=\"{op}\",outcome=\"{outcome}\"}} {n}");
+        let mut store_errors = 0;
+        for (op, counts) in OPS.iter().zip(&self.requests) {
+            for (outcome, n) in OUTCOMES.iter().zip(counts) {
+                let n = get(n);
+                if *outcome == "store_error" {
+                    store_errors += n;
+                }
+                if n > 0 {
+                    let _ = writeln!(
+                        out,
+                        "tollgate_requests_total{{op=\"{op}\",outcome=\"{outcome}\"}} {n}"
+                    );
+                }
+            }
         }
         out.push_str(
             "# HELP tollgate_store_errors_total Requests that failed because the store did.\n",
         );
         out.push_str("# TYPE tollgate_store_errors_total counter\n");
-        let store_errors: u64 =
-            inner.requests.iter().filter(|((_, o), _)| *o == "store_error").map(|(_, n)| n).sum();
         let _ = writeln!(out, "tollgate_store_errors_total {store_errors}");
         out.push_str("# HELP tollgate_request_duration_seconds Time to answer, by operation.\n");
         out.push_str("# TYPE tollgate_request_duration_seconds histogram\n");
-        for (op, h) in &inner.latency {
-            for (bound, n) in BUCKETS.iter().zip(h.buckets) {
+        for (op, h) in OPS.iter().zip(&self.latency) {
+            let count = get(&h.count);
+            if count == 0 {
+                continue;
+            }
+            for (bound, n) in BUCKETS.iter().zip(&h.buckets) {
                 let _ = writeln!(
                     out,
-                    "tollgate_request_duration_seconds_bucket{{op=\"{op}\",le=\"{bound}\"}} {n}"
+                    "tollgate_request_duration_seconds_bucket{{op=\"{op}\",le=\"{bound}\"}} {}",
+                    get(n)
                 );
             }
             let _ = writeln!(
                 out,
-                "tollgate_request_duration_seconds_bucket{{op=\"{op}\",le=\"+Inf\"}} {}",
-                h.count
+                "tollgate_request_duration_seconds_bucket{{op=\"{op}\",le=\"+Inf\"}} {count}"
             );
-            let _ = writeln!(out, "tollgate_request_duration_seconds_sum{{op=\"{op}\"}} {}", h.sum);
-            let _ =
-                writeln!(out, "tollgate_request_duration_seconds_count{{op=\"{op}\"}} {}", h.count);
+            let sum = get(&h.sum_nanos) as f64 / 1e9;
+            let _ = writeln!(out, "tollgate_request_duration_seconds_sum{{op=\"{op}\"}} {sum}");
+            let _ = writeln!(out, "tollgate_request_duration_seconds_count{{op=\"{op}\"}} {count}");
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_cumulative() {
+        let m = Metrics::default();
+        m.record("limit", "ok", Duration::from_micros(300));
+        m.record("limit", "refused", Duration::from_millis(2));
+        m.record("weird", "ok", Duration::ZERO);
+        let text = m.render();
+        for line in [
+            "tollgate_requests_total{op=\"limit\",outcome=\"ok\"} 1",
+            "tollgate_requests_total{op=\"limit\",outcome=\"refused\"} 1",
+            "tollgate_request_duration_seconds_bucket{op=\"limit\",le=\"0.00025\"} 0",
+            "tollgate_request_duration_seconds_bucket{op=\"limit\",le=\"0.0005\"} 1",
+            "tollgate_request_duration_seconds_bucket{op=\"limit\",le=\"0.0025\"} 2",
+            "tollgate_request_duration_seconds_count{op=\"limit\"} 2",
+            "tollgate_store_errors_total 0",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+        assert!(!text.contains("weird"));
     }
 }

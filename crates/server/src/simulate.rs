@@ -96,7 +96,7 @@ impl Simulation {
 
 /// The answer body, with `status` added when it would not be 200.
 fn with_status(answer: Answer) -> Value {
-    let mut body = answer.body;
+    let mut body = answer.body.into_value();
     if answer.status != StatusCode::OK
         && let Some(fields) = body.as_object_mut()
     {

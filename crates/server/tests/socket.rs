@@ -170,7 +170,10 @@ fn client_commands_talk_to_a_server() {
     assert_eq!(code, 2);
     assert!(err.starts_with("error (404): Rate limit nope not defined."), "{err}");
     let (code, _, err) = client(addr, &["reset", "one", "--count", "2"]);
-    assert_eq!((code, err.as_str()), (2, "tollgate: --count and --reserve apply to limit and check only"));
+    assert_eq!(
+        (code, err.as_str()),
+        (2, "tollgate: --count and --reserve apply to limit and check only")
+    );
     // A wrong token is an error, not a refusal.
     let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args(["limit", "one", "--server", &format!("http://{addr}"), "--token", "wrong"])
