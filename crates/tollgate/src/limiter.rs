@@ -9,7 +9,7 @@ use hashbrown::HashMap;
 use smallvec::SmallVec;
 use tollgate_core::{
     Config, Decision, OneTake, Plan, Reading, Sample, Slot, Status, Take, Taken, alignment, read,
-    sample_shards, splitmix64, unit_interval,
+    splitmix64, unit_interval,
 };
 
 use crate::Error;
@@ -503,7 +503,11 @@ impl<S: Store> RateLimiter<S> {
         let name = target.name();
         tollgate_core::validate_name_key(name, key)?;
         let per_shard = config.per_shard();
-        let shards = sample_shards_of(config.shards(), sample_shards, self.draw());
+        let shards = if config.shards() == 1 {
+            SmallVec::from_slice(&[0])
+        } else {
+            tollgate_core::sample_shards(config.shards(), sample_shards, self.draw())
+        };
         let slots: SmallVec<[Slot<'_>; 4]> = shards
             .iter()
             .map(|&shard| Slot {
@@ -554,10 +558,6 @@ impl<S: Store> RateLimiter<S> {
             None => thread_random(),
         }
     }
-}
-
-fn sample_shards_of(shards: u16, k: u16, random: u64) -> SmallVec<[u16; 4]> {
-    if shards == 1 { SmallVec::from_slice(&[0]) } else { sample_shards(shards, k, random) }
 }
 
 fn refused(name: &str, decision: Decision) -> Error {

@@ -284,21 +284,22 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// Saves `state` for a slot in its locked table: updates, inserts, or drops it when full.
-    /// Room for an insert was reserved in `len` by [`Self::reserve`].
+    /// The slot's name was interned (its entry id is `id`) and room for an insert reserved in
+    /// `len` by [`Self::reserve`] beforehand, so saving cannot fail half way through a
+    /// transaction.
     fn save(
         &self,
         table: &mut Table,
         at: Located,
         slot: &Slot<'_>,
+        id: u32,
         state: State,
         now: f64,
-    ) -> Result<(), StoreError> {
+    ) {
         // Full already: nothing to keep. Otherwise sweeps drop it once `expires` has passed.
         let full_at = full_at(&slot.config, state);
         let (full, expires) = (full_at <= now, expiry_secs(full_at));
-        let id = table.entry_id(at, slot);
-        let found =
-            id.and_then(|id| table.entries.find_entry(at.hash, |e| e.is(id, slot.key)).ok());
+        let found = table.entries.find_entry(at.hash, |e| e.is(id, slot.key)).ok();
         match found {
             Some(entry) if full => {
                 entry.remove();
@@ -312,13 +313,6 @@ impl<C: Clock> MemoryStore<C> {
                 self.len.fetch_sub(1, Ordering::Relaxed); // the reserved room is not used
             }
             None => {
-                let id = match id {
-                    Some(id) => id,
-                    None => {
-                        self.intern(table, at.name_hash, slot.name)? << SHARD_BITS
-                            | u32::from(slot.shard)
-                    }
-                };
                 if table.entries.len() >= table.sweep_at {
                     self.sweep_table(table, expiry_now(now));
                 }
@@ -333,7 +327,22 @@ impl<C: Clock> MemoryStore<C> {
                 entries.insert_unique(at.hash, entry, |e| self.rehash(name_hashes, e));
             }
         }
-        Ok(())
+    }
+
+    /// The entry id of a slot, interning its name in the segment if it is new there.
+    fn entry_id_or_intern(
+        &self,
+        table: &mut Table,
+        at: Located,
+        slot: &Slot<'_>,
+    ) -> Result<u32, StoreError> {
+        match table.entry_id(at, slot) {
+            Some(id) => Ok(id),
+            None => {
+                Ok(self.intern(table, at.name_hash, slot.name)? << SHARD_BITS
+                    | u32::from(slot.shard))
+            }
+        }
     }
 
     fn intern(&self, table: &mut Table, name_hash: u64, name: &str) -> Result<u32, StoreError> {
@@ -342,7 +351,6 @@ impl<C: Clock> MemoryStore<C> {
         }
         let id = table.name_hashes.len() as u32;
         if id >= MAX_NAMES {
-            self.len.fetch_sub(1, Ordering::Relaxed);
             return Err(StoreError::new(format!(
                 "the memory store holds at most {MAX_NAMES} distinct names; put unbounded values in keys"
             )));
@@ -418,10 +426,11 @@ impl<C: Clock> MemoryStore<C> {
         }
         let (result, save) = decide(now, None);
         if let Some(state) = save {
+            let id = self.entry_id_or_intern(&mut table, at, slot)?;
             if !self.reserve(1) {
                 return Ok(None);
             }
-            self.save(&mut table, at, slot, state, now)?;
+            self.save(&mut table, at, slot, id, state, now);
         }
         Ok(Some(result))
     }
@@ -454,6 +463,11 @@ impl<C: Clock> MemoryStore<C> {
             .collect();
         let found: Inline<bool> = states.iter().map(Option::is_some).collect();
         let outcome = plan.decide(now, &mut states);
+        // Everything that can fail happens before the first write: interning, then room.
+        let mut ids: Inline<u32> = Inline::with_capacity(slots.len());
+        for (slot, &at) in slots.iter().zip(&located) {
+            ids.push(self.entry_id_or_intern(&mut guards[guard_of(at.segment)], at, slot)?);
+        }
         let new = (0..slots.len()).filter(|&i| outcome.changed[i] && !found[i]).count();
         if !self.reserve(new) {
             return Ok(None);
@@ -461,7 +475,7 @@ impl<C: Clock> MemoryStore<C> {
         for (i, (slot, &at)) in slots.iter().zip(&located).enumerate() {
             if outcome.changed[i] {
                 let state = states[i].expect("changed states are set");
-                self.save(&mut guards[guard_of(at.segment)], at, slot, state, now)?;
+                self.save(&mut guards[guard_of(at.segment)], at, slot, ids[i], state, now);
             }
         }
         Ok(Some(outcome))
