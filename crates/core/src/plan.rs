@@ -389,6 +389,33 @@ fn pick_shards(n: u16, random: u64) -> (u16, Option<u16>) {
     (a as u16, Some(((a + 1 + offset) % n) as u16))
 }
 
+/// Which refused request of a transaction to name in its refusal: the one with the longest
+/// wait (the first of those, if several wait as long). `None` if none was refused.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{longest_refusal, Decision};
+///
+/// let results = [
+///     Decision { ok: false, retry_after: Some(1_000.0) },
+///     Decision::ADMIT,
+///     Decision { ok: false, retry_after: Some(20_000.0) },
+/// ];
+/// assert_eq!(longest_refusal(&results), Some(2));
+/// assert_eq!(longest_refusal(&[Decision::ADMIT]), None);
+/// ```
+pub fn longest_refusal(results: &[Decision]) -> Option<usize> {
+    let mut longest: Option<(usize, f64)> = None;
+    for (i, d) in results.iter().enumerate().filter(|(_, d)| !d.ok) {
+        let wait = d.retry_after.unwrap_or(0.0);
+        if longest.is_none_or(|(_, w)| wait > w) {
+            longest = Some((i, wait));
+        }
+    }
+    longest.map(|(i, _)| i)
+}
+
 /// The larger of two optional waits.
 #[inline]
 pub fn max_option(a: Option<f64>, b: Option<f64>) -> Option<f64> {

@@ -320,16 +320,8 @@ impl Engine {
             body.limits.iter().zip(&targets).map(|(l, (_, t))| t.with(Self::request(l))).collect();
         let t = self.limiter.transaction(&calls).map_err(|e| self.error(e))?;
         let mut answer = if !t.ok && body.limits.iter().any(|l| l.throws) {
-            // Name the refused limit with the longest wait.
-            let (name, wait) = body
-                .limits
-                .iter()
-                .zip(&t.results)
-                .filter(|(_, d)| !d.ok)
-                .map(|(l, d)| (&*l.name, d.retry_after.unwrap_or(0.0)))
-                .max_by(|a, b| a.1.total_cmp(&b.1))
-                .unwrap_or(("", 0.0));
-            rate_limited(name, wait)
+            let i = tollgate::core::longest_refusal(&t.results).unwrap_or(0);
+            rate_limited(&body.limits[i].name, t.results[i].retry_after.unwrap_or(0.0))
         } else {
             let results: Vec<Value> =
                 t.results.iter().map(|d| decision_json(d.ok, d.retry_after)).collect();

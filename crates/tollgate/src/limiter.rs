@@ -436,16 +436,11 @@ impl<S: Store> RateLimiter<S> {
             self.push(&mut plan, &call.target, &call.request)?;
         }
         let outcome = self.store.execute(&plan)?;
-        if !outcome.ok && calls.iter().any(|c| c.request.throws) {
-            let (call, decision) = calls
-                .iter()
-                .zip(&outcome.results)
-                .filter(|(_, d)| !d.ok)
-                .max_by(|a, b| {
-                    a.1.retry_after.unwrap_or(0.0).total_cmp(&b.1.retry_after.unwrap_or(0.0))
-                })
-                .expect("a refused transaction has a refused call");
-            return Err(refused(call.target.name(), *decision));
+        if !outcome.ok
+            && calls.iter().any(|c| c.request.throws)
+            && let Some(i) = tollgate_core::longest_refusal(&outcome.results)
+        {
+            return Err(refused(calls[i].target.name(), outcome.results[i]));
         }
         Ok(TransactionDecision {
             ok: outcome.ok,

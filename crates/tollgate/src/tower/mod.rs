@@ -249,11 +249,15 @@ impl<S: Store, Inner> RateLimit<S, Inner> {
             })
             .collect();
         let outcome = if let [call] = calls.as_slice() {
-            self.limiter
-                .limit_call_with_status(call)
-                .map(|t| (t.decision.ok, t.decision.retry_after, vec![t.decision], vec![t.status]))
+            self.limiter.limit_call_with_status(call).map(|t| {
+                let (results, statuses) =
+                    (Inline::from_elem(t.decision, 1), Inline::from_elem(t.status, 1));
+                (t.decision.ok, t.decision.retry_after, results, statuses)
+            })
         } else {
-            self.limiter.transaction(&calls).map(|t| (t.ok, t.retry_after, t.results, t.statuses))
+            self.limiter.transaction(&calls).map(|t| {
+                (t.ok, t.retry_after, Inline::from_vec(t.results), Inline::from_vec(t.statuses))
+            })
         };
         match outcome {
             Ok((ok, retry_after, results, statuses)) => {
@@ -261,14 +265,10 @@ impl<S: Store, Inner> RateLimit<S, Inner> {
                 if ok {
                     return Verdict::Pass(headers);
                 }
-                // Name the refused limit with the longest wait.
-                let (spec, wait) = keys
-                    .iter()
-                    .zip(&results)
-                    .filter(|(_, d)| !d.ok)
-                    .map(|(k, d)| (k.0, d.retry_after.unwrap_or(0.0)))
-                    .max_by(|a, b| a.1.total_cmp(&b.1))
-                    .unwrap_or((keys[0].0, retry_after.unwrap_or(0.0)));
+                let (spec, wait) = match crate::core::longest_refusal(&results) {
+                    Some(i) => (keys[i].0, results[i].retry_after.unwrap_or(0.0)),
+                    None => (keys[0].0, retry_after.unwrap_or(0.0)),
+                };
                 let body = serde_json::json!({ "kind": "RateLimited", "name": &*spec.name, "retryAfter": wait }).to_string();
                 Verdict::Answer(
                     StatusCode::TOO_MANY_REQUESTS,
