@@ -7,7 +7,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
 use tollgate_core::{
-    Clock, Config, Inline, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
+    Clock, Inline, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
 
 use super::Store;
@@ -102,7 +102,11 @@ impl Table {
 
     /// The entry id of (name, shard) in this segment; `None` if the name was never stored here.
     fn entry_id(&self, at: Located, slot: &Slot<'_>) -> Option<u32> {
-        Some(self.name_id(at.name_hash, slot.name)? << SHARD_BITS | u32::from(slot.shard))
+        self.id_of(at, slot.name, slot.shard)
+    }
+
+    fn id_of(&self, at: Located, name: &str, shard: u16) -> Option<u32> {
+        Some(self.name_id(at.name_hash, name)? << SHARD_BITS | u32::from(shard))
     }
 
     fn find(&self, at: Located, slot: &Slot<'_>) -> Option<State> {
@@ -276,8 +280,14 @@ impl<C: Clock> MemoryStore<C> {
 
     #[inline]
     fn locate(&self, slot: &Slot<'_>) -> Located {
-        let name_hash = self.hasher.hash_one(slot.name);
-        let hash = self.hash(name_hash, slot.shard, slot.key.map(str::as_bytes));
+        self.locate_state(slot.name, slot.key, slot.shard)
+    }
+
+    /// Where the state of (name, key, shard) lives; only those three locate a state.
+    #[inline]
+    fn locate_state(&self, name: &str, key: Option<&str>, shard: u16) -> Located {
+        let name_hash = self.hasher.hash_one(name);
+        let hash = self.hash(name_hash, shard, key.map(str::as_bytes));
         // hashbrown takes its bucket index from the low bits and its tag from the top 7:
         // the segment comes from bits in between so the three stay independent.
         Located { name_hash, hash, segment: (hash >> 40) as usize & self.mask }
@@ -526,12 +536,9 @@ impl<C: Clock> Store for MemoryStore<C> {
 
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
         for shard in 0..shards {
-            // Only name, key and shard locate a state; the config plays no part.
-            let slot =
-                Slot { name, key, shard, config: Config::token_bucket(1.0, 1.0), alignment: 0.0 };
-            let at = self.locate(&slot);
+            let at = self.locate_state(name, key, shard);
             let mut table = self.segments[at.segment].0.lock();
-            let Some(id) = table.entry_id(at, &slot) else { continue };
+            let Some(id) = table.id_of(at, name, shard) else { continue };
             if let Ok(entry) = table.entries.find_entry(at.hash, |e| e.is(id, key)) {
                 entry.remove();
                 self.len.fetch_sub(1, Ordering::Relaxed);
