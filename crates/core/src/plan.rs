@@ -122,6 +122,23 @@ impl<'a> OneTake<'a> {
 /// then need no allocation.
 pub type Inline<T> = SmallVec<[T; 4]>;
 
+/// One take of a [`Plan`] as a store that runs the algebra itself sees it (SPEC §3): decide
+/// slot `a` alone when `b` is `None` or `a` has no state yet, else the power of two choices
+/// between `a` and `b`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PlannedTake {
+    /// Tokens asked for.
+    pub count: f64,
+    /// Whether a shortfall may be booked ahead.
+    pub reserve: bool,
+    /// The limit's shard count.
+    pub shards: u16,
+    /// The index in [`Plan::slots`] of shard A.
+    pub a: usize,
+    /// The index of shard B, with three or more shards.
+    pub b: Option<usize>,
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Item {
     count: f64,
@@ -201,6 +218,18 @@ impl<'a> Plan<'a> {
     /// The slots to load, in a fixed order; [`Plan::decide`] takes their states in that order.
     pub fn slots(&self) -> &[Slot<'a>] {
         &self.slots
+    }
+
+    /// The takes, in order, with their shard choices already made: for stores that run the
+    /// algebra themselves, such as a Redis script.
+    pub fn takes(&self) -> impl Iterator<Item = PlannedTake> + '_ {
+        self.items.iter().map(|item| PlannedTake {
+            count: item.count,
+            reserve: item.reserve,
+            shards: item.shards,
+            a: item.a,
+            b: item.b,
+        })
     }
 
     /// Adds a take. `seed` fixes fixed-window alignments; `random` supplies the shard choice.

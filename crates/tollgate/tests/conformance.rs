@@ -311,18 +311,47 @@ fn concurrent_exactness(b: &impl Backend) {
     }
 }
 
+/// The URL of a backend server for its suite, from the environment variable `var`. Unset:
+/// the suite skips, saying why, unless `TOLLGATE_REQUIRE_BACKENDS=1` (as in CI), which makes
+/// a missing backend a failure rather than a silent skip.
+#[allow(dead_code)]
+fn backend_url(var: &str, example: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+            panic!("{var} is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires this backend")
+        }
+        _ => {
+            // Once per process, and past libtest's capture (which takes only the print
+            // macros), so a skipped suite is visible in the test run's output.
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                use std::io::Write as _;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "skipped the {var} backend suite: set {var} (for example {var}={example}) to run it"
+                );
+            });
+            None
+        }
+    }
+}
+
 macro_rules! conformance {
     ($backend:ident, $make:expr) => {
+        conformance!($backend, $make, true);
+    };
+    ($backend:ident, $make:expr, $available:expr) => {
         mod $backend {
-            conformance!(@tests $make; token_bucket_spec_numbers, token_bucket_spec_numbers_reserved,
+            conformance!(@tests $make, $available; token_bucket_spec_numbers, token_bucket_spec_numbers_reserved,
                 fixed_window_spec_numbers, capacity_burst, max_reserved, check_does_not_consume,
                 invalid_requests_consume_nothing, throws_turns_refusal_into_error, reset_forgets,
                 keys_are_isolated, value_reports_config_and_state, transaction_all_or_nothing,
                 sharded_never_over_admits, status_after_requests, concurrent_exactness);
         }
     };
-    (@tests $make:expr; $($test:ident),*) => {
-        $(#[test] fn $test() { super::$test(&$make) })*
+    (@tests $make:expr, $available:expr; $($test:ident),*) => {
+        $(#[test] fn $test() { if $available { super::$test(&$make) } })*
     };
 }
 
@@ -367,5 +396,34 @@ mod on_disk {
         fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
             self.store.delete(name, key, shards)
         }
+    }
+}
+
+#[cfg(feature = "redis")]
+conformance!(redis, super::on_redis::open, super::on_redis::url().is_some());
+
+#[cfg(feature = "redis")]
+mod on_redis {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use tollgate::ManualClock;
+    use tollgate::store::RedisStore;
+
+    pub(crate) fn url() -> Option<String> {
+        super::backend_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379")
+    }
+
+    /// A store with a key prefix of its own, so tests never see each other's states.
+    pub(crate) fn open(clock: ManualClock) -> RedisStore<ManualClock> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let prefix = format!(
+            "tollgate-test:{}:{}:",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        RedisStore::builder()
+            .prefix(prefix)
+            .open_with_clock(&url().expect("checked"), clock)
+            .unwrap()
     }
 }

@@ -18,19 +18,24 @@
 //!   DO NOTHING` makes the rows exist and `SELECT … FOR UPDATE` (rows sorted by primary key,
 //!   so no deadlock) locks them, which is correct under READ COMMITTED; the time is the
 //!   database's (`clock_timestamp()`); `decide`; upserts.
-//! - **Redis** (next): a Lua script receives the plan (slots, per-shard configs, counts,
-//!   reserve flags and the shard choices already made) and runs the same algebra server-side
-//!   with `TIME`, in one round trip; keys get a `PEXPIREAT` at [`tollgate_core::full_at`]. A
-//!   differential test keeps the script equal to `tollgate-core`.
+//! - **Redis** ([`RedisStore`], feature `redis`): a Lua script receives the plan (slots,
+//!   per-shard configs, counts, reserve flags and the shard choices already made), loads the
+//!   states, decides with `TIME` and writes, all in one round trip; it answers with what it
+//!   loaded and the time it used, and `tollgate-core` computes the answer from those. Keys
+//!   expire when they are full again.
 //!
 //! Stores that read their own clock accept a fixed one in tests (for the memory store,
 //! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).
 
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
 pub use memory::{MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "redis")]
+pub use redis::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous, create_schema};
 
