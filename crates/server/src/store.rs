@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use tollgate::MemoryStore;
-use tollgate::store::SqliteStore;
+use tollgate::store::{RedisStore, SqliteStore};
 
 use crate::engine::DynStore;
 
@@ -18,8 +18,8 @@ pub struct Opened {
     pub sqlite: Option<Arc<SqliteStore>>,
 }
 
-/// Opens `memory` or `sqlite://PATH` (`sqlite://tollgate.db` is relative to the working
-/// directory, `sqlite:///var/lib/tollgate.db` absolute).
+/// Opens `memory`, `sqlite://PATH` (`sqlite://tollgate.db` is relative to the working
+/// directory, `sqlite:///var/lib/tollgate.db` absolute) or `redis://HOST:PORT/DB`.
 ///
 /// # Errors
 ///
@@ -39,12 +39,16 @@ pub fn open(url: &str) -> anyhow::Result<Opened> {
             sqlite: Some(sqlite),
         });
     }
+    if url.starts_with("redis://") || url.starts_with("rediss://") {
+        let redis = RedisStore::open(url).with_context(|| format!("store {url:?}"))?;
+        return Ok(Opened { store: Arc::new(redis), blocking: true, sqlite: None });
+    }
     let scheme = url.split("://").next().unwrap_or(url);
     match scheme {
-        "postgres" | "postgresql" | "redis" | "redis+cluster" => bail!(
+        "postgres" | "postgresql" | "redis+cluster" => bail!(
             "store {url:?}: the {scheme} store is not in this version of tollgate yet; \
-             use memory or sqlite://PATH"
+             use memory, sqlite://PATH or redis://HOST:PORT"
         ),
-        _ => bail!("store {url:?}: unknown store; use memory or sqlite://PATH"),
+        _ => bail!("store {url:?}: unknown store; use memory, sqlite://PATH or redis://HOST:PORT"),
     }
 }

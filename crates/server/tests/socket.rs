@@ -73,6 +73,34 @@ fn thirty_two_clients_admit_exactly_the_limit_sqlite() {
     assert_eq!(race(addr), 100);
 }
 
+#[test]
+fn thirty_two_clients_admit_exactly_the_limit_redis() {
+    let url = match std::env::var("TOLLGATE_REDIS_URL") {
+        Ok(url) if !url.is_empty() => url,
+        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+            panic!("TOLLGATE_REDIS_URL is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it")
+        }
+        _ => return,
+    };
+    let addr = serve_in_process(&settings(url));
+    // A limit of this run's own: the server keys states by name under its prefix.
+    let name = format!("race-{}", std::process::id());
+    let body =
+        json!({ "name": name, "config": { "kind": "token bucket", "rate": 100, "period": "1d" } });
+    let threads: Vec<_> = (0..32)
+        .map(|_| {
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let agent = agent();
+                (0..10)
+                    .filter(|_| post(&agent, addr, "/v1/limit", &body)["ok"] == json!(true))
+                    .count()
+            })
+        })
+        .collect();
+    assert_eq!(threads.into_iter().map(|t| t.join().unwrap()).sum::<usize>(), 100);
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }

@@ -18,8 +18,11 @@ use crate::StoreError;
 /// KEYS: one per slot. ARGV: now ("" = Redis `TIME`), writes (0/1), slot count, then per
 /// slot kind (0 token bucket, 1 fixed window), rate, period, capacity, maxReserved ("" =
 /// unbounded), alignment; then take count, then per take count, reserve (0/1), shards,
-/// slot of A (1-based), slot of B (0 = none). Numbers travel as text in `%.17g` both ways:
-/// Lua's own `tostring` keeps 14 digits, and an integer reply would truncate.
+/// slot of A (1-based), slot of B (0 = none). Numbers come in as the shortest text that
+/// reads back exactly; a state is stored, and times and states are answered, as
+/// little-endian doubles packed with `struct` (16 bytes a state): exact, where Lua's
+/// `tostring` keeps 14 digits and an integer reply would truncate, and far cheaper than
+/// formatting text in the script.
 const SCRIPT: &str = r#"
 local now = tonumber(ARGV[1])
 if not now then
@@ -35,12 +38,12 @@ for i = 1, nslots do
               cap = tonumber(ARGV[p + 3]), maxr = tonumber(ARGV[p + 4]), align = tonumber(ARGV[p + 5]) }
   p = p + 6
 end
-local loaded, work, changed = {}, {}, {}
+local raw = redis.call('MGET', unpack(KEYS))
+local work, changed = {}, {}
 for i = 1, nslots do
-  local h = redis.call('HMGET', KEYS[i], 'v', 't')
-  if h[1] then
-    loaded[i] = { tonumber(h[1]), tonumber(h[2]) }
-    work[i] = { loaded[i][1], loaded[i][2] }
+  if raw[i] then
+    local v, ts = struct.unpack('<dd', raw[i])
+    work[i] = { v, ts }
   end
 end
 
@@ -75,11 +78,10 @@ for _ = 1, ntakes do
   local shards, a, b = tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3]), tonumber(ARGV[p + 4])
   p = p + 5
   local ok_a, va, ta = eval(a, work[a], count, reserve)
-  local put = {}
+  local put
   local ok
   if b == 0 or shards < 2 or work[a] == nil then
-    ok = ok_a
-    put = { { a, va, ta } }
+    ok, put = ok_a, { { a, va, ta } }
   else
     local ok_b, vb, tb = eval(b, work[b], count, reserve)
     if ok_a and ok_b and vb > va then
@@ -107,39 +109,34 @@ for _ = 1, ntakes do
   all_ok = all_ok and ok
 end
 
-local function full_at(i, st)
-  local s = slot[i]
-  local missing = s.cap - st[1]
-  if missing <= 0 then return st[2] end
-  if s.kind == 0 then return st[2] + missing * s.period / s.rate end
-  return st[2] + math.ceil(missing / s.rate) * s.period
-end
-
 if all_ok and writes then
   for i = 1, nslots do
     if changed[i] then
-      local full = full_at(i, work[i])
+      local s, v, ts = slot[i], work[i][1], work[i][2]
+      -- When the state is full again (tollgate_core::full_at).
+      local full = ts
+      local missing = s.cap - v
+      if missing > 0 then
+        if s.kind == 0 then
+          full = ts + missing * s.period / s.rate
+        else
+          full = ts + math.ceil(missing / s.rate) * s.period
+        end
+      end
       if full <= now then
         redis.call('DEL', KEYS[i])
       else
-        redis.call('HSET', KEYS[i], 'v', string.format('%.17g', work[i][1]), 't', string.format('%.17g', work[i][2]))
         -- Expire when full again, counted from the script's own now (an explicit test time
         -- works too); rounded up, so never early.
-        redis.call('PEXPIRE', KEYS[i], math.max(1, math.ceil(full - now)))
+        redis.call('SET', KEYS[i], struct.pack('<dd', v, ts), 'PX', math.max(1, math.ceil(full - now)))
       end
     end
   end
 end
 
-local reply = { string.format('%.17g', now), (all_ok and writes) and '1' or '0' }
+local reply = { struct.pack('<d', now), (all_ok and writes) and '1' or '0' }
 for i = 1, nslots do
-  if loaded[i] then
-    reply[#reply + 1] = string.format('%.17g', loaded[i][1])
-    reply[#reply + 1] = string.format('%.17g', loaded[i][2])
-  else
-    reply[#reply + 1] = ''
-    reply[#reply + 1] = ''
-  end
+  reply[i + 2] = raw[i] or ''
 end
 return reply
 "#;
@@ -334,11 +331,26 @@ fn num(x: f64) -> String {
     format!("{x:?}")
 }
 
-/// Reads a number the script wrote with `%.17g`.
+/// Reads a number Redis answered as text (`TIME`).
 fn parse_num(v: &Value) -> Option<f64> {
     match v {
         Value::BulkString(bytes) => std::str::from_utf8(bytes).ok()?.parse().ok(),
         Value::SimpleString(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
+/// Reads a little-endian double packed by the script.
+fn unpack_f64(bytes: &[u8]) -> Option<f64> {
+    Some(f64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
+}
+
+/// Reads a stored state: `value` and `ts` as two packed doubles; anything else is no state.
+fn unpack_state(v: &Value) -> Option<State> {
+    match v {
+        Value::BulkString(bytes) if bytes.len() == 16 => {
+            Some(State { value: unpack_f64(&bytes[..8])?, ts: unpack_f64(&bytes[8..])? })
+        }
         _ => None,
     }
 }
@@ -380,18 +392,16 @@ impl<C: Clock> Store for RedisStore<C> {
                 .arg(t.b.map_or(0, |b| b + 1));
         }
         let reply: Vec<Value> = self.with_connection(|conn| invocation.invoke(conn))?;
-        if reply.len() != 2 + 2 * slots.len() {
+        if reply.len() != 2 + slots.len() {
             return Err(garbage(&format!("{} values for {} slots", reply.len(), slots.len())));
         }
-        let now = parse_num(&reply[0]).ok_or_else(|| garbage("the time"))?;
+        let now = match &reply[0] {
+            Value::BulkString(bytes) => unpack_f64(bytes),
+            _ => None,
+        }
+        .ok_or_else(|| garbage("the time"))?;
         let committed = matches!(&reply[1], Value::BulkString(b) if b.as_slice() == b"1");
-        let mut states: Vec<Option<State>> = reply[2..]
-            .chunks(2)
-            .map(|pair| match (parse_num(&pair[0]), parse_num(&pair[1])) {
-                (Some(value), Some(ts)) => Some(State { value, ts }),
-                _ => None,
-            })
-            .collect();
+        let mut states: Vec<Option<State>> = reply[2..].iter().map(unpack_state).collect();
         // The answer comes from tollgate-core, on exactly what the script loaded and the
         // time it used; the script only mirrored the decision to write.
         let outcome = plan.decide(now, &mut states);
@@ -407,7 +417,7 @@ impl<C: Clock> Store for RedisStore<C> {
         let mut pipe = redis::pipe();
         pipe.cmd("TIME");
         for slot in slots {
-            pipe.cmd("HMGET").arg(self.key(slot.name, slot.key, slot.shard)).arg("v").arg("t");
+            pipe.cmd("GET").arg(self.key(slot.name, slot.key, slot.shard));
         }
         let reply: Vec<Value> = self.with_connection(|conn| pipe.query(conn))?;
         let time = match reply.first() {
@@ -419,18 +429,7 @@ impl<C: Clock> Store for RedisStore<C> {
             _ => return Err(garbage("TIME")),
         };
         let now = self.clock.as_ref().map_or(time, Clock::now);
-        let states = reply[1..]
-            .iter()
-            .map(|v| match v {
-                Value::Array(pair) if pair.len() == 2 => {
-                    match (parse_num(&pair[0]), parse_num(&pair[1])) {
-                        (Some(value), Some(ts)) => Some(State { value, ts }),
-                        _ => None,
-                    }
-                }
-                _ => None,
-            })
-            .collect();
+        let states = reply[1..].iter().map(unpack_state).collect();
         Ok((now, states))
     }
 

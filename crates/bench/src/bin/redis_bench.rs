@@ -1,0 +1,74 @@
+//! tollgate's Redis store against the plainest Redis operation through the same client:
+//! `limit` (one EVALSHA of the request's script) vs `INCR`, with 1 and 32 requests in
+//! flight, in one run. Loopback only; each measurement is bounded by time.
+//!
+//! `cargo run --release -p tollgate-bench --bin redis_bench [SECONDS]` (default 5), against
+//! `TOLLGATE_REDIS_URL` (default redis://127.0.0.1:6379).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tollgate::store::RedisStore;
+use tollgate::{RateLimiter, Request};
+use tollgate_bench::{Limit, keys};
+
+/// Runs `op` on `threads` threads for `duration`; returns operations per second.
+fn throughput(threads: usize, duration: Duration, op: impl Fn(usize, usize) + Sync) -> f64 {
+    let stop = AtomicBool::new(false);
+    let start = Instant::now();
+    let total: usize = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (stop, op) = (&stop, &op);
+                s.spawn(move || {
+                    let mut n = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        op(t, n);
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        std::thread::sleep(duration);
+        stop.store(true, Ordering::Relaxed);
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
+fn main() {
+    let secs: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
+    let url =
+        std::env::var("TOLLGATE_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    assert!(
+        url.contains("127.0.0.1") || url.contains("localhost") || url.contains("[::1]"),
+        "loopback only: {url}"
+    );
+    let duration = Duration::from_secs(secs);
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let keys = Arc::new(keys(10_000));
+    println!("| in flight | INCR ops/s | tollgate limit ops/s | ratio |");
+    println!("|---:|---:|---:|---:|");
+    for in_flight in [1, 32] {
+        let conns: Vec<_> = (0..in_flight)
+            .map(|_| parking_lot::Mutex::new(client.get_connection().unwrap()))
+            .collect();
+        let incr = throughput(in_flight, duration, |t, n| {
+            let key = format!("tollgate-bench:incr:{}", keys[(t * 7919 + n) % keys.len()]);
+            let _: i64 = redis::cmd("INCR").arg(key).query(&mut *conns[t].lock()).unwrap();
+        });
+        let store = RedisStore::builder()
+            .prefix("tollgate-bench:")
+            .connections(in_flight)
+            .open(&url)
+            .unwrap();
+        let limiter = RateLimiter::new(store);
+        let limit = throughput(in_flight, duration, |t, n| {
+            let key = &keys[(t * 7919 + n) % keys.len()];
+            assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
+        });
+        println!("| {in_flight} | {incr:.0} | {limit:.0} | {:.2}x |", limit / incr);
+    }
+}
