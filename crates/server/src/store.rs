@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use tollgate::MemoryStore;
-use tollgate::store::{RedisStore, SqliteStore};
+use tollgate::store::{PgStore, RedisStore, SqliteStore};
 
 use crate::engine::DynStore;
 
@@ -19,7 +19,8 @@ pub struct Opened {
 }
 
 /// Opens `memory`, `sqlite://PATH` (`sqlite://tollgate.db` is relative to the working
-/// directory, `sqlite:///var/lib/tollgate.db` absolute) or `redis://HOST:PORT/DB`.
+/// directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB` or
+/// `postgres://USER@HOST/DB`.
 ///
 /// # Errors
 ///
@@ -43,12 +44,19 @@ pub fn open(url: &str) -> anyhow::Result<Opened> {
         let redis = RedisStore::open(url).with_context(|| format!("store {url:?}"))?;
         return Ok(Opened { store: Arc::new(redis), blocking: true, sqlite: None });
     }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let pg = PgStore::open(url).with_context(|| format!("store {url:?}"))?;
+        return Ok(Opened { store: Arc::new(pg), blocking: true, sqlite: None });
+    }
     let scheme = url.split("://").next().unwrap_or(url);
     match scheme {
-        "postgres" | "postgresql" | "redis+cluster" => bail!(
+        "redis+cluster" => bail!(
             "store {url:?}: the {scheme} store is not in this version of tollgate yet; \
-             use memory, sqlite://PATH or redis://HOST:PORT"
+             use memory, sqlite://PATH, redis://HOST:PORT or postgres://USER@HOST/DB"
         ),
-        _ => bail!("store {url:?}: unknown store; use memory, sqlite://PATH or redis://HOST:PORT"),
+        _ => bail!(
+            "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT or \
+             postgres://USER@HOST/DB"
+        ),
     }
 }

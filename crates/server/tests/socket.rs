@@ -73,17 +73,19 @@ fn thirty_two_clients_admit_exactly_the_limit_sqlite() {
     assert_eq!(race(addr), 100);
 }
 
-#[test]
-fn thirty_two_clients_admit_exactly_the_limit_redis() {
-    let url = match std::env::var("TOLLGATE_REDIS_URL") {
-        Ok(url) if !url.is_empty() => url,
+/// A backend's URL for a test, as the library's suites read it.
+fn backend(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
         _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-            panic!("TOLLGATE_REDIS_URL is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it")
+            panic!("{var} is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it")
         }
-        _ => return,
-    };
-    let addr = serve_in_process(&settings(url));
-    // A limit of this run's own: the server keys states by name under its prefix.
+        _ => None,
+    }
+}
+
+/// 32 clients x 10 requests against an inline limit of 100 of this run's own.
+fn race_inline(addr: SocketAddr) -> usize {
     let name = format!("race-{}", std::process::id());
     let body =
         json!({ "name": name, "config": { "kind": "token bucket", "rate": 100, "period": "1d" } });
@@ -98,7 +100,28 @@ fn thirty_two_clients_admit_exactly_the_limit_redis() {
             })
         })
         .collect();
-    assert_eq!(threads.into_iter().map(|t| t.join().unwrap()).sum::<usize>(), 100);
+    threads.into_iter().map(|t| t.join().unwrap()).sum()
+}
+
+#[test]
+fn thirty_two_clients_admit_exactly_the_limit_postgres() {
+    let Some(url) = backend("TOLLGATE_POSTGRES_URL") else { return };
+    let addr = serve_in_process(&settings(url.clone()));
+    assert_eq!(race_inline(addr), 100);
+    let mut client = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    client
+        .execute(
+            "DELETE FROM tollgate_state WHERE name = $1",
+            &[&format!("race-{}", std::process::id())],
+        )
+        .unwrap();
+}
+
+#[test]
+fn thirty_two_clients_admit_exactly_the_limit_redis() {
+    let Some(url) = backend("TOLLGATE_REDIS_URL") else { return };
+    let addr = serve_in_process(&settings(url));
+    assert_eq!(race_inline(addr), 100);
 }
 
 fn free_port() -> u16 {

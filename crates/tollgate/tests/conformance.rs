@@ -427,3 +427,59 @@ mod on_redis {
             .unwrap()
     }
 }
+
+#[cfg(feature = "postgres")]
+conformance!(postgres, super::on_postgres::open, super::on_postgres::url().is_some());
+
+#[cfg(feature = "postgres")]
+pub(crate) mod on_postgres {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use tollgate::core::{Outcome, Plan, Slot, State};
+    use tollgate::store::PgStore;
+    use tollgate::{ManualClock, Store, StoreError};
+
+    pub(crate) fn url() -> Option<String> {
+        super::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
+    }
+
+    /// A store on a table of its own, dropped with it.
+    pub(crate) struct OnPg {
+        store: PgStore<ManualClock>,
+        table: String,
+        url: String,
+    }
+
+    pub(crate) fn open(clock: ManualClock) -> OnPg {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let table = format!(
+            "tollgate_test_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let url = url().expect("checked");
+        let store =
+            PgStore::builder().table(&table).connections(16).open_with_clock(&url, clock).unwrap();
+        OnPg { store, table, url }
+    }
+
+    impl Drop for OnPg {
+        fn drop(&mut self) {
+            if let Ok(mut client) = postgres::Client::connect(&self.url, postgres::NoTls) {
+                let _ = client.batch_execute(&format!("DROP TABLE IF EXISTS {}", self.table));
+            }
+        }
+    }
+
+    impl Store for OnPg {
+        fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+            self.store.execute(plan)
+        }
+        fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+            self.store.read(slots)
+        }
+        fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+            self.store.delete(name, key, shards)
+        }
+    }
+}

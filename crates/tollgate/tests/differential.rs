@@ -5,7 +5,7 @@
 //! its status), not by their raw fields: a state that is full again may be dropped by one
 //! store and kept by another, and the two mean the same.
 
-#![cfg(any(feature = "sqlite", feature = "redis"))]
+#![cfg(any(feature = "sqlite", feature = "redis", feature = "postgres"))]
 
 use proptest::prelude::*;
 use tollgate::{
@@ -158,6 +158,43 @@ mod redis {
         fn redis_answers_as_memory(ops in traffic()) {
             let Some(url) = url() else { return Ok(()) };
             compare(|clock| store(&url, clock), &ops)?;
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+
+    fn url() -> Option<String> {
+        match std::env::var("TOLLGATE_POSTGRES_URL") {
+            Ok(url) if !url.is_empty() => Some(url),
+            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+                panic!(
+                    "TOLLGATE_POSTGRES_URL is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it"
+                )
+            }
+            _ => None,
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 32, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn postgres_answers_as_memory(ops in traffic()) {
+            let Some(url) = url() else { return Ok(()) };
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            let table = format!("tollgate_diff_{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+            let result = compare(
+                |clock| tollgate::store::PgStore::builder().table(&table).connections(1).open_with_clock(&url, clock).unwrap(),
+                &ops,
+            );
+            let mut client = ::postgres::Client::connect(&url, ::postgres::NoTls).unwrap();
+            client.batch_execute(&format!("DROP TABLE IF EXISTS {table}")).unwrap();
+            result?;
         }
     }
 }

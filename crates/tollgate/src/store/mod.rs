@@ -14,10 +14,11 @@
 //!   up front (no upgrade deadlock), a `SELECT` per slot, `decide`, an upsert (or a delete,
 //!   when full) per changed slot, `COMMIT`. [`SqliteTransaction`] runs the same inside the
 //!   caller's own transaction.
-//! - **PostgreSQL** (next): within the caller's transaction or its own, `INSERT … ON CONFLICT
-//!   DO NOTHING` makes the rows exist and `SELECT … FOR UPDATE` (rows sorted by primary key,
-//!   so no deadlock) locks them, which is correct under READ COMMITTED; the time is the
-//!   database's (`clock_timestamp()`); `decide`; upserts.
+//! - **PostgreSQL** ([`PgStore`], feature `postgres`): within its own transaction or the
+//!   caller's ([`PgTransaction`]), transaction-scoped advisory locks on the slots, in
+//!   ascending order, serialize every request touching a slot (even before its row exists),
+//!   which is correct under READ COMMITTED; one query then reads the states and the
+//!   database's time (`clock_timestamp()`); `decide`; upserts or deletes.
 //! - **Redis** ([`RedisStore`], feature `redis`): a Lua script receives the plan (slots,
 //!   per-shard configs, counts, reserve flags and the shard choices already made), loads the
 //!   states, decides with `TIME` and writes, all in one round trip; it answers with what it
@@ -28,12 +29,16 @@
 //! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).
 
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
 pub use memory::{MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "postgres")]
+pub use postgres::{PgStore, PgStoreBuilder, PgTransaction};
 #[cfg(feature = "redis")]
 pub use redis::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sqlite")]

@@ -1,0 +1,442 @@
+//! States in PostgreSQL: correct under READ COMMITTED, on the database's clock.
+
+use std::cell::RefCell;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use postgres::{Client, GenericClient, NoTls};
+use tollgate_core::{Clock, Outcome, Plan, Slot, State, full_at};
+
+use super::Store;
+use crate::StoreError;
+
+/// The class of tollgate's advisory locks (`'toll'`), so they never meet an app's own.
+const LOCK_CLASS: i32 = 0x746f_6c6c;
+
+/// Options for a [`PgStore`].
+#[derive(Debug, Clone)]
+pub struct PgStoreBuilder {
+    table: String,
+    timeout: Duration,
+    connections: usize,
+}
+
+impl Default for PgStoreBuilder {
+    fn default() -> Self {
+        PgStoreBuilder {
+            table: "tollgate_state".into(),
+            timeout: Duration::from_secs(2),
+            connections: 8,
+        }
+    }
+}
+
+impl PgStoreBuilder {
+    /// The table (default `tollgate_state`); letters, digits and `_` only.
+    #[must_use]
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// How long to wait to connect, and for a statement, before failing (closed); default 2 s.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// How many connections to keep (default 8); a request holds one for its transaction.
+    #[must_use]
+    pub fn connections(mut self, connections: usize) -> Self {
+        self.connections = connections.max(1);
+        self
+    }
+
+    /// Connects to `url` (`postgres://user@host/db`), creates the table if it is missing, and
+    /// uses the database's clock.
+    ///
+    /// # Errors
+    ///
+    /// A bad URL or table name, or a database that cannot be reached.
+    pub fn open(self, url: &str) -> Result<PgStore, StoreError> {
+        self.build(url, None)
+    }
+
+    /// The same, on `clock` instead of the database's: for tests that set the time.
+    ///
+    /// # Errors
+    ///
+    /// As for [`PgStoreBuilder::open`].
+    pub fn open_with_clock<C: Clock>(self, url: &str, clock: C) -> Result<PgStore<C>, StoreError> {
+        self.build(url, Some(clock))
+    }
+
+    fn build<C>(self, url: &str, clock: Option<C>) -> Result<PgStore<C>, StoreError> {
+        if self.table.is_empty()
+            || !self.table.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            return Err(StoreError::new(format!(
+                "postgres: table name {:?}: use letters, digits and _",
+                self.table
+            )));
+        }
+        let mut config: postgres::Config = url
+            .parse()
+            .map_err(|e| StoreError::with_source(format!("postgres: {url:?}: {e}"), e))?;
+        config.connect_timeout(self.timeout);
+        let sql = Sql::new(&self.table);
+        let store = PgStore {
+            config,
+            connections: (0..self.connections).map(|_| Mutex::new(None)).collect(),
+            timeout: self.timeout,
+            sql,
+            clock,
+        };
+        store.with_client(|client| create_table(client, &store.sql))?;
+        Ok(store)
+    }
+}
+
+/// The statements, for one table.
+struct Sql {
+    create: String,
+    load: String,
+    upsert: String,
+    delete: String,
+    delete_all: String,
+}
+
+impl Sql {
+    fn new(table: &str) -> Self {
+        Sql {
+            create: format!(
+                "CREATE TABLE IF NOT EXISTS {table} (
+                    name text NOT NULL, has_key boolean NOT NULL, key text NOT NULL,
+                    shard integer NOT NULL, value double precision NOT NULL,
+                    ts double precision NOT NULL, PRIMARY KEY (name, has_key, key, shard))"
+            ),
+            // One row per slot, in order, with the database's time once the locks are held.
+            load: format!(
+                "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8
+                 FROM unnest($1::text[], $2::bool[], $3::text[], $4::int4[])
+                      WITH ORDINALITY AS s(name, has_key, key, shard, i)
+                 LEFT JOIN {table} t USING (name, has_key, key, shard)
+                 ORDER BY s.i"
+            ),
+            upsert: format!(
+                "INSERT INTO {table} (name, has_key, key, shard, value, ts) VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (name, has_key, key, shard) DO UPDATE SET value = excluded.value, ts = excluded.ts"
+            ),
+            delete: format!("DELETE FROM {table} WHERE name = $1 AND has_key = $2 AND key = $3 AND shard = $4"),
+            delete_all: format!("DELETE FROM {table} WHERE name = $1 AND has_key = $2 AND key = $3 AND shard < $4"),
+        }
+    }
+}
+
+fn create_table(client: &mut Client, sql: &Sql) -> Result<(), postgres::Error> {
+    // Serialized, so that servers starting together do not race on CREATE TABLE.
+    let mut tx = client.transaction()?;
+    tx.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&LOCK_CLASS])?;
+    tx.batch_execute(&sql.create)?;
+    tx.commit()
+}
+
+/// States in PostgreSQL (SPEC §5): for apps on Postgres and several app servers.
+///
+/// Each request is one transaction at the default READ COMMITTED isolation. A naive
+/// read-modify-write is racy there, so the request first takes a transaction-scoped advisory
+/// lock on each of its (name, key, shard) slots, in ascending order (no deadlock between
+/// tollgate requests), which serializes every request that touches a slot, even one whose
+/// row does not exist yet; then it reads the states and the database's clock in one query,
+/// decides, and writes. A database that cannot be reached or times out is a [`StoreError`];
+/// nothing is admitted, and the next request connects again.
+///
+/// To spend tokens inside a transaction of your own, use [`PgTransaction`].
+///
+/// # Examples
+///
+/// ```no_run
+/// use tollgate::store::PgStore;
+/// use tollgate::{Config, RateLimiter, MINUTE};
+///
+/// let limiter = RateLimiter::new(PgStore::open("postgres://postgres@127.0.0.1/app").unwrap());
+/// assert!(limiter.limit(("send", Config::token_bucket(10.0, MINUTE)), "alice").unwrap().ok);
+/// ```
+pub struct PgStore<C = tollgate_core::SystemClock> {
+    config: postgres::Config,
+    connections: Box<[Mutex<Option<Client>>]>,
+    timeout: Duration,
+    sql: Sql,
+    /// `None`: the database's clock.
+    clock: Option<C>,
+}
+
+impl PgStore {
+    /// Connects to `url` with the default options.
+    ///
+    /// # Errors
+    ///
+    /// As for [`PgStoreBuilder::open`].
+    pub fn open(url: &str) -> Result<Self, StoreError> {
+        PgStoreBuilder::default().open(url)
+    }
+
+    /// Options: table, timeout, connections.
+    pub fn builder() -> PgStoreBuilder {
+        PgStoreBuilder::default()
+    }
+}
+
+impl<C> PgStore<C> {
+    /// Runs `f` on a connection, connecting first if needed; a failed call drops the
+    /// connection so the next request connects afresh.
+    fn with_client<T>(
+        &self,
+        f: impl FnOnce(&mut Client) -> Result<T, postgres::Error>,
+    ) -> Result<T, StoreError> {
+        thread_local!(static NEXT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) });
+        let start = NEXT.with(|n| {
+            let i = n.get();
+            n.set(i.wrapping_add(1));
+            i
+        });
+        let slots = self.connections.len();
+        let mut guard = (0..slots)
+            .find_map(|i| self.connections[(start + i) % slots].try_lock())
+            .unwrap_or_else(|| self.connections[start % slots].lock());
+        if guard.is_none() {
+            let mut client =
+                self.config.connect(NoTls).map_err(|e| pg_error("cannot connect", e))?;
+            let ms = self.timeout.as_millis();
+            client
+                .batch_execute(&format!("SET statement_timeout = {ms}; SET lock_timeout = {ms}"))
+                .map_err(|e| pg_error("cannot set timeouts", e))?;
+            *guard = Some(client);
+        }
+        let client = guard.as_mut().expect("connected above");
+        f(client).map_err(|e| {
+            *guard = None;
+            pg_error("request failed", e)
+        })
+    }
+}
+
+impl<C: Clock> Store for PgStore<C> {
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        let now = self.clock.as_ref().map(Clock::now);
+        self.with_client(|client| {
+            let mut tx = client.transaction()?;
+            let outcome = execute_in(&mut tx, &self.sql, plan, now)?;
+            tx.commit()?;
+            Ok(outcome)
+        })
+    }
+
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        let now = self.clock.as_ref().map(Clock::now);
+        self.with_client(|client| load(client, &self.sql, slots, now))
+    }
+
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+        self.with_client(|client| delete_all(client, &self.sql, name, key, shards))
+    }
+}
+
+/// The limiter inside a transaction of your own: the tokens are spent if you commit and
+/// given back if you roll back. The table must exist (open a [`PgStore`] once, or create it
+/// as that does).
+///
+/// # Examples
+///
+/// ```no_run
+/// use tollgate::store::{PgStore, PgTransaction};
+/// use tollgate::{Config, RateLimiter, MINUTE};
+///
+/// let url = "postgres://postgres@127.0.0.1/app";
+/// let limiter = RateLimiter::new(PgStore::open(url).unwrap());
+/// let mut client = postgres::Client::connect(url, postgres::NoTls).unwrap();
+/// let mut tx = client.transaction().unwrap();
+/// let orders = ("orders", Config::token_bucket(1.0, MINUTE));
+/// let ok = limiter.on(PgTransaction::new(&mut tx)).limit(orders, "alice").unwrap().ok;
+/// if ok {
+///     tx.execute("INSERT INTO orders (item) VALUES ('book')", &[]).unwrap();
+///     tx.commit().unwrap(); // the token is spent together with the order
+/// } // dropped without commit: rolled back, the token is back
+/// ```
+pub struct PgTransaction<'t, 'c, C = tollgate_core::SystemClock> {
+    tx: RefCell<&'t mut postgres::Transaction<'c>>,
+    sql: Sql,
+    clock: Option<C>,
+}
+
+impl<'t, 'c> PgTransaction<'t, 'c> {
+    /// The limiter's states in `tx`, in the default table, on the database's clock.
+    pub fn new(tx: &'t mut postgres::Transaction<'c>) -> Self {
+        PgTransaction { tx: RefCell::new(tx), sql: Sql::new("tollgate_state"), clock: None }
+    }
+}
+
+impl<'t, 'c, C: Clock> PgTransaction<'t, 'c, C> {
+    /// The same, in `table`, on `clock`: for tests.
+    ///
+    /// # Errors
+    ///
+    /// A table name other than letters, digits and `_`.
+    pub fn with_table_and_clock(
+        tx: &'t mut postgres::Transaction<'c>,
+        table: &str,
+        clock: C,
+    ) -> Result<Self, StoreError> {
+        if table.is_empty() || !table.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(StoreError::new(format!(
+                "postgres: table name {table:?}: use letters, digits and _"
+            )));
+        }
+        Ok(PgTransaction { tx: RefCell::new(tx), sql: Sql::new(table), clock: Some(clock) })
+    }
+}
+
+impl<C: Clock> Store for PgTransaction<'_, '_, C> {
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        let now = self.clock.as_ref().map(Clock::now);
+        execute_in(&mut **self.tx.borrow_mut(), &self.sql, plan, now)
+            .map_err(|e| pg_error("request failed", e))
+    }
+
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        let now = self.clock.as_ref().map(Clock::now);
+        load(&mut **self.tx.borrow_mut(), &self.sql, slots, now)
+            .map_err(|e| pg_error("read failed", e))
+    }
+
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+        delete_all(&mut **self.tx.borrow_mut(), &self.sql, name, key, shards)
+            .map_err(|e| pg_error("delete failed", e))
+    }
+}
+
+/// A stable 32-bit id of a slot for its advisory lock: FNV-1a, the same in every process and
+/// build (std's hashers promise neither). A collision only makes two slots wait for each other.
+fn lock_id(name: &str, key: Option<&str>, shard: u16) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+        }
+    };
+    eat(name.as_bytes());
+    match key {
+        Some(key) => {
+            eat(&[0xff]);
+            eat(key.as_bytes());
+        }
+        None => eat(&[0xfe]),
+    }
+    eat(&shard.to_le_bytes());
+    h as i32
+}
+
+/// Locks the slots (ascending), then loads their states and the time in one query.
+fn load(
+    client: &mut impl GenericClient,
+    sql: &Sql,
+    slots: &[Slot<'_>],
+    now: Option<f64>,
+) -> Result<(f64, Vec<Option<State>>), postgres::Error> {
+    let mut ids: Vec<i32> = slots.iter().map(|s| lock_id(s.name, s.key, s.shard)).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    for id in &ids {
+        client.execute("SELECT pg_advisory_xact_lock($1, $2)", &[&LOCK_CLASS, id])?;
+    }
+    let names: Vec<&str> = slots.iter().map(|s| s.name).collect();
+    let has_keys: Vec<bool> = slots.iter().map(|s| s.key.is_some()).collect();
+    let keys: Vec<&str> = slots.iter().map(|s| s.key.unwrap_or("")).collect();
+    let shards: Vec<i32> = slots.iter().map(|s| i32::from(s.shard)).collect();
+    let rows = client.query(&sql.load, &[&names, &has_keys, &keys, &shards])?;
+    let mut db_now = now.unwrap_or(0.0);
+    let mut states = vec![None; slots.len()];
+    for row in rows {
+        let i: i64 = row.get(0);
+        let value: Option<f64> = row.get(1);
+        let ts: Option<f64> = row.get(2);
+        if now.is_none() {
+            db_now = row.get(3);
+        }
+        if let (Some(value), Some(ts), Some(slot)) = (value, ts, states.get_mut(i as usize - 1)) {
+            *slot = Some(State { value, ts });
+        }
+    }
+    if now.is_none() && slots.is_empty() {
+        db_now = client
+            .query_one("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8", &[])?
+            .get(0);
+    }
+    Ok((db_now, states))
+}
+
+/// One request within a transaction already begun: lock, load, decide, write what changed.
+fn execute_in(
+    client: &mut impl GenericClient,
+    sql: &Sql,
+    plan: &Plan<'_>,
+    now: Option<f64>,
+) -> Result<Outcome, postgres::Error> {
+    let (now, mut states) = load(client, sql, plan.slots(), now)?;
+    let outcome = plan.decide(now, &mut states);
+    for ((slot, state), changed) in plan.slots().iter().zip(&states).zip(&outcome.changed) {
+        let (true, Some(state)) = (*changed, state) else { continue };
+        let (has_key, key, shard) =
+            (slot.key.is_some(), slot.key.unwrap_or(""), i32::from(slot.shard));
+        if full_at(&slot.config, *state) <= now {
+            client.execute(&sql.delete, &[&slot.name, &has_key, &key, &shard])?;
+        } else {
+            client.execute(
+                &sql.upsert,
+                &[&slot.name, &has_key, &key, &shard, &state.value, &state.ts],
+            )?;
+        }
+    }
+    Ok(outcome)
+}
+
+fn delete_all(
+    client: &mut impl GenericClient,
+    sql: &Sql,
+    name: &str,
+    key: Option<&str>,
+    shards: u16,
+) -> Result<(), postgres::Error> {
+    let (has_key, key) = (key.is_some(), key.unwrap_or(""));
+    client.execute(&sql.delete_all, &[&name, &has_key, &key, &i32::from(shards)])?;
+    Ok(())
+}
+
+fn pg_error(what: &str, e: postgres::Error) -> StoreError {
+    StoreError::with_source(format!("postgres: {what}: {e}"), e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_ids_are_stable_and_tell_keys_apart() {
+        assert_eq!(lock_id("send", Some("alice"), 0), lock_id("send", Some("alice"), 0));
+        assert_ne!(lock_id("send", None, 0), lock_id("send", Some(""), 0));
+        assert_ne!(lock_id("send", Some("alice"), 0), lock_id("send", Some("alice"), 1));
+        // Fixed, whatever the build: the same id in every app server.
+        assert_eq!(lock_id("", None, 0), 1_649_693_001); // FNV-1a of fe 00 00
+    }
+
+    #[test]
+    fn table_names_are_checked() {
+        let err = PgStore::builder()
+            .table("x; DROP TABLE y")
+            .open("postgres://127.0.0.1:1/x")
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("use letters, digits and _"), "{err}");
+    }
+}

@@ -1,0 +1,54 @@
+//! What the Postgres store adds to the conformance suite: the caller's own transaction.
+
+#![cfg(feature = "postgres")]
+
+use postgres::{Client, NoTls};
+use tollgate::store::{PgStore, PgTransaction};
+use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, Target};
+
+fn url() -> Option<String> {
+    match std::env::var("TOLLGATE_POSTGRES_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+            panic!("TOLLGATE_POSTGRES_URL is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it")
+        }
+        _ => None,
+    }
+}
+
+#[test]
+fn a_rolled_back_transaction_gives_the_tokens_back() {
+    let Some(url) = url() else { return };
+    let table = format!("tollgate_tx_{}", std::process::id());
+    let clock = ManualClock::new(1_700_000_000_000.0);
+    // Opening a store creates the table.
+    drop(PgStore::builder().table(&table).open_with_clock(&url, clock.clone()).unwrap());
+    let limiter = RateLimiter::new(MemoryStore::new()); // only its definitions are reused
+    let limit = Target::Inline("orders", Config::token_bucket(10.0, MINUTE));
+    let mut client = Client::connect(&url, NoTls).unwrap();
+    let value = |client: &mut Client| {
+        let mut tx = client.transaction().unwrap();
+        let store = PgTransaction::with_table_and_clock(&mut tx, &table, clock.clone()).unwrap();
+        limiter.on(store).value(limit, Some("u")).unwrap().value
+    };
+
+    let mut tx = client.transaction().unwrap();
+    {
+        let in_tx = limiter
+            .on(PgTransaction::with_table_and_clock(&mut tx, &table, clock.clone()).unwrap());
+        assert!(in_tx.limit(limit, Request::new().key("u").count(4.0)).unwrap().ok);
+        assert_eq!(in_tx.value(limit, Some("u")).unwrap().value, 6.0, "visible inside");
+    }
+    tx.rollback().unwrap();
+    assert_eq!(value(&mut client), 10.0, "rolled back: unchanged");
+
+    let mut tx = client.transaction().unwrap();
+    {
+        let in_tx = limiter
+            .on(PgTransaction::with_table_and_clock(&mut tx, &table, clock.clone()).unwrap());
+        assert!(in_tx.limit(limit, Request::new().key("u").count(4.0)).unwrap().ok);
+    }
+    tx.commit().unwrap();
+    assert_eq!(value(&mut client), 6.0, "committed: spent");
+    client.batch_execute(&format!("DROP TABLE {table}")).unwrap();
+}
