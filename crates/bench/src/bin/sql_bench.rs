@@ -1,0 +1,100 @@
+//! tollgate's SQL stores against the plainest write of the same database through the same
+//! client, in one run; every measurement bounded by time, loopback only.
+//!
+//! - PostgreSQL: `limit` vs a one-row `UPDATE ... SET n = n + 1` (autocommit), with 1 and 16
+//!   connections, against `TOLLGATE_POSTGRES_URL` (default postgres://postgres@127.0.0.1/test).
+//! - SQLite: `limit` vs a one-row upsert in its own transaction, one connection, on files in a
+//!   temporary directory with the same settings (WAL, synchronous=NORMAL).
+//!
+//! `cargo run --release -p tollgate-bench --bin sql_bench [SECONDS]` (default 5).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tollgate::store::{PgStore, SqliteStore};
+use tollgate::{RateLimiter, Request};
+use tollgate_bench::{keys, Limit};
+
+/// Runs `op` on `threads` threads for `duration`; returns operations per second.
+fn throughput(threads: usize, duration: Duration, op: impl Fn(usize, usize) + Sync) -> f64 {
+    let stop = AtomicBool::new(false);
+    let start = Instant::now();
+    let total: usize = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (stop, op) = (&stop, &op);
+                s.spawn(move || {
+                    let mut n = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        op(t, n);
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        std::thread::sleep(duration);
+        stop.store(true, Ordering::Relaxed);
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
+fn main() {
+    let secs: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
+    let duration = Duration::from_secs(secs);
+    let keys = keys(10_000);
+    let url = std::env::var("TOLLGATE_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
+    assert!(url.contains("127.0.0.1") || url.contains("localhost") || url.contains("[::1]"), "loopback only: {url}");
+
+    println!("| database, connections | plain write ops/s | tollgate limit ops/s | ratio |");
+    println!("|---|---:|---:|---:|");
+    let mut setup = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    setup
+        .batch_execute(
+            "DROP TABLE IF EXISTS tollgate_bench_counter;
+             CREATE TABLE tollgate_bench_counter (id int PRIMARY KEY, n bigint NOT NULL);
+             INSERT INTO tollgate_bench_counter SELECT g, 0 FROM generate_series(0, 9999) g;
+             DROP TABLE IF EXISTS tollgate_bench_state;",
+        )
+        .unwrap();
+    for connections in [1, 16] {
+        let clients: Vec<_> = (0..connections)
+            .map(|_| Mutex::new(postgres::Client::connect(&url, postgres::NoTls).unwrap()))
+            .collect();
+        let update = throughput(connections, duration, |t, n| {
+            let id = ((t * 7919 + n) % keys.len()) as i32;
+            clients[t].lock().execute("UPDATE tollgate_bench_counter SET n = n + 1 WHERE id = $1", &[&id]).unwrap();
+        });
+        let store = PgStore::builder().table("tollgate_bench_state").connections(connections).open(&url).unwrap();
+        let limiter = RateLimiter::new(store);
+        let limit = throughput(connections, duration, |t, n| {
+            let key = &keys[(t * 7919 + n) % keys.len()];
+            assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
+        });
+        println!("| PostgreSQL, {connections} | {update:.0} | {limit:.0} | {:.2}x |", limit / update);
+    }
+    setup.batch_execute("DROP TABLE tollgate_bench_counter; DROP TABLE tollgate_bench_state;").unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let conn = rusqlite::Connection::open(dir.path().join("plain.db")).unwrap();
+    conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(())).unwrap();
+    conn.execute_batch("PRAGMA synchronous = NORMAL; CREATE TABLE counter (id INTEGER PRIMARY KEY, n INTEGER NOT NULL);").unwrap();
+    let conn = Mutex::new(conn);
+    let upsert = throughput(1, duration, |_, n| {
+        let mut conn = conn.lock();
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+        tx.execute(
+            "INSERT INTO counter (id, n) VALUES (?1, 1) ON CONFLICT (id) DO UPDATE SET n = n + 1",
+            [(n % keys.len()) as i64],
+        )
+        .unwrap();
+        tx.commit().unwrap();
+    });
+    let limiter = RateLimiter::new(SqliteStore::open(dir.path().join("tollgate.db")).unwrap());
+    let limit = throughput(1, duration, |_, n| {
+        assert!(limiter.limit(Limit::PerUser, Request::new().key(&keys[n % keys.len()])).unwrap().ok);
+    });
+    println!("| SQLite, 1 | {upsert:.0} | {limit:.0} | {:.2}x |", limit / upsert);
+}
