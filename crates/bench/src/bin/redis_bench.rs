@@ -71,4 +71,10 @@ fn main() {
         });
         println!("| {in_flight} | {incr:.0} | {limit:.0} | {:.2}x |", limit / incr);
     }
+    // Leave the server as it was: the counters have no expiry (tollgate's states do).
+    let mut conn = client.get_connection().unwrap();
+    for chunk in keys.chunks(1000) {
+        let names: Vec<String> = chunk.iter().map(|k| format!("tollgate-bench:incr:{k}")).collect();
+        let _: () = redis::cmd("DEL").arg(names).query(&mut conn).unwrap();
+    }
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tollgate::store::{PgStore, SqliteStore};
 use tollgate::{RateLimiter, Request};
-use tollgate_bench::{keys, Limit};
+use tollgate_bench::{Limit, keys};
 
 /// Runs `op` on `threads` threads for `duration`; returns operations per second.
 fn throughput(threads: usize, duration: Duration, op: impl Fn(usize, usize) + Sync) -> f64 {
@@ -45,8 +45,12 @@ fn main() {
     let secs: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
     let duration = Duration::from_secs(secs);
     let keys = keys(10_000);
-    let url = std::env::var("TOLLGATE_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
-    assert!(url.contains("127.0.0.1") || url.contains("localhost") || url.contains("[::1]"), "loopback only: {url}");
+    let url = std::env::var("TOLLGATE_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
+    assert!(
+        url.contains("127.0.0.1") || url.contains("localhost") || url.contains("[::1]"),
+        "loopback only: {url}"
+    );
 
     println!("| database, connections | plain write ops/s | tollgate limit ops/s | ratio |");
     println!("|---|---:|---:|---:|");
@@ -65,17 +69,29 @@ fn main() {
             .collect();
         let update = throughput(connections, duration, |t, n| {
             let id = ((t * 7919 + n) % keys.len()) as i32;
-            clients[t].lock().execute("UPDATE tollgate_bench_counter SET n = n + 1 WHERE id = $1", &[&id]).unwrap();
+            clients[t]
+                .lock()
+                .execute("UPDATE tollgate_bench_counter SET n = n + 1 WHERE id = $1", &[&id])
+                .unwrap();
         });
-        let store = PgStore::builder().table("tollgate_bench_state").connections(connections).open(&url).unwrap();
+        let store = PgStore::builder()
+            .table("tollgate_bench_state")
+            .connections(connections)
+            .open(&url)
+            .unwrap();
         let limiter = RateLimiter::new(store);
         let limit = throughput(connections, duration, |t, n| {
             let key = &keys[(t * 7919 + n) % keys.len()];
             assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
         });
-        println!("| PostgreSQL, {connections} | {update:.0} | {limit:.0} | {:.2}x |", limit / update);
+        println!(
+            "| PostgreSQL, {connections} | {update:.0} | {limit:.0} | {:.2}x |",
+            limit / update
+        );
     }
-    setup.batch_execute("DROP TABLE tollgate_bench_counter; DROP TABLE tollgate_bench_state;").unwrap();
+    setup
+        .batch_execute("DROP TABLE tollgate_bench_counter; DROP TABLE tollgate_bench_state;")
+        .unwrap();
 
     let dir = tempfile::tempdir().unwrap();
     let conn = rusqlite::Connection::open(dir.path().join("plain.db")).unwrap();
@@ -94,7 +110,9 @@ fn main() {
     });
     let limiter = RateLimiter::new(SqliteStore::open(dir.path().join("tollgate.db")).unwrap());
     let limit = throughput(1, duration, |_, n| {
-        assert!(limiter.limit(Limit::PerUser, Request::new().key(&keys[n % keys.len()])).unwrap().ok);
+        assert!(
+            limiter.limit(Limit::PerUser, Request::new().key(&keys[n % keys.len()])).unwrap().ok
+        );
     });
     println!("| SQLite, 1 | {upsert:.0} | {limit:.0} | {:.2}x |", limit / upsert);
 }
