@@ -29,6 +29,8 @@
 //! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).
 
 mod memory;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod pool;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]

@@ -3,11 +3,11 @@
 use std::cell::RefCell;
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use postgres::{Client, GenericClient, NoTls};
 use tollgate_core::{Clock, Outcome, Plan, Slot, State, full_at};
 
 use super::Store;
+use super::pool::Pool;
 use crate::StoreError;
 
 /// The class of tollgate's advisory locks (`'toll'`), so they never meet an app's own.
@@ -88,7 +88,7 @@ impl PgStoreBuilder {
         let sql = Sql::new(&self.table);
         let store = PgStore {
             config,
-            connections: (0..self.connections).map(|_| Mutex::new(None)).collect(),
+            connections: Pool::new(self.connections),
             timeout: self.timeout,
             sql,
             clock,
@@ -165,7 +165,7 @@ fn create_table(client: &mut Client, sql: &Sql) -> Result<(), postgres::Error> {
 /// ```
 pub struct PgStore<C = tollgate_core::SystemClock> {
     config: postgres::Config,
-    connections: Box<[Mutex<Option<Client>>]>,
+    connections: Pool<Client>,
     timeout: Duration,
     sql: Sql,
     /// `None`: the database's clock.
@@ -189,36 +189,20 @@ impl PgStore {
 }
 
 impl<C> PgStore<C> {
-    /// Runs `f` on a connection, connecting first if needed; a failed call drops the
-    /// connection so the next request connects afresh.
     fn with_client<T>(
         &self,
         f: impl FnOnce(&mut Client) -> Result<T, postgres::Error>,
     ) -> Result<T, StoreError> {
-        thread_local!(static NEXT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) });
-        let start = NEXT.with(|n| {
-            let i = n.get();
-            n.set(i.wrapping_add(1));
-            i
-        });
-        let slots = self.connections.len();
-        let mut guard = (0..slots)
-            .find_map(|i| self.connections[(start + i) % slots].try_lock())
-            .unwrap_or_else(|| self.connections[start % slots].lock());
-        if guard.is_none() {
+        let connect = || {
             let mut client =
                 self.config.connect(NoTls).map_err(|e| pg_error("cannot connect", e))?;
             let ms = self.timeout.as_millis();
             client
                 .batch_execute(&format!("SET statement_timeout = {ms}; SET lock_timeout = {ms}"))
                 .map_err(|e| pg_error("cannot set timeouts", e))?;
-            *guard = Some(client);
-        }
-        let client = guard.as_mut().expect("connected above");
-        f(client).map_err(|e| {
-            *guard = None;
-            pg_error("request failed", e)
-        })
+            Ok(client)
+        };
+        self.connections.run(connect, f, |e| pg_error("request failed", e))
     }
 }
 

@@ -3,11 +3,11 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use redis::{Client, Connection, Script, Value};
 use tollgate_core::{Clock, Kind, Outcome, Plan, Slot, State};
 
 use super::Store;
+use super::pool::Pool;
 use crate::StoreError;
 
 /// The algebra of SPEC §2 and §3 in Lua, kept equal to `tollgate-core`'s by the conformance
@@ -211,7 +211,7 @@ impl RedisStoreBuilder {
             .map_err(|e| StoreError::with_source(format!("redis: {url:?}: {e}"), e))?;
         Ok(RedisStore {
             client,
-            connections: (0..self.connections).map(|_| Mutex::new(None)).collect(),
+            connections: Pool::new(self.connections),
             script: Script::new(SCRIPT),
             prefix: self.prefix,
             timeout: self.timeout,
@@ -241,7 +241,7 @@ impl RedisStoreBuilder {
 /// ```
 pub struct RedisStore<C = tollgate_core::SystemClock> {
     client: Client,
-    connections: Box<[Mutex<Option<Connection>>]>,
+    connections: Pool<Connection>,
     script: Script,
     prefix: String,
     timeout: Duration,
@@ -282,39 +282,22 @@ impl<C: Clock> RedisStore<C> {
         k
     }
 
-    /// Runs `f` on a connection, connecting first if needed; a failed call drops the
-    /// connection so the next request connects afresh.
     fn with_connection<T>(
         &self,
         f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>,
     ) -> Result<T, StoreError> {
-        thread_local!(static NEXT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) });
-        let start = NEXT.with(|n| {
-            let i = n.get();
-            n.set(i.wrapping_add(1));
-            i
-        });
-        let slots = self.connections.len();
-        // A free connection if there is one; otherwise wait for this thread's turn.
-        let mut guard = (0..slots)
-            .find_map(|i| self.connections[(start + i) % slots].try_lock())
-            .unwrap_or_else(|| self.connections[start % slots].lock());
-        if guard.is_none() {
+        let connect = || {
             let conn = self
                 .client
                 .get_connection_with_timeout(self.timeout)
-                .map_err(|e| StoreError::with_source(format!("redis: cannot connect: {e}"), e))?;
+                .map_err(|e| redis_error("cannot connect", e))?;
             conn.set_read_timeout(Some(self.timeout))
                 .map_err(|e| redis_error("cannot set a timeout", e))?;
             conn.set_write_timeout(Some(self.timeout))
                 .map_err(|e| redis_error("cannot set a timeout", e))?;
-            *guard = Some(conn);
-        }
-        let conn = guard.as_mut().expect("connected above");
-        f(conn).map_err(|e| {
-            *guard = None;
-            redis_error("request failed", e)
-        })
+            Ok(conn)
+        };
+        self.connections.run(connect, f, |e| redis_error("request failed", e))
     }
 
     fn now_arg(&self) -> String {
