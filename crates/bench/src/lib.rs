@@ -2,6 +2,8 @@
 //! for governor, so the criterion bench and the memory report measure the same thing.
 
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use governor::{DefaultKeyedRateLimiter, Quota};
 use tollgate::{Config, Limits, MemoryStore, RateLimiter, SECOND};
@@ -61,4 +63,31 @@ fn quota() -> Quota {
 /// `n` distinct keys shaped like user ids.
 pub fn keys(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("user-{i:08}")).collect()
+}
+
+/// Runs `op(thread, iteration)` on `threads` threads for `duration`, as fast as they go;
+/// returns operations per second over all threads. For load against a server, where each
+/// operation is a round trip.
+pub fn throughput(threads: usize, duration: Duration, op: impl Fn(usize, usize) + Sync) -> f64 {
+    let stop = AtomicBool::new(false);
+    let start = Instant::now();
+    let total: usize = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (stop, op) = (&stop, &op);
+                s.spawn(move || {
+                    let mut n = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        op(t, n);
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        std::thread::sleep(duration);
+        stop.store(true, Ordering::Relaxed);
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    total as f64 / start.elapsed().as_secs_f64()
 }

@@ -6,37 +6,11 @@
 //! `TOLLGATE_REDIS_URL` (default redis://127.0.0.1:6379).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tollgate::store::RedisStore;
 use tollgate::{RateLimiter, Request};
-use tollgate_bench::{Limit, keys};
-
-/// Runs `op` on `threads` threads for `duration`; returns operations per second.
-fn throughput(threads: usize, duration: Duration, op: impl Fn(usize, usize) + Sync) -> f64 {
-    let stop = AtomicBool::new(false);
-    let start = Instant::now();
-    let total: usize = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|t| {
-                let (stop, op) = (&stop, &op);
-                s.spawn(move || {
-                    let mut n = 0;
-                    while !stop.load(Ordering::Relaxed) {
-                        op(t, n);
-                        n += 1;
-                    }
-                    n
-                })
-            })
-            .collect();
-        std::thread::sleep(duration);
-        stop.store(true, Ordering::Relaxed);
-        workers.into_iter().map(|w| w.join().unwrap()).sum()
-    });
-    total as f64 / start.elapsed().as_secs_f64()
-}
+use tollgate_bench::{Limit, keys, throughput};
 
 fn main() {
     let secs: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
