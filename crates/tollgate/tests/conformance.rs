@@ -8,6 +8,8 @@ use tollgate::{
     Target,
 };
 
+mod common;
+
 const T0: f64 = 1_700_000_000_000.0;
 
 /// Makes a fresh, empty store whose clock is `clock`.
@@ -311,32 +313,6 @@ fn concurrent_exactness(b: &impl Backend) {
     }
 }
 
-/// The URL of a backend server for its suite, from the environment variable `var`. Unset:
-/// the suite skips, saying why, unless `TOLLGATE_REQUIRE_BACKENDS=1` (as in CI), which makes
-/// a missing backend a failure rather than a silent skip.
-#[allow(dead_code)]
-fn backend_url(var: &str, example: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-            panic!("{var} is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires this backend")
-        }
-        _ => {
-            // Once per process, and past libtest's capture (which takes only the print
-            // macros), so a skipped suite is visible in the test run's output.
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
-                use std::io::Write as _;
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "skipped the {var} backend suite: set {var} (for example {var}={example}) to run it"
-                );
-            });
-            None
-        }
-    }
-}
-
 macro_rules! conformance {
     ($backend:ident, $make:expr) => {
         conformance!($backend, $make, true);
@@ -366,37 +342,18 @@ conformance!(sqlite_in_memory, |clock| {
 });
 
 #[cfg(feature = "sqlite")]
-conformance!(sqlite_file, super::on_disk::open);
+conformance!(sqlite_file, super::on_disk);
 
+/// A SQLite store on a file in a directory that goes away with it.
 #[cfg(feature = "sqlite")]
-mod on_disk {
-    use tollgate::core::{Outcome, Plan, Slot, State};
-    use tollgate::store::SqliteStore;
-    use tollgate::{ManualClock, Store, StoreError};
-
-    /// A SQLite store on a file in a directory that goes away with it.
-    pub(crate) struct OnDisk {
-        store: SqliteStore<ManualClock>,
-        _dir: tempfile::TempDir,
-    }
-
-    pub(crate) fn open(clock: ManualClock) -> OnDisk {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::builder().open_with_clock(dir.path().join("t.db"), clock).unwrap();
-        OnDisk { store, _dir: dir }
-    }
-
-    impl Store for OnDisk {
-        fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-            self.store.execute(plan)
-        }
-        fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-            self.store.read(slots)
-        }
-        fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-            self.store.delete(name, key, shards)
-        }
-    }
+fn on_disk(
+    clock: ManualClock,
+) -> common::Owned<tollgate::store::SqliteStore<ManualClock>, tempfile::TempDir> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tollgate::store::SqliteStore::builder()
+        .open_with_clock(dir.path().join("t.db"), clock)
+        .unwrap();
+    common::Owned { store, resource: dir }
 }
 
 #[cfg(feature = "redis")]
@@ -410,7 +367,7 @@ mod on_redis {
     use tollgate::store::RedisStore;
 
     pub(crate) fn url() -> Option<String> {
-        super::backend_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379")
+        super::common::backend_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379")
     }
 
     /// A store with a key prefix of its own, so tests never see each other's states.
@@ -432,54 +389,24 @@ mod on_redis {
 conformance!(postgres, super::on_postgres::open, super::on_postgres::url().is_some());
 
 #[cfg(feature = "postgres")]
-pub(crate) mod on_postgres {
-    use std::sync::atomic::{AtomicU64, Ordering};
-
-    use tollgate::core::{Outcome, Plan, Slot, State};
+mod on_postgres {
+    use tollgate::ManualClock;
     use tollgate::store::PgStore;
-    use tollgate::{ManualClock, Store, StoreError};
+
+    use super::common::{DropTable, Owned, backend_url};
 
     pub(crate) fn url() -> Option<String> {
-        super::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
+        backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
     }
 
     /// A store on a table of its own, dropped with it.
-    pub(crate) struct OnPg {
-        store: PgStore<ManualClock>,
-        table: String,
-        url: String,
-    }
-
-    pub(crate) fn open(clock: ManualClock) -> OnPg {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let table = format!(
-            "tollgate_test_{}_{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let url = url().expect("checked");
-        let store =
-            PgStore::builder().table(&table).connections(16).open_with_clock(&url, clock).unwrap();
-        OnPg { store, table, url }
-    }
-
-    impl Drop for OnPg {
-        fn drop(&mut self) {
-            if let Ok(mut client) = postgres::Client::connect(&self.url, postgres::NoTls) {
-                let _ = client.batch_execute(&format!("DROP TABLE IF EXISTS {}", self.table));
-            }
-        }
-    }
-
-    impl Store for OnPg {
-        fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-            self.store.execute(plan)
-        }
-        fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-            self.store.read(slots)
-        }
-        fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-            self.store.delete(name, key, shards)
-        }
+    pub(crate) fn open(clock: ManualClock) -> Owned<PgStore<ManualClock>, DropTable> {
+        let table = DropTable::new(&url().expect("checked"), "tollgate_test");
+        let store = PgStore::builder()
+            .table(&table.table)
+            .connections(16)
+            .open_with_clock(&table.url, clock)
+            .unwrap();
+        Owned { store, resource: table }
     }
 }

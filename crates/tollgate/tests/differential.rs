@@ -12,6 +12,8 @@ use tollgate::{
     Call, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, SECOND, Store, Target,
 };
 
+mod common;
+
 const T0: f64 = 1_700_000_000_000.0;
 
 fn limits() -> [Target<'static>; 4] {
@@ -132,13 +134,7 @@ mod redis {
     use super::*;
 
     fn url() -> Option<String> {
-        match std::env::var("TOLLGATE_REDIS_URL") {
-            Ok(url) if !url.is_empty() => Some(url),
-            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-                panic!("TOLLGATE_REDIS_URL is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it")
-            }
-            _ => None,
-        }
+        common::backend_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379")
     }
 
     fn store(url: &str, clock: ManualClock) -> tollgate::store::RedisStore<ManualClock> {
@@ -164,37 +160,22 @@ mod redis {
 
 #[cfg(feature = "postgres")]
 mod postgres {
-    use std::sync::atomic::{AtomicU64, Ordering};
-
     use super::*;
-
-    fn url() -> Option<String> {
-        match std::env::var("TOLLGATE_POSTGRES_URL") {
-            Ok(url) if !url.is_empty() => Some(url),
-            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-                panic!(
-                    "TOLLGATE_POSTGRES_URL is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it"
-                )
-            }
-            _ => None,
-        }
-    }
+    use common::DropTable;
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 32, failure_persistence: None, ..ProptestConfig::default() })]
 
         #[test]
         fn postgres_answers_as_memory(ops in traffic()) {
-            let Some(url) = url() else { return Ok(()) };
-            static NEXT: AtomicU64 = AtomicU64::new(0);
-            let table = format!("tollgate_diff_{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-            let result = compare(
-                |clock| tollgate::store::PgStore::builder().table(&table).connections(1).open_with_clock(&url, clock).unwrap(),
+            let Some(url) = common::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test") else {
+                return Ok(());
+            };
+            let table = DropTable::new(&url, "tollgate_diff");
+            compare(
+                |clock| tollgate::store::PgStore::builder().table(&table.table).connections(1).open_with_clock(&url, clock).unwrap(),
                 &ops,
-            );
-            let mut client = ::postgres::Client::connect(&url, ::postgres::NoTls).unwrap();
-            client.batch_execute(&format!("DROP TABLE IF EXISTS {table}")).unwrap();
-            result?;
+            )?;
         }
     }
 }

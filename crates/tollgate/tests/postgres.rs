@@ -6,20 +6,17 @@ use postgres::{Client, NoTls};
 use tollgate::store::{PgStore, PgTransaction};
 use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, Target};
 
-fn url() -> Option<String> {
-    match std::env::var("TOLLGATE_POSTGRES_URL") {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-            panic!("TOLLGATE_POSTGRES_URL is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it")
-        }
-        _ => None,
-    }
-}
+mod common;
 
 #[test]
 fn a_rolled_back_transaction_gives_the_tokens_back() {
-    let Some(url) = url() else { return };
-    let table = format!("tollgate_tx_{}", std::process::id());
+    let Some(url) =
+        common::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
+    else {
+        return;
+    };
+    let guard = common::DropTable::new(&url, "tollgate_tx");
+    let table = guard.table.clone();
     let clock = ManualClock::new(1_700_000_000_000.0);
     // Opening a store creates the table.
     drop(PgStore::builder().table(&table).open_with_clock(&url, clock.clone()).unwrap());
@@ -50,5 +47,4 @@ fn a_rolled_back_transaction_gives_the_tokens_back() {
     }
     tx.commit().unwrap();
     assert_eq!(value(&mut client), 6.0, "committed: spent");
-    client.batch_execute(&format!("DROP TABLE {table}")).unwrap();
 }

@@ -1,0 +1,76 @@
+//! What the backend test files share: where a backend is, and stores that own what they were
+//! made on. Each test file uses some of it.
+#![allow(dead_code)]
+
+use tollgate::core::{Outcome, Plan, Slot, State};
+use tollgate::{Store, StoreError};
+
+/// The URL of a backend server, from the environment variable `var`. Unset: the caller skips,
+/// and this says why (once per process, past libtest's capture, which takes only the print
+/// macros, so a skip is visible), unless `TOLLGATE_REQUIRE_BACKENDS=1` (as in CI), which makes
+/// a missing backend a failure rather than a silent skip.
+pub(crate) fn backend_url(var: &str, example: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+            panic!("{var} is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires this backend")
+        }
+        _ => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                use std::io::Write as _;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "skipped the {var} backend tests: set {var} (for example {var}={example}) to run them"
+                );
+            });
+            None
+        }
+    }
+}
+
+/// A store together with what it was made on (a temporary directory, a table of its own),
+/// which goes away with it.
+pub(crate) struct Owned<S, R> {
+    pub(crate) store: S,
+    pub(crate) resource: R,
+}
+
+impl<S: Store, R> Store for Owned<S, R> {
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        self.store.execute(plan)
+    }
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        self.store.read(slots)
+    }
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+        self.store.delete(name, key, shards)
+    }
+}
+
+/// A table of a test's own in a test database, dropped when this is.
+#[cfg(feature = "postgres")]
+pub(crate) struct DropTable {
+    pub(crate) url: String,
+    pub(crate) table: String,
+}
+
+#[cfg(feature = "postgres")]
+impl DropTable {
+    /// A fresh table name for this process: `<prefix>_<pid>_<n>`.
+    pub(crate) fn new(url: &str, prefix: &str) -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        DropTable { url: url.to_owned(), table: format!("{prefix}_{}_{n}", std::process::id()) }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Drop for DropTable {
+    fn drop(&mut self) {
+        if let Ok(mut client) = postgres::Client::connect(&self.url, postgres::NoTls) {
+            let _ = client.batch_execute(&format!("DROP TABLE IF EXISTS {}", self.table));
+        }
+    }
+}
