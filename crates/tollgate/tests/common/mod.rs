@@ -16,14 +16,17 @@ pub(crate) fn backend_url(var: &str, example: &str) -> Option<String> {
             panic!("{var} is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires this backend")
         }
         _ => {
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
+            // Once per variable, not once per test.
+            static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+            let mut said = SAID.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !said.iter().any(|v| v == var) {
+                said.push(var.to_owned());
                 use std::io::Write as _;
                 let _ = writeln!(
                     std::io::stderr(),
                     "skipped the {var} backend tests: set {var} (for example {var}={example}) to run them"
                 );
-            });
+            }
             None
         }
     }
