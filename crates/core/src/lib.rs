@@ -38,6 +38,6 @@ pub use eval::{
     evaluate, fresh_state, full_at, splitmix64, unit_interval, validate_count, validate_name_key,
 };
 pub use plan::{
-    Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Take, Taken, longest_refusal,
+    Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Split, Take, Taken, longest_refusal,
     max_option, read, sample_shards,
 };

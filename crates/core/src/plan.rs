@@ -290,11 +290,14 @@ impl<'a> Plan<'a> {
                 states[0] = Some(e.state);
             }
             let Decision { ok, retry_after } = e.decision;
+            // A shard's status, scaled to all of the limit's shards (two shards: one slot).
+            let mut status = e.status(&self.slots[0].config, item.count, now);
+            status.remaining *= f64::from(item.shards);
             return Outcome {
                 ok,
                 retry_after,
                 results: smallvec::smallvec![e.decision],
-                statuses: smallvec::smallvec![e.status(&self.slots[0].config, item.count, now)],
+                statuses: smallvec::smallvec![status],
                 changed: smallvec::smallvec![changed],
             };
         }
@@ -348,20 +351,13 @@ impl<'a> Plan<'a> {
         states: &[Option<State>],
     ) -> (Decision, Status, [Option<(usize, State)>; 2]) {
         let n = f64::from(item.shards);
-        let status_of =
-            |slot: usize, e: &Evaluation| e.status(&self.slots[slot].config, item.count, now);
-        let alone = |slot: usize, e: Evaluation| {
-            let Status { remaining, reset_after } = status_of(slot, &e);
-            (
-                e.decision,
-                Status { remaining: remaining * n, reset_after },
-                [Some((slot, e.state)), None],
-            )
+        // A shard's status scaled to all n shards.
+        let status_of = |slot: usize, e: &Evaluation, count: f64| {
+            let Status { remaining, reset_after } = e.status(&self.slots[slot].config, count, now);
+            Status { remaining: remaining * n, reset_after }
         };
-        // Two shards' statuses together, scaled to all n.
-        let pair = |a: Status, b: Status| Status {
-            remaining: (a.remaining + b.remaining) * n / 2.0,
-            reset_after: a.reset_after.max(b.reset_after),
+        let alone = |slot: usize, e: Evaluation| {
+            (e.decision, status_of(slot, &e, item.count), [Some((slot, e.state)), None])
         };
         let ea = self.eval(item.a, states, now, item.count, item.reserve);
         let b = match item.b {
@@ -375,30 +371,154 @@ impl<'a> Plan<'a> {
             (true, _) => alone(item.a, ea),
             (false, true) => alone(b, eb),
             (false, false) => {
-                // Take the count from both so they end equal:
-                // balance = valueA' + valueB' + count; count_i = value_i' + count - balance / 2.
-                let balance = ea.state.value + eb.state.value + item.count;
-                let count_a = ea.state.value + item.count - balance / 2.0;
-                let count_b = eb.state.value + item.count - balance / 2.0;
+                let (count_a, count_b) = together(&ea, &eb, item.count);
                 let ca = self.eval(item.a, states, now, count_a, item.reserve);
                 let cb = self.eval(b, states, now, count_b, item.reserve);
                 let retry_after = max_option(ca.decision.retry_after, cb.decision.retry_after);
                 if ca.decision.ok && cb.decision.ok {
-                    let (sa, sb) = (
-                        ca.status(&self.slots[item.a].config, count_a, now),
-                        cb.status(&self.slots[b].config, count_b, now),
-                    );
                     (
                         Decision { ok: true, retry_after },
-                        pair(sa, sb),
+                        pair(status_of(item.a, &ca, count_a), status_of(b, &cb, count_b)),
                         [Some((item.a, ca.state)), Some((b, cb.state))],
                     )
                 } else {
-                    let status = pair(status_of(item.a, &ea), status_of(b, &eb));
+                    let status =
+                        pair(status_of(item.a, &ea, item.count), status_of(b, &eb, item.count));
                     (Decision { ok: false, retry_after }, status, [None, None])
                 }
             }
         }
+    }
+}
+
+/// The counts to take from shards A and B together so that they end equal (SPEC §3):
+/// `balance = valueA' + valueB' + count`; `count_i = value_i' + count - balance / 2`.
+fn together(ea: &Evaluation, eb: &Evaluation, count: f64) -> (f64, f64) {
+    let balance = ea.state.value + eb.state.value + count;
+    (ea.state.value + count - balance / 2.0, eb.state.value + count - balance / 2.0)
+}
+
+/// Two shards' statuses, each already scaled to all shards, as the limit's.
+fn pair(a: Status, b: Status) -> Status {
+    Status {
+        remaining: (a.remaining + b.remaining) / 2.0,
+        reset_after: a.reset_after.max(b.reset_after),
+    }
+}
+
+/// How a sharded take runs when its two shards cannot be loaded and saved in one atomic step
+/// (on Redis Cluster they may live on different nodes): as atomic steps on one shard each,
+/// chosen by [`Plan::split`] from states read beforehand. Each step re-decides on the
+/// shard's state as it is then, so a race can only refuse more, never admit more.
+#[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant, reason = "made once per request, on a cluster's slow path")]
+pub enum Split<'a> {
+    /// Decided from the read states without writing anything: a refusal, or a check.
+    Done(Outcome),
+    /// Run this one-slot plan atomically; its outcome, mapped back with [`Split::outcome`],
+    /// is the answer.
+    One {
+        /// The index in the original plan's slots of the shard used.
+        slot: usize,
+        /// The one-shard plan.
+        plan: Plan<'a>,
+    },
+    /// Neither shard alone suffices, both together do (SPEC §3): take `count_a` from A,
+    /// then `count_b` from B, each atomically. If B refuses, A's take must be given back.
+    Both {
+        /// The indexes in the original plan's slots of A and B.
+        slots: [usize; 2],
+        /// The one-shard plans of A and B, in that order.
+        plans: [Plan<'a>; 2],
+    },
+}
+
+impl Split<'_> {
+    /// The answer of the original plan from the outcomes of the steps run (one for
+    /// [`Split::One`]; for [`Split::Both`] two, or one if A refused; for `Done`, none). `slots` is the
+    /// original plan's slot count, for [`Outcome::changed`].
+    ///
+    /// # Panics
+    ///
+    /// If `steps` holds fewer outcomes than the split has steps.
+    pub fn outcome(&self, slots: usize, steps: &[Outcome]) -> Outcome {
+        let mut changed: Inline<bool> = SmallVec::from_elem(false, slots);
+        match self {
+            Split::Done(outcome) => outcome.clone(),
+            Split::One { slot, .. } => {
+                let step = &steps[0];
+                changed[*slot] = step.changed[0];
+                Outcome { changed, ..step.clone() }
+            }
+            Split::Both { slots: [a, b], .. } => {
+                // Only A's step when A refused (B was then not run).
+                let (sa, sb) = (&steps[0], steps.get(1).unwrap_or(&steps[0]));
+                let ok = sa.ok && sb.ok;
+                let retry_after = max_option(sa.retry_after, sb.retry_after);
+                // Each step's status is scaled to all shards as if alone, as in Plan::decide.
+                let status = pair(sa.statuses[0], sb.statuses[0]);
+                changed[*a] = ok && sa.changed[0];
+                changed[*b] = ok && sb.changed[0];
+                Outcome {
+                    ok,
+                    retry_after,
+                    results: smallvec::smallvec![Decision { ok, retry_after }],
+                    statuses: smallvec::smallvec![status],
+                    changed,
+                }
+            }
+        }
+    }
+}
+
+impl<'a> Plan<'a> {
+    /// The plan of one take of `count` from `slot` alone, with this plan's take's reserve flag
+    /// and shard count (so its status is scaled to all shards) and its `writes`.
+    fn single(&self, item: &Item, slot: usize, count: f64) -> Plan<'a> {
+        let one = Item { count, reserve: item.reserve, shards: item.shards, a: 0, b: None };
+        Plan {
+            writes: self.writes,
+            items: smallvec::smallvec![one],
+            slots: smallvec::smallvec![self.slots[slot]],
+        }
+    }
+
+    /// For a plan of one sharded take over two slots, the steps that run it one shard at a
+    /// time (see [`Split`]), given its slots' states read at `now`; `None` for any other plan.
+    ///
+    /// Run without interference, the steps give exactly the answer and states of
+    /// [`Plan::decide`]. Each step decides again on its shard's state as it then is, so a
+    /// concurrent request can make a step refuse but never make the limit over-admit.
+    ///
+    /// # Panics
+    ///
+    /// If `states` is shorter than [`Plan::slots`].
+    pub fn split(&self, now: f64, states: &[Option<State>]) -> Option<Split<'a>> {
+        let ([item], [_, _]) = (self.items.as_slice(), self.slots.as_slice()) else {
+            return None;
+        };
+        let b = item.b?;
+        if item.shards <= 1 || states[item.a].is_none() {
+            return Some(Split::One { slot: item.a, plan: self.single(item, item.a, item.count) });
+        }
+        let mut after: Inline<Option<State>> = SmallVec::from_slice(&states[..2]);
+        let outcome = self.decide(now, &mut after);
+        if !outcome.ok || !self.writes {
+            return Some(Split::Done(outcome));
+        }
+        Some(match (outcome.changed[item.a], outcome.changed[b]) {
+            (true, true) => {
+                let ea = self.eval(item.a, states, now, item.count, item.reserve);
+                let eb = self.eval(b, states, now, item.count, item.reserve);
+                let (count_a, count_b) = together(&ea, &eb, item.count);
+                Split::Both {
+                    slots: [item.a, b],
+                    plans: [self.single(item, item.a, count_a), self.single(item, b, count_b)],
+                }
+            }
+            (false, true) => Split::One { slot: b, plan: self.single(item, b, item.count) },
+            _ => Split::One { slot: item.a, plan: self.single(item, item.a, item.count) },
+        })
     }
 }
 
@@ -700,5 +820,106 @@ mod tests {
         d.dedup();
         assert_eq!(d.len(), 4);
         assert_eq!(sample_shards(3, 9, 1).as_slice(), &[0, 1, 2]);
+    }
+}
+
+#[cfg(test)]
+mod split_tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::config::MINUTE;
+
+    /// Runs a split's steps one after the other on `states`, as a store without concurrent
+    /// requests would.
+    fn run_split(plan: &Plan<'_>, now: f64, states: &mut [Option<State>]) -> Outcome {
+        let split = plan.split(now, states).expect("a sharded take over two slots");
+        let mut steps = Vec::new();
+        let step = |slot: usize, p: &Plan<'_>, states: &mut [Option<State>]| {
+            let mut one = [states[slot]];
+            let outcome = p.decide(now, &mut one);
+            if outcome.changed[0] {
+                states[slot] = one[0];
+            }
+            outcome
+        };
+        match &split {
+            Split::Done(_) => {}
+            Split::One { slot, plan } => steps.push(step(*slot, plan, states)),
+            Split::Both { slots, plans } => {
+                let before = states[slots[0]];
+                steps.push(step(slots[0], &plans[0], states));
+                steps.push(step(slots[1], &plans[1], states));
+                if !steps[1].ok {
+                    states[slots[0]] = before;
+                }
+            }
+        }
+        split.outcome(plan.slots().len(), &steps)
+    }
+
+    fn state() -> impl Strategy<Value = Option<State>> {
+        prop::option::weighted(
+            0.9,
+            (-20i32..=25, 0u32..120).prop_map(|(v, age)| State {
+                value: f64::from(v) / 2.0,
+                ts: 1_000_000.0 - f64::from(age) * 500.0,
+            }),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 4_000, ..ProptestConfig::default() })]
+
+        /// Run step by step, a split gives exactly what deciding the whole plan gives.
+        #[test]
+        fn steps_answer_as_the_whole_plan(
+            fixed in any::<bool>(),
+            shards in 3u16..8,
+            reserve in any::<bool>(),
+            count in (0u32..40).prop_map(|c| f64::from(c) / 2.0),
+            random in any::<u64>(),
+            writes in any::<bool>(),
+            a in state(),
+            b in state(),
+        ) {
+            let base = if fixed {
+                Config::fixed_window(10.0 * f64::from(shards), MINUTE)
+            } else {
+                Config::token_bucket(10.0 * f64::from(shards), MINUTE).with_max_reserved(f64::from(shards) * 8.0)
+            };
+            let config = base.with_shards(shards);
+            let take = Take { name: "hot", key: None, config, count, reserve };
+            let mut plan = Plan::new(writes);
+            if plan.push(&take, 0, random).is_err() {
+                return Ok(());
+            }
+            let now = 1_000_000.0;
+            let mut whole = [a, b];
+            let expected = plan.decide(now, &mut whole);
+            let mut stepped = [a, b];
+            let got = run_split(&plan, now, &mut stepped);
+            prop_assert_eq!(&got, &expected);
+            prop_assert_eq!(stepped, whole);
+        }
+    }
+
+    #[test]
+    fn only_sharded_takes_over_two_slots_split() {
+        let mut one = Plan::new(true);
+        let t = Take {
+            name: "n",
+            key: None,
+            config: Config::token_bucket(1.0, MINUTE),
+            count: 1.0,
+            reserve: false,
+        };
+        one.push(&t, 0, 1).unwrap();
+        assert!(one.split(0.0, &[None]).is_none());
+        let mut two = Plan::new(true);
+        let sharded = Take { config: Config::token_bucket(30.0, MINUTE).with_shards(3), ..t };
+        two.push(&sharded, 0, 1).unwrap();
+        two.push(&t, 0, 1).unwrap();
+        assert!(two.split(0.0, &[None, None, None]).is_none(), "a transaction does not split");
     }
 }

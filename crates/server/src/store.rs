@@ -19,12 +19,12 @@ pub struct Opened {
 }
 
 /// Opens `memory`, `sqlite://PATH` (`sqlite://tollgate.db` is relative to the working
-/// directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB` or
-/// `postgres://USER@HOST/DB`.
+/// directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB`,
+/// `redis+cluster://HOST:PORT,HOST:PORT` or `postgres://USER@HOST/DB`.
 ///
 /// # Errors
 ///
-/// An unknown scheme, a store this build does not have yet, or a file that cannot be opened.
+/// An unknown scheme, a bad URL, or a file that cannot be opened.
 pub fn open(url: &str) -> anyhow::Result<Opened> {
     if url == "memory" || url == "memory://" {
         return Ok(Opened { store: Arc::new(MemoryStore::new()), blocking: false, sqlite: None });
@@ -40,7 +40,10 @@ pub fn open(url: &str) -> anyhow::Result<Opened> {
             sqlite: Some(sqlite),
         });
     }
-    if url.starts_with("redis://") || url.starts_with("rediss://") {
+    if url.starts_with("redis://")
+        || url.starts_with("rediss://")
+        || url.starts_with("redis+cluster://")
+    {
         let redis = RedisStore::open(url).with_context(|| format!("store {url:?}"))?;
         return Ok(Opened { store: Arc::new(redis), blocking: true, sqlite: None });
     }
@@ -48,15 +51,8 @@ pub fn open(url: &str) -> anyhow::Result<Opened> {
         let pg = PgStore::open(url).with_context(|| format!("store {url:?}"))?;
         return Ok(Opened { store: Arc::new(pg), blocking: true, sqlite: None });
     }
-    let scheme = url.split("://").next().unwrap_or(url);
-    match scheme {
-        "redis+cluster" => bail!(
-            "store {url:?}: the {scheme} store is not in this version of tollgate yet; \
-             use memory, sqlite://PATH, redis://HOST:PORT or postgres://USER@HOST/DB"
-        ),
-        _ => bail!(
-            "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT or \
-             postgres://USER@HOST/DB"
-        ),
-    }
+    bail!(
+        "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \
+         redis+cluster://HOST:PORT,HOST:PORT or postgres://USER@HOST/DB"
+    )
 }

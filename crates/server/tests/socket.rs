@@ -124,6 +124,13 @@ fn thirty_two_clients_admit_exactly_the_limit_redis() {
     assert_eq!(race_inline(addr), 100);
 }
 
+#[test]
+fn thirty_two_clients_admit_exactly_the_limit_redis_cluster() {
+    let Some(url) = backend("TOLLGATE_REDIS_CLUSTER_URL") else { return };
+    let addr = serve_in_process(&settings(url));
+    assert_eq!(race_inline(addr), 100);
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }

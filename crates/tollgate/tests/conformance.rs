@@ -220,29 +220,25 @@ fn value_reports_config_and_state(b: &impl Backend) {
 
 fn transaction_all_or_nothing(b: &impl Backend) {
     let (l, _) = setup(b);
+    // One user's limits: on Redis Cluster the key's hash tag keeps them in one hash slot, as a
+    // transaction needs there; elsewhere it is a key like any other.
+    let user = Request::new().key("{u}");
     let small = Target::Inline("small", Config::token_bucket(3.0, MINUTE));
-    l.limit(small, Request::new().count(2.0)).unwrap();
-    let t = l
-        .transaction(&[tb().with(Request::new().count(4.0)), small.with(Request::new().count(2.0))])
-        .unwrap();
+    l.limit(small, user.count(2.0)).unwrap();
+    let t = l.transaction(&[tb().with(user.count(4.0)), small.with(user.count(2.0))]).unwrap();
     assert!(!t.ok);
     assert_eq!(t.results, vec![Decision::ADMIT, refused(20_000.0)]);
     assert_eq!(t.retry_after, Some(20_000.0));
-    assert_eq!(state(&l, tb(), None).value, 10.0, "the admitted part was not taken");
-    let t =
-        l.transaction(&[tb().with(Request::new().count(4.0)), small.with(Request::new())]).unwrap();
+    assert_eq!(state(&l, tb(), Some("{u}")).value, 10.0, "the admitted part was not taken");
+    let t = l.transaction(&[tb().with(user.count(4.0)), small.with(user)]).unwrap();
     assert!(t.ok);
-    assert_eq!(state(&l, tb(), None).value, 6.0);
-    assert_eq!(state(&l, small, None).value, 0.0);
+    assert_eq!(state(&l, tb(), Some("{u}")).value, 6.0);
+    assert_eq!(state(&l, small, Some("{u}")).value, 0.0);
     // Invalid anywhere: an error, nothing taken.
-    assert!(
-        l.transaction(&[tb().with(Request::new()), small.with(Request::new().count(4.0))]).is_err()
-    );
-    assert_eq!(state(&l, tb(), None).value, 6.0);
+    assert!(l.transaction(&[tb().with(user), small.with(user.count(4.0))]).is_err());
+    assert_eq!(state(&l, tb(), Some("{u}")).value, 6.0);
     // throws names the refused limit.
-    let err = l
-        .transaction(&[tb().with(Request::new()), Call::new(small, Request::new().throws())])
-        .unwrap_err();
+    let err = l.transaction(&[tb().with(user), Call::new(small, user.throws())]).unwrap_err();
     assert!(
         matches!(err, Error::RateLimited { ref name, retry_after } if name == "small" && retry_after == 20_000.0),
         "{err:?}"
@@ -288,9 +284,9 @@ fn status_after_requests(b: &impl Backend) {
     // A fixed window is full again at the start of the next window.
     let window = Target::Inline("win", Config::fixed_window(10.0, MINUTE).with_start(T0));
     clock.advance(15.0 * SECOND);
-    let w = l.limit_with_status(window, Request::new().count(4.0)).unwrap();
+    let w = l.limit_with_status(window, Request::new().key("{v}").count(4.0)).unwrap();
     assert_eq!((w.status.remaining, w.status.reset_after), (6.0, 45_000.0));
-    let t = l.transaction(&[burst.with("v"), window.with(Request::new())]).unwrap();
+    let t = l.transaction(&[burst.with("{v}"), window.with("{v}")]).unwrap();
     assert_eq!(t.statuses.iter().map(|s| s.remaining).collect::<Vec<_>>(), [2.0, 5.0]);
 }
 
@@ -370,20 +366,43 @@ mod on_redis {
         super::common::backend_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379")
     }
 
+    #[cfg(feature = "redis-cluster")]
+    pub(crate) fn cluster_url() -> Option<String> {
+        super::common::backend_url(
+            "TOLLGATE_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002 (scripts/redis-cluster start DIR prints one)",
+        )
+    }
+
     /// A store with a key prefix of its own, so tests never see each other's states.
-    pub(crate) fn open(clock: ManualClock) -> RedisStore<ManualClock> {
+    fn open_on(url: &str, clock: ManualClock) -> RedisStore<ManualClock> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let prefix = format!(
             "tollgate-test:{}:{}:",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        RedisStore::builder()
-            .prefix(prefix)
-            .open_with_clock(&url().expect("checked"), clock)
-            .unwrap()
+        RedisStore::builder().prefix(prefix).open_with_clock(url, clock).unwrap()
+    }
+
+    pub(crate) fn open(clock: ManualClock) -> RedisStore<ManualClock> {
+        open_on(&url().expect("checked"), clock)
+    }
+
+    /// On Redis Cluster, each state placed by its own key: the shards of a limit spread
+    /// over the nodes.
+    #[cfg(feature = "redis-cluster")]
+    pub(crate) fn open_cluster(clock: ManualClock) -> RedisStore<ManualClock> {
+        open_on(&cluster_url().expect("checked"), clock)
     }
 }
+
+#[cfg(feature = "redis-cluster")]
+conformance!(
+    redis_cluster,
+    super::on_redis::open_cluster,
+    super::on_redis::cluster_url().is_some()
+);
 
 #[cfg(feature = "postgres")]
 conformance!(postgres, super::on_postgres::open, super::on_postgres::url().is_some());

@@ -24,6 +24,10 @@
 //!   states, decides with `TIME` and writes, all in one round trip; it answers with what it
 //!   loaded and the time it used, and `tollgate-core` computes the answer from those. Keys
 //!   expire when they are full again.
+//! - **Redis Cluster** (the same [`RedisStore`] on a `redis+cluster://` URL, feature
+//!   `redis-cluster`): as Redis when a request's states share a hash slot; a sharded take
+//!   whose two shards are on different nodes runs as atomic one-shard steps
+//!   ([`tollgate_core::Plan::split`]); a transaction over several slots is refused.
 //!
 //! Stores that read their own clock accept a fixed one in tests (for the memory store,
 //! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).

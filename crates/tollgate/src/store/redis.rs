@@ -3,7 +3,9 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use redis::{Client, Connection, Script, Value};
+use redis::{Client, Script, Value};
+#[cfg(feature = "redis-cluster")]
+use tollgate_core::Split;
 use tollgate_core::{Clock, Kind, Outcome, Plan, Slot, State};
 
 use super::Store;
@@ -141,6 +143,62 @@ end
 return reply
 "#;
 
+/// Gives a take back to one state (Redis Cluster, when the second shard of a take across two
+/// nodes refused): if the state is still exactly what the take wrote, the state it replaced
+/// is restored; if another request changed it since, the amount is added back at the
+/// script's now, up to capacity. Either way the limit holds no more than had the take never
+/// happened.
+///
+/// KEYS: the state. ARGV: now ("" = `TIME`), the state written (16 bytes), the state it
+/// replaced (16 bytes, or "" for none), kind (0/1), rate, period, capacity, amount.
+#[cfg(feature = "redis-cluster")]
+const GIVE_BACK: &str = r#"
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+end
+local kind, rate, period, cap = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local cur = redis.call('GET', KEYS[1])
+local v, ts
+if cur == ARGV[2] then
+  if ARGV[3] == '' then
+    redis.call('DEL', KEYS[1])
+    return 1
+  end
+  v, ts = struct.unpack('<dd', ARGV[3])
+elseif cur and #cur == 16 then
+  v, ts = struct.unpack('<dd', cur)
+  if kind == 0 then
+    v = math.min(v + (now - ts) * rate / period, cap)
+    ts = now
+  else
+    local w = math.floor((now - ts) / period)
+    v = math.min(v + rate * w, cap)
+    ts = ts + w * period
+  end
+  v = math.min(v + tonumber(ARGV[8]), cap)
+else
+  -- Gone (full again, or reset): nothing to give back.
+  return 0
+end
+local full = ts
+local missing = cap - v
+if missing > 0 then
+  if kind == 0 then
+    full = ts + missing * period / rate
+  else
+    full = ts + math.ceil(missing / rate) * period
+  end
+end
+if full <= now then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('SET', KEYS[1], struct.pack('<dd', v, ts), 'PX', math.max(1, math.ceil(full - now)))
+end
+return 1
+"#;
+
 /// Options for a [`RedisStore`].
 #[derive(Debug, Clone)]
 pub struct RedisStoreBuilder {
@@ -160,7 +218,9 @@ impl Default for RedisStoreBuilder {
 }
 
 impl RedisStoreBuilder {
-    /// A prefix for every key (default `tollgate:`), to share a Redis with other data.
+    /// A prefix for every key (default `tollgate:`), to share a Redis with other data. On
+    /// Redis Cluster, a prefix with a hash tag (`{tollgate}:`) keeps every state in one hash
+    /// slot: every transaction is then possible, and everything lives on one node.
     #[must_use]
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
@@ -176,19 +236,22 @@ impl RedisStoreBuilder {
     }
 
     /// How many connections to keep (default 8); a request holds one for its round trip.
+    /// On Redis Cluster, each is a connection to every node.
     #[must_use]
     pub fn connections(mut self, connections: usize) -> Self {
         self.connections = connections.max(1);
         self
     }
 
-    /// A store on the Redis at `url` (`redis://host:port/db`), on Redis's own clock. Nothing
-    /// is connected until the first request, and a lost connection is made again by the next
-    /// one, so the store recovers by itself when the server comes back.
+    /// A store on the Redis at `url`, on Redis's own clock: `redis://HOST:PORT/DB`, or
+    /// `redis+cluster://HOST:PORT,HOST:PORT,…` for Redis Cluster (feature `redis-cluster`;
+    /// the nodes to start from, optionally after `USER:PASSWORD@`). Nothing is connected until
+    /// the first request, and a lost connection is made again by the next one, so the store
+    /// recovers by itself when the server comes back.
     ///
     /// # Errors
     ///
-    /// A URL that is not a Redis URL.
+    /// A URL that is not a Redis URL, or a cluster URL without the `redis-cluster` feature.
     pub fn open(self, url: &str) -> Result<RedisStore, StoreError> {
         self.build(url, None)
     }
@@ -197,7 +260,7 @@ impl RedisStoreBuilder {
     ///
     /// # Errors
     ///
-    /// A URL that is not a Redis URL.
+    /// As [`RedisStoreBuilder::open`].
     pub fn open_with_clock<C: Clock>(
         self,
         url: &str,
@@ -207,12 +270,20 @@ impl RedisStoreBuilder {
     }
 
     fn build<C>(self, url: &str, clock: Option<C>) -> Result<RedisStore<C>, StoreError> {
-        let client = Client::open(url)
-            .map_err(|e| StoreError::with_source(format!("redis: {url:?}: {e}"), e))?;
+        let server = match url.strip_prefix("redis+cluster://") {
+            Some(nodes) => cluster(nodes, self.timeout)
+                .map_err(|e| StoreError::with_source(format!("redis: {url:?}: {e}"), e))?,
+            None => Server::One(
+                Client::open(url)
+                    .map_err(|e| StoreError::with_source(format!("redis: {url:?}: {e}"), e))?,
+            ),
+        };
         Ok(RedisStore {
-            client,
+            server,
             connections: Pool::new(self.connections),
             script: Script::new(SCRIPT),
+            #[cfg(feature = "redis-cluster")]
+            give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
             timeout: self.timeout,
             clock,
@@ -220,14 +291,80 @@ impl RedisStoreBuilder {
     }
 }
 
-/// States in Redis (SPEC §5): the distributed engine, for many app servers.
+/// The client of a `redis+cluster://` URL: the nodes to start from, each a `redis://` URL
+/// with the same credentials.
+#[cfg(feature = "redis-cluster")]
+fn cluster(nodes: &str, timeout: Duration) -> redis::RedisResult<Server> {
+    let (auth, nodes) = match nodes.rsplit_once('@') {
+        Some((auth, nodes)) => (format!("{auth}@"), nodes),
+        None => (String::new(), nodes),
+    };
+    let nodes = nodes.split('/').next().unwrap_or_default();
+    let urls: Vec<String> = nodes
+        .split(',')
+        .filter(|n| !n.trim().is_empty())
+        .map(|n| format!("redis://{auth}{}", n.trim()))
+        .collect();
+    if urls.is_empty() {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::InvalidClientConfig,
+            "no cluster nodes given",
+        )));
+    }
+    let client = redis::cluster::ClusterClient::builder(urls)
+        .connection_timeout(timeout)
+        .response_timeout(timeout)
+        // Few retries: a request that may have run is not run many times over (a repeat can
+        // only take twice, never admit more), and a dead node fails the request in time.
+        .retries(2)
+        .build()?;
+    Ok(Server::Cluster(client))
+}
+
+#[cfg(not(feature = "redis-cluster"))]
+fn cluster(_: &str, _: Duration) -> redis::RedisResult<Server> {
+    Err(redis::RedisError::from((
+        redis::ErrorKind::InvalidClientConfig,
+        "Redis Cluster needs tollgate's `redis-cluster` feature",
+    )))
+}
+
+/// Where the states are: one Redis, or a Redis Cluster.
+enum Server {
+    One(Client),
+    #[cfg(feature = "redis-cluster")]
+    Cluster(redis::cluster::ClusterClient),
+}
+
+/// A connection to one Redis, or to the nodes of a cluster.
+type Conn = Box<dyn redis::ConnectionLike + Send>;
+
+/// States in Redis or Redis Cluster (SPEC §5): the distributed engine, for many app servers.
 ///
 /// Each request is one `EVALSHA` of a script that runs the whole request (every limit, all
 /// or nothing) on the server with Redis `TIME` (reloaded by itself after a `NOSCRIPT`). A
-/// state is a hash of two numbers under `<prefix><name>:<key>:<shard>` (lengths keep names
+/// state is two packed doubles under `<prefix><name>:<key>:<shard>` (lengths keep names
 /// and keys from running into each other), set to expire when it is full again, so storage
 /// follows active limits. A Redis that cannot be reached, times out or answers garbage is a
 /// [`StoreError`]: nothing is admitted.
+///
+/// # Redis Cluster
+///
+/// With a `redis+cluster://` URL, each state is placed by its own key, so the shards of a hot
+/// limit spread over the cluster's nodes. A request whose states share one hash slot runs as
+/// above. A sharded take whose two shards (SPEC §3) are in different slots runs in atomic
+/// steps of one shard each: the shards are read, the choice is made, and the chosen shard is
+/// taken from by the script, which decides again on the state it finds, so a concurrent
+/// request can make it refuse but never over-admit. When neither shard alone suffices but
+/// both together do, A is taken from, then B; if B refuses, A's take is given back (restored
+/// exactly if nothing else touched A meanwhile). Meanwhile a concurrent request may see A
+/// lower and be refused: a refusal too many, never an admission too many.
+///
+/// A transaction over states in different hash slots cannot be atomic on a cluster, and is
+/// refused with an error (nothing taken). Give its limits a common hash tag: Redis places a
+/// key by the first `{…}` in it, so the keys `{user42}` of two limits put both in one slot
+/// (the shards of a limit with such a key then share that slot too). A store prefix with a
+/// tag keeps every state in one slot.
 ///
 /// # Examples
 ///
@@ -240,9 +377,11 @@ impl RedisStoreBuilder {
 /// assert!(limiter.limit(send, "alice").unwrap().ok);
 /// ```
 pub struct RedisStore<C = tollgate_core::SystemClock> {
-    client: Client,
-    connections: Pool<Connection>,
+    server: Server,
+    connections: Pool<Conn>,
     script: Script,
+    #[cfg(feature = "redis-cluster")]
+    give_back: Script,
     prefix: String,
     timeout: Duration,
     /// `None`: Redis `TIME`.
@@ -250,11 +389,11 @@ pub struct RedisStore<C = tollgate_core::SystemClock> {
 }
 
 impl RedisStore {
-    /// A store on the Redis at `url` with the default options.
+    /// A store on the Redis (or Redis Cluster) at `url` with the default options.
     ///
     /// # Errors
     ///
-    /// A URL that is not a Redis URL.
+    /// As [`RedisStoreBuilder::open`].
     pub fn open(url: &str) -> Result<Self, StoreError> {
         RedisStoreBuilder::default().open(url)
     }
@@ -263,6 +402,16 @@ impl RedisStore {
     pub fn builder() -> RedisStoreBuilder {
         RedisStoreBuilder::default()
     }
+}
+
+/// What one run of the script saw and did.
+#[cfg_attr(not(feature = "redis-cluster"), allow(dead_code))]
+struct Ran {
+    outcome: Outcome,
+    /// The states it loaded, as stored (empty: none).
+    loaded: Vec<Vec<u8>>,
+    /// The states after it (the new ones where it wrote).
+    states: Vec<Option<State>>,
 }
 
 impl<C: Clock> RedisStore<C> {
@@ -282,26 +431,223 @@ impl<C: Clock> RedisStore<C> {
         k
     }
 
+    fn is_cluster(&self) -> bool {
+        !matches!(self.server, Server::One(_))
+    }
+
     fn with_connection<T>(
         &self,
-        f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>,
+        f: impl FnOnce(&mut Conn) -> redis::RedisResult<T>,
     ) -> Result<T, StoreError> {
-        let connect = || {
-            let conn = self
-                .client
-                .get_connection_with_timeout(self.timeout)
-                .map_err(|e| redis_error("cannot connect", e))?;
-            conn.set_read_timeout(Some(self.timeout))
-                .map_err(|e| redis_error("cannot set a timeout", e))?;
-            conn.set_write_timeout(Some(self.timeout))
-                .map_err(|e| redis_error("cannot set a timeout", e))?;
-            Ok(conn)
+        let connect = || -> Result<Conn, StoreError> {
+            match &self.server {
+                Server::One(client) => {
+                    let conn = client
+                        .get_connection_with_timeout(self.timeout)
+                        .map_err(|e| redis_error("cannot connect", e))?;
+                    conn.set_read_timeout(Some(self.timeout))
+                        .map_err(|e| redis_error("cannot set a timeout", e))?;
+                    conn.set_write_timeout(Some(self.timeout))
+                        .map_err(|e| redis_error("cannot set a timeout", e))?;
+                    Ok(Box::new(conn))
+                }
+                #[cfg(feature = "redis-cluster")]
+                Server::Cluster(client) => Ok(Box::new(
+                    client.get_connection().map_err(|e| redis_error("cannot connect", e))?,
+                )),
+            }
         };
         self.connections.run(connect, f, |e| redis_error("request failed", e))
     }
 
     fn now_arg(&self) -> String {
         self.clock.as_ref().map(|c| format!("{:?}", c.now())).unwrap_or_default()
+    }
+
+    /// Runs the script for `plan`, whose slots are stored under `keys`, in one round trip.
+    fn run(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Ran, StoreError> {
+        let slots = plan.slots();
+        let mut invocation = self.script.prepare_invoke();
+        for key in keys {
+            invocation.key(key);
+        }
+        invocation.arg(self.now_arg()).arg(if plan.writes() { "1" } else { "0" }).arg(slots.len());
+        for slot in slots {
+            let c = &slot.config;
+            invocation
+                .arg(kind_arg(c.kind()))
+                .arg(num(c.rate()))
+                .arg(num(c.period()))
+                .arg(num(c.capacity()))
+                .arg(c.max_reserved().map(num).unwrap_or_default())
+                .arg(num(slot.alignment));
+        }
+        let takes: Vec<_> = plan.takes().collect();
+        invocation.arg(takes.len());
+        for t in &takes {
+            invocation
+                .arg(num(t.count))
+                .arg(if t.reserve { "1" } else { "0" })
+                .arg(t.shards)
+                .arg(t.a + 1)
+                .arg(t.b.map_or(0, |b| b + 1));
+        }
+        let reply: Vec<Value> = self.with_connection(|conn| invocation.invoke(&mut **conn))?;
+        if reply.len() != 2 + slots.len() {
+            return Err(garbage(&format!("{} values for {} slots", reply.len(), slots.len())));
+        }
+        let now = match &reply[0] {
+            Value::BulkString(bytes) => unpack_f64(bytes),
+            _ => None,
+        }
+        .ok_or_else(|| garbage("the time"))?;
+        let committed = matches!(&reply[1], Value::BulkString(b) if b.as_slice() == b"1");
+        let mut states: Vec<Option<State>> = reply[2..].iter().map(unpack_state).collect();
+        // The answer comes from tollgate-core, on exactly what the script loaded and the
+        // time it used; the script only mirrored the decision to write.
+        let outcome = plan.decide(now, &mut states);
+        if committed != (outcome.ok && plan.writes()) {
+            return Err(StoreError::new(
+                "redis: the script and tollgate-core disagree on this request; this is a bug",
+            ));
+        }
+        let loaded = reply
+            .into_iter()
+            .skip(2)
+            .map(|v| match v {
+                Value::BulkString(bytes) => bytes,
+                _ => Vec::new(),
+            })
+            .collect();
+        Ok(Ran { outcome, loaded, states })
+    }
+
+    /// Reads the states under `keys` and the time: one pipeline on one Redis, one command
+    /// per key on a cluster (the keys may be on different nodes).
+    fn read_keys(&self, keys: &[String]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("TIME");
+        let reply: Vec<Value> = if self.is_cluster() {
+            self.with_connection(|conn| {
+                let mut reply = vec![redis::cmd("TIME").query(&mut **conn)?];
+                for key in keys {
+                    reply.push(redis::cmd("GET").arg(key).query(&mut **conn)?);
+                }
+                Ok(reply)
+            })?
+        } else {
+            for key in keys {
+                pipe.cmd("GET").arg(key);
+            }
+            self.with_connection(|conn| pipe.query(&mut **conn))?
+        };
+        let time = match reply.first() {
+            Some(Value::Array(t)) if t.len() == 2 => {
+                let secs = parse_num(&t[0]).ok_or_else(|| garbage("TIME"))?;
+                let micros = parse_num(&t[1]).ok_or_else(|| garbage("TIME"))?;
+                secs * 1_000.0 + micros / 1_000.0
+            }
+            _ => return Err(garbage("TIME")),
+        };
+        let now = self.clock.as_ref().map_or(time, Clock::now);
+        let states = reply[1..].iter().map(unpack_state).collect();
+        Ok((now, states))
+    }
+}
+
+#[cfg(feature = "redis-cluster")]
+impl<C: Clock> RedisStore<C> {
+    /// A request whose states are in several hash slots of a cluster: a sharded take runs in
+    /// steps (see [`RedisStore`]); anything else is refused with an error.
+    fn execute_split(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Outcome, StoreError> {
+        let n = plan.slots().len();
+        let (now, states) = self.read_keys(keys)?;
+        let Some(split) = plan.split(now, &states) else {
+            return Err(cross_slot(plan, keys));
+        };
+        match &split {
+            Split::Done(outcome) => Ok(outcome.clone()),
+            Split::One { slot, plan } => {
+                let ran = self.run(plan, std::slice::from_ref(&keys[*slot]))?;
+                Ok(split.outcome(n, &[ran.outcome]))
+            }
+            Split::Both { slots: [a, b], plans: [pa, pb] } => {
+                let first = self.run(pa, std::slice::from_ref(&keys[*a]))?;
+                if !first.outcome.ok {
+                    return Ok(split.outcome(n, &[first.outcome]));
+                }
+                let second = self.run(pb, std::slice::from_ref(&keys[*b]));
+                if let Ok(second) = &second
+                    && second.outcome.ok
+                {
+                    return Ok(split.outcome(n, &[first.outcome, second.outcome.clone()]));
+                }
+                self.give_back(pa, &keys[*a], &first)?;
+                Ok(split.outcome(n, &[first.outcome, second?.outcome]))
+            }
+        }
+    }
+
+    /// Gives back what `ran` took from the one slot of `plan` (see [`GIVE_BACK`]).
+    fn give_back(&self, plan: &Plan<'_>, key: &str, ran: &Ran) -> Result<(), StoreError> {
+        let slot = &plan.slots()[0];
+        let amount = plan.takes().next().map_or(0.0, |t| t.count);
+        let written = ran.states[0].map(pack_state).unwrap_or_default();
+        let c = &slot.config;
+        let mut invocation = self.give_back.prepare_invoke();
+        invocation
+            .key(key)
+            .arg(self.now_arg())
+            .arg(written)
+            .arg(ran.loaded[0].as_slice())
+            .arg(kind_arg(c.kind()))
+            .arg(num(c.rate()))
+            .arg(num(c.period()))
+            .arg(num(c.capacity()))
+            .arg(num(amount));
+        self.with_connection(|conn| invocation.invoke::<i64>(&mut **conn)).map(drop)
+    }
+}
+
+/// Redis Cluster's hash slot of a key: CRC16 (XMODEM) of the key, or of the part between its
+/// first `{` and the next `}` if that part is not empty, modulo 16384.
+#[cfg(feature = "redis-cluster")]
+fn hash_slot(key: &[u8]) -> u16 {
+    let tagged = key.iter().position(|&c| c == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        let close = rest.iter().position(|&c| c == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    let mut crc: u16 = 0;
+    for &byte in tagged.unwrap_or(key) {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc % 16384
+}
+
+/// The error for a transaction whose states are in several hash slots.
+#[cfg(feature = "redis-cluster")]
+fn cross_slot(plan: &Plan<'_>, keys: &[String]) -> StoreError {
+    let mut slots: Vec<u16> = keys.iter().map(|k| hash_slot(k.as_bytes())).collect();
+    slots.sort_unstable();
+    slots.dedup();
+    let names: Vec<&str> = plan.slots().iter().map(|s| s.name).collect();
+    StoreError::new(format!(
+        "redis cluster: this request's states ({}) are in {} hash slots, and a request is \
+         atomic on a cluster only within one; give its limits' keys a common hash tag (such \
+         as {{user42}}) or the store a prefix with one (such as {{tollgate}}:)",
+        names.join(", "),
+        slots.len()
+    ))
+}
+
+fn kind_arg(kind: Kind) -> &'static str {
+    match kind {
+        Kind::TokenBucket => "0",
+        Kind::FixedWindow => "1",
     }
 }
 
@@ -338,87 +684,46 @@ fn unpack_state(v: &Value) -> Option<State> {
     }
 }
 
+/// A state as the script stores it (`struct.pack('<dd', value, ts)`).
+#[cfg(feature = "redis-cluster")]
+fn pack_state(state: State) -> Vec<u8> {
+    let mut bytes = state.value.to_le_bytes().to_vec();
+    bytes.extend_from_slice(&state.ts.to_le_bytes());
+    bytes
+}
+
 fn garbage(what: &str) -> StoreError {
     StoreError::new(format!("redis: unexpected answer: {what}"))
 }
 
 impl<C: Clock> Store for RedisStore<C> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        let slots = plan.slots();
-        let mut invocation = self.script.prepare_invoke();
-        for slot in slots {
-            invocation.key(self.key(slot.name, slot.key, slot.shard));
+        let keys: Vec<String> =
+            plan.slots().iter().map(|s| self.key(s.name, s.key, s.shard)).collect();
+        #[cfg(feature = "redis-cluster")]
+        if self.is_cluster() {
+            let first = hash_slot(keys[0].as_bytes());
+            if keys[1..].iter().any(|k| hash_slot(k.as_bytes()) != first) {
+                return self.execute_split(plan, &keys);
+            }
         }
-        invocation.arg(self.now_arg()).arg(if plan.writes() { "1" } else { "0" }).arg(slots.len());
-        for slot in slots {
-            let c = &slot.config;
-            let kind = match c.kind() {
-                Kind::TokenBucket => "0",
-                Kind::FixedWindow => "1",
-            };
-            invocation
-                .arg(kind)
-                .arg(num(c.rate()))
-                .arg(num(c.period()))
-                .arg(num(c.capacity()))
-                .arg(c.max_reserved().map(num).unwrap_or_default())
-                .arg(num(slot.alignment));
-        }
-        let takes: Vec<_> = plan.takes().collect();
-        invocation.arg(takes.len());
-        for t in &takes {
-            invocation
-                .arg(num(t.count))
-                .arg(if t.reserve { "1" } else { "0" })
-                .arg(t.shards)
-                .arg(t.a + 1)
-                .arg(t.b.map_or(0, |b| b + 1));
-        }
-        let reply: Vec<Value> = self.with_connection(|conn| invocation.invoke(conn))?;
-        if reply.len() != 2 + slots.len() {
-            return Err(garbage(&format!("{} values for {} slots", reply.len(), slots.len())));
-        }
-        let now = match &reply[0] {
-            Value::BulkString(bytes) => unpack_f64(bytes),
-            _ => None,
-        }
-        .ok_or_else(|| garbage("the time"))?;
-        let committed = matches!(&reply[1], Value::BulkString(b) if b.as_slice() == b"1");
-        let mut states: Vec<Option<State>> = reply[2..].iter().map(unpack_state).collect();
-        // The answer comes from tollgate-core, on exactly what the script loaded and the
-        // time it used; the script only mirrored the decision to write.
-        let outcome = plan.decide(now, &mut states);
-        if committed != (outcome.ok && plan.writes()) {
-            return Err(StoreError::new(
-                "redis: the script and tollgate-core disagree on this request; this is a bug",
-            ));
-        }
-        Ok(outcome)
+        self.run(plan, &keys).map(|ran| ran.outcome)
     }
 
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("TIME");
-        for slot in slots {
-            pipe.cmd("GET").arg(self.key(slot.name, slot.key, slot.shard));
-        }
-        let reply: Vec<Value> = self.with_connection(|conn| pipe.query(conn))?;
-        let time = match reply.first() {
-            Some(Value::Array(t)) if t.len() == 2 => {
-                let secs = parse_num(&t[0]).ok_or_else(|| garbage("TIME"))?;
-                let micros = parse_num(&t[1]).ok_or_else(|| garbage("TIME"))?;
-                secs * 1_000.0 + micros / 1_000.0
-            }
-            _ => return Err(garbage("TIME")),
-        };
-        let now = self.clock.as_ref().map_or(time, Clock::now);
-        let states = reply[1..].iter().map(unpack_state).collect();
-        Ok((now, states))
+        let keys: Vec<String> = slots.iter().map(|s| self.key(s.name, s.key, s.shard)).collect();
+        self.read_keys(&keys)
     }
 
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
         let keys: Vec<String> = (0..shards).map(|shard| self.key(name, key, shard)).collect();
-        self.with_connection(|conn| redis::cmd("DEL").arg(&keys).query::<()>(conn))
+        if self.is_cluster() {
+            // One command per key: a cluster refuses a DEL over several hash slots.
+            return self.with_connection(|conn| {
+                keys.iter().try_for_each(|k| redis::cmd("DEL").arg(k).query::<()>(&mut **conn))
+            });
+        }
+        self.with_connection(|conn| redis::cmd("DEL").arg(&keys).query::<()>(&mut **conn))
     }
 }
 
@@ -434,5 +739,62 @@ mod tests {
         assert_ne!(s.key("a", None, 0), s.key("a", Some(""), 0));
         assert_eq!(num(60_000.0), "60000.0");
         assert_eq!(num(0.1), "0.1");
+    }
+}
+
+/// The give-back of a take across two cluster nodes, on the cluster of
+/// `TOLLGATE_REDIS_CLUSTER_URL` (skipped without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`).
+#[cfg(all(test, feature = "redis-cluster"))]
+mod give_back_tests {
+    use tollgate_core::{Config, MINUTE, ManualClock, Take};
+
+    use super::*;
+
+    fn cluster_url() -> Option<String> {
+        match std::env::var("TOLLGATE_REDIS_CLUSTER_URL") {
+            Ok(url) if !url.is_empty() => Some(url),
+            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+                panic!("TOLLGATE_REDIS_CLUSTER_URL is required by TOLLGATE_REQUIRE_BACKENDS=1")
+            }
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn restores_exactly_or_adds_back() {
+        let Some(url) = cluster_url() else { return };
+        const T0: f64 = 1_700_000_000_000.0;
+        let clock = ManualClock::new(T0);
+        let prefix = format!("tollgate-give-back:{}:", std::process::id());
+        let store = RedisStore::builder().prefix(prefix).open_with_clock(&url, clock).unwrap();
+        let config = Config::token_bucket(10.0, MINUTE);
+        let plan = |count: f64| {
+            let mut plan = Plan::new(true);
+            let take = Take { name: "t", key: Some("k"), config, count, reserve: false };
+            plan.push(&take, 0, 0).unwrap();
+            plan
+        };
+        let key = store.key("t", Some("k"), 0);
+        let keys = std::slice::from_ref(&key);
+        let value = || store.read_keys(keys).unwrap().1[0].map(|s| s.value);
+
+        // Nothing touched the state since the take: the state before it comes back.
+        let four = plan(4.0);
+        let ran = store.run(&four, keys).unwrap();
+        assert_eq!(value(), Some(6.0));
+        store.give_back(&four, &key, &ran).unwrap();
+        assert_eq!(value(), None, "there was no state before the take");
+        store.run(&plan(1.0), keys).unwrap();
+        let ran = store.run(&four, keys).unwrap();
+        store.give_back(&four, &key, &ran).unwrap();
+        assert_eq!(value(), Some(9.0), "the state before the take, exactly");
+
+        // Another take came between: the amount is added back, up to capacity.
+        let ran = store.run(&four, keys).unwrap();
+        store.run(&plan(2.0), keys).unwrap();
+        assert_eq!(value(), Some(3.0));
+        store.give_back(&four, &key, &ran).unwrap();
+        assert_eq!(value(), Some(7.0));
+        store.delete("t", Some("k"), 1).unwrap();
     }
 }
