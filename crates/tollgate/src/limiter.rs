@@ -237,6 +237,10 @@ struct Setup {
     defined: HashMap<Box<str>, Config, RandomState>,
     seed: u64,
     draws: Option<AtomicU64>,
+    /// Names that are granted when the store fails ([`RateLimiterBuilder::fail_open`]).
+    fail_open: Vec<Box<str>>,
+    /// How many requests were granted that way.
+    failed_open: AtomicU64,
 }
 
 /// Options for a [`RateLimiter`].
@@ -244,6 +248,7 @@ pub struct RateLimiterBuilder<S> {
     store: S,
     defined: HashMap<Box<str>, Config, RandomState>,
     seed: Option<u64>,
+    fail_open: Vec<Box<str>>,
 }
 
 impl<S: Store> RateLimiterBuilder<S> {
@@ -265,12 +270,47 @@ impl<S: Store> RateLimiterBuilder<S> {
         self
     }
 
+    /// Makes the limit `name` fail open: when the store fails (down, slow, answering
+    /// garbage), a `limit` or `check` of it is granted instead of returning
+    /// [`Error::Store`], with a status of a full limit (nothing is known), and
+    /// [`RateLimiter::failed_open`] counts it. A transaction fails open only if every one
+    /// of its limits does.
+    ///
+    /// The trade: the app keeps serving while the store is down, at the price of no limit
+    /// at all on `name` while it is. Choose it for limits that protect capacity (where an
+    /// outage of the limiter should not become an outage of the app), not for limits that
+    /// protect money or abuse (sign-ups, paid API calls, log-in attempts), which should fail
+    /// closed, as every limit does by default. Invalid requests are errors either way.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate::store::Unavailable;
+    /// use tollgate::{Config, RateLimiter, MINUTE};
+    ///
+    /// let limiter = RateLimiter::builder(Unavailable::new("connection refused"))
+    ///     .fail_open("search")
+    ///     .build();
+    /// let search = ("search", Config::token_bucket(100.0, MINUTE));
+    /// let signup = ("signup", Config::token_bucket(3.0, MINUTE));
+    /// assert!(limiter.limit(search, "alice").unwrap().ok);
+    /// assert!(limiter.limit(signup, "alice").is_err(), "fails closed");
+    /// assert_eq!(limiter.failed_open(), 1);
+    /// ```
+    #[must_use]
+    pub fn fail_open(mut self, name: impl Into<Box<str>>) -> Self {
+        self.fail_open.push(name.into());
+        self
+    }
+
     /// Builds the limiter.
     pub fn build(self) -> RateLimiter<S> {
         let setup = Setup {
             defined: self.defined,
             seed: self.seed.unwrap_or(0),
             draws: self.seed.map(AtomicU64::new),
+            fail_open: self.fail_open,
+            failed_open: AtomicU64::new(0),
         };
         RateLimiter { store: self.store, setup: Arc::new(setup) }
     }
@@ -284,7 +324,7 @@ impl<S: Store> RateLimiter<S> {
 
     /// Options: names defined at run time, a seed.
     pub fn builder(store: S) -> RateLimiterBuilder<S> {
-        RateLimiterBuilder { store, defined: HashMap::default(), seed: None }
+        RateLimiterBuilder { store, defined: HashMap::default(), seed: None, fail_open: Vec::new() }
     }
 
     /// The store.
@@ -302,6 +342,23 @@ impl<S: Store> RateLimiter<S> {
     /// The config of a name defined at run time, if it is.
     pub fn defined_config(&self, name: &str) -> Option<Config> {
         self.setup.defined.get(name).copied()
+    }
+
+    /// How many requests were granted because the store failed and their limits
+    /// [fail open](RateLimiterBuilder::fail_open): watch it, since while it grows those
+    /// limits do not limit.
+    pub fn failed_open(&self) -> u64 {
+        self.setup.failed_open.load(Ordering::Relaxed)
+    }
+
+    /// Whether every limit of `names` fails open; if so, counts the request.
+    #[cold]
+    fn fails_open<'n>(&self, mut names: impl Iterator<Item = &'n str>) -> bool {
+        let open = names.all(|name| self.setup.fail_open.iter().any(|n| **n == *name));
+        if open {
+            self.setup.failed_open.fetch_add(1, Ordering::Relaxed);
+        }
+        open
     }
 
     /// The names defined at run time, with their configs.
@@ -393,13 +450,22 @@ impl<S: Store> RateLimiter<S> {
         let name = target.name();
         let take =
             Take { name, key: request.key, config, count: request.count, reserve: request.reserve };
-        let taken = if config.shards() == 1 {
-            self.store.execute_one(&OneTake::new(&take, self.setup.seed, writes)?)?
+        let result = if config.shards() == 1 {
+            self.store.execute_one(&OneTake::new(&take, self.setup.seed, writes)?)
         } else {
             let mut plan = Plan::new(writes);
             plan.push(&take, self.setup.seed, self.draw())?;
-            let outcome = self.store.execute(&plan)?;
-            Taken { decision: outcome.decision(), status: outcome.statuses[0] }
+            self.store
+                .execute(&plan)
+                .map(|outcome| Taken { decision: outcome.decision(), status: outcome.statuses[0] })
+        };
+        let taken = match result {
+            Ok(taken) => taken,
+            Err(_) if self.fails_open(std::iter::once(name)) => Taken {
+                decision: Decision::ADMIT,
+                status: Status { remaining: config.capacity(), reset_after: 0.0 },
+            },
+            Err(e) => return Err(e.into()),
         };
         if request.throws && !taken.decision.ok {
             return Err(refused(name, taken.decision));
@@ -435,7 +501,27 @@ impl<S: Store> RateLimiter<S> {
         for call in calls {
             self.push(&mut plan, &call.target, &call.request)?;
         }
-        let outcome = self.store.execute(&plan)?;
+        let outcome = match self.store.execute(&plan) {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                if calls.is_empty() || !self.fails_open(calls.iter().map(|c| c.target.name())) {
+                    return Err(e.into());
+                }
+                let statuses = calls
+                    .iter()
+                    .map(|c| Status {
+                        remaining: self.resolve(&c.target).map_or(0.0, |c| c.capacity()),
+                        reset_after: 0.0,
+                    })
+                    .collect::<Vec<_>>();
+                return Ok(TransactionDecision {
+                    ok: true,
+                    retry_after: None,
+                    results: vec![Decision::ADMIT; calls.len()],
+                    statuses,
+                });
+            }
+        };
         if !outcome.ok
             && calls.iter().any(|c| c.request.throws)
             && let Some(i) = tollgate_core::longest_refusal(&outcome.results)

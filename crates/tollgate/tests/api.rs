@@ -59,3 +59,35 @@ fn names_defined_at_run_time_are_listed() {
     assert_eq!(names, ["a"]);
     assert!(limiter.limit("a", Request::new()).unwrap().ok);
 }
+
+#[test]
+fn only_limits_made_to_fail_open_are_granted_when_the_store_fails() {
+    use tollgate::store::Unavailable;
+    use tollgate::{Decision, Error};
+
+    let limiter = RateLimiter::builder(Unavailable::new("down"))
+        .fail_open("search")
+        .fail_open("feed")
+        .build();
+    let search = Target::Inline("search", Config::token_bucket(100.0, MINUTE).with_capacity(5.0));
+    let feed = Target::Inline("feed", Config::token_bucket(10.0, MINUTE).with_shards(4));
+    let signup = Target::Inline("signup", Config::token_bucket(3.0, MINUTE));
+
+    let taken = limiter.limit_with_status(search, "alice").unwrap();
+    assert_eq!(taken.decision, Decision::ADMIT);
+    assert_eq!(taken.status.remaining, 5.0, "nothing is known: reported full");
+    assert!(limiter.check(search, "alice").unwrap().ok);
+    assert!(limiter.limit(feed, Request::new()).unwrap().ok, "sharded too");
+    assert!(matches!(limiter.limit(signup, "alice"), Err(Error::Store(_))), "the default");
+    // Still an error: a request that can never succeed.
+    assert!(matches!(limiter.limit(search, Request::new().count(-1.0)), Err(Error::Invalid(_))));
+    // A transaction fails open only if all of its limits do.
+    let t = limiter.transaction(&[search.with("alice"), feed.with(Request::new())]).unwrap();
+    assert!(t.ok);
+    assert_eq!(t.results, vec![Decision::ADMIT; 2]);
+    assert!(matches!(
+        limiter.transaction(&[search.with("alice"), signup.with("alice")]),
+        Err(Error::Store(_))
+    ));
+    assert_eq!(limiter.failed_open(), 4);
+}

@@ -63,8 +63,10 @@ fn fails_closed_while_down_and_recovers_by_itself() {
         .connections(2)
         .open(&format!("redis://127.0.0.1:{port}"))
         .unwrap();
-    let limiter = RateLimiter::new(store);
+    // One limit fails closed (the default), one was made to fail open.
+    let limiter = RateLimiter::builder(store).fail_open("search").build();
     let limit = Target::Inline("outage", Config::token_bucket(100.0, MINUTE));
+    let search = Target::Inline("search", Config::token_bucket(1.0, MINUTE));
     for _ in 0..5 {
         assert!(limiter.limit(limit, Request::new()).unwrap().ok);
     }
@@ -77,7 +79,9 @@ fn fails_closed_while_down_and_recovers_by_itself() {
         assert!(matches!(result, Err(Error::Store(_))), "fail closed, not admitted: {result:?}");
         // Bounded by the timeout (connect, send or receive), not hanging: a generous margin.
         assert!(start.elapsed() < timeout * 10, "took {:?}", start.elapsed());
+        assert!(limiter.limit(search, Request::new()).unwrap().ok, "this one fails open");
     }
+    assert_eq!(limiter.failed_open(), 5);
 
     let mut server = start(port);
     let decision = limiter.limit(limit, Request::new()).unwrap();
