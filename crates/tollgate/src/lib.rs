@@ -32,6 +32,8 @@
 
 mod error;
 mod limiter;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod sqlx;
 pub mod store;
 #[cfg(feature = "tower")]
 pub mod tower;

@@ -100,7 +100,7 @@ impl<'a> Target<'a> {
         Call { target: self, request: request.into() }
     }
 
-    fn name(&self) -> &'a str {
+    pub(crate) fn name(&self) -> &'a str {
         match *self {
             Target::Named(name) | Target::Inline(name, _) => name,
         }
@@ -122,7 +122,7 @@ pub struct Request<'a> {
     key: Option<&'a str>,
     count: f64,
     reserve: bool,
-    throws: bool,
+    pub(crate) throws: bool,
 }
 
 impl Default for Request<'_> {
@@ -176,8 +176,8 @@ impl<'a> From<&'a str> for Request<'a> {
 /// One limit of a [`RateLimiter::transaction`]: a target and its request.
 #[derive(Clone, Copy, Debug)]
 pub struct Call<'a> {
-    target: Target<'a>,
-    request: Request<'a>,
+    pub(crate) target: Target<'a>,
+    pub(crate) request: Request<'a>,
 }
 
 impl<'a> Call<'a> {
@@ -497,10 +497,7 @@ impl<S: Store> RateLimiter<S> {
     /// assert_eq!(t.retry_after, Some(20_000.0)); // the global limit booked one token ahead
     /// ```
     pub fn transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
-        let mut plan = Plan::new(true);
-        for call in calls {
-            self.push(&mut plan, &call.target, &call.request)?;
-        }
+        let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
         let outcome = match self.store.execute(&plan) {
             Ok(outcome) => outcome,
             Err(e) => {
@@ -522,6 +519,28 @@ impl<S: Store> RateLimiter<S> {
                 });
             }
         };
+        self.transaction_answer(calls, outcome)
+    }
+
+    /// A plan of `calls`, validated.
+    pub(crate) fn plan<'a>(
+        &self,
+        writes: bool,
+        calls: impl Iterator<Item = (Target<'a>, Request<'a>)>,
+    ) -> Result<Plan<'a>, Error> {
+        let mut plan = Plan::new(writes);
+        for (target, request) in calls {
+            self.push(&mut plan, &target, &request)?;
+        }
+        Ok(plan)
+    }
+
+    /// The answer to a transaction from its outcome: a refusal is an error if a call throws.
+    pub(crate) fn transaction_answer(
+        &self,
+        calls: &[Call<'_>],
+        outcome: tollgate_core::Outcome,
+    ) -> Result<TransactionDecision, Error> {
         if !outcome.ok
             && calls.iter().any(|c| c.request.throws)
             && let Some(i) = tollgate_core::longest_refusal(&outcome.results)
@@ -641,7 +660,7 @@ impl<S: Store> RateLimiter<S> {
     }
 }
 
-fn refused(name: &str, decision: Decision) -> Error {
+pub(crate) fn refused(name: &str, decision: Decision) -> Error {
     Error::RateLimited { name: name.to_owned(), retry_after: decision.retry_after.unwrap_or(0.0) }
 }
 

@@ -39,6 +39,13 @@ mod pool;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-sqlite",
+    feature = "sqlx-postgres"
+))]
+pub(crate) mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 

@@ -8,10 +8,8 @@ use tollgate_core::{Clock, Outcome, Plan, Slot, State, full_at};
 
 use super::Store;
 use super::pool::Pool;
+use super::sql::{LOCK_CLASS, PgSql, lock_ids, valid_table};
 use crate::StoreError;
-
-/// The class of tollgate's advisory locks (`'toll'`), so they never meet an app's own.
-const LOCK_CLASS: i32 = 0x746f_6c6c;
 
 /// Options for a [`PgStore`].
 #[derive(Debug, Clone)]
@@ -73,9 +71,7 @@ impl PgStoreBuilder {
     }
 
     fn build<C>(self, url: &str, clock: Option<C>) -> Result<PgStore<C>, StoreError> {
-        if self.table.is_empty()
-            || !self.table.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-        {
+        if !valid_table(&self.table) {
             return Err(StoreError::new(format!(
                 "postgres: table name {:?}: use letters, digits and _",
                 self.table
@@ -85,7 +81,7 @@ impl PgStoreBuilder {
             .parse()
             .map_err(|e| StoreError::with_source(format!("postgres: {url:?}: {e}"), e))?;
         config.connect_timeout(self.timeout);
-        let sql = Sql::new(&self.table);
+        let sql = PgSql::new(&self.table);
         let store = PgStore {
             config,
             connections: Pool::new(self.connections),
@@ -98,43 +94,7 @@ impl PgStoreBuilder {
     }
 }
 
-/// The statements, for one table.
-struct Sql {
-    create: String,
-    load: String,
-    upsert: String,
-    delete: String,
-    delete_all: String,
-}
-
-impl Sql {
-    fn new(table: &str) -> Self {
-        Sql {
-            create: format!(
-                "CREATE TABLE IF NOT EXISTS {table} (
-                    name text NOT NULL, has_key boolean NOT NULL, key text NOT NULL,
-                    shard integer NOT NULL, value double precision NOT NULL,
-                    ts double precision NOT NULL, PRIMARY KEY (name, has_key, key, shard))"
-            ),
-            // One row per slot, in order, with the database's time once the locks are held.
-            load: format!(
-                "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8
-                 FROM unnest($1::text[], $2::bool[], $3::text[], $4::int4[])
-                      WITH ORDINALITY AS s(name, has_key, key, shard, i)
-                 LEFT JOIN {table} t USING (name, has_key, key, shard)
-                 ORDER BY s.i"
-            ),
-            upsert: format!(
-                "INSERT INTO {table} (name, has_key, key, shard, value, ts) VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (name, has_key, key, shard) DO UPDATE SET value = excluded.value, ts = excluded.ts"
-            ),
-            delete: format!("DELETE FROM {table} WHERE name = $1 AND has_key = $2 AND key = $3 AND shard = $4"),
-            delete_all: format!("DELETE FROM {table} WHERE name = $1 AND has_key = $2 AND key = $3 AND shard < $4"),
-        }
-    }
-}
-
-fn create_table(client: &mut Client, sql: &Sql) -> Result<(), postgres::Error> {
+fn create_table(client: &mut Client, sql: &PgSql) -> Result<(), postgres::Error> {
     // Serialized, so that servers starting together do not race on CREATE TABLE.
     let mut tx = client.transaction()?;
     tx.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&LOCK_CLASS])?;
@@ -167,7 +127,7 @@ pub struct PgStore<C = tollgate_core::SystemClock> {
     config: postgres::Config,
     connections: Pool<Client>,
     timeout: Duration,
-    sql: Sql,
+    sql: PgSql,
     /// `None`: the database's clock.
     clock: Option<C>,
 }
@@ -250,14 +210,14 @@ impl<C: Clock> Store for PgStore<C> {
 /// ```
 pub struct PgTransaction<'t, 'c, C = tollgate_core::SystemClock> {
     tx: RefCell<&'t mut postgres::Transaction<'c>>,
-    sql: Sql,
+    sql: PgSql,
     clock: Option<C>,
 }
 
 impl<'t, 'c> PgTransaction<'t, 'c> {
     /// The limiter's states in `tx`, in the default table, on the database's clock.
     pub fn new(tx: &'t mut postgres::Transaction<'c>) -> Self {
-        PgTransaction { tx: RefCell::new(tx), sql: Sql::new("tollgate_state"), clock: None }
+        PgTransaction { tx: RefCell::new(tx), sql: PgSql::new("tollgate_state"), clock: None }
     }
 }
 
@@ -272,12 +232,12 @@ impl<'t, 'c, C: Clock> PgTransaction<'t, 'c, C> {
         table: &str,
         clock: C,
     ) -> Result<Self, StoreError> {
-        if table.is_empty() || !table.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        if !valid_table(table) {
             return Err(StoreError::new(format!(
                 "postgres: table name {table:?}: use letters, digits and _"
             )));
         }
-        Ok(PgTransaction { tx: RefCell::new(tx), sql: Sql::new(table), clock: Some(clock) })
+        Ok(PgTransaction { tx: RefCell::new(tx), sql: PgSql::new(table), clock: Some(clock) })
     }
 }
 
@@ -300,38 +260,14 @@ impl<C: Clock> Store for PgTransaction<'_, '_, C> {
     }
 }
 
-/// A stable 32-bit id of a slot for its advisory lock: FNV-1a, the same in every process and
-/// build (std's hashers promise neither). A collision only makes two slots wait for each other.
-fn lock_id(name: &str, key: Option<&str>, shard: u16) -> i32 {
-    let mut h: u32 = 0x811c_9dc5;
-    let mut eat = |bytes: &[u8]| {
-        for &b in bytes {
-            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
-        }
-    };
-    eat(name.as_bytes());
-    match key {
-        Some(key) => {
-            eat(&[0xff]);
-            eat(key.as_bytes());
-        }
-        None => eat(&[0xfe]),
-    }
-    eat(&shard.to_le_bytes());
-    h as i32
-}
-
 /// Locks the slots (ascending), then loads their states and the time in one query.
 fn load(
     client: &mut impl GenericClient,
-    sql: &Sql,
+    sql: &PgSql,
     slots: &[Slot<'_>],
     now: Option<f64>,
 ) -> Result<(f64, Vec<Option<State>>), postgres::Error> {
-    let mut ids: Vec<i32> = slots.iter().map(|s| lock_id(s.name, s.key, s.shard)).collect();
-    ids.sort_unstable();
-    ids.dedup();
-    for id in &ids {
+    for id in &lock_ids(slots) {
         client.execute("SELECT pg_advisory_xact_lock($1, $2)", &[&LOCK_CLASS, id])?;
     }
     let names: Vec<&str> = slots.iter().map(|s| s.name).collect();
@@ -363,7 +299,7 @@ fn load(
 /// One request within a transaction already begun: lock, load, decide, write what changed.
 fn execute_in(
     client: &mut impl GenericClient,
-    sql: &Sql,
+    sql: &PgSql,
     plan: &Plan<'_>,
     now: Option<f64>,
 ) -> Result<Outcome, postgres::Error> {
@@ -387,7 +323,7 @@ fn execute_in(
 
 fn delete_all(
     client: &mut impl GenericClient,
-    sql: &Sql,
+    sql: &PgSql,
     name: &str,
     key: Option<&str>,
     shards: u16,
@@ -404,15 +340,6 @@ fn pg_error(what: &str, e: postgres::Error) -> StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lock_ids_are_stable_and_tell_keys_apart() {
-        assert_eq!(lock_id("send", Some("alice"), 0), lock_id("send", Some("alice"), 0));
-        assert_ne!(lock_id("send", None, 0), lock_id("send", Some(""), 0));
-        assert_ne!(lock_id("send", Some("alice"), 0), lock_id("send", Some("alice"), 1));
-        // Fixed, whatever the build: the same id in every app server.
-        assert_eq!(lock_id("", None, 0), 1_649_693_001); // FNV-1a of fe 00 00
-    }
 
     #[test]
     fn table_names_are_checked() {

@@ -8,29 +8,8 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 use tollgate_core::{Clock, Config, Kind, Outcome, Plan, Slot, State, SystemClock, full_at};
 
 use super::Store;
+use super::sql::{SQLITE_DELETE, SQLITE_DELETE_ALL, SQLITE_SCHEMA, SQLITE_SELECT, SQLITE_UPSERT};
 use crate::StoreError;
-
-/// The table, created if missing. Exactly two numbers per (name, key, shard); `has_key`
-/// tells no key from the empty key without relying on NULL in a primary key.
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS tollgate_state (
-    name    TEXT    NOT NULL,
-    has_key INTEGER NOT NULL,
-    key     TEXT    NOT NULL,
-    shard   INTEGER NOT NULL,
-    value   REAL    NOT NULL,
-    ts      REAL    NOT NULL,
-    PRIMARY KEY (name, has_key, key, shard)
-) WITHOUT ROWID;
-";
-
-const SELECT: &str = "SELECT value, ts FROM tollgate_state \
-    WHERE name = ?1 AND has_key = ?2 AND key = ?3 AND shard = ?4";
-const UPSERT: &str = "INSERT INTO tollgate_state (name, has_key, key, shard, value, ts) \
-    VALUES (?1, ?2, ?3, ?4, ?5, ?6) \
-    ON CONFLICT (name, has_key, key, shard) DO UPDATE SET value = excluded.value, ts = excluded.ts";
-const DELETE: &str =
-    "DELETE FROM tollgate_state WHERE name = ?1 AND has_key = ?2 AND key = ?3 AND shard = ?4";
 
 /// How SQLite makes a commit durable; see [`SqliteStoreBuilder::synchronous`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -142,7 +121,7 @@ impl SqliteStoreBuilder {
 ///
 /// The statement fails.
 pub fn create_schema(conn: &Connection) -> Result<(), StoreError> {
-    conn.execute_batch(SCHEMA).map_err(|e| sql_error("cannot create the table", e))
+    conn.execute_batch(SQLITE_SCHEMA).map_err(|e| sql_error("cannot create the table", e))
 }
 
 /// States in a SQLite file (SPEC §5): the server's embedded default.
@@ -319,7 +298,7 @@ fn key_columns(key: Option<&str>) -> (bool, &str) {
 }
 
 fn load(conn: &Connection, slots: &[Slot<'_>]) -> rusqlite::Result<Vec<Option<State>>> {
-    let mut select = conn.prepare_cached(SELECT)?;
+    let mut select = conn.prepare_cached(SQLITE_SELECT)?;
     slots
         .iter()
         .map(|slot| {
@@ -339,8 +318,8 @@ fn execute_on(conn: &Connection, plan: &Plan<'_>, now: f64) -> rusqlite::Result<
     let mut states = load(conn, plan.slots())?;
     let outcome = plan.decide(now, &mut states);
     if outcome.any_changed() {
-        let mut upsert = conn.prepare_cached(UPSERT)?;
-        let mut delete = conn.prepare_cached(DELETE)?;
+        let mut upsert = conn.prepare_cached(SQLITE_UPSERT)?;
+        let mut delete = conn.prepare_cached(SQLITE_DELETE)?;
         for ((slot, state), changed) in plan.slots().iter().zip(&states).zip(&outcome.changed) {
             let (true, Some(state)) = (*changed, state) else { continue };
             let (has_key, key) = key_columns(slot.key);
@@ -368,10 +347,7 @@ fn delete_all(
     shards: u16,
 ) -> rusqlite::Result<()> {
     let (has_key, key) = key_columns(key);
-    conn.execute(
-        "DELETE FROM tollgate_state WHERE name = ?1 AND has_key = ?2 AND key = ?3 AND shard < ?4",
-        params![name, has_key, key, shards],
-    )?;
+    conn.execute(SQLITE_DELETE_ALL, params![name, has_key, key, shards])?;
     Ok(())
 }
 

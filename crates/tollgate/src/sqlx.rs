@@ -1,0 +1,346 @@
+//! The limiter inside your own [sqlx](https://docs.rs/sqlx) transaction (features
+//! `sqlx-postgres`, `sqlx-sqlite`): [`RateLimiter::limit_in`], [`RateLimiter::check_in`] and
+//! [`RateLimiter::transaction_in`] take and save the states with the connection of a
+//! transaction you began, so that if you roll back, the tokens are back, and if you commit,
+//! they are spent together with your own writes.
+//!
+//! The states live in the table `tollgate_state` of that database, as with
+//! [`PgStore`](crate::store::PgStore) and [`SqliteStore`](crate::store::SqliteStore) (the same
+//! rows: a limit may be used both ways). Create it once, at start-up or in your migrations,
+//! with [`create_table`].
+//!
+//! - **PostgreSQL**: transaction-scoped advisory locks on the request's slots, in ascending
+//!   order, then one query for the states and the database's clock; correct under READ
+//!   COMMITTED. The locks are held until your transaction ends, so keep it short.
+//! - **SQLite**: SQLite runs one writer at a time, so a request is atomic within your
+//!   transaction; the time is the process's clock. Begin with `BEGIN IMMEDIATE` when other
+//!   connections write to the same file (sqlx's `begin_with("BEGIN IMMEDIATE")`), or a
+//!   concurrent writer may make your transaction fail with "database is locked" (an error,
+//!   never an admission).
+//!
+//! Every call runs inside a savepoint, so a call that fails leaves your transaction as it
+//! was. On PostgreSQL a connection outside a transaction is refused with an error (its
+//! advisory locks would not hold).
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
+//! tollgate::sqlx::create_table(&mut *pool.acquire().await?).await?;
+//! // The limiter's own store is not used by the *_in calls; memory is the cheapest.
+//! let limiter = RateLimiter::new(MemoryStore::new());
+//! let orders = ("orders", Config::token_bucket(10.0, MINUTE));
+//!
+//! let mut tx = pool.begin().await?;
+//! if limiter.limit_in(&mut *tx, orders, "alice").await?.ok {
+//!     sqlx::query("INSERT INTO orders (customer) VALUES ('alice')").execute(&mut *tx).await?;
+//!     tx.commit().await?; // the token is spent together with the order
+//! } // else dropped: rolled back, nothing was taken
+//! # Ok(())
+//! # }
+//! ```
+
+use std::future::Future;
+use std::pin::Pin;
+
+use tollgate_core::{Decision, Outcome, Plan, State};
+
+use crate::limiter::{Call, Request, Target, TransactionDecision};
+use crate::store::Store;
+use crate::{Error, RateLimiter, StoreError};
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A boxed future of a store call: boxed so that the futures of the `*_in` calls are `Send`
+/// whatever the lifetimes (which `impl Future` in a trait cannot promise yet); one
+/// allocation is nothing beside a round trip to the database.
+type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// A sqlx connection the limiter can run in: `PgConnection` (feature `sqlx-postgres`) or
+/// `SqliteConnection` (feature `sqlx-sqlite`). Pass `&mut *tx` for a `sqlx::Transaction`.
+pub trait Connection: sealed::Sealed + Send {
+    /// Loads the plan's slots, decides, and saves what changed, within a savepoint of the
+    /// connection's current transaction.
+    #[doc(hidden)]
+    fn execute_plan<'a, 'p: 'a>(&'a mut self, plan: &'a Plan<'p>) -> Boxed<'a, Outcome>;
+
+    /// Creates the table if it is missing.
+    #[doc(hidden)]
+    fn create_table(&mut self) -> Boxed<'_, ()>;
+}
+
+/// Creates tollgate's table (`tollgate_state`) in the database of `conn` if it is missing.
+/// Run it once, outside the transactions that use the limiter (a rolled-back transaction
+/// would take the table with it).
+///
+/// # Errors
+///
+/// The statement fails.
+pub async fn create_table(conn: &mut impl Connection) -> Result<(), StoreError> {
+    conn.create_table().await
+}
+
+impl<S: Store + Sync> RateLimiter<S> {
+    /// [`RateLimiter::limit`] inside your transaction on `conn` (see [the module](self)):
+    /// the tokens are spent if you commit, and back if you roll back.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit`]; a database error is [`Error::Store`], and leaves your
+    /// transaction as it was before the call.
+    pub async fn limit_in<'n, 'k>(
+        &self,
+        conn: &mut impl Connection,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
+    ) -> Result<Decision, Error> {
+        let (target, request) = (target.into(), request.into());
+        self.single_in(conn, true, target, request).await
+    }
+
+    /// [`RateLimiter::check`] inside your transaction on `conn`: nothing is taken.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit_in`].
+    pub async fn check_in<'n, 'k>(
+        &self,
+        conn: &mut impl Connection,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
+    ) -> Result<Decision, Error> {
+        let (target, request) = (target.into(), request.into());
+        self.single_in(conn, false, target, request).await
+    }
+
+    /// [`RateLimiter::transaction`] (several limits, all or nothing) inside your transaction
+    /// on `conn`.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::transaction`]; a database error is [`Error::Store`].
+    pub async fn transaction_in(
+        &self,
+        conn: &mut impl Connection,
+        calls: &[Call<'_>],
+    ) -> Result<TransactionDecision, Error> {
+        let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
+        let outcome = conn.execute_plan(&plan).await?;
+        self.transaction_answer(calls, outcome)
+    }
+
+    async fn single_in(
+        &self,
+        conn: &mut impl Connection,
+        writes: bool,
+        target: Target<'_>,
+        request: Request<'_>,
+    ) -> Result<Decision, Error> {
+        let plan = self.plan(writes, std::iter::once((target, request)))?;
+        let decision = conn.execute_plan(&plan).await?.decision();
+        if request.throws && !decision.ok {
+            return Err(crate::limiter::refused(target.name(), decision));
+        }
+        Ok(decision)
+    }
+}
+
+fn sqlx_error(what: &str, e: sqlx::Error) -> StoreError {
+    StoreError::with_source(format!("sqlx: {what}: {e}"), e)
+}
+
+/// Runs `body` inside `SAVEPOINT tollgate`: released when it succeeds, rolled back to when
+/// it fails, so a failed call leaves the caller's transaction as it was.
+macro_rules! in_savepoint {
+    ($conn:expr, $body:expr) => {{
+        sqlx::query("SAVEPOINT tollgate")
+            .execute(&mut *$conn)
+            .await
+            .map_err(|e| sqlx_error("cannot make a savepoint (is a transaction begun?)", e))?;
+        match $body {
+            Ok(value) => {
+                sqlx::query("RELEASE SAVEPOINT tollgate")
+                    .execute(&mut *$conn)
+                    .await
+                    .map_err(|e| sqlx_error("cannot release the savepoint", e))?;
+                Ok(value)
+            }
+            Err(e) => {
+                let _ = sqlx::query("ROLLBACK TO SAVEPOINT tollgate").execute(&mut *$conn).await;
+                let _ = sqlx::query("RELEASE SAVEPOINT tollgate").execute(&mut *$conn).await;
+                Err(sqlx_error("request failed", e))
+            }
+        }
+    }};
+}
+
+#[cfg(feature = "sqlx-postgres")]
+mod postgres {
+    use sqlx::{AssertSqlSafe, PgConnection, Row};
+    use tollgate_core::full_at;
+
+    use super::*;
+    use crate::store::sql::{LOCK_CLASS, PgSql, lock_ids};
+
+    /// The statements of the default table, made once.
+    fn sql() -> &'static PgSql {
+        static SQL: std::sync::OnceLock<PgSql> = std::sync::OnceLock::new();
+        SQL.get_or_init(|| PgSql::new("tollgate_state"))
+    }
+
+    /// A statement of [`sql`]: safe, since its only variable part is the fixed table name;
+    /// every value is bound.
+    fn statement(text: &'static str) -> AssertSqlSafe<&'static str> {
+        AssertSqlSafe(text)
+    }
+
+    impl sealed::Sealed for PgConnection {}
+
+    impl Connection for PgConnection {
+        fn execute_plan<'a, 'p: 'a>(&'a mut self, plan: &'a Plan<'p>) -> Boxed<'a, Outcome> {
+            Box::pin(async move {
+                // A savepoint outside a transaction block is an error in PostgreSQL: that
+                // is what refuses a bare connection, whose advisory locks would not hold.
+                in_savepoint!(self, execute(self, plan).await)
+            })
+        }
+
+        fn create_table(&mut self) -> Boxed<'_, ()> {
+            Box::pin(async move {
+                sqlx::query(statement(&sql().create))
+                    .execute(&mut *self)
+                    .await
+                    .map_err(|e| sqlx_error("cannot create the table", e))?;
+                Ok(())
+            })
+        }
+    }
+
+    async fn execute(conn: &mut PgConnection, plan: &Plan<'_>) -> Result<Outcome, sqlx::Error> {
+        let sql = sql();
+        let slots = plan.slots();
+        for id in lock_ids(slots) {
+            sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
+                .bind(LOCK_CLASS)
+                .bind(id)
+                .execute(&mut *conn)
+                .await?;
+        }
+        let names: Vec<&str> = slots.iter().map(|s| s.name).collect();
+        let has_keys: Vec<bool> = slots.iter().map(|s| s.key.is_some()).collect();
+        let keys: Vec<&str> = slots.iter().map(|s| s.key.unwrap_or("")).collect();
+        let shards: Vec<i32> = slots.iter().map(|s| i32::from(s.shard)).collect();
+        let rows = sqlx::query(statement(&sql.load))
+            .bind(names)
+            .bind(has_keys)
+            .bind(keys)
+            .bind(shards)
+            .fetch_all(&mut *conn)
+            .await?;
+        let mut now = 0.0;
+        let mut states: Vec<Option<State>> = vec![None; slots.len()];
+        for row in rows {
+            let i: i64 = row.try_get(0)?;
+            now = row.try_get(3)?;
+            let (value, ts): (Option<f64>, Option<f64>) = (row.try_get(1)?, row.try_get(2)?);
+            if let (Some(value), Some(ts), Some(slot)) =
+                (value, ts, usize::try_from(i - 1).ok().and_then(|i| states.get_mut(i)))
+            {
+                *slot = Some(State { value, ts });
+            }
+        }
+        let outcome = plan.decide(now, &mut states);
+        for ((slot, state), changed) in slots.iter().zip(&states).zip(&outcome.changed) {
+            let (true, Some(state)) = (*changed, state) else { continue };
+            let (has_key, key, shard) =
+                (slot.key.is_some(), slot.key.unwrap_or(""), i32::from(slot.shard));
+            let query = if full_at(&slot.config, *state) <= now {
+                sqlx::query(statement(&sql.delete))
+                    .bind(slot.name)
+                    .bind(has_key)
+                    .bind(key)
+                    .bind(shard)
+            } else {
+                sqlx::query(statement(&sql.upsert))
+                    .bind(slot.name)
+                    .bind(has_key)
+                    .bind(key)
+                    .bind(shard)
+                    .bind(state.value)
+                    .bind(state.ts)
+            };
+            query.execute(&mut *conn).await?;
+        }
+        Ok(outcome)
+    }
+}
+
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlite {
+    use sqlx::{Row, SqliteConnection};
+    use tollgate_core::{Clock, SystemClock, full_at};
+
+    use super::*;
+    use crate::store::sql::{SQLITE_DELETE, SQLITE_SCHEMA, SQLITE_SELECT, SQLITE_UPSERT};
+
+    impl sealed::Sealed for SqliteConnection {}
+
+    impl Connection for SqliteConnection {
+        fn execute_plan<'a, 'p: 'a>(&'a mut self, plan: &'a Plan<'p>) -> Boxed<'a, Outcome> {
+            Box::pin(async move { in_savepoint!(self, execute(self, plan).await) })
+        }
+
+        fn create_table(&mut self) -> Boxed<'_, ()> {
+            Box::pin(async move {
+                sqlx::raw_sql(SQLITE_SCHEMA)
+                    .execute(&mut *self)
+                    .await
+                    .map_err(|e| sqlx_error("cannot create the table", e))?;
+                Ok(())
+            })
+        }
+    }
+
+    async fn execute(conn: &mut SqliteConnection, plan: &Plan<'_>) -> Result<Outcome, sqlx::Error> {
+        let slots = plan.slots();
+        let mut states: Vec<Option<State>> = Vec::with_capacity(slots.len());
+        for slot in slots {
+            let row = sqlx::query(SQLITE_SELECT)
+                .bind(slot.name)
+                .bind(slot.key.is_some())
+                .bind(slot.key.unwrap_or(""))
+                .bind(i32::from(slot.shard))
+                .fetch_optional(&mut *conn)
+                .await?;
+            states.push(match row {
+                Some(row) => Some(State { value: row.try_get(0)?, ts: row.try_get(1)? }),
+                None => None,
+            });
+        }
+        let now = SystemClock.now();
+        let outcome = plan.decide(now, &mut states);
+        for ((slot, state), changed) in slots.iter().zip(&states).zip(&outcome.changed) {
+            let (true, Some(state)) = (*changed, state) else { continue };
+            let (has_key, key, shard) =
+                (slot.key.is_some(), slot.key.unwrap_or(""), i32::from(slot.shard));
+            let query = if full_at(&slot.config, *state) <= now {
+                sqlx::query(SQLITE_DELETE).bind(slot.name).bind(has_key).bind(key).bind(shard)
+            } else {
+                sqlx::query(SQLITE_UPSERT)
+                    .bind(slot.name)
+                    .bind(has_key)
+                    .bind(key)
+                    .bind(shard)
+                    .bind(state.value)
+                    .bind(state.ts)
+            };
+            query.execute(&mut *conn).await?;
+        }
+        Ok(outcome)
+    }
+}
