@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use tollgate::MemoryStore;
-use tollgate::store::{PgStore, RedisStore, SqliteStore};
+use tollgate::store::{PgStore, RedisStore, SqliteStore, Synchronous};
 
 use crate::engine::DynStore;
 
@@ -18,8 +18,8 @@ pub struct Opened {
     pub sqlite: Option<Arc<SqliteStore>>,
 }
 
-/// Opens `memory`, `sqlite://PATH` (`sqlite://tollgate.db` is relative to the working
-/// directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB`,
+/// Opens `memory`, `sqlite://PATH[?synchronous=full]` (`sqlite://tollgate.db` is relative to
+/// the working directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB`,
 /// `redis+cluster://HOST:PORT,HOST:PORT` or `postgres://USER@HOST/DB`.
 ///
 /// # Errors
@@ -29,11 +29,14 @@ pub fn open(url: &str) -> anyhow::Result<Opened> {
     if url == "memory" || url == "memory://" {
         return Ok(Opened { store: Arc::new(MemoryStore::new()), blocking: false, sqlite: None });
     }
-    if let Some(path) = url.strip_prefix("sqlite://") {
-        if path.is_empty() {
-            bail!("store {url:?}: give a file, as in sqlite://tollgate.db");
-        }
-        let sqlite = Arc::new(SqliteStore::open(path).with_context(|| format!("store {url:?}"))?);
+    if let Some(rest) = url.strip_prefix("sqlite://") {
+        let (path, synchronous) = sqlite_options(rest).with_context(|| format!("store {url:?}"))?;
+        let sqlite = Arc::new(
+            SqliteStore::builder()
+                .synchronous(synchronous)
+                .open(path)
+                .with_context(|| format!("store {url:?}"))?,
+        );
         return Ok(Opened {
             store: Arc::clone(&sqlite) as DynStore,
             blocking: true,
@@ -55,4 +58,39 @@ pub fn open(url: &str) -> anyhow::Result<Opened> {
         "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \
          redis+cluster://HOST:PORT,HOST:PORT or postgres://USER@HOST/DB"
     )
+}
+
+/// The path and options of a SQLite store URL after `sqlite://`: `PATH` or
+/// `PATH?synchronous=full|normal`.
+fn sqlite_options(rest: &str) -> anyhow::Result<(&str, Synchronous)> {
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    if path.is_empty() {
+        bail!("give a file, as in sqlite://tollgate.db");
+    }
+    let mut synchronous = Synchronous::Normal;
+    for option in query.split('&').filter(|o| !o.is_empty()) {
+        synchronous = match option {
+            "synchronous=normal" => Synchronous::Normal,
+            "synchronous=full" => Synchronous::Full,
+            _ => bail!("unknown option {option:?}; the one option is synchronous=normal|full"),
+        };
+    }
+    Ok((path, synchronous))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlite_urls_take_a_durability_option() {
+        assert_eq!(sqlite_options("t.db").unwrap(), ("t.db", Synchronous::Normal));
+        assert_eq!(
+            sqlite_options("/a/t.db?synchronous=full").unwrap(),
+            ("/a/t.db", Synchronous::Full)
+        );
+        let err = sqlite_options("t.db?sync=full").unwrap_err().to_string();
+        assert!(err.contains("synchronous=normal|full"), "{err}");
+        assert!(sqlite_options("?synchronous=full").is_err());
+    }
 }
