@@ -6,7 +6,7 @@ use std::time::Duration;
 use redis::{Client, Script, Value};
 #[cfg(feature = "redis-cluster")]
 use tollgate_core::Split;
-use tollgate_core::{Clock, Kind, Outcome, Plan, Slot, State};
+use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::Store;
 use super::pool::Pool;
@@ -141,6 +141,63 @@ for i = 1, nslots do
   reply[i + 2] = raw[i] or ''
 end
 return reply
+"#;
+
+/// The common request alone: one take from one unsharded limit, with no tables, loops or
+/// closures, which cost a script far more than its arithmetic. The same algebra as
+/// [`SCRIPT`] (the differential and conformance tests run both).
+///
+/// KEYS: the state. ARGV: now ("" = `TIME`), writes (0/1), kind (0/1), rate, period,
+/// capacity, maxReserved ("" = unbounded), alignment, count, reserve (0/1). Answers the time
+/// it used, whether it wrote, and the state it loaded ("" for none).
+const SCRIPT_ONE: &str = r#"
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+end
+local kind, rate, period, cap = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local count = tonumber(ARGV[9])
+local raw = redis.call('GET', KEYS[1])
+local v, ts
+if raw then
+  v, ts = struct.unpack('<dd', raw)
+elseif kind == '0' then
+  v, ts = cap, now
+else
+  local align = tonumber(ARGV[8])
+  v, ts = cap, align + math.floor((now - align) / period) * period
+end
+local nv, nts
+if kind == '0' then
+  nv = math.min(v + (now - ts) * rate / period, cap) - count
+  nts = now
+else
+  local w = math.floor((now - ts) / period)
+  nv = math.min(v + rate * w, cap) - count
+  nts = ts + w * period
+end
+local maxr = tonumber(ARGV[7])
+local ok = nv >= 0 or (ARGV[10] == '1' and not (maxr ~= nil and -nv > maxr))
+local wrote = '0'
+if ok and ARGV[2] == '1' then
+  wrote = '1'
+  local full = nts
+  local missing = cap - nv
+  if missing > 0 then
+    if kind == '0' then
+      full = nts + missing * period / rate
+    else
+      full = nts + math.ceil(missing / rate) * period
+    end
+  end
+  if full <= now then
+    redis.call('DEL', KEYS[1])
+  else
+    redis.call('SET', KEYS[1], struct.pack('<dd', nv, nts), 'PX', math.max(1, math.ceil(full - now)))
+  end
+end
+return { struct.pack('<d', now), wrote, raw or '' }
 "#;
 
 /// Gives a take back to one state (Redis Cluster, when the second shard of a take across two
@@ -282,6 +339,7 @@ impl RedisStoreBuilder {
             server,
             connections: Pool::new(self.connections),
             script: Script::new(SCRIPT),
+            one: Script::new(SCRIPT_ONE),
             #[cfg(feature = "redis-cluster")]
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
@@ -380,6 +438,7 @@ pub struct RedisStore<C = tollgate_core::SystemClock> {
     server: Server,
     connections: Pool<Conn>,
     script: Script,
+    one: Script,
     #[cfg(feature = "redis-cluster")]
     give_back: Script,
     prefix: String,
@@ -708,6 +767,42 @@ impl<C: Clock> Store for RedisStore<C> {
             }
         }
         self.run(plan, &keys).map(|ran| ran.outcome)
+    }
+
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        let slot = &take.slot;
+        let c = &slot.config;
+        let mut invocation = self.one.prepare_invoke();
+        invocation
+            .key(self.key(slot.name, slot.key, slot.shard))
+            .arg(self.now_arg())
+            .arg(if take.writes { "1" } else { "0" })
+            .arg(kind_arg(c.kind()))
+            .arg(num(c.rate()))
+            .arg(num(c.period()))
+            .arg(num(c.capacity()))
+            .arg(c.max_reserved().map(num).unwrap_or_default())
+            .arg(num(slot.alignment))
+            .arg(num(take.count))
+            .arg(if take.reserve { "1" } else { "0" });
+        let reply: Vec<Value> = self.with_connection(|conn| invocation.invoke(&mut **conn))?;
+        let [now, wrote, state] = reply.as_slice() else {
+            return Err(garbage(&format!("{} values for one slot", reply.len())));
+        };
+        let now = match now {
+            Value::BulkString(bytes) => unpack_f64(bytes),
+            _ => None,
+        }
+        .ok_or_else(|| garbage("the time"))?;
+        let wrote = matches!(wrote, Value::BulkString(b) if b.as_slice() == b"1");
+        // As for a plan: the answer is tollgate-core's, on what the script loaded.
+        let (taken, new) = take.decide(now, unpack_state(state));
+        if wrote != new.is_some() {
+            return Err(StoreError::new(
+                "redis: the script and tollgate-core disagree on this request; this is a bug",
+            ));
+        }
+        Ok(taken)
     }
 
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
