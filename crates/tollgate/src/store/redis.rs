@@ -620,6 +620,10 @@ impl<C: Clock> RedisStore<C> {
     /// steps (see [`RedisStore`]); anything else is refused with an error.
     fn execute_split(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Outcome, StoreError> {
         let n = plan.slots().len();
+        // Only one take over two shards splits: refuse anything else before any round trip.
+        if n != 2 || plan.takes().nth(1).is_some() {
+            return Err(cross_slot(plan, keys));
+        }
         let (now, states) = self.read_keys(keys)?;
         let Some(split) = plan.split(now, &states) else {
             return Err(cross_slot(plan, keys));
