@@ -48,3 +48,42 @@ fn a_rolled_back_transaction_gives_the_tokens_back() {
     tx.commit().unwrap();
     assert_eq!(value(&mut client), 6.0, "committed: spent");
 }
+
+/// A request waits for the slot's advisory lock, held by a transaction that has taken from
+/// the same limit and not committed yet: it never decides on the state that transaction is
+/// about to replace. (A check writes nothing, so only the lock can make it wait.)
+#[test]
+fn a_request_waits_for_a_transaction_holding_its_slot() {
+    let Some(url) =
+        common::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
+    else {
+        return;
+    };
+    let guard = common::DropTable::new(&url, "tollgate_wait");
+    let store = PgStore::builder()
+        .table(&guard.table)
+        .timeout(std::time::Duration::from_millis(300))
+        .open(&url)
+        .unwrap();
+    let limiter = RateLimiter::new(store);
+    let limit = Target::Inline("orders", Config::token_bucket(10.0, 60.0 * MINUTE));
+    let mut client = Client::connect(&url, NoTls).unwrap();
+    let mut tx = client.transaction().unwrap();
+    let in_tx = limiter.on(PgTransaction::with_table_and_clock(
+        &mut tx,
+        &guard.table,
+        tollgate::SystemClock,
+    )
+    .unwrap());
+    assert!(in_tx.limit(limit, Request::new().key("u").count(8.0)).unwrap().ok);
+
+    // Held: the store's request gives up after its lock timeout (fail closed), rather than
+    // granting 8 from the 10 it would read.
+    let waited = limiter.check(limit, Request::new().key("u").count(8.0));
+    assert!(matches!(waited, Err(tollgate::Error::Store(_))), "{waited:?}");
+    drop(in_tx);
+    tx.commit().unwrap();
+    // Released: it sees the committed take.
+    assert!(!limiter.check(limit, Request::new().key("u").count(8.0)).unwrap().ok);
+    assert!(limiter.check(limit, Request::new().key("u").count(2.0)).unwrap().ok);
+}

@@ -1,12 +1,13 @@
 //! tollgate's SQL stores against the plainest write of the same database through the same
 //! client, in one run; every measurement bounded by time, loopback only.
 //!
-//! - PostgreSQL: `limit` vs a one-row `UPDATE ... SET n = n + 1` (autocommit), with 1 and 16
+//! - PostgreSQL: `limit` vs a prepared one-row `UPDATE ... SET n = n + 1` (autocommit), with 1 and 16
 //!   connections, against `TOLLGATE_POSTGRES_URL` (default postgres://postgres@127.0.0.1/test).
 //! - SQLite: `limit` vs a one-row upsert in its own transaction, one connection, on files in a
 //!   temporary directory with the same settings (WAL, synchronous=NORMAL).
 //!
-//! `cargo run --release -p tollgate-bench --bin sql_bench [SECONDS]` (default 5).
+//! `cargo run --release -p tollgate-bench --bin sql_bench [SECONDS] [postgres|sqlite]`
+//! (default 5 s, both; one alone keeps the other's disk traffic out of its figure).
 
 use std::time::Duration;
 
@@ -26,9 +27,19 @@ fn main() {
         "loopback only: {url}"
     );
 
+    let only = std::env::args().nth(2);
     println!("| database, connections | plain write ops/s | tollgate limit ops/s | ratio |");
     println!("|---|---:|---:|---:|");
-    let mut setup = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    if only.as_deref() != Some("sqlite") {
+        postgres(&url, duration, &keys);
+    }
+    if only.as_deref() != Some("postgres") {
+        sqlite(duration, &keys);
+    }
+}
+
+fn postgres(url: &str, duration: Duration, keys: &[String]) {
+    let mut setup = postgres::Client::connect(url, postgres::NoTls).unwrap();
     setup
         .batch_execute(
             "DROP TABLE IF EXISTS tollgate_bench_counter;
@@ -38,20 +49,27 @@ fn main() {
         )
         .unwrap();
     for connections in [1, 16] {
+        // Each connection prepares the UPDATE once, as a careful app would (a statement sent
+        // as text is prepared again on every call, a round trip of its own); tollgate's store
+        // prepares its statements once per connection too.
         let clients: Vec<_> = (0..connections)
-            .map(|_| Mutex::new(postgres::Client::connect(&url, postgres::NoTls).unwrap()))
+            .map(|_| {
+                let mut client = postgres::Client::connect(url, postgres::NoTls).unwrap();
+                let update = client
+                    .prepare("UPDATE tollgate_bench_counter SET n = n + 1 WHERE id = $1")
+                    .unwrap();
+                Mutex::new((client, update))
+            })
             .collect();
         let update = throughput(connections, duration, |t, n| {
             let id = ((t * 7919 + n) % keys.len()) as i32;
-            clients[t]
-                .lock()
-                .execute("UPDATE tollgate_bench_counter SET n = n + 1 WHERE id = $1", &[&id])
-                .unwrap();
+            let (client, update) = &mut *clients[t].lock();
+            client.execute(&*update, &[&id]).unwrap();
         });
         let store = PgStore::builder()
             .table("tollgate_bench_state")
             .connections(connections)
-            .open(&url)
+            .open(url)
             .unwrap();
         let limiter = RateLimiter::new(store);
         let limit = throughput(connections, duration, |t, n| {
@@ -64,9 +82,14 @@ fn main() {
         );
     }
     setup
-        .batch_execute("DROP TABLE tollgate_bench_counter; DROP TABLE tollgate_bench_state;")
+        .batch_execute(
+            "DROP TABLE tollgate_bench_counter; DROP TABLE tollgate_bench_state;
+             DROP FUNCTION IF EXISTS tollgate_bench_state_take;",
+        )
         .unwrap();
+}
 
+fn sqlite(duration: Duration, keys: &[String]) {
     let dir = tempfile::tempdir().unwrap();
     let conn = rusqlite::Connection::open(dir.path().join("plain.db")).unwrap();
     conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(())).unwrap();

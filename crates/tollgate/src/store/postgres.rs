@@ -3,12 +3,12 @@
 use std::cell::RefCell;
 use std::time::Duration;
 
-use postgres::{Client, GenericClient, NoTls};
-use tollgate_core::{Clock, Outcome, Plan, Slot, State, full_at};
+use postgres::{Client, GenericClient, NoTls, Statement, ToStatement};
+use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken, full_at};
 
 use super::Store;
 use super::pool::Pool;
-use super::sql::{LOCK_CLASS, PgSql, lock_ids, valid_table};
+use super::sql::{LOCK_CLASS, PgSql, lock_id, lock_ids, valid_table};
 use crate::StoreError;
 
 /// Options for a [`PgStore`].
@@ -89,17 +89,86 @@ impl PgStoreBuilder {
             sql,
             clock,
         };
-        store.with_client(|client| create_table(client, &store.sql))?;
+        store.with_conn(|conn| create_table(&mut conn.client, &store.sql))?;
         Ok(store)
     }
 }
 
 fn create_table(client: &mut Client, sql: &PgSql) -> Result<(), postgres::Error> {
-    // Serialized, so that servers starting together do not race on CREATE TABLE.
+    // Serialized, so that servers starting together do not race on CREATE TABLE (or on
+    // replacing the function, which fails when two do it at once).
     let mut tx = client.transaction()?;
     tx.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&LOCK_CLASS])?;
     tx.batch_execute(&sql.create)?;
+    tx.batch_execute(&sql.create_take)?;
     tx.commit()
+}
+
+/// A pooled connection and its statements, prepared on first use: a statement given as text
+/// is prepared by the server on every call, a round trip of its own.
+struct PgConn {
+    client: Client,
+    prepared: Option<Prepared>,
+}
+
+struct Prepared {
+    lock: Statement,
+    load: Statement,
+    upsert: Statement,
+    delete: Statement,
+    delete_all: Statement,
+    take: Statement,
+}
+
+impl PgConn {
+    fn prepared(&mut self, sql: &PgSql) -> Result<(&mut Client, &Prepared), postgres::Error> {
+        if self.prepared.is_none() {
+            let c = &mut self.client;
+            self.prepared = Some(Prepared {
+                lock: c.prepare(&sql.lock)?,
+                load: c.prepare(&sql.load)?,
+                upsert: c.prepare(&sql.upsert)?,
+                delete: c.prepare(&sql.delete)?,
+                delete_all: c.prepare(&sql.delete_all)?,
+                take: c.prepare(&sql.take)?,
+            });
+        }
+        Ok((&mut self.client, self.prepared.as_ref().expect("prepared above")))
+    }
+}
+
+/// The statements a request runs: text, in a caller's transaction ([`PgTransaction`]), or
+/// prepared once per pooled connection ([`PgStore`]).
+struct Statements<'a, S: ?Sized> {
+    lock: &'a S,
+    load: &'a S,
+    upsert: &'a S,
+    delete: &'a S,
+    delete_all: &'a S,
+}
+
+impl PgSql {
+    fn text(&self) -> Statements<'_, str> {
+        Statements {
+            lock: &self.lock,
+            load: &self.load,
+            upsert: &self.upsert,
+            delete: &self.delete,
+            delete_all: &self.delete_all,
+        }
+    }
+}
+
+impl Prepared {
+    fn statements(&self) -> Statements<'_, Statement> {
+        Statements {
+            lock: &self.lock,
+            load: &self.load,
+            upsert: &self.upsert,
+            delete: &self.delete,
+            delete_all: &self.delete_all,
+        }
+    }
 }
 
 /// States in PostgreSQL (SPEC §5): for apps on Postgres and several app servers.
@@ -125,7 +194,7 @@ fn create_table(client: &mut Client, sql: &PgSql) -> Result<(), postgres::Error>
 /// ```
 pub struct PgStore<C = tollgate_core::SystemClock> {
     config: postgres::Config,
-    connections: Pool<Client>,
+    connections: Pool<PgConn>,
     timeout: Duration,
     sql: PgSql,
     /// `None`: the database's clock.
@@ -149,9 +218,9 @@ impl PgStore {
 }
 
 impl<C> PgStore<C> {
-    fn with_client<T>(
+    fn with_conn<T>(
         &self,
-        f: impl FnOnce(&mut Client) -> Result<T, postgres::Error>,
+        f: impl FnOnce(&mut PgConn) -> Result<T, postgres::Error>,
     ) -> Result<T, StoreError> {
         let connect = || {
             let mut client =
@@ -160,7 +229,7 @@ impl<C> PgStore<C> {
             client
                 .batch_execute(&format!("SET statement_timeout = {ms}; SET lock_timeout = {ms}"))
                 .map_err(|e| pg_error("cannot set timeouts", e))?;
-            Ok(client)
+            Ok(PgConn { client, prepared: None })
         };
         self.connections.run(connect, f, |e| pg_error("request failed", e))
     }
@@ -169,21 +238,76 @@ impl<C> PgStore<C> {
 impl<C: Clock> Store for PgStore<C> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         let now = self.clock.as_ref().map(Clock::now);
-        self.with_client(|client| {
+        self.with_conn(|conn| {
+            let (client, prepared) = conn.prepared(&self.sql)?;
             let mut tx = client.transaction()?;
-            let outcome = execute_in(&mut tx, &self.sql, plan, now)?;
+            let outcome = execute_in(&mut tx, &prepared.statements(), plan, now)?;
             tx.commit()?;
             Ok(outcome)
         })
     }
 
+    /// The common request in one statement (see the `take` function of the table).
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        let now = self.clock.as_ref().map(Clock::now);
+        let slot = &take.slot;
+        let c = &slot.config;
+        let kind: i32 = match c.kind() {
+            Kind::TokenBucket => 0,
+            Kind::FixedWindow => 1,
+        };
+        let (has_key, key) = (slot.key.is_some(), slot.key.unwrap_or(""));
+        let row = self.with_conn(|conn| {
+            let (client, prepared) = conn.prepared(&self.sql)?;
+            client.query_one(
+                &prepared.take,
+                &[
+                    &lock_id(slot.name, slot.key, slot.shard),
+                    &slot.name,
+                    &has_key,
+                    &key,
+                    &i32::from(slot.shard),
+                    &kind,
+                    &c.rate(),
+                    &c.period(),
+                    &c.capacity(),
+                    &c.max_reserved(),
+                    &slot.alignment,
+                    &take.count,
+                    &take.reserve,
+                    &take.writes,
+                    &now,
+                ],
+            )
+        })?;
+        let (db_now, wrote): (f64, bool) = (row.get(0), row.get(1));
+        let state = match (row.get::<_, Option<f64>>(2), row.get::<_, Option<f64>>(3)) {
+            (Some(value), Some(ts)) => Some(State { value, ts }),
+            _ => None,
+        };
+        // As for a plan: the answer is tollgate-core's, on what the function read.
+        let (taken, new) = take.decide(db_now, state);
+        if wrote != new.is_some() {
+            return Err(StoreError::new(
+                "postgres: the database and tollgate-core disagree on this request; this is a bug",
+            ));
+        }
+        Ok(taken)
+    }
+
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
         let now = self.clock.as_ref().map(Clock::now);
-        self.with_client(|client| load(client, &self.sql, slots, now))
+        self.with_conn(|conn| {
+            let (client, prepared) = conn.prepared(&self.sql)?;
+            load(client, &prepared.statements(), slots, now)
+        })
     }
 
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-        self.with_client(|client| delete_all(client, &self.sql, name, key, shards))
+        self.with_conn(|conn| {
+            let (client, prepared) = conn.prepared(&self.sql)?;
+            delete_all(client, &prepared.statements(), name, key, shards)
+        })
     }
 }
 
@@ -244,37 +368,37 @@ impl<'t, 'c, C: Clock> PgTransaction<'t, 'c, C> {
 impl<C: Clock> Store for PgTransaction<'_, '_, C> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         let now = self.clock.as_ref().map(Clock::now);
-        execute_in(&mut **self.tx.borrow_mut(), &self.sql, plan, now)
+        execute_in(&mut **self.tx.borrow_mut(), &self.sql.text(), plan, now)
             .map_err(|e| pg_error("request failed", e))
     }
 
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
         let now = self.clock.as_ref().map(Clock::now);
-        load(&mut **self.tx.borrow_mut(), &self.sql, slots, now)
+        load(&mut **self.tx.borrow_mut(), &self.sql.text(), slots, now)
             .map_err(|e| pg_error("read failed", e))
     }
 
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-        delete_all(&mut **self.tx.borrow_mut(), &self.sql, name, key, shards)
+        delete_all(&mut **self.tx.borrow_mut(), &self.sql.text(), name, key, shards)
             .map_err(|e| pg_error("delete failed", e))
     }
 }
 
 /// Locks the slots (ascending), then loads their states and the time in one query.
-fn load(
+fn load<S: ToStatement + ?Sized>(
     client: &mut impl GenericClient,
-    sql: &PgSql,
+    sql: &Statements<'_, S>,
     slots: &[Slot<'_>],
     now: Option<f64>,
 ) -> Result<(f64, Vec<Option<State>>), postgres::Error> {
     for id in &lock_ids(slots) {
-        client.execute("SELECT pg_advisory_xact_lock($1, $2)", &[&LOCK_CLASS, id])?;
+        client.execute(sql.lock, &[&LOCK_CLASS, id])?;
     }
     let names: Vec<&str> = slots.iter().map(|s| s.name).collect();
     let has_keys: Vec<bool> = slots.iter().map(|s| s.key.is_some()).collect();
     let keys: Vec<&str> = slots.iter().map(|s| s.key.unwrap_or("")).collect();
     let shards: Vec<i32> = slots.iter().map(|s| i32::from(s.shard)).collect();
-    let rows = client.query(&sql.load, &[&names, &has_keys, &keys, &shards])?;
+    let rows = client.query(sql.load, &[&names, &has_keys, &keys, &shards])?;
     let mut db_now = now.unwrap_or(0.0);
     let mut states = vec![None; slots.len()];
     for row in rows {
@@ -297,9 +421,9 @@ fn load(
 }
 
 /// One request within a transaction already begun: lock, load, decide, write what changed.
-fn execute_in(
+fn execute_in<S: ToStatement + ?Sized>(
     client: &mut impl GenericClient,
-    sql: &PgSql,
+    sql: &Statements<'_, S>,
     plan: &Plan<'_>,
     now: Option<f64>,
 ) -> Result<Outcome, postgres::Error> {
@@ -310,10 +434,10 @@ fn execute_in(
         let (has_key, key, shard) =
             (slot.key.is_some(), slot.key.unwrap_or(""), i32::from(slot.shard));
         if full_at(&slot.config, *state) <= now {
-            client.execute(&sql.delete, &[&slot.name, &has_key, &key, &shard])?;
+            client.execute(sql.delete, &[&slot.name, &has_key, &key, &shard])?;
         } else {
             client.execute(
-                &sql.upsert,
+                sql.upsert,
                 &[&slot.name, &has_key, &key, &shard, &state.value, &state.ts],
             )?;
         }
@@ -321,15 +445,15 @@ fn execute_in(
     Ok(outcome)
 }
 
-fn delete_all(
+fn delete_all<S: ToStatement + ?Sized>(
     client: &mut impl GenericClient,
-    sql: &PgSql,
+    sql: &Statements<'_, S>,
     name: &str,
     key: Option<&str>,
     shards: u16,
 ) -> Result<(), postgres::Error> {
     let (has_key, key) = (key.is_some(), key.unwrap_or(""));
-    client.execute(&sql.delete_all, &[&name, &has_key, &key, &i32::from(shards)])?;
+    client.execute(sql.delete_all, &[&name, &has_key, &key, &i32::from(shards)])?;
     Ok(())
 }
 

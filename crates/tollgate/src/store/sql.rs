@@ -79,13 +79,28 @@ pub(crate) fn valid_table(table: &str) -> bool {
 /// PostgreSQL's statements, for one table.
 pub(crate) struct PgSql {
     pub(crate) create: String,
+    /// Creates (or replaces) the function behind [`PgSql::take`].
+    pub(crate) create_take: String,
+    pub(crate) lock: String,
     pub(crate) load: String,
     pub(crate) upsert: String,
     pub(crate) delete: String,
     pub(crate) delete_all: String,
+    /// The common request in one statement: see [`PgSql::new`].
+    pub(crate) take: String,
 }
 
 impl PgSql {
+    /// The statements of `table` (checked with [`valid_table`] by the caller).
+    ///
+    /// `take` runs the common request (one take from one unsharded limit) in one statement,
+    /// so in one round trip and one commit: a PL/pgSQL function that takes the slot's
+    /// advisory lock, then reads the state (a function's statements each take a fresh
+    /// snapshot under READ COMMITTED, so the read sees the last holder's commit), evaluates
+    /// with the algebra of SPEC §2 (the same expressions, in the same order, as
+    /// `tollgate-core`, which the differential test checks), and writes. It answers the time
+    /// it used, whether it wrote, and the state it read, from which `tollgate-core` computes
+    /// the answer itself.
     pub(crate) fn new(table: &str) -> Self {
         PgSql {
             create: format!(
@@ -93,6 +108,68 @@ impl PgSql {
                     name text NOT NULL, has_key boolean NOT NULL, key text NOT NULL,
                     shard integer NOT NULL, value double precision NOT NULL,
                     ts double precision NOT NULL, PRIMARY KEY (name, has_key, key, shard))"
+            ),
+            create_take: format!(
+                "CREATE OR REPLACE FUNCTION {table}_take(
+                    p_lock int4, p_name text, p_has_key bool, p_key text, p_shard int4,
+                    p_kind int4, p_rate float8, p_period float8, p_cap float8, p_maxr float8,
+                    p_align float8, p_count float8, p_reserve bool, p_writes bool, p_now float8,
+                    OUT o_now float8, OUT o_wrote bool, OUT o_value float8, OUT o_ts float8)
+                LANGUAGE plpgsql VOLATILE AS $fn$
+                DECLARE v float8; t float8; nv float8; nts float8; w float8; full_at float8;
+                BEGIN
+                  PERFORM pg_advisory_xact_lock({LOCK_CLASS}, p_lock);
+                  SELECT s.value, s.ts INTO o_value, o_ts FROM {table} s
+                    WHERE s.name = p_name AND s.has_key = p_has_key AND s.key = p_key
+                      AND s.shard = p_shard;
+                  o_now := coalesce(p_now, (extract(epoch FROM clock_timestamp()) * 1000)::float8);
+                  IF o_value IS NOT NULL THEN
+                    v := o_value; t := o_ts;
+                  ELSIF p_kind = 0 THEN
+                    v := p_cap; t := o_now;
+                  ELSE
+                    v := p_cap; t := p_align + floor((o_now - p_align) / p_period) * p_period;
+                  END IF;
+                  IF p_kind = 0 THEN
+                    nv := least(v + (o_now - t) * p_rate / p_period, p_cap) - p_count;
+                    nts := o_now;
+                  ELSE
+                    w := floor((o_now - t) / p_period);
+                    nv := least(v + p_rate * w, p_cap) - p_count;
+                    nts := t + w * p_period;
+                  END IF;
+                  o_wrote := p_writes AND (nv >= 0 OR (p_reserve AND (p_maxr IS NULL OR -nv <= p_maxr)));
+                  IF o_wrote THEN
+                    full_at := nts;
+                    IF p_cap - nv > 0 THEN
+                      IF p_kind = 0 THEN
+                        full_at := nts + (p_cap - nv) * p_period / p_rate;
+                      ELSE
+                        full_at := nts + ceil((p_cap - nv) / p_rate) * p_period;
+                      END IF;
+                    END IF;
+                    IF full_at <= o_now THEN
+                      DELETE FROM {table} s WHERE s.name = p_name AND s.has_key = p_has_key
+                        AND s.key = p_key AND s.shard = p_shard;
+                    ELSE
+                      -- No other writer can insert this slot meanwhile: every one holds its
+                      -- lock first. (An update, then an insert if there was no row, is
+                      -- cheaper than INSERT ... ON CONFLICT here.)
+                      UPDATE {table} s SET value = nv, ts = nts
+                        WHERE s.name = p_name AND s.has_key = p_has_key AND s.key = p_key
+                          AND s.shard = p_shard;
+                      IF NOT FOUND THEN
+                        INSERT INTO {table} (name, has_key, key, shard, value, ts)
+                          VALUES (p_name, p_has_key, p_key, p_shard, nv, nts);
+                      END IF;
+                    END IF;
+                  END IF;
+                END $fn$"
+            ),
+            lock: "SELECT pg_advisory_xact_lock($1, $2)".into(),
+            take: format!(
+                "SELECT o_now, o_wrote, o_value, o_ts FROM {table}_take($1, $2, $3, $4, $5, $6, \
+                 $7, $8, $9, $10, $11, $12, $13, $14, $15)"
             ),
             // One row per slot, in order, with the database's time once the locks are held.
             load: format!(

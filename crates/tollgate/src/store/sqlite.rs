@@ -4,7 +4,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+use rusqlite::{Connection, OptionalExtension, params};
 use tollgate_core::{Clock, Config, Kind, Outcome, Plan, Slot, State, SystemClock, full_at};
 
 use super::Store;
@@ -191,19 +191,26 @@ impl<C: Clock> SqliteStore<C> {
             .map_err(|e| sql_error("sweep failed", e))
     }
 
+    /// Runs `run` in a `BEGIN IMMEDIATE` transaction, committed if it succeeds and rolled
+    /// back if not. `BEGIN` and `COMMIT` are cached statements, not parsed again per request.
     fn immediate<T>(
         &self,
         run: impl FnOnce(&Connection, f64) -> rusqlite::Result<T>,
     ) -> Result<T, StoreError> {
-        let mut conn = self.conn.lock();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(|e| sql_error("cannot begin", e))?;
+        let conn = self.conn.lock();
+        let cached = |sql: &str| conn.prepare_cached(sql).and_then(|mut s| s.execute([]));
+        cached("BEGIN IMMEDIATE").map_err(|e| sql_error("cannot begin", e))?;
         // Read the clock once the write lock is held, so times go in commit order.
         let now = self.clock.now();
-        let result = run(&tx, now).map_err(|e| sql_error("request failed", e))?;
-        tx.commit().map_err(|e| sql_error("cannot commit", e))?;
-        Ok(result)
+        let result = run(&conn, now).and_then(|result| cached("COMMIT").map(|_| result));
+        result.map_err(|e| {
+            // Whatever failed, nothing of this request stays; without a transaction still
+            // open (COMMIT failed after ending it) there is nothing to roll back.
+            if !conn.is_autocommit() {
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+            sql_error("request failed", e)
+        })
     }
 }
 
