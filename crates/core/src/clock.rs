@@ -31,15 +31,28 @@ impl SystemClock {
     }
 }
 
-static ANCHOR: OnceLock<(f64, quanta::Instant)> = OnceLock::new();
+/// The wall clock once, and the counter's reading at that moment.
+struct Anchor {
+    wall: f64,
+    counter: quanta::Clock,
+    start: u64,
+}
+
+static ANCHOR: OnceLock<Anchor> = OnceLock::new();
 
 impl Clock for SystemClock {
     #[inline]
     fn now(&self) -> f64 {
-        let (wall, at) = *ANCHOR.get_or_init(|| (SystemClock::wall(), quanta::Instant::now()));
-        let elapsed = quanta::Instant::now().duration_since(at);
-        // as_nanos() is a u128, whose conversion to f64 is a library call: split it instead.
-        wall + elapsed.as_secs() as f64 * 1_000.0 + f64::from(elapsed.subsec_nanos()) * 1e-6
+        let a = ANCHOR.get_or_init(|| {
+            let counter = quanta::Clock::new();
+            let start = counter.raw();
+            Anchor { wall: SystemClock::wall(), counter, start }
+        });
+        // The raw counter, scaled: what quanta::Instant::now does, without its check for a
+        // thread-local mock clock on every read. A counter behind `start` (another core's
+        // TSC a hair behind) reads as no time passed, never as time going back.
+        let nanos = a.counter.delta_as_nanos(a.start, a.counter.raw());
+        a.wall + nanos as f64 * 1e-6
     }
 }
 

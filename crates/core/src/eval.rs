@@ -103,7 +103,7 @@ fn window_start(alignment: f64, period: f64, now: f64) -> f64 {
 /// let at_6s = evaluate(&config, Some(State { value: 5.0, ts: 0.0 }), 0.0, 6_000.0, 0.0, false);
 /// assert_eq!(at_6s.state.value, 6.0);
 /// ```
-#[inline]
+#[inline(always)]
 pub fn evaluate(
     shard: &Config,
     state: Option<State>,
@@ -322,7 +322,7 @@ pub fn validate_name_key(name: &str, key: Option<&str>) -> Result<(), InvalidReq
 /// assert_eq!(err.to_string(), "Rate limit sendMessage count 4 exceeds 3.");
 /// assert!(validate_count("sendMessage", &config, 4.0, true).is_ok());
 /// ```
-#[inline]
+#[inline(always)]
 pub fn validate_count(
     name: &str,
     config: &Config,

@@ -120,3 +120,37 @@ fn transactions_across_threads_stay_atomic() {
     assert_eq!(admitted, 600); // 300 for each key of `a`
     assert_eq!(l.value(b, Some("shared")).unwrap().value, 400.0, "b gave exactly what a admitted");
 }
+
+/// Many names and keys in few segments, so tables grow (every entry rehashed), names
+/// alternate (the last-name shortcut misses and hits), and each state stays its own.
+#[test]
+fn states_stay_apart_through_growth_and_many_names() {
+    let clock = ManualClock::new(0.0);
+    let store = MemoryStore::builder().segments(2).build_with_clock(clock);
+    let limiter = RateLimiter::new(store);
+    let names = ["a", "bb", "a-much-longer-name-than-sixteen", "d", "e5"];
+    let config = Config::token_bucket(1_000.0, MINUTE);
+    for round in 1..=3 {
+        for k in 0..2_000 {
+            let key = format!("key-{k}");
+            for (i, name) in names.iter().enumerate() {
+                // Each (name, key) takes its own amount, so any mix-up shows.
+                let count = (i + 1) as f64;
+                assert!(
+                    limiter
+                        .limit((*name, config), Request::new().key(&key).count(count))
+                        .unwrap()
+                        .ok
+                );
+            }
+        }
+        for k in (0..2_000).step_by(97) {
+            let key = format!("key-{k}");
+            for (i, name) in names.iter().enumerate() {
+                let value = limiter.value((*name, config), Some(&key)).unwrap().value;
+                assert_eq!(value, 1_000.0 - (i + 1) as f64 * f64::from(round), "{name} {key}");
+            }
+        }
+    }
+    assert_eq!(limiter.store().len(), 10_000);
+}

@@ -68,14 +68,36 @@ struct Entry {
 impl Entry {
     #[inline]
     fn is(&self, id: u32, key: Option<&str>) -> bool {
-        self.id == id && self.key.get() == key.map(str::as_bytes)
+        self.id == id
+            && match (self.key.get(), key) {
+                (Some(stored), Some(key)) => same_bytes(stored, key.as_bytes()),
+                (None, None) => true,
+                _ => false,
+            }
+    }
+}
+
+/// Whether two byte strings are equal: for the short names and keys of the hot path, a couple
+/// of word compares inline instead of a call to `memcmp`.
+#[inline(always)]
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    let word = |s: &[u8], at: usize| u64::from_le_bytes(s[at..at + 8].try_into().expect("8 bytes"));
+    let half = |s: &[u8], at: usize| u32::from_le_bytes(s[at..at + 4].try_into().expect("4 bytes"));
+    match n {
+        // Two overlapping windows cover the whole string.
+        8..=16 => word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8),
+        4..=7 => half(a, 0) == half(b, 0) && half(a, n - 4) == half(b, n - 4),
+        _ => a == b,
     }
 }
 
 /// Where a slot's entry lives: its hashes and segment, computed before any lock is taken.
 #[derive(Clone, Copy)]
 struct Located {
-    name_hash: u64,
     hash: u64,
     segment: usize,
 }
@@ -88,29 +110,45 @@ struct Table {
     /// The names this segment has stored, interned: an entry keeps the name's index here.
     /// Each segment keeps its own, so a request resolves its name under the lock it takes
     /// anyway, with no shared structure to contend on.
-    names: HashTable<(Box<str>, u32)>,
-    /// The hash of each interned name, by index: what rehashing an entry needs.
-    name_hashes: Vec<u64>,
+    names: Vec<Box<str>>,
+    /// The indexes of `names`, found by a name's hash.
+    by_name: HashTable<u32>,
+    /// The index of the name found last: most requests to a segment name the same few
+    /// limits, so comparing with it first mostly saves hashing the name and a lookup.
+    last: u32,
     /// Sweep when `entries.len()` reaches this.
     sweep_at: usize,
 }
 
 impl Table {
-    fn name_id(&self, name_hash: u64, name: &str) -> Option<u32> {
-        self.names.find(name_hash, |(n, _)| &**n == name).map(|&(_, id)| id)
+    /// The index of `name` in this segment, if it was stored here.
+    #[inline]
+    fn name_id(&mut self, name: &str, hasher: &RandomState) -> Option<u32> {
+        match self.names.get(self.last as usize) {
+            Some(last) if same_bytes(last.as_bytes(), name.as_bytes()) => Some(self.last),
+            _ => self.look_up_name(name, hasher),
+        }
+    }
+
+    #[inline(never)]
+    fn look_up_name(&mut self, name: &str, hasher: &RandomState) -> Option<u32> {
+        let names = &self.names;
+        let found = self.by_name.find(hasher.hash_one(name), |&id| {
+            same_bytes(names[id as usize].as_bytes(), name.as_bytes())
+        });
+        let id = *found?;
+        self.last = id;
+        Some(id)
     }
 
     /// The entry id of (name, shard) in this segment; `None` if the name was never stored here.
-    fn entry_id(&self, at: Located, slot: &Slot<'_>) -> Option<u32> {
-        self.id_of(at, slot.name, slot.shard)
+    #[inline]
+    fn entry_id(&mut self, slot: &Slot<'_>, hasher: &RandomState) -> Option<u32> {
+        Some(self.name_id(slot.name, hasher)? << SHARD_BITS | u32::from(slot.shard))
     }
 
-    fn id_of(&self, at: Located, name: &str, shard: u16) -> Option<u32> {
-        Some(self.name_id(at.name_hash, name)? << SHARD_BITS | u32::from(shard))
-    }
-
-    fn find(&self, at: Located, slot: &Slot<'_>) -> Option<State> {
-        let id = self.entry_id(at, slot)?;
+    fn find(&mut self, at: Located, slot: &Slot<'_>, hasher: &RandomState) -> Option<State> {
+        let id = self.entry_id(slot, hasher)?;
         let e = self.entries.find(at.hash, |e| e.is(id, slot.key))?;
         Some(State { value: e.value, ts: e.ts })
     }
@@ -195,8 +233,9 @@ impl MemoryStoreBuilder {
             .map(|_| {
                 Segment(Mutex::new(Table {
                     entries: HashTable::new(),
-                    names: HashTable::new(),
-                    name_hashes: Vec::new(),
+                    names: Vec::new(),
+                    by_name: HashTable::new(),
+                    last: u32::MAX,
                     sweep_at: MIN_SWEEP_LEN,
                 }))
             })
@@ -259,23 +298,23 @@ impl<C: Clock> MemoryStore<C> {
         table.entries.retain(|e| e.expires > now_secs);
         let dropped = before - table.entries.len();
         if table.entries.capacity() > 4 * table.entries.len().max(MIN_SWEEP_LEN) {
-            let Table { entries, name_hashes, .. } = table;
-            entries.shrink_to(2 * entries.len(), |e| self.rehash(name_hashes, e));
+            let Table { entries, names, .. } = table;
+            entries.shrink_to(2 * entries.len(), |e| self.rehash(names, e));
         }
         table.sweep_at = (2 * table.entries.len()).max(MIN_SWEEP_LEN);
         self.len.fetch_sub(dropped, Ordering::Relaxed);
         dropped
     }
 
-    /// The hash of a slot's entry: of its name's hash, shard and key.
+    /// The hash of a slot's entry: of its name, shard and key, in one pass.
     #[inline]
-    fn hash(&self, name_hash: u64, shard: u16, key: Option<&[u8]>) -> u64 {
-        self.hasher.hash_one((name_hash, shard, key))
+    fn hash(&self, name: &str, shard: u16, key: Option<&[u8]>) -> u64 {
+        self.hasher.hash_one((name, shard, key))
     }
 
-    fn rehash(&self, name_hashes: &[u64], e: &Entry) -> u64 {
+    fn rehash(&self, names: &[Box<str>], e: &Entry) -> u64 {
         let shard = (e.id & ((1 << SHARD_BITS) - 1)) as u16;
-        self.hash(name_hashes[(e.id >> SHARD_BITS) as usize], shard, e.key.get())
+        self.hash(&names[(e.id >> SHARD_BITS) as usize], shard, e.key.get())
     }
 
     #[inline]
@@ -286,11 +325,10 @@ impl<C: Clock> MemoryStore<C> {
     /// Where the state of (name, key, shard) lives; only those three locate a state.
     #[inline]
     fn locate_state(&self, name: &str, key: Option<&str>, shard: u16) -> Located {
-        let name_hash = self.hasher.hash_one(name);
-        let hash = self.hash(name_hash, shard, key.map(str::as_bytes));
+        let hash = self.hash(name, shard, key.map(str::as_bytes));
         // hashbrown takes its bucket index from the low bits and its tag from the top 7:
         // the segment comes from bits in between so the three stay independent.
-        Located { name_hash, hash, segment: (hash >> 40) as usize & self.mask }
+        Located { hash, segment: (hash >> 40) as usize & self.mask }
     }
 
     /// Saves `state` for a slot in its locked table: updates, inserts, or drops it when full.
@@ -333,42 +371,36 @@ impl<C: Clock> MemoryStore<C> {
                     id,
                     expires,
                 };
-                let Table { entries, name_hashes, .. } = table;
-                entries.insert_unique(at.hash, entry, |e| self.rehash(name_hashes, e));
+                let Table { entries, names, .. } = table;
+                entries.insert_unique(at.hash, entry, |e| self.rehash(names, e));
             }
         }
     }
 
     /// The entry id of a slot, interning its name in the segment if it is new there.
-    fn entry_id_or_intern(
-        &self,
-        table: &mut Table,
-        at: Located,
-        slot: &Slot<'_>,
-    ) -> Result<u32, StoreError> {
-        match table.entry_id(at, slot) {
+    fn entry_id_or_intern(&self, table: &mut Table, slot: &Slot<'_>) -> Result<u32, StoreError> {
+        match table.entry_id(slot, &self.hasher) {
             Some(id) => Ok(id),
-            None => {
-                Ok(self.intern(table, at.name_hash, slot.name)? << SHARD_BITS
-                    | u32::from(slot.shard))
-            }
+            None => Ok(self.intern(table, slot.name)? << SHARD_BITS | u32::from(slot.shard)),
         }
     }
 
-    fn intern(&self, table: &mut Table, name_hash: u64, name: &str) -> Result<u32, StoreError> {
-        if let Some(id) = table.name_id(name_hash, name) {
+    fn intern(&self, table: &mut Table, name: &str) -> Result<u32, StoreError> {
+        if let Some(id) = table.name_id(name, &self.hasher) {
             return Ok(id);
         }
-        let id = table.name_hashes.len() as u32;
+        let id = table.names.len() as u32;
         if id >= MAX_NAMES {
             return Err(StoreError::new(format!(
                 "the memory store holds at most {MAX_NAMES} distinct names; put unbounded values in keys"
             )));
         }
-        table.name_hashes.push(name_hash);
-        table
-            .names
-            .insert_unique(name_hash, (name.into(), id), |(n, _)| self.hasher.hash_one(&**n));
+        table.names.push(name.into());
+        let Table { names, by_name, .. } = table;
+        by_name.insert_unique(self.hasher.hash_one(name), id, |&i| {
+            self.hasher.hash_one(&*names[i as usize])
+        });
+        table.last = id;
         Ok(id)
     }
 
@@ -406,37 +438,42 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// One slot under one lock, with one lookup: `decide` gets the time and the stored state
-    /// and returns its result and the state to save, which updates the entry in place (or
-    /// drops it when full, or inserts it). `Ok(None)` when there was no room for an insert.
+    /// and returns its result and the state to save with how long until it is full again
+    /// (`(full_at - now).max(0)`, which a one-take request has worked out for its status
+    /// anyway), which updates the entry in place (or drops it when full, or inserts it).
+    /// `Ok(None)` when there was no room for an insert.
     #[inline]
     fn with_slot<R>(
         &self,
         slot: &Slot<'_>,
-        decide: impl FnOnce(f64, Option<State>) -> (R, Option<State>),
+        decide: impl FnOnce(f64, Option<State>) -> (R, Option<(State, f64)>),
     ) -> Result<Option<R>, StoreError> {
         let at = self.locate(slot);
         let now = self.clock.now();
         let mut table = self.segments[at.segment].0.lock();
-        let id = table.entry_id(at, slot);
+        let id = table.entry_id(slot, &self.hasher);
         if let Some(Ok(mut entry)) =
             id.map(|id| table.entries.find_entry(at.hash, |e| e.is(id, slot.key)))
         {
             let e = entry.get_mut();
             let (result, save) = decide(now, Some(State { value: e.value, ts: e.ts }));
-            if let Some(state) = save {
-                let full = full_at(&slot.config, state);
-                if full <= now {
+            if let Some((state, until_full)) = save {
+                // until_full > 0 exactly when full_at > now (a difference of two distinct
+                // finite doubles is never 0); now + until_full may round, which the whole
+                // second of margin in expiry_secs covers.
+                if until_full <= 0.0 {
                     entry.remove();
                     self.len.fetch_sub(1, Ordering::Relaxed);
                 } else {
-                    (e.value, e.ts, e.expires) = (state.value, state.ts, expiry_secs(full));
+                    let expires = expiry_secs(now + until_full);
+                    (e.value, e.ts, e.expires) = (state.value, state.ts, expires);
                 }
             }
             return Ok(Some(result));
         }
         let (result, save) = decide(now, None);
-        if let Some(state) = save {
-            let id = self.entry_id_or_intern(&mut table, at, slot)?;
+        if let Some((state, _)) = save {
+            let id = self.entry_id_or_intern(&mut table, slot)?;
             if !self.reserve(1) {
                 return Ok(None);
             }
@@ -450,8 +487,8 @@ impl<C: Clock> MemoryStore<C> {
         self.with_slot(&plan.slots()[0], |now, state| {
             let mut states = [state];
             let outcome = plan.decide(now, &mut states);
-            let save = if outcome.changed[0] { states[0] } else { None };
-            (outcome, save)
+            let save = states[0].filter(|_| outcome.changed[0]);
+            (outcome, save.map(|s| (s, (full_at(&plan.slots()[0].config, s) - now).max(0.0))))
         })
     }
 
@@ -469,14 +506,14 @@ impl<C: Clock> MemoryStore<C> {
         let mut states: Inline<Option<State>> = slots
             .iter()
             .zip(&located)
-            .map(|(slot, &at)| guards[guard_of(at.segment)].find(at, slot))
+            .map(|(slot, &at)| guards[guard_of(at.segment)].find(at, slot, &self.hasher))
             .collect();
         let found: Inline<bool> = states.iter().map(Option::is_some).collect();
         let outcome = plan.decide(now, &mut states);
         // Everything that can fail happens before the first write: interning, then room.
         let mut ids: Inline<u32> = Inline::with_capacity(slots.len());
         for (slot, &at) in slots.iter().zip(&located) {
-            ids.push(self.entry_id_or_intern(&mut guards[guard_of(at.segment)], at, slot)?);
+            ids.push(self.entry_id_or_intern(&mut guards[guard_of(at.segment)], slot)?);
         }
         let new = (0..slots.len()).filter(|&i| outcome.changed[i] && !found[i]).count();
         if !self.reserve(new) {
@@ -519,7 +556,13 @@ impl<C: Clock> Store for MemoryStore<C> {
 
     #[inline]
     fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        self.with_room(|| self.with_slot(&take.slot, |now, state| take.decide(now, state)))
+        self.with_room(|| {
+            self.with_slot(&take.slot, |now, state| {
+                let (taken, save) = take.decide(now, state);
+                // A granted take's status is of the state it saves.
+                (taken, save.map(|s| (s, taken.status.reset_after)))
+            })
+        })
     }
 
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
@@ -528,7 +571,7 @@ impl<C: Clock> Store for MemoryStore<C> {
             .iter()
             .map(|slot| {
                 let at = self.locate(slot);
-                self.segments[at.segment].0.lock().find(at, slot)
+                self.segments[at.segment].0.lock().find(at, slot, &self.hasher)
             })
             .collect();
         Ok((now, states))
@@ -538,7 +581,8 @@ impl<C: Clock> Store for MemoryStore<C> {
         for shard in 0..shards {
             let at = self.locate_state(name, key, shard);
             let mut table = self.segments[at.segment].0.lock();
-            let Some(id) = table.id_of(at, name, shard) else { continue };
+            let Some(id) = table.name_id(name, &self.hasher) else { continue };
+            let id = id << SHARD_BITS | u32::from(shard);
             if let Ok(entry) = table.entries.find_entry(at.hash, |e| e.is(id, key)) {
                 entry.remove();
                 self.len.fetch_sub(1, Ordering::Relaxed);
@@ -551,6 +595,27 @@ impl<C: Clock> Store for MemoryStore<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn same_bytes_is_equality() {
+        let samples: Vec<Vec<u8>> = (0..=24)
+            .flat_map(|n| {
+                let base: Vec<u8> = (0..n).map(|i| b'a' + (i % 26) as u8).collect();
+                let mut variants = vec![base.clone()];
+                for at in 0..n {
+                    let mut v = base.clone();
+                    v[at] ^= 1;
+                    variants.push(v);
+                }
+                variants
+            })
+            .collect();
+        for a in &samples {
+            for b in &samples {
+                assert_eq!(same_bytes(a, b), a == b, "{a:?} {b:?}");
+            }
+        }
+    }
 
     #[test]
     fn entry_is_forty_eight_bytes() {
