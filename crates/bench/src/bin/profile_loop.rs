@@ -1,5 +1,5 @@
 //! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
-//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one]`.
+//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|tx]`.
 use std::time::Instant;
 
 use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
@@ -11,6 +11,18 @@ fn main() {
     }
     let n: u32 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(200_000);
     let t = tollgate();
+    if std::env::args().nth(2).as_deref() == Some("tx") {
+        // Only the transaction of three, as in the criterion scenario.
+        for _ in 0..n {
+            let calls = [
+                tollgate::Target::from(Limit::PerUser).with(std::hint::black_box("user-00000001")),
+                tollgate::Target::from(Limit::PerTeam).with(std::hint::black_box("team-0001")),
+                tollgate::Target::from(Limit::Global).with(tollgate::Request::new()),
+            ];
+            let _ = std::hint::black_box(t.transaction(&calls));
+        }
+        return;
+    }
     if std::env::args().nth(2).as_deref() == Some("one") {
         // Only the typed one-key `limit`, for instruction counts per call.
         for _ in 0..n {
