@@ -503,18 +503,30 @@ impl<C: Clock> MemoryStore<C> {
         let mut guards: Inline<MutexGuard<'_, Table>> =
             order.iter().map(|&s| self.segments[s].0.lock()).collect();
         let guard_of = |segment: usize| order.binary_search(&segment).expect("locked");
-        let mut states: Inline<Option<State>> = slots
-            .iter()
-            .zip(&located)
-            .map(|(slot, &at)| guards[guard_of(at.segment)].find(at, slot, &self.hasher))
-            .collect();
+        // Each slot's entry id (None: its name is new to the segment) and stored state.
+        let mut ids: Inline<Option<u32>> = Inline::with_capacity(slots.len());
+        let mut states: Inline<Option<State>> = Inline::with_capacity(slots.len());
+        for (slot, &at) in slots.iter().zip(&located) {
+            let table = &mut guards[guard_of(at.segment)];
+            let id = table.entry_id(slot, &self.hasher);
+            let found = id.and_then(|id| table.entries.find(at.hash, |e| e.is(id, slot.key)));
+            states.push(found.map(|e| State { value: e.value, ts: e.ts }));
+            ids.push(id);
+        }
         let found: Inline<bool> = states.iter().map(Option::is_some).collect();
         let outcome = plan.decide(now, &mut states);
-        // Everything that can fail happens before the first write: interning, then room.
-        let mut ids: Inline<u32> = Inline::with_capacity(slots.len());
-        for (slot, &at) in slots.iter().zip(&located) {
-            ids.push(self.entry_id_or_intern(&mut guards[guard_of(at.segment)], slot)?);
+        if !outcome.any_changed() {
+            return Ok(Some(outcome)); // refused, or a check: nothing to save
         }
+        // Everything that can fail happens before the first write: interning, then room.
+        let ids: Inline<u32> = ids
+            .into_iter()
+            .zip(slots.iter().zip(&located))
+            .map(|(id, (slot, &at))| match id {
+                Some(id) => Ok(id),
+                None => self.entry_id_or_intern(&mut guards[guard_of(at.segment)], slot),
+            })
+            .collect::<Result<_, _>>()?;
         let new = (0..slots.len()).filter(|&i| outcome.changed[i] && !found[i]).count();
         if !self.reserve(new) {
             return Ok(None);
