@@ -20,7 +20,34 @@ pub struct FileConfig {
     #[serde(default)]
     server: ServerSection,
     #[serde(default)]
-    limits: BTreeMap<String, RawConfig>,
+    limits: BTreeMap<String, LimitTable>,
+}
+
+/// A `[limits.<name>]` table: the limit's config (SPEC §1), and `failOpen = true` for a limit
+/// that is granted while the store fails (see `tollgate::RateLimiterBuilder::fail_open`).
+#[derive(Debug)]
+struct LimitTable {
+    config: RawConfig,
+    fail_open: bool,
+}
+
+impl<'de> Deserialize<'de> for LimitTable {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut table = toml::Table::deserialize(deserializer)?;
+        let fail_open = match table.remove("failOpen") {
+            None => false,
+            Some(toml::Value::Boolean(open)) => open,
+            Some(other) => {
+                return Err(D::Error::custom(format!(
+                    "failOpen is {other}; it must be true or false"
+                )));
+            }
+        };
+        // The rest is the config, with its own errors for unknown or invalid fields.
+        let config = toml::Value::Table(table).try_into().map_err(D::Error::custom)?;
+        Ok(LimitTable { config, fail_open })
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -45,6 +72,8 @@ pub struct Settings {
     pub allow_inline_config: bool,
     /// The named limits.
     pub limits: Vec<(String, Config)>,
+    /// The named limits that fail open (`failOpen = true`).
+    pub fail_open: Vec<String>,
 }
 
 /// What the command line says, to override the file.
@@ -86,8 +115,9 @@ impl FileConfig {
         }
         self.limits
             .iter()
-            .map(|(name, raw)| {
-                let config = Config::try_from(raw).with_context(|| format!("[limits.{name}]"))?;
+            .map(|(name, table)| {
+                let config =
+                    Config::try_from(&table.config).with_context(|| format!("[limits.{name}]"))?;
                 tollgate::core::validate_name_key(name, None)
                     .with_context(|| format!("[limits.{name}]"))?;
                 Ok((name.clone(), config))
@@ -127,6 +157,12 @@ impl FileConfig {
             tokens,
             allow_inline_config: self.server.allow_inline_config.unwrap_or(true),
             limits: self.limits(examples)?,
+            fail_open: self
+                .limits
+                .iter()
+                .filter(|(_, table)| table.fail_open)
+                .map(|(name, _)| name.clone())
+                .collect(),
         })
     }
 

@@ -152,7 +152,7 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
 }
 
 fn metrics(app: &App) -> Response {
-    let mut response = app.metrics.render().into_response();
+    let mut response = app.metrics.render(app.engine.limiter().failed_open()).into_response();
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));

@@ -147,6 +147,9 @@ pub fn app(
     for (name, config) in &settings.limits {
         builder = builder.define(name.as_str(), *config);
     }
+    for name in &settings.fail_open {
+        builder = builder.fail_open(name.as_str());
+    }
     let engine = Engine::new(builder.build(), settings.allow_inline_config);
     let app = http::App {
         engine: Arc::new(engine),

@@ -47,8 +47,9 @@ impl Metrics {
         }
     }
 
-    /// The Prometheus text exposition.
-    pub fn render(&self) -> String {
+    /// The Prometheus text exposition; `failed_open` is the limiter's count of requests
+    /// granted because the store failed and their limits fail open.
+    pub fn render(&self, failed_open: u64) -> String {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut out = String::new();
         out.push_str("# HELP tollgate_requests_total Requests by operation and outcome.\n");
@@ -73,6 +74,12 @@ impl Metrics {
         );
         out.push_str("# TYPE tollgate_store_errors_total counter\n");
         let _ = writeln!(out, "tollgate_store_errors_total {store_errors}");
+        out.push_str(
+            "# HELP tollgate_failed_open_total Requests granted because the store failed and their \
+             limit fails open.\n",
+        );
+        out.push_str("# TYPE tollgate_failed_open_total counter\n");
+        let _ = writeln!(out, "tollgate_failed_open_total {failed_open}");
         out.push_str("# HELP tollgate_request_duration_seconds Time to answer, by operation.\n");
         out.push_str("# TYPE tollgate_request_duration_seconds histogram\n");
         for (op, h) in OPS.iter().zip(&self.latency) {
@@ -109,7 +116,7 @@ mod tests {
         m.record("limit", "ok", Duration::from_micros(300));
         m.record("limit", "refused", Duration::from_millis(2));
         m.record("weird", "ok", Duration::ZERO);
-        let text = m.render();
+        let text = m.render(3);
         for line in [
             "tollgate_requests_total{op=\"limit\",outcome=\"ok\"} 1",
             "tollgate_requests_total{op=\"limit\",outcome=\"refused\"} 1",
@@ -118,6 +125,7 @@ mod tests {
             "tollgate_request_duration_seconds_bucket{op=\"limit\",le=\"0.0025\"} 2",
             "tollgate_request_duration_seconds_count{op=\"limit\"} 2",
             "tollgate_store_errors_total 0",
+            "tollgate_failed_open_total 3",
         ] {
             assert!(text.contains(line), "{line} in\n{text}");
         }

@@ -359,3 +359,55 @@ async fn metrics_and_openapi() {
         assert!(doc["paths"][path].is_object(), "{path}");
     }
 }
+
+/// `failOpen = true` in a `[limits.*]` table: that limit is granted while the store is down
+/// (here a Redis on a loopback port where nothing listens), the others still fail closed,
+/// and `/metrics` counts the requests that failed open.
+#[tokio::test]
+async fn a_limit_can_fail_open() {
+    use tollgate_server::config::{FileConfig, Overrides};
+    let file = FileConfig::parse(
+        r#"
+        [server]
+        store = "redis://127.0.0.1:1"
+
+        [limits.search]
+        kind = "token bucket"
+        rate = 100
+        period = "1m"
+        failOpen = true
+
+        [limits.signup]
+        kind = "token bucket"
+        rate = 3
+        period = "1h"
+        "#,
+    )
+    .unwrap();
+    let settings = file.settings(&Overrides::default(), true).unwrap();
+    assert_eq!(settings.fail_open, vec!["search".to_string()]);
+    let (state, _) = tollgate_server::app(&settings).unwrap();
+    let app = router(state);
+    let r = post(&app, "/v1/limit", r#"{"name":"search","key":"alice"}"#).await;
+    assert_eq!((r.status, r.body), (StatusCode::OK, json!({ "ok": true })));
+    let r = post(&app, "/v1/limit", r#"{"name":"signup","key":"alice"}"#).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    let m = get(&app, "/metrics").await.body;
+    assert!(m.as_str().unwrap().contains("tollgate_failed_open_total 1"), "{m}");
+
+    // Anything but true or false is refused, naming the field.
+    let err = FileConfig::parse(
+        "[limits.x]\nkind = \"token bucket\"\nrate = 1\nperiod = 1000\nfailOpen = \"yes\"\n",
+    )
+    .unwrap_err();
+    assert!(
+        format!("{err:#}").contains("failOpen is \"yes\"; it must be true or false"),
+        "{err:#}"
+    );
+    // Unknown fields are still refused.
+    let err = FileConfig::parse(
+        "[limits.x]\nkind = \"token bucket\"\nrate = 1\nperiod = 1000\nfailopen = true\n",
+    )
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("failopen"), "{err:#}");
+}

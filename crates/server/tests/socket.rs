@@ -17,6 +17,7 @@ fn settings(store: String) -> Settings {
         tokens: Vec::new(),
         allow_inline_config: true,
         limits: vec![("race".into(), Config::token_bucket(100.0, DAY))],
+        fail_open: Vec::new(),
     }
 }
 
