@@ -8,7 +8,7 @@ use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken, ful
 
 use super::Store;
 use super::pool::Pool;
-use super::sql::{LOCK_CLASS, PgSql, lock_id, lock_ids, valid_table};
+use super::sql::{LOCK_CLASS, MAX_TABLE, PgSql, lock_id, lock_ids, valid_table};
 use crate::StoreError;
 
 /// Options for a [`PgStore`].
@@ -30,7 +30,8 @@ impl Default for PgStoreBuilder {
 }
 
 impl PgStoreBuilder {
-    /// The table (default `tollgate_state`); letters, digits and `_` only.
+    /// The table (default `tollgate_state`): letters, digits and `_`, at most 58 of them (the
+    /// store also creates a function named after it, `<table>_take`).
     #[must_use]
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
@@ -73,7 +74,7 @@ impl PgStoreBuilder {
     fn build<C>(self, url: &str, clock: Option<C>) -> Result<PgStore<C>, StoreError> {
         if !valid_table(&self.table) {
             return Err(StoreError::new(format!(
-                "postgres: table name {:?}: use letters, digits and _",
+                "postgres: table name {:?}: use letters, digits and _, at most {MAX_TABLE}",
                 self.table
             )));
         }
@@ -358,7 +359,7 @@ impl<'t, 'c, C: Clock> PgTransaction<'t, 'c, C> {
     ) -> Result<Self, StoreError> {
         if !valid_table(table) {
             return Err(StoreError::new(format!(
-                "postgres: table name {table:?}: use letters, digits and _"
+                "postgres: table name {table:?}: use letters, digits and _, at most {MAX_TABLE}"
             )));
         }
         Ok(PgTransaction { tx: RefCell::new(tx), sql: PgSql::new(table), clock: Some(clock) })

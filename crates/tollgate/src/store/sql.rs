@@ -71,9 +71,16 @@ pub(crate) fn lock_ids(slots: &[tollgate_core::Slot<'_>]) -> Vec<i32> {
     ids
 }
 
-/// Whether `table` is a name that may go into a statement as it is.
+/// The longest table name: PostgreSQL keeps 63 bytes of a name, and the store names a
+/// function after the table with `_take` added.
+pub(crate) const MAX_TABLE: usize = 58;
+
+/// Whether `table` is a name that may go into a statement as it is: letters, digits and `_`,
+/// at most [`MAX_TABLE`] of them.
 pub(crate) fn valid_table(table: &str) -> bool {
-    !table.is_empty() && table.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    !table.is_empty()
+        && table.len() <= MAX_TABLE
+        && table.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 /// PostgreSQL's statements, for one table.
@@ -206,6 +213,8 @@ mod tests {
     fn table_names_are_checked() {
         assert!(valid_table("tollgate_state2"));
         assert!(!valid_table("x; DROP TABLE y"));
+        assert!(valid_table(&"t".repeat(MAX_TABLE)));
+        assert!(!valid_table(&"t".repeat(MAX_TABLE + 1)), "its function's name would be cut");
         assert!(!valid_table(""));
     }
 }
