@@ -497,7 +497,11 @@ impl<S: Store> RateLimiter<S> {
     /// assert_eq!(t.retry_after, Some(20_000.0)); // the global limit booked one token ahead
     /// ```
     pub fn transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
-        let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
+        // Built in place: a plan is a few hundred bytes, not worth moving.
+        let mut plan = Plan::new(true);
+        for call in calls {
+            self.push(&mut plan, &call.target, &call.request)?;
+        }
         let outcome = match self.store.execute(&plan) {
             Ok(outcome) => outcome,
             Err(e) => {
