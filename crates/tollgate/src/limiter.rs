@@ -8,8 +8,8 @@ use foldhash::fast::RandomState;
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 use tollgate_core::{
-    Config, Decision, OneTake, Plan, Reading, Sample, Slot, Status, Take, Taken, alignment, read,
-    splitmix64, unit_interval,
+    Config, Decision, Inline, OneTake, Plan, Reading, Sample, Slot, Status, Take, Taken, alignment,
+    read, splitmix64, unit_interval,
 };
 
 use crate::Error;
@@ -197,11 +197,11 @@ pub struct TransactionDecision {
     pub ok: bool,
     /// The largest wait among the results.
     pub retry_after: Option<f64>,
-    /// One decision per call, in order.
-    pub results: Vec<Decision>,
+    /// One decision per call, in order (held inline up to four calls: no allocation).
+    pub results: Inline<Decision>,
     /// Per call, what its limit has left afterwards (after the transaction if it was
     /// granted, as it stands if not).
-    pub statuses: Vec<Status>,
+    pub statuses: Inline<Status>,
 }
 
 /// Application-layer rate limiting over a [`Store`] (SPEC §4).
@@ -514,11 +514,11 @@ impl<S: Store> RateLimiter<S> {
                         remaining: self.resolve(&c.target).map_or(0.0, |c| c.capacity()),
                         reset_after: 0.0,
                     })
-                    .collect::<Vec<_>>();
+                    .collect();
                 return Ok(TransactionDecision {
                     ok: true,
                     retry_after: None,
-                    results: vec![Decision::ADMIT; calls.len()],
+                    results: Inline::from_elem(Decision::ADMIT, calls.len()),
                     statuses,
                 });
             }
@@ -554,8 +554,8 @@ impl<S: Store> RateLimiter<S> {
         Ok(TransactionDecision {
             ok: outcome.ok,
             retry_after: outcome.retry_after,
-            results: outcome.results.to_vec(),
-            statuses: outcome.statuses.to_vec(),
+            results: outcome.results,
+            statuses: outcome.statuses,
         })
     }
 

@@ -227,7 +227,7 @@ fn transaction_all_or_nothing(b: &impl Backend) {
     l.limit(small, user.count(2.0)).unwrap();
     let t = l.transaction(&[tb().with(user.count(4.0)), small.with(user.count(2.0))]).unwrap();
     assert!(!t.ok);
-    assert_eq!(t.results, vec![Decision::ADMIT, refused(20_000.0)]);
+    assert_eq!(t.results[..], [Decision::ADMIT, refused(20_000.0)]);
     assert_eq!(t.retry_after, Some(20_000.0));
     assert_eq!(state(&l, tb(), Some("{u}")).value, 10.0, "the admitted part was not taken");
     let t = l.transaction(&[tb().with(user.count(4.0)), small.with(user)]).unwrap();

@@ -255,9 +255,7 @@ impl<S: Store, Inner> RateLimit<S, Inner> {
                 (t.decision.ok, t.decision.retry_after, results, statuses)
             })
         } else {
-            self.limiter.transaction(&calls).map(|t| {
-                (t.ok, t.retry_after, Inline::from_vec(t.results), Inline::from_vec(t.statuses))
-            })
+            self.limiter.transaction(&calls).map(|t| (t.ok, t.retry_after, t.results, t.statuses))
         };
         match outcome {
             Ok((ok, retry_after, results, statuses)) => {
