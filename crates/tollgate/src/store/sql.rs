@@ -123,13 +123,14 @@ impl PgSql {
                     p_align float8, p_count float8, p_reserve bool, p_writes bool, p_now float8,
                     OUT o_now float8, OUT o_wrote bool, OUT o_value float8, OUT o_ts float8)
                 LANGUAGE plpgsql VOLATILE AS $fn$
-                DECLARE v float8; t float8; nv float8; nts float8; w float8; full_at float8;
+                DECLARE row_id tid; v float8; t float8; nv float8; nts float8; w float8;
+                  full_at float8;
                 BEGIN
                   PERFORM pg_advisory_xact_lock({LOCK_CLASS}, p_lock);
-                  SELECT s.value, s.ts INTO o_value, o_ts FROM {table} s
+                  SELECT s.value, s.ts, s.ctid INTO o_value, o_ts, row_id FROM {table} s
                     WHERE s.name = p_name AND s.has_key = p_has_key AND s.key = p_key
                       AND s.shard = p_shard;
-                  o_now := coalesce(p_now, (extract(epoch FROM clock_timestamp()) * 1000)::float8);
+                  o_now := coalesce(p_now, date_part('epoch', clock_timestamp()) * 1000);
                   IF o_value IS NOT NULL THEN
                     v := o_value; t := o_ts;
                   ELSIF p_kind = 0 THEN
@@ -159,15 +160,17 @@ impl PgSql {
                       DELETE FROM {table} s WHERE s.name = p_name AND s.has_key = p_has_key
                         AND s.key = p_key AND s.shard = p_shard;
                     ELSE
-                      -- No other writer can insert this slot meanwhile: every one holds its
-                      -- lock first. (An update, then an insert if there was no row, is
-                      -- cheaper than INSERT ... ON CONFLICT here.)
-                      UPDATE {table} s SET value = nv, ts = nts
-                        WHERE s.name = p_name AND s.has_key = p_has_key AND s.key = p_key
-                          AND s.shard = p_shard;
-                      IF NOT FOUND THEN
+                      -- The row just read, by its address: no second index lookup. Every
+                      -- tollgate writer holds the slot's lock, so it is still there, unless
+                      -- something else (a reset) changed it meanwhile: then by its key.
+                      IF row_id IS NOT NULL THEN
+                        UPDATE {table} s SET value = nv, ts = nts WHERE s.ctid = row_id;
+                      END IF;
+                      IF row_id IS NULL OR NOT FOUND THEN
                         INSERT INTO {table} (name, has_key, key, shard, value, ts)
-                          VALUES (p_name, p_has_key, p_key, p_shard, nv, nts);
+                          VALUES (p_name, p_has_key, p_key, p_shard, nv, nts)
+                          ON CONFLICT (name, has_key, key, shard)
+                          DO UPDATE SET value = excluded.value, ts = excluded.ts;
                       END IF;
                     END IF;
                   END IF;
