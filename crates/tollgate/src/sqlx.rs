@@ -151,7 +151,17 @@ impl<S: Store + Sync> RateLimiter<S> {
 }
 
 fn sqlx_error(what: &str, e: sqlx::Error) -> StoreError {
-    StoreError::with_source(format!("sqlx: {what}: {e}"), e)
+    // A missing table is a setup step not taken: say which.
+    let missing_table = e.as_database_error().is_some_and(|d| {
+        d.code().as_deref() == Some("42P01") || d.message().contains("no such table")
+    });
+    let hint = if missing_table {
+        "; create tollgate's table once with tollgate::sqlx::create_table (or by opening a \
+         PgStore or SqliteStore on this database)"
+    } else {
+        ""
+    };
+    StoreError::with_source(format!("sqlx: {what}: {e}{hint}"), e)
 }
 
 /// Runs `body` inside `SAVEPOINT tollgate`: released when it succeeds, rolled back to when

@@ -87,3 +87,21 @@ fn a_request_waits_for_a_transaction_holding_its_slot() {
     assert!(!limiter.check(limit, Request::new().key("u").count(8.0)).unwrap().ok);
     assert!(limiter.check(limit, Request::new().key("u").count(2.0)).unwrap().ok);
 }
+
+/// In a caller's transaction on a database without the table, the error says how to make it.
+#[test]
+fn a_missing_table_is_an_error_that_says_what_to_do() {
+    let Some(url) =
+        common::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
+    else {
+        return;
+    };
+    let guard = common::DropTable::new(&url, "tollgate_missing");
+    let mut client = Client::connect(&url, NoTls).unwrap();
+    let mut tx = client.transaction().unwrap();
+    let store =
+        PgTransaction::with_table_and_clock(&mut tx, &guard.table, tollgate::SystemClock).unwrap();
+    let limit = Target::Inline("orders", Config::token_bucket(10.0, MINUTE));
+    let err = RateLimiter::new(store).limit(limit, "u").unwrap_err();
+    assert!(err.to_string().contains("opening a PgStore"), "{err}");
+}

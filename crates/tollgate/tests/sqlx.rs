@@ -178,3 +178,18 @@ async fn sqlite_rollback_gives_back_and_commit_spends() {
         assert!((0.99..1.01).contains(&value), "{value}");
     }
 }
+
+/// Without the table, the error says how to create it, and the caller's transaction goes on.
+#[tokio::test]
+async fn a_missing_table_is_an_error_that_says_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.path().join("empty.db").display());
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let limiter = RateLimiter::new(MemoryStore::new());
+    let orders = Target::Inline("orders", Config::token_bucket(3.0, MINUTE));
+    let mut tx = pool.begin().await.unwrap();
+    let err = limiter.limit_in(&mut *tx, orders, Request::new()).await.unwrap_err();
+    assert!(err.to_string().contains("tollgate::sqlx::create_table"), "{err}");
+    sqlx::query("CREATE TABLE t (x INTEGER)").execute(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+}

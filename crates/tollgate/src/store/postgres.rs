@@ -459,7 +459,13 @@ fn delete_all<S: ToStatement + ?Sized>(
 }
 
 fn pg_error(what: &str, e: postgres::Error) -> StoreError {
-    StoreError::with_source(format!("postgres: {what}: {e}"), e)
+    // In a caller's transaction ([`PgTransaction`]) the table may never have been made.
+    let hint = if e.code() == Some(&postgres::error::SqlState::UNDEFINED_TABLE) {
+        "; create tollgate's table once by opening a PgStore on this database"
+    } else {
+        ""
+    };
+    StoreError::with_source(format!("postgres: {what}: {e}{hint}"), e)
 }
 
 #[cfg(test)]
