@@ -527,6 +527,7 @@ impl<S: Store> RateLimiter<S> {
     }
 
     /// A plan of `calls`, validated.
+    #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
     pub(crate) fn plan<'a>(
         &self,
         writes: bool,
