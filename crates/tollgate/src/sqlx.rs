@@ -50,6 +50,7 @@ use tollgate_core::{Decision, Outcome, Plan, State};
 
 use crate::limiter::{Call, Request, Target, TransactionDecision};
 use crate::store::Store;
+use crate::store::sql::{key_columns, saves};
 use crate::{Error, RateLimiter, StoreError};
 
 mod sealed {
@@ -164,6 +165,27 @@ fn sqlx_error(what: &str, e: sqlx::Error) -> StoreError {
     StoreError::with_source(format!("sqlx: {what}: {e}{hint}"), e)
 }
 
+/// Saves what a decided plan changed on `conn`: an upsert per new state, a delete per state
+/// that is full again (see [`saves`]). A macro, as the two databases' query types differ.
+macro_rules! save {
+    ($conn:expr, $plan:expr, $states:expr, $outcome:expr, $now:expr, $upsert:expr, $delete:expr) => {
+        for (slot, state) in saves($plan, &$states, &$outcome, $now) {
+            let ((has_key, key), shard) = (key_columns(slot.key), i32::from(slot.shard));
+            let query = sqlx::query(if state.is_some() { $upsert } else { $delete })
+                .bind(slot.name)
+                .bind(has_key)
+                .bind(key)
+                .bind(shard);
+            match state {
+                Some(s) => query.bind(s.value).bind(s.ts),
+                None => query,
+            }
+            .execute(&mut *$conn)
+            .await?;
+        }
+    };
+}
+
 /// Runs `body` inside `SAVEPOINT tollgate`: released when it succeeds, rolled back to when
 /// it fails, so a failed call leaves the caller's transaction as it was.
 macro_rules! in_savepoint {
@@ -191,22 +213,16 @@ macro_rules! in_savepoint {
 
 #[cfg(feature = "sqlx-postgres")]
 mod postgres {
-    use sqlx::{AssertSqlSafe, PgConnection, Row};
-    use tollgate_core::full_at;
+    use sqlx::{PgConnection, Row};
 
     use super::*;
-    use crate::store::sql::{LOCK_CLASS, PgSql, lock_ids};
+    use crate::store::sql::{LOCK_CLASS, PG_LOCK, PgSql, lock_ids};
 
-    /// The statements of the default table, made once.
+    /// The statements of the default table, made once (and so `'static`, as sqlx asks of
+    /// statement text: their only variable part is the fixed table name).
     fn sql() -> &'static PgSql {
         static SQL: std::sync::OnceLock<PgSql> = std::sync::OnceLock::new();
         SQL.get_or_init(|| PgSql::new("tollgate_state"))
-    }
-
-    /// A statement of [`sql`]: safe, since its only variable part is the fixed table name;
-    /// every value is bound.
-    fn statement(text: &'static str) -> AssertSqlSafe<&'static str> {
-        AssertSqlSafe(text)
     }
 
     impl sealed::Sealed for PgConnection {}
@@ -222,7 +238,7 @@ mod postgres {
 
         fn create_table(&mut self) -> Boxed<'_, ()> {
             Box::pin(async move {
-                sqlx::query(statement(&sql().create))
+                sqlx::query(sql().create.as_str())
                     .execute(&mut *self)
                     .await
                     .map_err(|e| sqlx_error("cannot create the table", e))?;
@@ -235,17 +251,13 @@ mod postgres {
         let sql = sql();
         let slots = plan.slots();
         for id in lock_ids(slots) {
-            sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
-                .bind(LOCK_CLASS)
-                .bind(id)
-                .execute(&mut *conn)
-                .await?;
+            sqlx::query(PG_LOCK).bind(LOCK_CLASS).bind(id).execute(&mut *conn).await?;
         }
         let names: Vec<&str> = slots.iter().map(|s| s.name).collect();
         let has_keys: Vec<bool> = slots.iter().map(|s| s.key.is_some()).collect();
         let keys: Vec<&str> = slots.iter().map(|s| s.key.unwrap_or("")).collect();
         let shards: Vec<i32> = slots.iter().map(|s| i32::from(s.shard)).collect();
-        let rows = sqlx::query(statement(&sql.load))
+        let rows = sqlx::query(sql.load.as_str())
             .bind(names)
             .bind(has_keys)
             .bind(keys)
@@ -265,27 +277,7 @@ mod postgres {
             }
         }
         let outcome = plan.decide(now, &mut states);
-        for ((slot, state), changed) in slots.iter().zip(&states).zip(&outcome.changed) {
-            let (true, Some(state)) = (*changed, state) else { continue };
-            let (has_key, key, shard) =
-                (slot.key.is_some(), slot.key.unwrap_or(""), i32::from(slot.shard));
-            let query = if full_at(&slot.config, *state) <= now {
-                sqlx::query(statement(&sql.delete))
-                    .bind(slot.name)
-                    .bind(has_key)
-                    .bind(key)
-                    .bind(shard)
-            } else {
-                sqlx::query(statement(&sql.upsert))
-                    .bind(slot.name)
-                    .bind(has_key)
-                    .bind(key)
-                    .bind(shard)
-                    .bind(state.value)
-                    .bind(state.ts)
-            };
-            query.execute(&mut *conn).await?;
-        }
+        save!(conn, plan, states, outcome, now, sql.upsert.as_str(), sql.delete.as_str());
         Ok(outcome)
     }
 }
@@ -293,7 +285,7 @@ mod postgres {
 #[cfg(feature = "sqlx-sqlite")]
 mod sqlite {
     use sqlx::{Row, SqliteConnection};
-    use tollgate_core::{Clock, SystemClock, full_at};
+    use tollgate_core::{Clock, SystemClock};
 
     use super::*;
     use crate::store::sql::{SQLITE_DELETE, SQLITE_SCHEMA, SQLITE_SELECT, SQLITE_UPSERT};
@@ -320,10 +312,11 @@ mod sqlite {
         let slots = plan.slots();
         let mut states: Vec<Option<State>> = Vec::with_capacity(slots.len());
         for slot in slots {
+            let (has_key, key) = key_columns(slot.key);
             let row = sqlx::query(SQLITE_SELECT)
                 .bind(slot.name)
-                .bind(slot.key.is_some())
-                .bind(slot.key.unwrap_or(""))
+                .bind(has_key)
+                .bind(key)
                 .bind(i32::from(slot.shard))
                 .fetch_optional(&mut *conn)
                 .await?;
@@ -334,23 +327,7 @@ mod sqlite {
         }
         let now = SystemClock.now();
         let outcome = plan.decide(now, &mut states);
-        for ((slot, state), changed) in slots.iter().zip(&states).zip(&outcome.changed) {
-            let (true, Some(state)) = (*changed, state) else { continue };
-            let (has_key, key, shard) =
-                (slot.key.is_some(), slot.key.unwrap_or(""), i32::from(slot.shard));
-            let query = if full_at(&slot.config, *state) <= now {
-                sqlx::query(SQLITE_DELETE).bind(slot.name).bind(has_key).bind(key).bind(shard)
-            } else {
-                sqlx::query(SQLITE_UPSERT)
-                    .bind(slot.name)
-                    .bind(has_key)
-                    .bind(key)
-                    .bind(shard)
-                    .bind(state.value)
-                    .bind(state.ts)
-            };
-            query.execute(&mut *conn).await?;
-        }
+        save!(conn, plan, states, outcome, now, SQLITE_UPSERT, SQLITE_DELETE);
         Ok(outcome)
     }
 }

@@ -4,11 +4,13 @@ use std::cell::RefCell;
 use std::time::Duration;
 
 use postgres::{Client, GenericClient, NoTls, Statement, ToStatement};
-use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken, full_at};
+use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::Store;
 use super::pool::Pool;
-use super::sql::{LOCK_CLASS, MAX_TABLE, PgSql, lock_id, lock_ids, valid_table};
+use super::sql::{
+    LOCK_CLASS, MAX_TABLE, PG_LOCK, PgSql, key_columns, lock_id, lock_ids, saves, valid_table,
+};
 use crate::StoreError;
 
 /// Options for a [`PgStore`].
@@ -113,11 +115,7 @@ struct PgConn {
 }
 
 struct Prepared {
-    lock: Statement,
-    load: Statement,
-    upsert: Statement,
-    delete: Statement,
-    delete_all: Statement,
+    statements: Statements<Statement>,
     take: Statement,
 }
 
@@ -125,50 +123,52 @@ impl PgConn {
     fn prepared(&mut self, sql: &PgSql) -> Result<(&mut Client, &Prepared), postgres::Error> {
         if self.prepared.is_none() {
             let c = &mut self.client;
-            self.prepared = Some(Prepared {
-                lock: c.prepare(&sql.lock)?,
-                load: c.prepare(&sql.load)?,
-                upsert: c.prepare(&sql.upsert)?,
-                delete: c.prepare(&sql.delete)?,
-                delete_all: c.prepare(&sql.delete_all)?,
-                take: c.prepare(&sql.take)?,
-            });
+            let statements = text(sql).map(|q| c.prepare(q))?;
+            self.prepared = Some(Prepared { statements, take: c.prepare(&sql.take)? });
         }
         Ok((&mut self.client, self.prepared.as_ref().expect("prepared above")))
     }
 }
 
-/// The statements a request runs: text, in a caller's transaction ([`PgTransaction`]), or
+/// The statements a request runs: as text in a caller's transaction ([`PgTransaction`]), or
 /// prepared once per pooled connection ([`PgStore`]).
-struct Statements<'a, S: ?Sized> {
-    lock: &'a S,
-    load: &'a S,
-    upsert: &'a S,
-    delete: &'a S,
-    delete_all: &'a S,
+struct Statements<S> {
+    lock: S,
+    load: S,
+    upsert: S,
+    delete: S,
+    delete_all: S,
 }
 
-impl PgSql {
-    fn text(&self) -> Statements<'_, str> {
-        Statements {
-            lock: &self.lock,
-            load: &self.load,
-            upsert: &self.upsert,
-            delete: &self.delete,
-            delete_all: &self.delete_all,
-        }
+impl<S> Statements<S> {
+    /// Each statement through `f`, in order.
+    fn map<'s, T, E>(
+        &'s self,
+        mut f: impl FnMut(&'s S) -> Result<T, E>,
+    ) -> Result<Statements<T>, E> {
+        Ok(Statements {
+            lock: f(&self.lock)?,
+            load: f(&self.load)?,
+            upsert: f(&self.upsert)?,
+            delete: f(&self.delete)?,
+            delete_all: f(&self.delete_all)?,
+        })
+    }
+
+    /// The same statements, borrowed.
+    fn by_ref(&self) -> Statements<&S> {
+        self.map(Ok::<_, std::convert::Infallible>).unwrap_or_else(|never| match never {})
     }
 }
 
-impl Prepared {
-    fn statements(&self) -> Statements<'_, Statement> {
-        Statements {
-            lock: &self.lock,
-            load: &self.load,
-            upsert: &self.upsert,
-            delete: &self.delete,
-            delete_all: &self.delete_all,
-        }
+/// `sql`'s statements as text.
+fn text(sql: &PgSql) -> Statements<&str> {
+    Statements {
+        lock: PG_LOCK,
+        load: &sql.load,
+        upsert: &sql.upsert,
+        delete: &sql.delete,
+        delete_all: &sql.delete_all,
     }
 }
 
@@ -242,7 +242,7 @@ impl<C: Clock> Store for PgStore<C> {
         self.with_conn(|conn| {
             let (client, prepared) = conn.prepared(&self.sql)?;
             let mut tx = client.transaction()?;
-            let outcome = execute_in(&mut tx, &prepared.statements(), plan, now)?;
+            let outcome = execute_in(&mut tx, &prepared.statements.by_ref(), plan, now)?;
             tx.commit()?;
             Ok(outcome)
         })
@@ -257,7 +257,7 @@ impl<C: Clock> Store for PgStore<C> {
             Kind::TokenBucket => 0,
             Kind::FixedWindow => 1,
         };
-        let (has_key, key) = (slot.key.is_some(), slot.key.unwrap_or(""));
+        let (has_key, key) = key_columns(slot.key);
         let row = self.with_conn(|conn| {
             let (client, prepared) = conn.prepared(&self.sql)?;
             client.query_one(
@@ -300,14 +300,14 @@ impl<C: Clock> Store for PgStore<C> {
         let now = self.clock.as_ref().map(Clock::now);
         self.with_conn(|conn| {
             let (client, prepared) = conn.prepared(&self.sql)?;
-            load(client, &prepared.statements(), slots, now)
+            load(client, &prepared.statements.by_ref(), slots, now)
         })
     }
 
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
         self.with_conn(|conn| {
             let (client, prepared) = conn.prepared(&self.sql)?;
-            delete_all(client, &prepared.statements(), name, key, shards)
+            delete_all(client, &prepared.statements.by_ref(), name, key, shards)
         })
     }
 }
@@ -369,18 +369,18 @@ impl<'t, 'c, C: Clock> PgTransaction<'t, 'c, C> {
 impl<C: Clock> Store for PgTransaction<'_, '_, C> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         let now = self.clock.as_ref().map(Clock::now);
-        execute_in(&mut **self.tx.borrow_mut(), &self.sql.text(), plan, now)
+        execute_in(&mut **self.tx.borrow_mut(), &text(&self.sql), plan, now)
             .map_err(|e| pg_error("request failed", e))
     }
 
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
         let now = self.clock.as_ref().map(Clock::now);
-        load(&mut **self.tx.borrow_mut(), &self.sql.text(), slots, now)
+        load(&mut **self.tx.borrow_mut(), &text(&self.sql), slots, now)
             .map_err(|e| pg_error("read failed", e))
     }
 
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-        delete_all(&mut **self.tx.borrow_mut(), &self.sql.text(), name, key, shards)
+        delete_all(&mut **self.tx.borrow_mut(), &text(&self.sql), name, key, shards)
             .map_err(|e| pg_error("delete failed", e))
     }
 }
@@ -388,7 +388,7 @@ impl<C: Clock> Store for PgTransaction<'_, '_, C> {
 /// Locks the slots (ascending), then loads their states and the time in one query.
 fn load<S: ToStatement + ?Sized>(
     client: &mut impl GenericClient,
-    sql: &Statements<'_, S>,
+    sql: &Statements<&S>,
     slots: &[Slot<'_>],
     now: Option<f64>,
 ) -> Result<(f64, Vec<Option<State>>), postgres::Error> {
@@ -424,36 +424,31 @@ fn load<S: ToStatement + ?Sized>(
 /// One request within a transaction already begun: lock, load, decide, write what changed.
 fn execute_in<S: ToStatement + ?Sized>(
     client: &mut impl GenericClient,
-    sql: &Statements<'_, S>,
+    sql: &Statements<&S>,
     plan: &Plan<'_>,
     now: Option<f64>,
 ) -> Result<Outcome, postgres::Error> {
     let (now, mut states) = load(client, sql, plan.slots(), now)?;
     let outcome = plan.decide(now, &mut states);
-    for ((slot, state), changed) in plan.slots().iter().zip(&states).zip(&outcome.changed) {
-        let (true, Some(state)) = (*changed, state) else { continue };
-        let (has_key, key, shard) =
-            (slot.key.is_some(), slot.key.unwrap_or(""), i32::from(slot.shard));
-        if full_at(&slot.config, *state) <= now {
-            client.execute(sql.delete, &[&slot.name, &has_key, &key, &shard])?;
-        } else {
-            client.execute(
-                sql.upsert,
-                &[&slot.name, &has_key, &key, &shard, &state.value, &state.ts],
-            )?;
-        }
+    for (slot, state) in saves(plan, &states, &outcome, now) {
+        let ((has_key, key), shard) = (key_columns(slot.key), i32::from(slot.shard));
+        match state {
+            Some(s) => client
+                .execute(sql.upsert, &[&slot.name, &has_key, &key, &shard, &s.value, &s.ts])?,
+            None => client.execute(sql.delete, &[&slot.name, &has_key, &key, &shard])?,
+        };
     }
     Ok(outcome)
 }
 
 fn delete_all<S: ToStatement + ?Sized>(
     client: &mut impl GenericClient,
-    sql: &Statements<'_, S>,
+    sql: &Statements<&S>,
     name: &str,
     key: Option<&str>,
     shards: u16,
 ) -> Result<(), postgres::Error> {
-    let (has_key, key) = (key.is_some(), key.unwrap_or(""));
+    let (has_key, key) = key_columns(key);
     client.execute(sql.delete_all, &[&name, &has_key, &key, &i32::from(shards)])?;
     Ok(())
 }

@@ -10,6 +10,8 @@
     allow(dead_code)
 )]
 
+use tollgate_core::{Outcome, Plan, Slot, State, full_at};
+
 /// SQLite's table, created if missing. Exactly two numbers per (name, key, shard); `has_key`
 /// tells no key from the empty key without relying on NULL in a primary key.
 pub(crate) const SQLITE_SCHEMA: &str = "
@@ -38,6 +40,31 @@ pub(crate) const SQLITE_DELETE: &str =
 pub(crate) const SQLITE_DELETE_ALL: &str =
     "DELETE FROM tollgate_state WHERE name = ?1 AND has_key = ?2 AND key = ?3 AND shard < ?4";
 
+/// The key columns of a state: `has_key`, and the key (`""` when there is none).
+pub(crate) fn key_columns(key: Option<&str>) -> (bool, &str) {
+    (key.is_some(), key.unwrap_or(""))
+}
+
+/// What saving a decided plan writes: per slot that [`Outcome::changed`] marks, its new
+/// state, or `None` when that state is full again by `now` (the row is deleted: it carries
+/// no information).
+pub(crate) fn saves<'s, 'p>(
+    plan: &'s Plan<'p>,
+    states: &'s [Option<State>],
+    outcome: &'s Outcome,
+    now: f64,
+) -> impl Iterator<Item = (&'s Slot<'p>, Option<State>)> + 's {
+    plan.slots().iter().zip(states).zip(&outcome.changed).filter_map(
+        move |((slot, state), &changed)| {
+            let state = state.filter(|_| changed)?;
+            Some((slot, (full_at(&slot.config, state) > now).then_some(state)))
+        },
+    )
+}
+
+/// PostgreSQL: a transaction-scoped advisory lock on (class, id).
+pub(crate) const PG_LOCK: &str = "SELECT pg_advisory_xact_lock($1, $2)";
+
 /// The class of tollgate's advisory locks (`'toll'`), so they never meet an app's own.
 pub(crate) const LOCK_CLASS: i32 = 0x746f_6c6c;
 
@@ -64,7 +91,7 @@ pub(crate) fn lock_id(name: &str, key: Option<&str>, shard: u16) -> i32 {
 
 /// The distinct lock ids of `slots`, ascending: the order every request takes them in, so
 /// two requests never wait for each other in a cycle.
-pub(crate) fn lock_ids(slots: &[tollgate_core::Slot<'_>]) -> Vec<i32> {
+pub(crate) fn lock_ids(slots: &[Slot<'_>]) -> Vec<i32> {
     let mut ids: Vec<i32> = slots.iter().map(|s| lock_id(s.name, s.key, s.shard)).collect();
     ids.sort_unstable();
     ids.dedup();
@@ -88,7 +115,6 @@ pub(crate) struct PgSql {
     pub(crate) create: String,
     /// Creates (or replaces) the function behind [`PgSql::take`].
     pub(crate) create_take: String,
-    pub(crate) lock: String,
     pub(crate) load: String,
     pub(crate) upsert: String,
     pub(crate) delete: String,
@@ -176,7 +202,6 @@ impl PgSql {
                   END IF;
                 END $fn$"
             ),
-            lock: "SELECT pg_advisory_xact_lock($1, $2)".into(),
             take: format!(
                 "SELECT o_now, o_wrote, o_value, o_ts FROM {table}_take($1, $2, $3, $4, $5, $6, \
                  $7, $8, $9, $10, $11, $12, $13, $14, $15)"

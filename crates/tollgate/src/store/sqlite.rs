@@ -5,10 +5,13 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
-use tollgate_core::{Clock, Config, Kind, Outcome, Plan, Slot, State, SystemClock, full_at};
+use tollgate_core::{Clock, Config, Kind, Outcome, Plan, Slot, State, SystemClock};
 
 use super::Store;
-use super::sql::{SQLITE_DELETE, SQLITE_DELETE_ALL, SQLITE_SCHEMA, SQLITE_SELECT, SQLITE_UPSERT};
+use super::sql::{
+    SQLITE_DELETE, SQLITE_DELETE_ALL, SQLITE_SCHEMA, SQLITE_SELECT, SQLITE_UPSERT, key_columns,
+    saves,
+};
 use crate::StoreError;
 
 /// How SQLite makes a commit durable; see [`SqliteStoreBuilder::synchronous`].
@@ -300,10 +303,6 @@ impl<C: Clock> Store for SqliteTransaction<'_, C> {
     }
 }
 
-fn key_columns(key: Option<&str>) -> (bool, &str) {
-    (key.is_some(), key.unwrap_or(""))
-}
-
 fn load(conn: &Connection, slots: &[Slot<'_>]) -> rusqlite::Result<Vec<Option<State>>> {
     let mut select = conn.prepare_cached(SQLITE_SELECT)?;
     slots
@@ -327,21 +326,14 @@ fn execute_on(conn: &Connection, plan: &Plan<'_>, now: f64) -> rusqlite::Result<
     if outcome.any_changed() {
         let mut upsert = conn.prepare_cached(SQLITE_UPSERT)?;
         let mut delete = conn.prepare_cached(SQLITE_DELETE)?;
-        for ((slot, state), changed) in plan.slots().iter().zip(&states).zip(&outcome.changed) {
-            let (true, Some(state)) = (*changed, state) else { continue };
+        for (slot, state) in saves(plan, &states, &outcome, now) {
             let (has_key, key) = key_columns(slot.key);
-            if full_at(&slot.config, *state) <= now {
-                delete.execute(params![slot.name, has_key, key, slot.shard])?;
-            } else {
-                upsert.execute(params![
-                    slot.name,
-                    has_key,
-                    key,
-                    slot.shard,
-                    state.value,
-                    state.ts
-                ])?;
-            }
+            match state {
+                Some(s) => {
+                    upsert.execute(params![slot.name, has_key, key, slot.shard, s.value, s.ts])?
+                }
+                None => delete.execute(params![slot.name, has_key, key, slot.shard])?,
+            };
         }
     }
     Ok(outcome)
