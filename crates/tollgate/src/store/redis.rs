@@ -12,6 +12,46 @@ use super::Store;
 use super::pool::Pool;
 use crate::StoreError;
 
+/// Lua: `now`, the request's time in ms: `ARGV[1]` (a test's own time) or Redis `TIME`.
+macro_rules! lua_now {
+    () => {
+        r#"
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+end
+"#
+    };
+}
+
+/// Lua: saves the state (`v`, `ts`) under `key`, given `token_bucket`, `rate`, `period`,
+/// `cap` and `now`: deleted if it is full again by `now`, else set to expire when it will be
+/// (`tollgate_core::full_at`), counted from the script's own now (an explicit test time works
+/// too) and rounded up, so never early. One copy for every script.
+macro_rules! lua_save {
+    () => {
+        r#"
+do
+  local full = ts
+  local missing = cap - v
+  if missing > 0 then
+    if token_bucket then
+      full = ts + missing * period / rate
+    else
+      full = ts + math.ceil(missing / rate) * period
+    end
+  end
+  if full <= now then
+    redis.call('DEL', key)
+  else
+    redis.call('SET', key, struct.pack('<dd', v, ts), 'PX', math.max(1, math.ceil(full - now)))
+  end
+end
+"#
+    };
+}
+
 /// The algebra of SPEC §2 and §3 in Lua, kept equal to `tollgate-core`'s by the conformance
 /// and differential tests. It loads every slot, decides all takes, and writes only if every
 /// take is granted (and the request writes); it answers with the time it used and the states
@@ -25,12 +65,9 @@ use crate::StoreError;
 /// little-endian doubles packed with `struct` (16 bytes a state): exact, where Lua's
 /// `tostring` keeps 14 digits and an integer reply would truncate, and far cheaper than
 /// formatting text in the script.
-const SCRIPT: &str = r#"
-local now = tonumber(ARGV[1])
-if not now then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-end
+const SCRIPT: &str = concat!(
+    lua_now!(),
+    r#"
 local writes = ARGV[2] == '1'
 local nslots = tonumber(ARGV[3])
 local slot = {}
@@ -114,24 +151,11 @@ end
 if all_ok and writes then
   for i = 1, nslots do
     if changed[i] then
-      local s, v, ts = slot[i], work[i][1], work[i][2]
-      -- When the state is full again (tollgate_core::full_at).
-      local full = ts
-      local missing = s.cap - v
-      if missing > 0 then
-        if s.kind == 0 then
-          full = ts + missing * s.period / s.rate
-        else
-          full = ts + math.ceil(missing / s.rate) * s.period
-        end
-      end
-      if full <= now then
-        redis.call('DEL', KEYS[i])
-      else
-        -- Expire when full again, counted from the script's own now (an explicit test time
-        -- works too); rounded up, so never early.
-        redis.call('SET', KEYS[i], struct.pack('<dd', v, ts), 'PX', math.max(1, math.ceil(full - now)))
-      end
+      local key, v, ts = KEYS[i], work[i][1], work[i][2]
+      local token_bucket, rate, period, cap = slot[i].kind == 0, slot[i].rate, slot[i].period, slot[i].cap
+"#,
+    lua_save!(),
+    r#"
     end
   end
 end
@@ -141,7 +165,8 @@ for i = 1, nslots do
   reply[i + 2] = raw[i] or ''
 end
 return reply
-"#;
+"#
+);
 
 /// The common request alone: one take from one unsharded limit, with no tables, loops or
 /// closures, which cost a script far more than its arithmetic. The same algebra as
@@ -150,12 +175,9 @@ return reply
 /// KEYS: the state. ARGV: now ("" = `TIME`), writes (0/1), kind (0/1), rate, period,
 /// capacity, maxReserved ("" = unbounded), alignment, count, reserve (0/1). Answers the time
 /// it used, whether it wrote, and the state it loaded ("" for none).
-const SCRIPT_ONE: &str = r#"
-local now = tonumber(ARGV[1])
-if not now then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-end
+const SCRIPT_ONE: &str = concat!(
+    lua_now!(),
+    r#"
 local kind, rate, period, cap = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local count = tonumber(ARGV[9])
 local raw = redis.call('GET', KEYS[1])
@@ -182,23 +204,14 @@ local ok = nv >= 0 or (ARGV[10] == '1' and not (maxr ~= nil and -nv > maxr))
 local wrote = '0'
 if ok and ARGV[2] == '1' then
   wrote = '1'
-  local full = nts
-  local missing = cap - nv
-  if missing > 0 then
-    if kind == '0' then
-      full = nts + missing * period / rate
-    else
-      full = nts + math.ceil(missing / rate) * period
-    end
-  end
-  if full <= now then
-    redis.call('DEL', KEYS[1])
-  else
-    redis.call('SET', KEYS[1], struct.pack('<dd', nv, nts), 'PX', math.max(1, math.ceil(full - now)))
-  end
+  local key, token_bucket, v, ts = KEYS[1], kind == '0', nv, nts
+"#,
+    lua_save!(),
+    r#"
 end
 return { struct.pack('<d', now), wrote, raw or '' }
-"#;
+"#
+);
 
 /// Gives a take back to one state (Redis Cluster, when the second shard of a take across two
 /// nodes refused): if the state is still exactly what the take wrote, the state it replaced
@@ -209,12 +222,9 @@ return { struct.pack('<d', now), wrote, raw or '' }
 /// KEYS: the state. ARGV: now ("" = `TIME`), the state written (16 bytes), the state it
 /// replaced (16 bytes, or "" for none), kind (0/1), rate, period, capacity, amount.
 #[cfg(feature = "redis-cluster")]
-const GIVE_BACK: &str = r#"
-local now = tonumber(ARGV[1])
-if not now then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-end
+const GIVE_BACK: &str = concat!(
+    lua_now!(),
+    r#"
 local kind, rate, period, cap = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local cur = redis.call('GET', KEYS[1])
 local v, ts
@@ -239,22 +249,13 @@ else
   -- Gone (full again, or reset): nothing to give back.
   return 0
 end
-local full = ts
-local missing = cap - v
-if missing > 0 then
-  if kind == 0 then
-    full = ts + missing * period / rate
-  else
-    full = ts + math.ceil(missing / rate) * period
-  end
-end
-if full <= now then
-  redis.call('DEL', KEYS[1])
-else
-  redis.call('SET', KEYS[1], struct.pack('<dd', v, ts), 'PX', math.max(1, math.ceil(full - now)))
-end
+local key, token_bucket = KEYS[1], kind == 0
+"#,
+    lua_save!(),
+    r#"
 return 1
-"#;
+"#
+);
 
 /// Options for a [`RedisStore`].
 #[derive(Debug, Clone)]
@@ -555,20 +556,14 @@ impl<C: Clock> RedisStore<C> {
         if reply.len() != 2 + slots.len() {
             return Err(garbage(&format!("{} values for {} slots", reply.len(), slots.len())));
         }
-        let now = match &reply[0] {
-            Value::BulkString(bytes) => unpack_f64(bytes),
-            _ => None,
-        }
-        .ok_or_else(|| garbage("the time"))?;
+        let now = unpack_time(&reply[0])?;
         let committed = matches!(&reply[1], Value::BulkString(b) if b.as_slice() == b"1");
         let mut states: Vec<Option<State>> = reply[2..].iter().map(unpack_state).collect();
         // The answer comes from tollgate-core, on exactly what the script loaded and the
         // time it used; the script only mirrored the decision to write.
         let outcome = plan.decide(now, &mut states);
         if committed != (outcome.ok && plan.writes()) {
-            return Err(StoreError::new(
-                "redis: the script and tollgate-core disagree on this request; this is a bug",
-            ));
+            return Err(disagree());
         }
         let loaded = reply
             .into_iter()
@@ -584,8 +579,6 @@ impl<C: Clock> RedisStore<C> {
     /// Reads the states under `keys` and the time: one pipeline on one Redis, one command
     /// per key on a cluster (the keys may be on different nodes).
     fn read_keys(&self, keys: &[String]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("TIME");
         let reply: Vec<Value> = if self.is_cluster() {
             self.with_connection(|conn| {
                 let mut reply = vec![redis::cmd("TIME").query(&mut **conn)?];
@@ -595,6 +588,8 @@ impl<C: Clock> RedisStore<C> {
                 Ok(reply)
             })?
         } else {
+            let mut pipe = redis::pipe();
+            pipe.cmd("TIME");
             for key in keys {
                 pipe.cmd("GET").arg(key);
             }
@@ -737,6 +732,21 @@ fn unpack_f64(bytes: &[u8]) -> Option<f64> {
     Some(f64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
 }
 
+/// Reads the time a script answered (a packed double).
+fn unpack_time(v: &Value) -> Result<f64, StoreError> {
+    match v {
+        Value::BulkString(bytes) => unpack_f64(bytes),
+        _ => None,
+    }
+    .ok_or_else(|| garbage("the time"))
+}
+
+/// The error when the script wrote where tollgate-core, on the same states, would not (or
+/// the other way round).
+fn disagree() -> StoreError {
+    StoreError::new("redis: the script and tollgate-core disagree on this request; this is a bug")
+}
+
 /// Reads a stored state: `value` and `ts` as two packed doubles; anything else is no state.
 fn unpack_state(v: &Value) -> Option<State> {
     match v {
@@ -793,18 +803,12 @@ impl<C: Clock> Store for RedisStore<C> {
         let [now, wrote, state] = reply.as_slice() else {
             return Err(garbage(&format!("{} values for one slot", reply.len())));
         };
-        let now = match now {
-            Value::BulkString(bytes) => unpack_f64(bytes),
-            _ => None,
-        }
-        .ok_or_else(|| garbage("the time"))?;
+        let now = unpack_time(now)?;
         let wrote = matches!(wrote, Value::BulkString(b) if b.as_slice() == b"1");
         // As for a plan: the answer is tollgate-core's, on what the script loaded.
         let (taken, new) = take.decide(now, unpack_state(state));
         if wrote != new.is_some() {
-            return Err(StoreError::new(
-                "redis: the script and tollgate-core disagree on this request; this is a bug",
-            ));
+            return Err(disagree());
         }
         Ok(taken)
     }
