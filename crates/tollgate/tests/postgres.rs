@@ -8,13 +8,13 @@ use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, T
 
 mod common;
 
+fn url() -> Option<String> {
+    common::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
+}
+
 #[test]
 fn a_rolled_back_transaction_gives_the_tokens_back() {
-    let Some(url) =
-        common::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
-    else {
-        return;
-    };
+    let Some(url) = url() else { return };
     let guard = common::DropTable::new(&url, "tollgate_tx");
     let table = guard.table.clone();
     let clock = ManualClock::new(1_700_000_000_000.0);
@@ -54,11 +54,7 @@ fn a_rolled_back_transaction_gives_the_tokens_back() {
 /// about to replace. (A check writes nothing, so only the lock can make it wait.)
 #[test]
 fn a_request_waits_for_a_transaction_holding_its_slot() {
-    let Some(url) =
-        common::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
-    else {
-        return;
-    };
+    let Some(url) = url() else { return };
     let guard = common::DropTable::new(&url, "tollgate_wait");
     let store = PgStore::builder()
         .table(&guard.table)
@@ -91,11 +87,7 @@ fn a_request_waits_for_a_transaction_holding_its_slot() {
 /// In a caller's transaction on a database without the table, the error says how to make it.
 #[test]
 fn a_missing_table_is_an_error_that_says_what_to_do() {
-    let Some(url) =
-        common::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
-    else {
-        return;
-    };
+    let Some(url) = url() else { return };
     let guard = common::DropTable::new(&url, "tollgate_missing");
     let mut client = Client::connect(&url, NoTls).unwrap();
     let mut tx = client.transaction().unwrap();
