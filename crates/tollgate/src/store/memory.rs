@@ -147,16 +147,10 @@ impl Table {
         Some(self.name_id(slot.name, hasher)? << SHARD_BITS | u32::from(slot.shard))
     }
 
-    /// A slot's entry id (`None`: its name is new to this segment) and stored state.
-    fn find(
-        &mut self,
-        at: Located,
-        slot: &Slot<'_>,
-        hasher: &RandomState,
-    ) -> (Option<u32>, Option<State>) {
-        let id = self.entry_id(slot, hasher);
-        let found = id.and_then(|id| self.entries.find(at.hash, |e| e.is(id, slot.key)));
-        (id, found.map(|e| State { value: e.value, ts: e.ts }))
+    fn find(&mut self, at: Located, slot: &Slot<'_>, hasher: &RandomState) -> Option<State> {
+        let id = self.entry_id(slot, hasher)?;
+        let e = self.entries.find(at.hash, |e| e.is(id, slot.key))?;
+        Some(State { value: e.value, ts: e.ts })
     }
 }
 
@@ -513,8 +507,10 @@ impl<C: Clock> MemoryStore<C> {
         let mut ids: Inline<Option<u32>> = Inline::with_capacity(slots.len());
         let mut states: Inline<Option<State>> = Inline::with_capacity(slots.len());
         for (slot, &at) in slots.iter().zip(&located) {
-            let (id, state) = guards[guard_of(at.segment)].find(at, slot, &self.hasher);
-            states.push(state);
+            let table = &mut guards[guard_of(at.segment)];
+            let id = table.entry_id(slot, &self.hasher);
+            let found = id.and_then(|id| table.entries.find(at.hash, |e| e.is(id, slot.key)));
+            states.push(found.map(|e| State { value: e.value, ts: e.ts }));
             ids.push(id);
         }
         let found: Inline<bool> = states.iter().map(Option::is_some).collect();
@@ -587,7 +583,7 @@ impl<C: Clock> Store for MemoryStore<C> {
             .iter()
             .map(|slot| {
                 let at = self.locate(slot);
-                self.segments[at.segment].0.lock().find(at, slot, &self.hasher).1
+                self.segments[at.segment].0.lock().find(at, slot, &self.hasher)
             })
             .collect();
         Ok((now, states))
