@@ -283,8 +283,19 @@ pub const MAX_KEY_BYTES: usize = 1024;
 /// # Errors
 ///
 /// An empty name, a name over 256 bytes, or a key over 1024 bytes.
-#[inline]
+#[inline(always)]
 pub fn validate_name_key(name: &str, key: Option<&str>) -> Result<(), InvalidRequest> {
+    let key_len = key.map_or(0, str::len);
+    if !name.is_empty() && name.len() <= MAX_NAME_BYTES && key_len <= MAX_KEY_BYTES {
+        return Ok(());
+    }
+    name_key_error(name, key)
+}
+
+/// The error of [`validate_name_key`], out of the hot path.
+#[cold]
+#[inline(never)]
+fn name_key_error(name: &str, key: Option<&str>) -> Result<(), InvalidRequest> {
     if name.is_empty() {
         return Err(InvalidRequest::new("Rate limit name must not be empty."));
     }
@@ -334,6 +345,18 @@ pub fn validate_count(
     if !reserve && config.shards() == 1 && (0.0..=config.capacity()).contains(&count) {
         return Ok(());
     }
+    validate_count_slow(name, config, count, reserve)
+}
+
+/// The rest of [`validate_count`]: reservations, shards, and the errors, out of the hot path.
+#[cold]
+#[inline(never)]
+fn validate_count_slow(
+    name: &str,
+    config: &Config,
+    count: f64,
+    reserve: bool,
+) -> Result<(), InvalidRequest> {
     if !count.is_finite() || count < 0.0 {
         return Err(InvalidRequest::new(format!(
             "Rate limit {name} count {} must be a finite number >= 0.",

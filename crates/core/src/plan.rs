@@ -76,16 +76,31 @@ impl<'a> OneTake<'a> {
     /// # Errors
     ///
     /// The validation errors of [`Plan::push`], and a sharded limit, which needs a [`Plan`].
-    #[inline]
+    #[inline(always)]
     pub fn new(take: &Take<'a>, seed: u64, writes: bool) -> Result<Self, InvalidRequest> {
+        Self::check(take)?;
+        Ok(Self::of_valid(take, seed, writes))
+    }
+
+    /// The validation of [`OneTake::new`] alone.
+    ///
+    /// # Errors
+    ///
+    /// As for [`OneTake::new`].
+    #[inline(always)]
+    pub fn check(take: &Take<'_>) -> Result<(), InvalidRequest> {
         if take.config.shards() != 1 {
-            return Err(InvalidRequest::new(format!(
-                "Rate limit {} is sharded: it needs a Plan, not a OneTake.",
-                take.name
-            )));
+            return Err(sharded_one_take(take.name));
         }
         validate_name_key(take.name, take.key)?;
-        validate_count(take.name, &take.config, take.count, take.reserve)?;
+        validate_count(take.name, &take.config, take.count, take.reserve)
+    }
+
+    /// The take of [`OneTake::new`] for a `take` that [`OneTake::check`] accepted. (Apart, so
+    /// that a caller that inlines both keeps the take in registers: a `Result<OneTake, _>`
+    /// keeps its variant in one of the take's flags, and is copied through memory.)
+    #[inline(always)]
+    pub fn of_valid(take: &Take<'a>, seed: u64, writes: bool) -> Self {
         let slot = Slot {
             name: take.name,
             key: take.key,
@@ -93,12 +108,12 @@ impl<'a> OneTake<'a> {
             config: take.config,
             alignment: alignment(&take.config, seed, take.name, take.key, 0),
         };
-        Ok(OneTake { slot, count: take.count, reserve: take.reserve, writes })
+        OneTake { slot, count: take.count, reserve: take.reserve, writes }
     }
 
     /// Evaluates the take against the slot's loaded state: the decision with the limit's
     /// status after it, and the state to save if any.
-    #[inline]
+    #[inline(always)]
     pub fn decide(&self, now: f64, state: Option<State>) -> (Taken, Option<State>) {
         let s = &self.slot;
         let e = evaluate(&s.config, state, s.alignment, now, self.count, self.reserve);
@@ -115,6 +130,12 @@ impl<'a> OneTake<'a> {
             slots: smallvec::smallvec![self.slot],
         }
     }
+}
+
+#[cold]
+#[inline(never)]
+fn sharded_one_take(name: &str) -> InvalidRequest {
+    InvalidRequest::new(format!("Rate limit {name} is sharded: it needs a Plan, not a OneTake."))
 }
 
 /// A small vector held inline up to four elements: a plan's takes and slots, and what a

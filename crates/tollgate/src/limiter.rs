@@ -378,7 +378,7 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
-        Ok(self.single(true, target.into(), request.into())?.decision)
+        self.single(true, target.into(), request.into(), |t| t.decision)
     }
 
     /// Like [`RateLimiter::limit`], but never takes anything: would it be granted now?
@@ -391,7 +391,7 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
-        Ok(self.single(false, target.into(), request.into())?.decision)
+        self.single(false, target.into(), request.into(), |t| t.decision)
     }
 
     /// Like [`RateLimiter::limit`], with what the limit has left afterwards (for the IETF
@@ -418,7 +418,7 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Taken, Error> {
-        self.single(true, target.into(), request.into())
+        self.single(true, target.into(), request.into(), |t| t)
     }
 
     /// Like [`RateLimiter::check`], with what the limit has left.
@@ -431,46 +431,79 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Taken, Error> {
-        self.single(false, target.into(), request.into())
+        self.single(false, target.into(), request.into(), |t| t)
     }
 
     /// [`RateLimiter::limit_with_status`] of a [`Call`], for the tower layer.
     #[cfg(feature = "tower")]
     pub(crate) fn limit_call_with_status(&self, call: &Call<'_>) -> Result<Taken, Error> {
-        self.single(true, call.target, call.request)
+        self.single(true, call.target, call.request, |t| t)
     }
 
-    fn single(
+    /// One take: the common request. Inlined into `limit` and its kin so that, for a typed
+    /// limit, the config is a constant and the decision never goes through memory (returning
+    /// it through a call costs more than deciding it); what is rare lives out of line.
+    ///
+    /// `answer` picks what the caller returns, so that `limit` never builds the status.
+    #[inline(always)]
+    fn single<T>(
         &self,
         writes: bool,
         target: Target<'_>,
         request: Request<'_>,
-    ) -> Result<Taken, Error> {
+        answer: impl Fn(Taken) -> T,
+    ) -> Result<T, Error> {
         let config = self.resolve(&target)?;
         let name = target.name();
         let take =
             Take { name, key: request.key, config, count: request.count, reserve: request.reserve };
-        let result = if config.shards() == 1 {
-            self.store.execute_one(&OneTake::new(&take, self.setup.seed, writes)?)
-        } else {
-            let mut plan = Plan::new(writes);
-            plan.push(&take, self.setup.seed, self.draw())?;
-            self.store
-                .execute(&plan)
-                .map(|outcome| Taken { decision: outcome.decision(), status: outcome.statuses[0] })
-        };
-        let taken = match result {
-            Ok(taken) => taken,
-            Err(_) if self.fails_open(std::iter::once(name)) => Taken {
-                decision: Decision::ADMIT,
-                status: Status { remaining: config.capacity(), reset_after: 0.0 },
-            },
-            Err(e) => return Err(e.into()),
-        };
-        if request.throws && !taken.decision.ok {
-            return Err(refused(name, taken.decision));
+        if config.shards() != 1 {
+            return self.sharded(writes, &take, request.throws).map(&answer);
         }
-        Ok(taken)
+        OneTake::check(&take)?;
+        let one = OneTake::of_valid(&take, self.setup.seed, writes);
+        let throws = request.throws;
+        // A refusal that throws keeps its decision; everything else is answered in the store.
+        let kept =
+            self.store.execute_one_then(&one, |taken: Taken| match taken.decision.ok || !throws {
+                true => Ok((answer)(taken)),
+                false => Err(taken.decision),
+            });
+        match kept {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(decision)) => Err(refused(name, decision)),
+            Err(e) => self.store_failed(e, name, config).map(&answer),
+        }
+    }
+
+    /// One take from a sharded limit, through a [`Plan`].
+    #[inline(never)]
+    fn sharded(&self, writes: bool, take: &Take<'_>, throws: bool) -> Result<Taken, Error> {
+        let mut plan = Plan::new(writes);
+        plan.push(take, self.setup.seed, self.draw())?;
+        match self.store.execute(&plan) {
+            Ok(outcome) if outcome.ok || !throws => {
+                Ok(Taken { decision: outcome.decision(), status: outcome.statuses[0] })
+            }
+            Ok(outcome) => Err(refused(take.name, outcome.decision())),
+            Err(e) => self.store_failed(e, take.name, take.config),
+        }
+    }
+
+    /// A store error for one take: admitted if its limit fails open, else the error.
+    #[cold]
+    #[inline(never)]
+    fn store_failed(
+        &self,
+        e: crate::StoreError,
+        name: &str,
+        config: Config,
+    ) -> Result<Taken, Error> {
+        if self.fails_open(std::iter::once(name)) {
+            let status = Status { remaining: config.capacity(), reset_after: 0.0 };
+            return Ok(Taken { decision: Decision::ADMIT, status });
+        }
+        Err(e.into())
     }
 
     /// Takes tokens from several limits at once, all or nothing: if any is refused (or
@@ -632,13 +665,19 @@ impl<S: Store> RateLimiter<S> {
         Ok(read(&config, &samples, now))
     }
 
+    /// The config of `target`: a typed or inline target carries it (inlined, so that a typed
+    /// limit's config is a constant at the call); a name is looked up.
+    #[inline(always)]
     fn resolve(&self, target: &Target<'_>) -> Result<Config, Error> {
         match *target {
             Target::Inline(_, config) => Ok(config),
-            Target::Named(name) => {
-                self.defined_config(name).ok_or_else(|| Error::NotDefined { name: name.to_owned() })
-            }
+            Target::Named(name) => self.resolve_name(name),
         }
+    }
+
+    #[inline(never)]
+    fn resolve_name(&self, name: &str) -> Result<Config, Error> {
+        self.defined_config(name).ok_or_else(|| Error::NotDefined { name: name.to_owned() })
     }
 
     fn push<'a>(

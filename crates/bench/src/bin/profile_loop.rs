@@ -1,5 +1,5 @@
 //! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
-//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|tx]`.
+//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|tx|governor]`.
 use std::time::Instant;
 
 use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
@@ -20,6 +20,15 @@ fn main() {
                 tollgate::Target::from(Limit::Global).with(tollgate::Request::new()),
             ];
             let _ = std::hint::black_box(t.transaction(&calls));
+        }
+        return;
+    }
+    if std::env::args().nth(2).as_deref() == Some("governor") {
+        // governor's keyed check on one key, for the same instruction count.
+        let gov = tollgate_bench::governor_keyed();
+        let key = String::from("user-00000001");
+        for _ in 0..n {
+            let _ = std::hint::black_box(gov.check_key(std::hint::black_box(&key)).is_ok());
         }
         return;
     }

@@ -88,6 +88,25 @@ pub trait Store {
             .map(|outcome| Taken { decision: outcome.decision(), status: outcome.statuses[0] })
     }
 
+    /// [`Store::execute_one`], keeping only what `answer` picks of the result. The default
+    /// maps the result; an in-process store may apply `answer` before its result leaves the
+    /// store, so that what the caller drops (the status, for `limit`) is never worked out.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Store::execute_one`].
+    #[inline(always)]
+    fn execute_one_then<T>(
+        &self,
+        take: &OneTake<'_>,
+        answer: impl FnOnce(Taken) -> T,
+    ) -> Result<T, StoreError>
+    where
+        Self: Sized,
+    {
+        self.execute_one(take).map(answer)
+    }
+
     /// Reads the states of `slots` without changing them; returns the store's time too.
     ///
     /// # Errors
@@ -149,6 +168,7 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
         (**self).execute_one(take)
     }
+
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
         (**self).read(slots)
     }
