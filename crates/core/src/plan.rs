@@ -48,7 +48,7 @@ impl Slot<'_> {
 }
 
 /// A decision with the limit's status after it.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub struct Taken {
     /// Granted or refused, and the wait.
     pub decision: Decision,
@@ -229,6 +229,32 @@ impl<'a> Plan<'a> {
     #[inline]
     pub fn new(writes: bool) -> Self {
         Plan { writes, items: SmallVec::new(), slots: SmallVec::new() }
+    }
+
+    /// The plan of a transaction of one-takes, all or nothing, writing if the first take
+    /// does (a transaction's takes all share it). Takes of one state share its slot, as with
+    /// [`Plan::push`]. A store may decide takes of distinct slots one by one instead: for
+    /// them, [`Plan::decide`] gives take `i` exactly [`OneTake::decide`]'s answer for its own
+    /// state, all granted or nothing saved.
+    pub fn of_one_takes(takes: &[OneTake<'a>]) -> Self {
+        let mut plan = Plan::new(takes.first().is_none_or(|t| t.writes));
+        for take in takes {
+            let a = match plan.slots.iter().position(|s| s.same_state(&take.slot)) {
+                Some(i) => i,
+                None => {
+                    plan.slots.push(take.slot);
+                    plan.slots.len() - 1
+                }
+            };
+            plan.items.push(Item {
+                count: take.count,
+                reserve: take.reserve,
+                shards: 1,
+                a,
+                b: None,
+            });
+        }
+        plan
     }
 
     /// Whether deciding this plan may change states.

@@ -190,6 +190,17 @@ impl<'a> Call<'a> {
     }
 }
 
+impl From<tollgate_core::Outcome> for TransactionDecision {
+    fn from(outcome: tollgate_core::Outcome) -> Self {
+        TransactionDecision {
+            ok: outcome.ok,
+            retry_after: outcome.retry_after,
+            results: outcome.results,
+            statuses: outcome.statuses,
+        }
+    }
+}
+
 /// The answer to a transaction: all granted, or nothing written.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TransactionDecision {
@@ -464,11 +475,9 @@ impl<S: Store> RateLimiter<S> {
         let one = OneTake::of_valid(&take, self.setup.seed, writes);
         let throws = request.throws;
         // A refusal that throws keeps its decision; everything else is answered in the store.
-        let kept =
-            self.store.execute_one_then(&one, |taken: Taken| match taken.decision.ok || !throws {
-                true => Ok((answer)(taken)),
-                false => Err(taken.decision),
-            });
+        let kept = self.store.execute_one_then(&one, |taken: Taken| {
+            if taken.decision.ok || !throws { Ok(answer(taken)) } else { Err(taken.decision) }
+        });
         match kept {
             Ok(Ok(answer)) => Ok(answer),
             Ok(Err(decision)) => Err(refused(name, decision)),
@@ -530,33 +539,98 @@ impl<S: Store> RateLimiter<S> {
     /// assert_eq!(t.retry_after, Some(20_000.0)); // the global limit booked one token ahead
     /// ```
     pub fn transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
+        // The common transaction, of unsharded limits, goes to the store as one-takes.
+        let mut takes: Inline<OneTake<'_>> = Inline::new();
+        for call in calls {
+            let config = self.resolve(&call.target)?;
+            if config.shards() != 1 {
+                return self.planned_transaction(calls);
+            }
+            let request = &call.request;
+            let take = Take {
+                name: call.target.name(),
+                key: request.key,
+                config,
+                count: request.count,
+                reserve: request.reserve,
+            };
+            OneTake::check(&take)?;
+            takes.push(OneTake::of_valid(&take, self.setup.seed, true));
+        }
+        const UNSET: Taken = Taken {
+            decision: Decision { ok: false, retry_after: None },
+            status: Status { remaining: 0.0, reset_after: 0.0 },
+        };
+        let (mut inline, mut spilled) = ([UNSET; 4], Vec::new());
+        let answers = match calls.len() {
+            n @ 0..=4 => &mut inline[..n],
+            n => {
+                spilled.resize(n, UNSET);
+                &mut spilled[..]
+            }
+        };
+        if let Err(e) = self.store.execute_each(&takes, answers) {
+            return self.transaction_failed(calls, e);
+        }
+        let mut decision = TransactionDecision {
+            ok: true,
+            retry_after: None,
+            results: Inline::new(),
+            statuses: Inline::new(),
+        };
+        for taken in answers.iter() {
+            decision.ok &= taken.decision.ok;
+            decision.retry_after =
+                tollgate_core::max_option(decision.retry_after, taken.decision.retry_after);
+            decision.results.push(taken.decision);
+            decision.statuses.push(taken.status);
+        }
+        self.check_throws(calls, &decision)?;
+        Ok(decision)
+    }
+
+    /// A transaction with a sharded limit, through a [`Plan`].
+    #[inline(never)]
+    fn planned_transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
         // Built in place: a plan is a few hundred bytes, not worth moving.
         let mut plan = Plan::new(true);
         for call in calls {
             self.push(&mut plan, &call.target, &call.request)?;
         }
-        let outcome = match self.store.execute(&plan) {
-            Ok(outcome) => outcome,
-            Err(e) => {
-                if calls.is_empty() || !self.fails_open(calls.iter().map(|c| c.target.name())) {
-                    return Err(e.into());
-                }
-                let statuses = calls
-                    .iter()
-                    .map(|c| Status {
-                        remaining: self.resolve(&c.target).map_or(0.0, |c| c.capacity()),
-                        reset_after: 0.0,
-                    })
-                    .collect();
-                return Ok(TransactionDecision {
-                    ok: true,
-                    retry_after: None,
-                    results: Inline::from_elem(Decision::ADMIT, calls.len()),
-                    statuses,
-                });
+        match self.store.execute(&plan) {
+            Ok(outcome) => {
+                let decision = outcome.into();
+                self.check_throws(calls, &decision)?;
+                Ok(decision)
             }
-        };
-        self.transaction_answer(calls, outcome)
+            Err(e) => self.transaction_failed(calls, e),
+        }
+    }
+
+    /// A store error for a transaction: admitted if all its limits fail open, else the error.
+    #[cold]
+    #[inline(never)]
+    fn transaction_failed(
+        &self,
+        calls: &[Call<'_>],
+        e: crate::StoreError,
+    ) -> Result<TransactionDecision, Error> {
+        if calls.is_empty() || !self.fails_open(calls.iter().map(|c| c.target.name())) {
+            return Err(e.into());
+        }
+        let statuses = calls
+            .iter()
+            .map(|c| Status {
+                remaining: self.resolve(&c.target).map_or(0.0, |c| c.capacity()),
+                reset_after: 0.0,
+            })
+            .collect();
+        Ok(TransactionDecision {
+            ok: true,
+            retry_after: None,
+            results: Inline::from_elem(Decision::ADMIT, calls.len()),
+            statuses,
+        })
     }
 
     /// A plan of `calls`, validated.
@@ -573,24 +647,19 @@ impl<S: Store> RateLimiter<S> {
         Ok(plan)
     }
 
-    /// The answer to a transaction from its outcome: a refusal is an error if a call throws.
-    pub(crate) fn transaction_answer(
+    /// A refused transaction is an error if a call throws.
+    pub(crate) fn check_throws(
         &self,
         calls: &[Call<'_>],
-        outcome: tollgate_core::Outcome,
-    ) -> Result<TransactionDecision, Error> {
-        if !outcome.ok
+        decision: &TransactionDecision,
+    ) -> Result<(), Error> {
+        if !decision.ok
             && calls.iter().any(|c| c.request.throws)
-            && let Some(i) = tollgate_core::longest_refusal(&outcome.results)
+            && let Some(i) = tollgate_core::longest_refusal(&decision.results)
         {
-            return Err(refused(calls[i].target.name(), outcome.results[i]));
+            return Err(refused(calls[i].target.name(), decision.results[i]));
         }
-        Ok(TransactionDecision {
-            ok: outcome.ok,
-            retry_after: outcome.retry_after,
-            results: outcome.results,
-            statuses: outcome.statuses,
-        })
+        Ok(())
     }
 
     /// Forgets the state of (name, key) in every shard: the next request starts fresh.

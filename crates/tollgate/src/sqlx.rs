@@ -132,7 +132,9 @@ impl<S: Store + Sync> RateLimiter<S> {
     ) -> Result<TransactionDecision, Error> {
         let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
         let outcome = conn.execute_plan(&plan).await?;
-        self.transaction_answer(calls, outcome)
+        let decision = outcome.into();
+        self.check_throws(calls, &decision)?;
+        Ok(decision)
     }
 
     async fn single_in(

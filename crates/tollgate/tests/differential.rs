@@ -4,12 +4,15 @@
 //! States are compared through what the algebra makes of them (a check of 0 tokens, with
 //! its status), not by their raw fields: a state that is full again may be dropped by one
 //! store and kept by another, and the two mean the same.
-
-#![cfg(any(feature = "sqlite", feature = "redis", feature = "postgres"))]
+//!
+//! The memory store is also compared with itself served through plans only (the trait's
+//! default `execute_one` and `execute_each`), which checks its own fast paths.
 
 use proptest::prelude::*;
+use tollgate::core::{Outcome, Plan, Slot, State};
 use tollgate::{
-    Call, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, SECOND, Store, Target,
+    Call, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, SECOND, Store,
+    StoreError, Target,
 };
 
 mod common;
@@ -34,10 +37,23 @@ const KEYS: [Option<&str>; 3] = [None, Some(""), Some("a")];
 
 #[derive(Clone, Debug)]
 enum Op {
-    Limit { limit: usize, key: usize, count: f64, reserve: bool },
-    Check { limit: usize, key: usize, count: f64 },
-    Transaction { a: (usize, usize, f64), b: (usize, usize, f64) },
-    Reset { limit: usize, key: usize },
+    Limit {
+        limit: usize,
+        key: usize,
+        count: f64,
+        reserve: bool,
+    },
+    Check {
+        limit: usize,
+        key: usize,
+        count: f64,
+    },
+    /// Up to six calls: (limit, key, count, reserve).
+    Transaction(Vec<(usize, usize, f64, bool)>),
+    Reset {
+        limit: usize,
+        key: usize,
+    },
 }
 
 /// An operation; with `transactions` false, none over several limits (a Redis Cluster
@@ -47,7 +63,8 @@ fn op(transactions: bool) -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (pick.clone(), any::<bool>()).prop_map(|((limit, key, count), reserve)| Op::Limit { limit, key, count, reserve }),
         2 => pick.clone().prop_map(|(limit, key, count)| Op::Check { limit, key, count }),
-        if transactions { 2 } else { 0 } => (pick.clone(), pick).prop_map(|(a, b)| Op::Transaction { a, b }),
+        if transactions { 2 } else { 0 } => prop::collection::vec((pick, any::<bool>()), 1..=6)
+            .prop_map(|calls| Op::Transaction(calls.into_iter().map(|((l, k, c), r)| (l, k, c, r)).collect())),
         1 => (0..5usize, 0..3usize).prop_map(|(limit, key)| Op::Reset { limit, key }),
     ]
 }
@@ -71,12 +88,16 @@ fn run<S: Store>(l: &RateLimiter<S>, op: &Op) -> String {
         Op::Check { limit, key, count } => {
             l.check_with_status(limits[limit], request(key, count)).map(|t| format!("{t:?}"))
         }
-        Op::Transaction { a, b } => l
-            .transaction(&[
-                Call::new(limits[a.0], request(a.1, a.2)),
-                Call::new(limits[b.0], request(b.1, b.2)),
-            ])
-            .map(|t| format!("{t:?}")),
+        Op::Transaction(ref calls) => {
+            let calls: Vec<Call<'_>> = calls
+                .iter()
+                .map(|&(limit, key, count, reserve)| {
+                    let r = request(key, count);
+                    Call::new(limits[limit], if reserve { r.reserve() } else { r })
+                })
+                .collect();
+            l.transaction(&calls).map(|t| format!("{t:?}"))
+        }
         Op::Reset { limit, key } => l.reset(limits[limit], KEYS[key]).map(|()| "reset".into()),
     };
     answer.unwrap_or_else(|e| format!("error: {e}"))
@@ -119,6 +140,36 @@ fn compare<S: Store>(
 
 fn traffic() -> impl Strategy<Value = Vec<(f64, Op)>> {
     prop::collection::vec(((0..4_000u32).prop_map(f64::from), op(true)), 1..60)
+}
+
+/// A memory store served through plans only: the trait's defaults for everything else.
+struct ThroughPlans(MemoryStore<ManualClock>);
+
+impl Store for ThroughPlans {
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        self.0.execute(plan)
+    }
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        self.0.read(slots)
+    }
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+        self.0.delete(name, key, shards)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn memory_fast_paths_answer_as_plans(ops in traffic()) {
+        compare(|clock| ThroughPlans(MemoryStore::with_clock(clock)), &ops)?;
+    }
+
+    /// The same with two segments, so that a transaction's states often share one.
+    #[test]
+    fn memory_fast_paths_answer_as_plans_in_two_segments(ops in traffic()) {
+        compare(|clock| ThroughPlans(MemoryStore::builder().segments(2).build_with_clock(clock)), &ops)?;
+    }
 }
 
 #[cfg(feature = "sqlite")]

@@ -84,6 +84,34 @@ fn max_keys_fails_closed_for_new_keys_only() {
 }
 
 #[test]
+fn transactions_count_the_states_they_keep() {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(MemoryStore::builder().segments(2).build_with_clock(clock.clone()));
+    let l = RateLimiter::new(Arc::clone(&store));
+    let t = Target::Inline("t", Config::token_bucket(10.0, MINUTE));
+    let u = Target::Inline("u", Config::token_bucket(2.0, MINUTE));
+    assert!(l.transaction(&[t.with("a"), t.with("b"), u.with("a")]).unwrap().ok);
+    assert_eq!(store.len(), 3);
+    // A take of nothing leaves a new state full: nothing kept for it.
+    assert!(l.transaction(&[t.with("a"), t.with(Request::new().key("c").count(0.0))]).unwrap().ok);
+    assert_eq!(store.len(), 3);
+    // Refused (u has 1 left): nothing taken, nothing kept.
+    let d = l.transaction(&[t.with("d"), u.with(Request::new().key("a").count(2.0))]).unwrap();
+    assert!(!d.ok);
+    assert_eq!(store.len(), 3);
+    assert_eq!(l.value(t, Some("a")).unwrap().value, 8.0);
+    // Once every state is full again, a transaction that touches them drops them.
+    clock.advance(MINUTE);
+    let nothing = |key| Request::new().key(key).count(0.0);
+    assert!(
+        l.transaction(&[t.with(nothing("a")), t.with(nothing("b")), u.with(nothing("a"))])
+            .unwrap()
+            .ok
+    );
+    assert_eq!(store.len(), 0);
+}
+
+#[test]
 fn eight_threads_admit_exactly_the_limit() {
     let l = Arc::new(RateLimiter::new(MemoryStore::new()));
     // A day-long period: nothing flows back while the threads run.

@@ -16,6 +16,8 @@ use crate::StoreError;
 /// Shard indices take the low 10 bits of an entry's id (shards <= 1024), names the rest.
 const SHARD_BITS: u32 = 10;
 const MAX_NAMES: u32 = 1 << (32 - SHARD_BITS);
+/// The most takes a transaction may have to be decided one by one, without a plan.
+const EACH: usize = 4;
 /// A segment is swept of full states once it has doubled in size since the last sweep.
 const MIN_SWEEP_LEN: usize = 64;
 
@@ -526,6 +528,93 @@ impl<C: Clock> MemoryStore<C> {
         Ok(true)
     }
 
+    /// A transaction of up to [`EACH`] one-takes from distinct states: their segments locked
+    /// once each, in ascending order; each take decided on its own state (which is what a
+    /// plan of them decides); all saved, or nothing. Each entry is found once: updates and
+    /// removals go by the bucket found, and inserts, which may move buckets, come last. What
+    /// it keeps per take is in arrays on the stack, which cost nothing to set up.
+    fn execute_each_distinct(
+        &self,
+        takes: &[OneTake<'_>],
+        answers: &mut [Taken],
+    ) -> Result<bool, StoreError> {
+        let n = takes.len();
+        assert!(n <= EACH && answers.len() >= n);
+        let mut located = [Located { hash: 0, segment: 0 }; EACH];
+        let mut order = [usize::MAX; EACH];
+        for (i, take) in takes.iter().enumerate() {
+            located[i] = self.locate(&take.slot);
+            order[i] = located[i].segment;
+        }
+        order[..n].sort_unstable();
+        let mut guards: [Option<MutexGuard<'_, Table>>; EACH] = [None, None, None, None];
+        for i in 0..n {
+            if i == 0 || order[i] != order[i - 1] {
+                guards[i] = Some(self.segments[order[i]].0.lock());
+            }
+        }
+        // The guard of a segment: at the first position of the segment in `order`.
+        let guard_of = |segment: usize| order.iter().position(|&s| s == segment).expect("locked");
+        let now = self.clock.now();
+        // Per take: its entry id if its name is stored in the segment, the bucket of its
+        // entry if found, and the state to save.
+        let mut found: [(Option<u32>, Option<usize>, Option<State>); EACH] =
+            [(None, None, None); EACH];
+        let mut ok = true;
+        for (i, take) in takes.iter().enumerate() {
+            let at = located[i];
+            let table = guards[guard_of(at.segment)].as_mut().expect("locked");
+            let id = table.entry_id(&take.slot, &self.hasher);
+            let bucket = id.and_then(|id| {
+                table.entries.find_bucket_index(at.hash, |e| e.is(id, take.slot.key))
+            });
+            let state = bucket
+                .and_then(|b| table.entries.get_bucket(b))
+                .map(|e| State { value: e.value, ts: e.ts });
+            let (taken, save) = take.decide(now, state);
+            ok &= taken.decision.ok;
+            answers[i] = taken;
+            found[i] = (id, bucket, save);
+        }
+        if !ok || found[..n].iter().all(|f| f.2.is_none()) {
+            return Ok(true); // refused, or checks: nothing to save
+        }
+        // What can fail comes before the first write: interning names, then room.
+        let mut new = 0;
+        for (i, take) in takes.iter().enumerate() {
+            if let (id, None, Some(_)) = &mut found[i] {
+                let table = guards[guard_of(located[i].segment)].as_mut().expect("locked");
+                *id = Some(self.entry_id_or_intern(table, &take.slot)?);
+                new += 1;
+            }
+        }
+        if !self.reserve(new) {
+            return Ok(false);
+        }
+        for (i, take) in takes.iter().enumerate() {
+            let (_, Some(bucket), Some(state)) = found[i] else { continue };
+            let table = guards[guard_of(located[i].segment)].as_mut().expect("locked");
+            let until_full = until_full(&take.slot.config, state, now);
+            let Ok(entry) = table.entries.get_bucket_entry(bucket) else {
+                unreachable!("a bucket found under the lock is still full")
+            };
+            if until_full <= 0.0 {
+                entry.remove();
+                self.len.fetch_sub(1, Ordering::Relaxed);
+            } else {
+                let e = entry.into_mut();
+                (e.value, e.ts, e.expires) = (state.value, state.ts, expiry_secs(now + until_full));
+            }
+        }
+        for (i, take) in takes.iter().enumerate() {
+            if let (Some(id), None, Some(state)) = found[i] {
+                let table = guards[guard_of(located[i].segment)].as_mut().expect("locked");
+                self.save(table, located[i], &take.slot, id, state, now);
+            }
+        }
+        Ok(true)
+    }
+
     /// Several slots: their segments locked once each, in ascending order.
     fn execute_many(&self, plan: &Plan<'_>) -> Result<Option<Outcome>, StoreError> {
         let slots = plan.slots();
@@ -683,6 +772,22 @@ impl<C: Clock> Store for MemoryStore<C> {
     #[inline(always)]
     fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
         self.with_slot(take, |taken| taken)
+    }
+
+    fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
+        let distinct = takes
+            .iter()
+            .enumerate()
+            .all(|(i, a)| takes[..i].iter().all(|b| !a.slot.same_state(&b.slot)));
+        if takes.len() > EACH || !distinct {
+            // Takes of one state add up: the plan's bookkeeping does that.
+            return super::each_through_plan(self, takes, answers);
+        }
+        if self.execute_each_distinct(takes, answers)? {
+            return Ok(());
+        }
+        self.sweep();
+        if self.execute_each_distinct(takes, answers)? { Ok(()) } else { Err(self.full_error()) }
     }
 
     #[inline(always)]

@@ -88,6 +88,22 @@ pub trait Store {
             .map(|outcome| Taken { decision: outcome.decision(), status: outcome.statuses[0] })
     }
 
+    /// A transaction of one-takes (each from an unsharded limit), all or nothing: the same
+    /// answers as [`Plan::of_one_takes`] executed, written to `answers` (one per take, in
+    /// order). The default executes that plan; the memory store decides takes of distinct
+    /// states one by one, without a plan's bookkeeping.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be loaded or saved; nothing is admitted.
+    ///
+    /// # Panics
+    ///
+    /// If `answers` is shorter than `takes`.
+    fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
+        each_through_plan(self, takes, answers)
+    }
+
     /// [`Store::execute_one`], keeping only what `answer` picks of the result. The default
     /// maps the result; an in-process store may apply `answer` before its result leaves the
     /// store, so that what the caller drops (the status, for `limit`) is never worked out.
@@ -168,6 +184,9 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
         (**self).execute_one(take)
     }
+    fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
+        (**self).execute_each(takes, answers)
+    }
 
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
         (**self).read(slots)
@@ -175,4 +194,18 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
         (**self).delete(name, key, shards)
     }
+}
+
+/// [`Store::execute_each`] through the plan of the takes.
+pub(crate) fn each_through_plan<S: Store + ?Sized>(
+    store: &S,
+    takes: &[OneTake<'_>],
+    answers: &mut [Taken],
+) -> Result<(), StoreError> {
+    let outcome = store.execute(&Plan::of_one_takes(takes))?;
+    let each = outcome.results.iter().zip(&outcome.statuses);
+    for (answer, (&decision, &status)) in answers[..takes.len()].iter_mut().zip(each) {
+        *answer = Taken { decision, status };
+    }
+    Ok(())
 }
