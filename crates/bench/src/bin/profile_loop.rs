@@ -1,5 +1,5 @@
 //! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
-//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|tx|governor]`.
+//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|global|tx|governor]`.
 use std::time::Instant;
 
 use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
@@ -29,6 +29,13 @@ fn main() {
         let key = String::from("user-00000001");
         for _ in 0..n {
             let _ = std::hint::black_box(gov.check_key(std::hint::black_box(&key)).is_ok());
+        }
+        return;
+    }
+    if std::env::args().nth(2).as_deref() == Some("global") {
+        // The typed unkeyed `limit`.
+        for _ in 0..n {
+            let _ = std::hint::black_box(t.limit(Limit::Global, tollgate::Request::new()));
         }
         return;
     }

@@ -2,8 +2,10 @@
 //! `limit` (one EVALSHA of the request's script) vs `INCR`, with 1 and 32 requests in
 //! flight, in one run. Loopback only; each measurement is bounded by time.
 //!
-//! `cargo run --release -p tollgate-bench --bin redis_bench [SECONDS]` (default 5), against
-//! `TOLLGATE_REDIS_URL` (default redis://127.0.0.1:6379).
+//! `cargo run --release -p tollgate-bench --bin redis_bench [SECONDS] [ROUNDS]` (default 5 s,
+//! 1 round), against `TOLLGATE_REDIS_URL` (default redis://127.0.0.1:6379). With several
+//! rounds the two sides alternate (INCR, limit, limit, INCR, ...), each round prints its
+//! ratio, and the median follows.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +22,7 @@ fn main() {
         url.contains("127.0.0.1") || url.contains("localhost") || url.contains("[::1]"),
         "loopback only: {url}"
     );
+    let rounds: usize = std::env::args().nth(2).and_then(|a| a.parse().ok()).unwrap_or(1).max(1);
     let duration = Duration::from_secs(secs);
     let client = redis::Client::open(url.as_str()).unwrap();
     let keys = Arc::new(keys(10_000));
@@ -29,21 +32,40 @@ fn main() {
         let conns: Vec<_> = (0..in_flight)
             .map(|_| parking_lot::Mutex::new(client.get_connection().unwrap()))
             .collect();
-        let incr = throughput(in_flight, duration, |t, n| {
-            let key = format!("tollgate-bench:incr:{}", keys[(t * 7919 + n) % keys.len()]);
-            let _: i64 = redis::cmd("INCR").arg(key).query(&mut *conns[t].lock()).unwrap();
-        });
+        let incr = || {
+            throughput(in_flight, duration, |t, n| {
+                let key = format!("tollgate-bench:incr:{}", keys[(t * 7919 + n) % keys.len()]);
+                let _: i64 = redis::cmd("INCR").arg(key).query(&mut *conns[t].lock()).unwrap();
+            })
+        };
         let store = RedisStore::builder()
             .prefix("tollgate-bench:")
             .connections(in_flight)
             .open(&url)
             .unwrap();
         let limiter = RateLimiter::new(store);
-        let limit = throughput(in_flight, duration, |t, n| {
-            let key = &keys[(t * 7919 + n) % keys.len()];
-            assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
-        });
-        println!("| {in_flight} | {incr:.0} | {limit:.0} | {:.2}x |", limit / incr);
+        let limit = || {
+            throughput(in_flight, duration, |t, n| {
+                let key = &keys[(t * 7919 + n) % keys.len()];
+                assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
+            })
+        };
+        let mut ratios = Vec::new();
+        for round in 0..rounds {
+            let (incr, limit) = if round % 2 == 0 {
+                let i = incr();
+                (i, limit())
+            } else {
+                let l = limit();
+                (incr(), l)
+            };
+            ratios.push(limit / incr);
+            println!("| {in_flight} | {incr:.0} | {limit:.0} | {:.2}x |", limit / incr);
+        }
+        if rounds > 1 {
+            ratios.sort_by(f64::total_cmp);
+            println!("| {in_flight}: median of {rounds} | | | {:.2}x |", ratios[rounds / 2]);
+        }
     }
     // Leave the server as it was: the counters have no expiry (tollgate's states do).
     let mut conn = client.get_connection().unwrap();

@@ -6,8 +6,11 @@
 //! - SQLite: `limit` vs a one-row upsert in its own transaction, one connection, on files in a
 //!   temporary directory with the same settings (WAL, synchronous=NORMAL).
 //!
-//! `cargo run --release -p tollgate-bench --bin sql_bench [SECONDS] [postgres|sqlite]`
-//! (default 5 s, both; one alone keeps the other's disk traffic out of its figure).
+//! `cargo run --release -p tollgate-bench --bin sql_bench [SECONDS] [postgres|sqlite] [ROUNDS]`
+//! (default 5 s, both, 1 round; one alone keeps the other's disk traffic out of its figure).
+//! With several rounds, PostgreSQL's two sides alternate (UPDATE, limit, limit, UPDATE, ...)
+//! at each connection count, each round prints its ratio, and the median follows: on this
+//! shared machine a slow spell then falls on both sides of a ratio alike.
 
 use std::time::Duration;
 
@@ -28,17 +31,18 @@ fn main() {
     );
 
     let only = std::env::args().nth(2);
+    let rounds: usize = std::env::args().nth(3).and_then(|a| a.parse().ok()).unwrap_or(1).max(1);
     println!("| database, connections | plain write ops/s | tollgate limit ops/s | ratio |");
     println!("|---|---:|---:|---:|");
     if only.as_deref() != Some("sqlite") {
-        postgres(&url, duration, &keys);
+        postgres(&url, duration, &keys, rounds);
     }
     if only.as_deref() != Some("postgres") {
-        sqlite(duration, &keys);
+        sqlite(duration, &keys, rounds);
     }
 }
 
-fn postgres(url: &str, duration: Duration, keys: &[String]) {
+fn postgres(url: &str, duration: Duration, keys: &[String], rounds: usize) {
     let mut setup = postgres::Client::connect(url, postgres::NoTls).unwrap();
     setup
         .batch_execute(
@@ -61,25 +65,47 @@ fn postgres(url: &str, duration: Duration, keys: &[String]) {
                 Mutex::new((client, update))
             })
             .collect();
-        let update = throughput(connections, duration, |t, n| {
-            let id = ((t * 7919 + n) % keys.len()) as i32;
-            let (client, update) = &mut *clients[t].lock();
-            client.execute(&*update, &[&id]).unwrap();
-        });
+        let update = || {
+            throughput(connections, duration, |t, n| {
+                let id = ((t * 7919 + n) % keys.len()) as i32;
+                let (client, update) = &mut *clients[t].lock();
+                client.execute(&*update, &[&id]).unwrap();
+            })
+        };
         let store = PgStore::builder()
             .table("tollgate_bench_state")
             .connections(connections)
             .open(url)
             .unwrap();
         let limiter = RateLimiter::new(store);
-        let limit = throughput(connections, duration, |t, n| {
-            let key = &keys[(t * 7919 + n) % keys.len()];
-            assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
-        });
-        println!(
-            "| PostgreSQL, {connections} | {update:.0} | {limit:.0} | {:.2}x |",
-            limit / update
-        );
+        let limit = || {
+            throughput(connections, duration, |t, n| {
+                let key = &keys[(t * 7919 + n) % keys.len()];
+                assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
+            })
+        };
+        let mut ratios = Vec::new();
+        for round in 0..rounds {
+            let (update, limit) = if round % 2 == 0 {
+                let u = update();
+                (u, limit())
+            } else {
+                let l = limit();
+                (update(), l)
+            };
+            ratios.push(limit / update);
+            println!(
+                "| PostgreSQL, {connections} | {update:.0} | {limit:.0} | {:.2}x |",
+                limit / update
+            );
+        }
+        if rounds > 1 {
+            ratios.sort_by(f64::total_cmp);
+            println!(
+                "| PostgreSQL, {connections}: median of {rounds} | | | {:.2}x |",
+                ratios[rounds / 2]
+            );
+        }
     }
     setup
         .batch_execute(
@@ -89,27 +115,46 @@ fn postgres(url: &str, duration: Duration, keys: &[String]) {
         .unwrap();
 }
 
-fn sqlite(duration: Duration, keys: &[String]) {
+fn sqlite(duration: Duration, keys: &[String], rounds: usize) {
     let dir = tempfile::tempdir().unwrap();
     let conn = rusqlite::Connection::open(dir.path().join("plain.db")).unwrap();
     conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(())).unwrap();
     conn.execute_batch("PRAGMA synchronous = NORMAL; CREATE TABLE counter (id INTEGER PRIMARY KEY, n INTEGER NOT NULL);").unwrap();
     let conn = Mutex::new(conn);
-    let upsert = throughput(1, duration, |_, n| {
-        let mut conn = conn.lock();
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
-        tx.execute(
-            "INSERT INTO counter (id, n) VALUES (?1, 1) ON CONFLICT (id) DO UPDATE SET n = n + 1",
-            [(n % keys.len()) as i64],
-        )
-        .unwrap();
-        tx.commit().unwrap();
-    });
+    let upsert = || {
+        throughput(1, duration, |_, n| {
+            let mut conn = conn.lock();
+            let tx =
+                conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+            tx.execute(
+                "INSERT INTO counter (id, n) VALUES (?1, 1) ON CONFLICT (id) DO UPDATE SET n = n + 1",
+                [(n % keys.len()) as i64],
+            )
+            .unwrap();
+            tx.commit().unwrap();
+        })
+    };
     let limiter = RateLimiter::new(SqliteStore::open(dir.path().join("tollgate.db")).unwrap());
-    let limit = throughput(1, duration, |_, n| {
-        assert!(
-            limiter.limit(Limit::PerUser, Request::new().key(&keys[n % keys.len()])).unwrap().ok
-        );
-    });
-    println!("| SQLite, 1 | {upsert:.0} | {limit:.0} | {:.2}x |", limit / upsert);
+    let limit = || {
+        throughput(1, duration, |_, n| {
+            let key = &keys[n % keys.len()];
+            assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
+        })
+    };
+    let mut ratios = Vec::new();
+    for round in 0..rounds {
+        let (upsert, limit) = if round % 2 == 0 {
+            let u = upsert();
+            (u, limit())
+        } else {
+            let l = limit();
+            (upsert(), l)
+        };
+        ratios.push(limit / upsert);
+        println!("| SQLite, 1 | {upsert:.0} | {limit:.0} | {:.2}x |", limit / upsert);
+    }
+    if rounds > 1 {
+        ratios.sort_by(f64::total_cmp);
+        println!("| SQLite, 1: median of {rounds} | | | {:.2}x |", ratios[rounds / 2]);
+    }
 }
