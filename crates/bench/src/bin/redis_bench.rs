@@ -64,7 +64,7 @@ fn main() {
         }
         if rounds > 1 {
             ratios.sort_by(f64::total_cmp);
-            println!("| {in_flight}: median of {rounds} | | | {:.2}x |", ratios[rounds / 2]);
+            println!("| {in_flight}: median of {rounds} | | | {:.3}x |", ratios[rounds / 2]);
         }
     }
     // Leave the server as it was: the counters have no expiry (tollgate's states do).

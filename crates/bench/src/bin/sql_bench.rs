@@ -102,7 +102,7 @@ fn postgres(url: &str, duration: Duration, keys: &[String], rounds: usize) {
         if rounds > 1 {
             ratios.sort_by(f64::total_cmp);
             println!(
-                "| PostgreSQL, {connections}: median of {rounds} | | | {:.2}x |",
+                "| PostgreSQL, {connections}: median of {rounds} | | | {:.3}x |",
                 ratios[rounds / 2]
             );
         }
@@ -155,6 +155,6 @@ fn sqlite(duration: Duration, keys: &[String], rounds: usize) {
     }
     if rounds > 1 {
         ratios.sort_by(f64::total_cmp);
-        println!("| SQLite, 1: median of {rounds} | | | {:.2}x |", ratios[rounds / 2]);
+        println!("| SQLite, 1: median of {rounds} | | | {:.3}x |", ratios[rounds / 2]);
     }
 }

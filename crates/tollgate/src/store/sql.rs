@@ -138,9 +138,10 @@ impl PgSql {
         PgSql {
             create: format!(
                 "CREATE TABLE IF NOT EXISTS {table} (
-                    name text NOT NULL, has_key boolean NOT NULL, key text NOT NULL,
-                    shard integer NOT NULL, value double precision NOT NULL,
-                    ts double precision NOT NULL, PRIMARY KEY (name, has_key, key, shard))"
+                    name text COLLATE \"C\" NOT NULL, has_key boolean NOT NULL,
+                    key text COLLATE \"C\" NOT NULL, shard integer NOT NULL,
+                    value double precision NOT NULL, ts double precision NOT NULL,
+                    PRIMARY KEY (name, has_key, key, shard)) WITH (fillfactor = 80)"
             ),
             create_take: format!(
                 "CREATE OR REPLACE FUNCTION {table}_take(
