@@ -78,9 +78,12 @@ fn max_keys_fails_closed_for_new_keys_only() {
     let before = l.value(t, Some("k4")).unwrap().value;
     assert!(l.transaction(&[t.with("k4"), t.with("new")]).is_err());
     assert_eq!(l.value(t, Some("k4")).unwrap().value, before);
-    // Once states are full again, there is room: the store sweeps before refusing.
+    // Once states are full again, there is room: the store sweeps before refusing, for a
+    // transaction as for a single limit.
     clock.advance(MINUTE);
+    assert!(l.transaction(&[t.with("k4"), t.with("new2")]).unwrap().ok);
     assert!(l.limit(t, "new").unwrap().ok);
+    assert_eq!(l.value(t, Some("new2")).unwrap().value, 9.0);
 }
 
 #[test]
