@@ -48,7 +48,7 @@ impl Slot<'_> {
 }
 
 /// A decision with the limit's status after it.
-#[derive(Clone, Copy, Debug, PartialEq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Taken {
     /// Granted or refused, and the wait.
     pub decision: Decision,
