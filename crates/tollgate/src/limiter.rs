@@ -167,6 +167,14 @@ impl<'a> Request<'a> {
     }
 }
 
+impl<'a> Request<'a> {
+    /// What this request takes from the limit `name` with `config`.
+    #[inline(always)]
+    fn take(&self, name: &'a str, config: Config) -> Take<'a> {
+        Take { name, key: self.key, config, count: self.count, reserve: self.reserve }
+    }
+}
+
 impl<'a> From<&'a str> for Request<'a> {
     fn from(key: &'a str) -> Self {
         Request::new().key(key)
@@ -466,8 +474,7 @@ impl<S: Store> RateLimiter<S> {
     ) -> Result<T, Error> {
         let config = self.resolve(&target)?;
         let name = target.name();
-        let take =
-            Take { name, key: request.key, config, count: request.count, reserve: request.reserve };
+        let take = request.take(name, config);
         if config.shards() != 1 {
             return self.sharded(writes, &take, request.throws).map(&answer);
         }
@@ -546,14 +553,7 @@ impl<S: Store> RateLimiter<S> {
             if config.shards() != 1 {
                 return self.planned_transaction(calls);
             }
-            let request = &call.request;
-            let take = Take {
-                name: call.target.name(),
-                key: request.key,
-                config,
-                count: request.count,
-                reserve: request.reserve,
-            };
+            let take = call.request.take(call.target.name(), config);
             OneTake::check(&take)?;
             takes.push(OneTake::of_valid(&take, self.setup.seed, true));
         }
@@ -592,11 +592,7 @@ impl<S: Store> RateLimiter<S> {
     /// A transaction with a sharded limit, through a [`Plan`].
     #[inline(never)]
     fn planned_transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
-        // Built in place: a plan is a few hundred bytes, not worth moving.
-        let mut plan = Plan::new(true);
-        for call in calls {
-            self.push(&mut plan, &call.target, &call.request)?;
-        }
+        let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
         match self.store.execute(&plan) {
             Ok(outcome) => {
                 let decision = outcome.into();
@@ -634,7 +630,6 @@ impl<S: Store> RateLimiter<S> {
     }
 
     /// A plan of `calls`, validated.
-    #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
     pub(crate) fn plan<'a>(
         &self,
         writes: bool,
@@ -754,14 +749,11 @@ impl<S: Store> RateLimiter<S> {
         plan: &mut Plan<'a>,
         target: &Target<'a>,
         request: &Request<'a>,
-    ) -> Result<&'a str, Error> {
+    ) -> Result<(), Error> {
         let config = self.resolve(target)?;
-        let name = target.name();
         let random = if config.shards() > 1 { self.draw() } else { 0 };
-        let take =
-            Take { name, key: request.key, config, count: request.count, reserve: request.reserve };
-        plan.push(&take, self.setup.seed, random)?;
-        Ok(name)
+        plan.push(&request.take(target.name(), config), self.setup.seed, random)?;
+        Ok(())
     }
 
     /// 64 random bits: from the seeded sequence if any, else from a per-thread generator.
