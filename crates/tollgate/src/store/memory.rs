@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
+use hashbrown::hash_table::OccupiedEntry;
 use parking_lot::{Mutex, MutexGuard};
 use tollgate_core::{
     Clock, Config, Inline, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
@@ -364,14 +365,7 @@ impl<C: Clock> MemoryStore<C> {
         let (full, expires) = (full_at <= now, expiry_secs(full_at));
         let found = table.entries.find_entry(at.hash, |e| e.is(id, slot.key)).ok();
         match found {
-            Some(entry) if full => {
-                entry.remove();
-                self.len.fetch_sub(1, Ordering::Relaxed);
-            }
-            Some(mut entry) => {
-                let e = entry.get_mut();
-                (e.value, e.ts, e.expires) = (state.value, state.ts, expires);
-            }
+            Some(entry) => self.overwrite(entry, state, (!full).then_some(expires)),
             None if full => {
                 self.len.fetch_sub(1, Ordering::Relaxed); // the reserved room is not used
             }
@@ -388,6 +382,22 @@ impl<C: Clock> MemoryStore<C> {
                 };
                 let Table { entries, names, .. } = table;
                 entries.insert_unique(at.hash, entry, |e| self.rehash(names, e));
+            }
+        }
+    }
+
+    /// Writes `state` over a found entry, to expire at `expires`; with `None` (the state is
+    /// full again) the entry is dropped instead.
+    #[inline(always)]
+    fn overwrite(&self, entry: OccupiedEntry<'_, Entry>, state: State, expires: Option<u32>) {
+        match expires {
+            Some(expires) => {
+                let e = entry.into_mut();
+                (e.value, e.ts, e.expires) = (state.value, state.ts, expires);
+            }
+            None => {
+                entry.remove();
+                self.len.fetch_sub(1, Ordering::Relaxed);
             }
         }
     }
@@ -445,7 +455,7 @@ impl<C: Clock> MemoryStore<C> {
     /// Deciding is pure, so running a request again is safe.
     fn with_room<R>(
         &self,
-        attempt: impl Fn() -> Result<Option<R>, StoreError>,
+        mut attempt: impl FnMut() -> Result<Option<R>, StoreError>,
     ) -> Result<R, StoreError> {
         if let Some(result) = attempt()? {
             return Ok(result);
@@ -458,7 +468,8 @@ impl<C: Clock> MemoryStore<C> {
     /// stored state, which is then updated in place (or dropped when full, or inserted).
     /// Without room for an insert, every segment is swept and the request runs once more
     /// (deciding is pure, so running it again is safe); if there is still no room, the store
-    /// is full.
+    /// is full. (What [`Self::with_room`] does, as a loop here: through a closure the result
+    /// would leave this function through memory, which costs more than the rest of a call.)
     ///
     /// `answer` picks what the caller keeps of the result, before it leaves the store: so
     /// that what the caller drops is never worked out (see [`Store::execute_one_then`]).
@@ -481,18 +492,7 @@ impl<C: Clock> MemoryStore<C> {
             let (result, save) = request.decide(now, stored);
             if let Some((state, until_full)) = save {
                 match found {
-                    // until_full > 0 exactly when full_at > now (a difference of two distinct
-                    // finite doubles is never 0); now + until_full may round, which the whole
-                    // second of margin in expiry_secs covers.
-                    Some(entry) if until_full <= 0.0 => {
-                        entry.remove();
-                        self.len.fetch_sub(1, Ordering::Relaxed);
-                    }
-                    Some(mut entry) => {
-                        let e = entry.get_mut();
-                        (e.value, e.ts, e.expires) =
-                            (state.value, state.ts, expiry_secs(now + until_full));
-                    }
+                    Some(entry) => self.overwrite(entry, state, expires_in(now, until_full)),
                     None => {
                         if !self.insert(&mut table, at, slot, state, now)? {
                             drop(table);
@@ -594,17 +594,11 @@ impl<C: Clock> MemoryStore<C> {
         for (i, take) in takes.iter().enumerate() {
             let (_, Some(bucket), Some(state)) = found[i] else { continue };
             let table = guards[guard_of(located[i].segment)].as_mut().expect("locked");
-            let until_full = until_full(&take.slot.config, state, now);
             let Ok(entry) = table.entries.get_bucket_entry(bucket) else {
                 unreachable!("a bucket found under the lock is still full")
             };
-            if until_full <= 0.0 {
-                entry.remove();
-                self.len.fetch_sub(1, Ordering::Relaxed);
-            } else {
-                let e = entry.into_mut();
-                (e.value, e.ts, e.expires) = (state.value, state.ts, expiry_secs(now + until_full));
-            }
+            let until_full = until_full(&take.slot.config, state, now);
+            self.overwrite(entry, state, expires_in(now, until_full));
         }
         for (i, take) in takes.iter().enumerate() {
             if let (Some(id), None, Some(state)) = found[i] {
@@ -753,6 +747,15 @@ fn expiry_secs(ms: f64) -> u32 {
     ((ms * 0.001) as u32).saturating_add(1)
 }
 
+/// The expiry of a state saved at `now` that is full again `until_full` ms later; `None` if
+/// it is full already. (`until_full > 0` exactly when `full_at > now`: a difference of two
+/// distinct finite doubles is never 0; `now + until_full` may round, which the whole second
+/// of margin of [`expiry_secs`] covers.)
+#[inline(always)]
+fn expires_in(now: f64, until_full: f64) -> Option<u32> {
+    if until_full <= 0.0 { None } else { Some(expiry_secs(now + until_full)) }
+}
+
 /// Whole seconds at `now_ms`, rounded down (give or take a rounding error, which the margin
 /// of [`expiry_secs`] covers).
 #[inline]
@@ -783,11 +786,7 @@ impl<C: Clock> Store for MemoryStore<C> {
             // Takes of one state add up: the plan's bookkeeping does that.
             return super::each_through_plan(self, takes, answers);
         }
-        if self.execute_each_distinct(takes, answers)? {
-            return Ok(());
-        }
-        self.sweep();
-        if self.execute_each_distinct(takes, answers)? { Ok(()) } else { Err(self.full_error()) }
+        self.with_room(|| Ok(self.execute_each_distinct(takes, answers)?.then_some(())))
     }
 
     #[inline(always)]
