@@ -91,3 +91,29 @@ pub fn throughput(threads: usize, duration: Duration, op: impl Fn(usize, usize) 
     });
     total as f64 / start.elapsed().as_secs_f64()
 }
+
+/// Measures the two sides of a comparison in `rounds` rounds (at least one) that alternate
+/// which side goes first (`a` in even rounds), so that a slow spell of a shared machine falls
+/// on both alike; calls `each(a, b)` with the two figures of every round, and returns the
+/// median over the rounds of `b / a`.
+pub fn alternate(
+    rounds: usize,
+    mut a: impl FnMut() -> f64,
+    mut b: impl FnMut() -> f64,
+    mut each: impl FnMut(f64, f64),
+) -> f64 {
+    let mut ratios = Vec::new();
+    for round in 0..rounds.max(1) {
+        let (x, y) = if round % 2 == 0 {
+            let x = a();
+            (x, b())
+        } else {
+            let y = b();
+            (a(), y)
+        };
+        each(x, y);
+        ratios.push(y / x);
+    }
+    ratios.sort_by(f64::total_cmp);
+    ratios[ratios.len() / 2]
+}

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tollgate::store::RedisStore;
 use tollgate::{RateLimiter, Request};
-use tollgate_bench::{Limit, keys, throughput};
+use tollgate_bench::{Limit, alternate, keys, throughput};
 
 fn main() {
     let secs: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
@@ -50,21 +50,11 @@ fn main() {
                 assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
             })
         };
-        let mut ratios = Vec::new();
-        for round in 0..rounds {
-            let (incr, limit) = if round % 2 == 0 {
-                let i = incr();
-                (i, limit())
-            } else {
-                let l = limit();
-                (incr(), l)
-            };
-            ratios.push(limit / incr);
+        let median = alternate(rounds, incr, limit, |incr, limit| {
             println!("| {in_flight} | {incr:.0} | {limit:.0} | {:.2}x |", limit / incr);
-        }
+        });
         if rounds > 1 {
-            ratios.sort_by(f64::total_cmp);
-            println!("| {in_flight}: median of {rounds} | | | {:.3}x |", ratios[rounds / 2]);
+            println!("| {in_flight}: median of {rounds} | | | {median:.3}x |");
         }
     }
     // Leave the server as it was: the counters have no expiry (tollgate's states do).

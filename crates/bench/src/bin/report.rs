@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
 
 use tollgate::{Request, Target};
-use tollgate_bench::{Limit, governor_direct, governor_keyed, keys, tollgate};
+use tollgate_bench::{Limit, alternate, governor_direct, governor_keyed, keys, tollgate};
 
 /// Counts the bytes currently allocated, to measure what live keys cost.
 struct Counting;
@@ -134,24 +134,17 @@ fn time(n: usize, mut op: impl FnMut(usize)) -> f64 {
     start.elapsed().as_nanos() as f64 / n as f64
 }
 
-/// Runs both sides of a scenario in alternating order, round after round; prints each round
-/// and the median ratio.
+/// Runs both sides of a scenario in alternating rounds; prints each round and the median
+/// ratio.
 fn interleave(name: &str, n: usize, mut ours: impl FnMut(usize), mut theirs: impl FnMut(usize)) {
-    let mut ratios = Vec::new();
     let mut line = String::new();
-    for round in 0..ROUNDS {
-        let (t, g) = if round % 2 == 0 {
-            let t = time(n, &mut ours);
-            (t, time(n, &mut theirs))
-        } else {
-            let g = time(n, &mut theirs);
-            (time(n, &mut ours), g)
-        };
-        ratios.push(t / g);
-        line.push_str(&format!(" {t:.0}/{g:.0} ({:.2}x)", t / g));
-    }
-    ratios.sort_by(f64::total_cmp);
-    println!("- {name}: median {:.2}x;{line}", ratios[ROUNDS / 2]);
+    let median = alternate(
+        ROUNDS,
+        || time(n, &mut theirs),
+        || time(n, &mut ours),
+        |g, t| line.push_str(&format!(" {t:.0}/{g:.0} ({:.2}x)", t / g)),
+    );
+    println!("- {name}: median {median:.2}x;{line}");
 }
 
 fn rounds() {

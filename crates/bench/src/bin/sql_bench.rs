@@ -17,7 +17,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tollgate::store::{PgStore, SqliteStore};
 use tollgate::{RateLimiter, Request};
-use tollgate_bench::{Limit, keys, throughput};
+use tollgate_bench::{Limit, alternate, keys, throughput};
 
 fn main() {
     let secs: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
@@ -84,27 +84,14 @@ fn postgres(url: &str, duration: Duration, keys: &[String], rounds: usize) {
                 assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
             })
         };
-        let mut ratios = Vec::new();
-        for round in 0..rounds {
-            let (update, limit) = if round % 2 == 0 {
-                let u = update();
-                (u, limit())
-            } else {
-                let l = limit();
-                (update(), l)
-            };
-            ratios.push(limit / update);
+        let median = alternate(rounds, update, limit, |update, limit| {
             println!(
                 "| PostgreSQL, {connections} | {update:.0} | {limit:.0} | {:.2}x |",
                 limit / update
             );
-        }
+        });
         if rounds > 1 {
-            ratios.sort_by(f64::total_cmp);
-            println!(
-                "| PostgreSQL, {connections}: median of {rounds} | | | {:.3}x |",
-                ratios[rounds / 2]
-            );
+            println!("| PostgreSQL, {connections}: median of {rounds} | | | {median:.3}x |");
         }
     }
     setup
@@ -141,20 +128,10 @@ fn sqlite(duration: Duration, keys: &[String], rounds: usize) {
             assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
         })
     };
-    let mut ratios = Vec::new();
-    for round in 0..rounds {
-        let (upsert, limit) = if round % 2 == 0 {
-            let u = upsert();
-            (u, limit())
-        } else {
-            let l = limit();
-            (upsert(), l)
-        };
-        ratios.push(limit / upsert);
+    let median = alternate(rounds, upsert, limit, |upsert, limit| {
         println!("| SQLite, 1 | {upsert:.0} | {limit:.0} | {:.2}x |", limit / upsert);
-    }
+    });
     if rounds > 1 {
-        ratios.sort_by(f64::total_cmp);
-        println!("| SQLite, 1: median of {rounds} | | | {:.3}x |", ratios[rounds / 2]);
+        println!("| SQLite, 1: median of {rounds} | | | {median:.3}x |");
     }
 }
