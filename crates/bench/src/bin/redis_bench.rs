@@ -2,10 +2,14 @@
 //! `limit` (one EVALSHA of the request's script) vs `INCR`, with 1 and 32 requests in
 //! flight, in one run. Loopback only; each measurement is bounded by time.
 //!
-//! `cargo run --release -p tollgate-bench --bin redis_bench [SECONDS] [ROUNDS]` (default 5 s,
-//! 1 round), against `TOLLGATE_REDIS_URL` (default redis://127.0.0.1:6379). With several
-//! rounds the two sides alternate (INCR, limit, limit, INCR, ...), each round prints its
-//! ratio, and the median follows.
+//! `cargo run --release -p tollgate-bench --bin redis_bench [SECONDS] [ROUNDS] [CONNECTIONS]`
+//! (default 5 s, 1 round, the store's default of 8 connections), against `TOLLGATE_REDIS_URL`
+//! (default redis://127.0.0.1:6379). With several rounds the two sides alternate (INCR,
+//! limit, limit, INCR, ...), each round prints its ratio, and the median follows.
+//!
+//! INCR gets a connection per thread. tollgate's store keeps its own (a user's choice, here
+//! the default unless given): with more requests in flight than connections, the waiting
+//! ones go to Redis together, one script for all, in the next round trip.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,6 +27,7 @@ fn main() {
         "loopback only: {url}"
     );
     let rounds: usize = std::env::args().nth(2).and_then(|a| a.parse().ok()).unwrap_or(1).max(1);
+    let connections: Option<usize> = std::env::args().nth(3).and_then(|a| a.parse().ok());
     let duration = Duration::from_secs(secs);
     let client = redis::Client::open(url.as_str()).unwrap();
     let keys = Arc::new(keys(10_000));
@@ -38,11 +43,11 @@ fn main() {
                 let _: i64 = redis::cmd("INCR").arg(key).query(&mut *conns[t].lock()).unwrap();
             })
         };
-        let store = RedisStore::builder()
-            .prefix("tollgate-bench:")
-            .connections(in_flight)
-            .open(&url)
-            .unwrap();
+        let mut store = RedisStore::builder().prefix("tollgate-bench:");
+        if let Some(connections) = connections {
+            store = store.connections(connections);
+        }
+        let store = store.open(&url).unwrap();
         let limiter = RateLimiter::new(store);
         let limit = || {
             throughput(in_flight, duration, |t, n| {

@@ -32,6 +32,8 @@
 //! Stores that read their own clock accept a fixed one in tests (for the memory store,
 //! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).
 
+#[cfg(feature = "redis")]
+mod group;
 mod memory;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod pool;

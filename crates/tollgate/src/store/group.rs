@@ -1,0 +1,265 @@
+//! Group commit for a networked store: requests that would wait for a connection are sent
+//! together, in one round trip, by the next request whose turn it is to send.
+//!
+//! A request that finds fewer than `most_sending` requests on their way to the server is
+//! sent at once (with any that wait). One that finds them all busy waits in line; when a
+//! round trip ends, its sender hands the turn to the first in line, which sends itself and
+//! up to `most_per_trip - 1` others. So a single caller pays nothing (a lock), and many
+//! concurrent callers share round trips instead of queueing for connections. What a group
+//! means on the server is the sender's business (for Redis: one script that runs each
+//! request in turn, atomically).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::StoreError;
+
+/// Requests of type `Q`, each answered with an `A`.
+pub(crate) struct Group<Q, A> {
+    line: Mutex<Line<Q, A>>,
+    most_sending: usize,
+    most_per_trip: usize,
+}
+
+struct Line<Q, A> {
+    /// Requests waiting to be sent, first come first.
+    waiting: VecDeque<Arc<Ticket<Q, A>>>,
+    /// Requests whose thread is sending (or has been handed the turn to).
+    sending: usize,
+}
+
+/// A waiting request and where its answer goes.
+struct Ticket<Q, A> {
+    request: Q,
+    turn: Mutex<Turn<A>>,
+    changed: Condvar,
+}
+
+enum Turn<A> {
+    Waiting,
+    /// This request's thread sends next: itself and those behind it.
+    Send,
+    Done(Result<A, StoreError>),
+}
+
+impl<Q, A> Ticket<Q, A> {
+    fn set(&self, turn: Turn<A>) {
+        *self.turn.lock() = turn;
+        self.changed.notify_one();
+    }
+}
+
+impl<Q, A> Group<Q, A> {
+    /// At most `most_sending` round trips at a time (at least one), each carrying at most
+    /// `most_per_trip` requests (at least one).
+    pub(crate) fn new(most_sending: usize, most_per_trip: usize) -> Self {
+        Group {
+            line: Mutex::new(Line { waiting: VecDeque::new(), sending: 0 }),
+            most_sending: most_sending.max(1),
+            most_per_trip: most_per_trip.max(1),
+        }
+    }
+
+    /// Answers `request`: sends it now, with any others that wait, through `send`, or waits
+    /// for a sender to carry it. `send` gets the requests of one round trip and answers each
+    /// in order. A request still waiting in line after `wait` leaves it (it was never sent)
+    /// and fails; one already sent whose answer has not come by then fails too.
+    pub(crate) fn run<F>(&self, request: Q, wait: Duration, send: F) -> Result<A, StoreError>
+    where
+        F: Fn(&[&Q]) -> Vec<Result<A, StoreError>>,
+    {
+        let mut line = self.line.lock();
+        if line.sending < self.most_sending {
+            line.sending += 1;
+            drop(line);
+            return self.send(&request, &send);
+        }
+        let ticket =
+            Arc::new(Ticket { request, turn: Mutex::new(Turn::Waiting), changed: Condvar::new() });
+        line.waiting.push_back(Arc::clone(&ticket));
+        drop(line);
+        let deadline = Instant::now() + wait;
+
+        let mut turn = ticket.turn.lock();
+        loop {
+            match std::mem::replace(&mut *turn, Turn::Waiting) {
+                Turn::Done(answer) => return answer,
+                Turn::Send => {
+                    drop(turn);
+                    return self.send(&ticket.request, &send);
+                }
+                Turn::Waiting => {}
+            }
+            if ticket.changed.wait_until(&mut turn, deadline).timed_out() {
+                break;
+            }
+        }
+        // Timed out: leave the line if still in it. Locks in the senders' order: line, turn.
+        drop(turn);
+        let mut line = self.line.lock();
+        let mut turn = ticket.turn.lock();
+        match std::mem::replace(&mut *turn, Turn::Waiting) {
+            Turn::Done(answer) => answer,
+            Turn::Send => {
+                // Handed the turn just now: those behind count on it.
+                drop(turn);
+                drop(line);
+                self.send(&ticket.request, &send)
+            }
+            Turn::Waiting => {
+                let sent = match line.waiting.iter().position(|t| Arc::ptr_eq(t, &ticket)) {
+                    Some(i) => {
+                        line.waiting.remove(i);
+                        false
+                    }
+                    None => true,
+                };
+                Err(StoreError::new(if sent {
+                    "timed out waiting for the answer of a grouped round trip"
+                } else {
+                    "timed out waiting for a connection (nothing was sent)"
+                }))
+            }
+        }
+    }
+
+    /// Sends `own` and up to `most_per_trip - 1` waiting requests in one round trip, answers
+    /// the others, and hands the turn on (also if `send` panics).
+    fn send<F>(&self, own: &Q, send: &F) -> Result<A, StoreError>
+    where
+        F: Fn(&[&Q]) -> Vec<Result<A, StoreError>>,
+    {
+        let _hand_on = HandOn(self);
+        let others: Vec<Arc<Ticket<Q, A>>> = {
+            let mut line = self.line.lock();
+            let n = line.waiting.len().min(self.most_per_trip - 1);
+            line.waiting.drain(..n).collect()
+        };
+        let mut requests = Vec::with_capacity(1 + others.len());
+        requests.push(own);
+        requests.extend(others.iter().map(|t| &t.request));
+        let mut answers = send(&requests).into_iter();
+        let mut next = || answers.next().unwrap_or_else(|| Err(StoreError::new("no answer")));
+        let own = next();
+        for ticket in &others {
+            ticket.set(Turn::Done(next()));
+        }
+        own
+    }
+}
+
+/// Ends a sender's turn: the first waiting request sends next, or there is one sender less.
+struct HandOn<'a, Q, A>(&'a Group<Q, A>);
+
+impl<Q, A> Drop for HandOn<'_, Q, A> {
+    fn drop(&mut self) {
+        let mut line = self.0.line.lock();
+        match line.waiting.pop_front() {
+            Some(next) => next.set(Turn::Send),
+            None => line.sending -= 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    fn later(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn alone_a_request_is_sent_at_once_by_itself() {
+        let group = Group::new(1, 8);
+        let trips = AtomicUsize::new(0);
+        for i in 0..3_u32 {
+            let answer = group.run(i, later(1_000), |requests| {
+                trips.fetch_add(1, Ordering::Relaxed);
+                assert_eq!(requests, [&i]);
+                vec![Ok(i * 10)]
+            });
+            assert_eq!(answer.unwrap(), i * 10);
+        }
+        assert_eq!(trips.load(Ordering::Relaxed), 3);
+        assert_eq!(group.line.lock().sending, 0);
+    }
+
+    #[test]
+    fn concurrent_requests_share_round_trips_and_each_gets_its_own_answer() {
+        let group = Group::new(2, 5);
+        let (trips, sent, most) = (AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0));
+        std::thread::scope(|s| {
+            for t in 0..16_u64 {
+                let (group, trips, sent, most) = (&group, &trips, &sent, &most);
+                s.spawn(move || {
+                    for i in 0..100 {
+                        let request = t * 1_000 + i;
+                        let answer = group.run(request, later(10_000), |requests| {
+                            trips.fetch_add(1, Ordering::Relaxed);
+                            sent.fetch_add(requests.len(), Ordering::Relaxed);
+                            most.fetch_max(requests.len(), Ordering::Relaxed);
+                            std::thread::sleep(Duration::from_micros(200));
+                            requests.iter().map(|r| Ok(**r * 2)).collect()
+                        });
+                        assert_eq!(answer.unwrap(), request * 2);
+                    }
+                });
+            }
+        });
+        assert_eq!(sent.load(Ordering::Relaxed), 1_600, "each request sent exactly once");
+        assert!(most.load(Ordering::Relaxed) <= 5, "at most most_per_trip a trip");
+        assert!(trips.load(Ordering::Relaxed) < 1_600, "round trips were shared");
+        let line = group.line.lock();
+        assert_eq!((line.sending, line.waiting.len()), (0, 0));
+    }
+
+    #[test]
+    fn a_request_that_times_out_in_line_is_never_sent() {
+        let group = Group::new(1, 8);
+        let (release, sent) = (Mutex::new(()), Mutex::new(Vec::new()));
+        let hold = release.lock();
+        std::thread::scope(|s| {
+            let first = s.spawn(|| {
+                group.run(1, later(10_000), |requests| {
+                    sent.lock().extend(requests.iter().map(|r| **r));
+                    drop(release.lock());
+                    requests.iter().map(|r| Ok(**r)).collect()
+                })
+            });
+            while group.line.lock().sending == 0 {
+                std::thread::yield_now();
+            }
+            let late = group.run(2, later(20), |_| unreachable!("sent by the first"));
+            assert!(late.unwrap_err().message().contains("nothing was sent"));
+            drop(hold);
+            assert_eq!(first.join().unwrap().unwrap(), 1);
+        });
+        assert_eq!(*sent.lock(), [1]);
+        let line = group.line.lock();
+        assert_eq!((line.sending, line.waiting.len()), (0, 0));
+    }
+
+    #[test]
+    fn a_sender_that_panics_hands_the_turn_on() {
+        let group = Group::new(1, 8);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            group.run(1_u32, later(1_000), |_| -> Vec<Result<u32, StoreError>> { panic!("bug") })
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(group.line.lock().sending, 0);
+        assert_eq!(group.run(2, later(1_000), |r| vec![Ok(*r[0])]).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_short_answer_fails_the_requests_it_leaves_out() {
+        let group: Group<u32, u32> = Group::new(1, 8);
+        let answer = group.run(1, later(1_000), |_| Vec::new());
+        assert_eq!(answer.unwrap_err().message(), "no answer");
+    }
+}
