@@ -11,7 +11,11 @@
 //!
 //! - **PostgreSQL**: transaction-scoped advisory locks on the request's slots, in ascending
 //!   order, then one query for the states and the database's clock; correct under READ
-//!   COMMITTED. The locks are held until your transaction ends, so keep it short.
+//!   COMMITTED. The locks are held until your transaction ends, so keep it short, and take
+//!   several limits in one `transaction_in` (locked in ascending order, as every tollgate
+//!   request locks them) rather than in separate calls: a transaction that holds one slot
+//!   and then waits for another can deadlock with a request that locks both (PostgreSQL
+//!   then fails one of them with an error; nothing is admitted by it).
 //! - **SQLite**: SQLite runs one writer at a time, so a request is atomic within your
 //!   transaction; the time is the process's clock. Begin with `BEGIN IMMEDIATE` when other
 //!   connections write to the same file (sqlx's `begin_with("BEGIN IMMEDIATE")`), or a

@@ -6,8 +6,12 @@
 //! - SQLite: `limit` vs a one-row upsert in its own transaction, one connection, on files in a
 //!   temporary directory with the same settings (WAL, synchronous=NORMAL).
 //!
-//! `cargo run --release -p tollgate-bench --bin sql_bench [SECONDS] [postgres|sqlite] [ROUNDS]`
+//! `cargo run --release -p tollgate-bench --bin sql_bench [SECONDS] [postgres|sqlite] [ROUNDS] [CONNECTIONS]`
 //! (default 5 s, both, 1 round; one alone keeps the other's disk traffic out of its figure).
+//! The UPDATE gets a connection per thread; tollgate's store keeps its own pool: one
+//! connection with one thread, and with 16 threads `CONNECTIONS` (default: the store's
+//! default of 8), so that with more requests in flight than connections the waiting ones go
+//! to the database together, one statement and one commit for all, in the next round trip.
 //! With several rounds, PostgreSQL's two sides alternate (UPDATE, limit, limit, UPDATE, ...)
 //! at each connection count, each round prints its ratio, and the median follows: on this
 //! shared machine a slow spell then falls on both sides of a ratio alike.
@@ -32,17 +36,18 @@ fn main() {
 
     let only = std::env::args().nth(2);
     let rounds: usize = std::env::args().nth(3).and_then(|a| a.parse().ok()).unwrap_or(1).max(1);
+    let pool: Option<usize> = std::env::args().nth(4).and_then(|a| a.parse().ok());
     println!("| database, connections | plain write ops/s | tollgate limit ops/s | ratio |");
     println!("|---|---:|---:|---:|");
     if only.as_deref() != Some("sqlite") {
-        postgres(&url, duration, &keys, rounds);
+        postgres(&url, duration, &keys, rounds, pool);
     }
     if only.as_deref() != Some("postgres") {
         sqlite(duration, &keys, rounds);
     }
 }
 
-fn postgres(url: &str, duration: Duration, keys: &[String], rounds: usize) {
+fn postgres(url: &str, duration: Duration, keys: &[String], rounds: usize, pool: Option<usize>) {
     let mut setup = postgres::Client::connect(url, postgres::NoTls).unwrap();
     setup
         .batch_execute(
@@ -72,11 +77,13 @@ fn postgres(url: &str, duration: Duration, keys: &[String], rounds: usize) {
                 client.execute(&*update, &[&id]).unwrap();
             })
         };
-        let store = PgStore::builder()
-            .table("tollgate_bench_state")
-            .connections(connections)
-            .open(url)
-            .unwrap();
+        let mut store = PgStore::builder().table("tollgate_bench_state");
+        if connections == 1 {
+            store = store.connections(1);
+        } else if let Some(pool) = pool {
+            store = store.connections(pool);
+        }
+        let store = store.open(url).unwrap();
         let limiter = RateLimiter::new(store);
         let limit = || {
             throughput(connections, duration, |t, n| {
@@ -97,6 +104,7 @@ fn postgres(url: &str, duration: Duration, keys: &[String], rounds: usize) {
     setup
         .batch_execute(
             "DROP TABLE tollgate_bench_counter; DROP TABLE tollgate_bench_state;
+             DROP FUNCTION IF EXISTS tollgate_bench_state_takes;
              DROP FUNCTION IF EXISTS tollgate_bench_state_take;",
         )
         .unwrap();

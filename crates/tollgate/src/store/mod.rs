@@ -32,7 +32,7 @@
 //! Stores that read their own clock accept a fixed one in tests (for the memory store,
 //! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).
 
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 mod group;
 mod memory;
 #[cfg(any(feature = "redis", feature = "postgres"))]

@@ -7,6 +7,7 @@ use postgres::{Client, GenericClient, NoTls, Statement, ToStatement};
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::Store;
+use super::group::{Group, fail_all};
 use super::pool::Pool;
 use super::sql::{
     LOCK_CLASS, MAX_TABLE, PG_LOCK, PgSql, key_columns, lock_id, lock_ids, saves, valid_table,
@@ -32,8 +33,8 @@ impl Default for PgStoreBuilder {
 }
 
 impl PgStoreBuilder {
-    /// The table (default `tollgate_state`): letters, digits and `_`, at most 58 of them (the
-    /// store also creates a function named after it, `<table>_take`).
+    /// The table (default `tollgate_state`): letters, digits and `_`, at most 57 of them (the
+    /// store also creates two functions named after it, `<table>_take` and `<table>_takes`).
     #[must_use]
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
@@ -41,6 +42,9 @@ impl PgStoreBuilder {
     }
 
     /// How long to wait to connect, and for a statement, before failing (closed); default 2 s.
+    /// A request that waits for a grouped statement (see [`PgStoreBuilder::connections`])
+    /// fails after twice this: one statement of others, then its own; if it was never sent,
+    /// nothing was taken.
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -48,6 +52,11 @@ impl PgStoreBuilder {
     }
 
     /// How many connections to keep (default 8); a request holds one for its transaction.
+    /// A one-take request (the common `limit`) that finds every connection busy waits for
+    /// the next statement, which carries up to 64 waiting requests in one transaction
+    /// (group commit: one round trip and one commit for all of them; each request is still
+    /// taken on its own, in arrival order, and answered only once that transaction has
+    /// committed).
     #[must_use]
     pub fn connections(mut self, connections: usize) -> Self {
         self.connections = connections.max(1);
@@ -88,6 +97,7 @@ impl PgStoreBuilder {
         let store = PgStore {
             config,
             connections: Pool::new(self.connections),
+            group: Group::new(self.connections, MOST_PER_STATEMENT),
             timeout: self.timeout,
             sql,
             clock,
@@ -104,6 +114,7 @@ fn create_table(client: &mut Client, sql: &PgSql) -> Result<(), postgres::Error>
     tx.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&LOCK_CLASS])?;
     tx.batch_execute(&sql.create)?;
     tx.batch_execute(&sql.create_take)?;
+    tx.batch_execute(&sql.create_takes)?;
     tx.commit()
 }
 
@@ -117,6 +128,7 @@ struct PgConn {
 struct Prepared {
     statements: Statements<Statement>,
     take: Statement,
+    takes: Statement,
 }
 
 impl PgConn {
@@ -124,7 +136,8 @@ impl PgConn {
         if self.prepared.is_none() {
             let c = &mut self.client;
             let statements = text(sql).map(|q| c.prepare(q))?;
-            self.prepared = Some(Prepared { statements, take: c.prepare(&sql.take)? });
+            let (take, takes) = (c.prepare(&sql.take)?, c.prepare(&sql.takes)?);
+            self.prepared = Some(Prepared { statements, take, takes });
         }
         Ok((&mut self.client, self.prepared.as_ref().expect("prepared above")))
     }
@@ -196,6 +209,8 @@ fn text(sql: &PgSql) -> Statements<&str> {
 pub struct PgStore<C = tollgate_core::SystemClock> {
     config: postgres::Config,
     connections: Pool<PgConn>,
+    /// One-takes, sent together when every connection is busy.
+    group: Group<OneRow, Answer>,
     timeout: Duration,
     sql: PgSql,
     /// `None`: the database's clock.
@@ -215,6 +230,140 @@ impl PgStore {
     /// Options: table, timeout, connections.
     pub fn builder() -> PgStoreBuilder {
         PgStoreBuilder::default()
+    }
+}
+
+/// The most one-takes a grouped statement carries.
+const MOST_PER_STATEMENT: usize = 64;
+
+/// One take from one unsharded limit, as the parameters of the table's `take` function.
+struct OneRow {
+    lock: i32,
+    name: String,
+    key: Option<String>,
+    shard: i32,
+    kind: i32,
+    rate: f64,
+    period: f64,
+    cap: f64,
+    max_reserved: Option<f64>,
+    alignment: f64,
+    count: f64,
+    reserve: bool,
+    writes: bool,
+    /// `None`: the database's clock.
+    now: Option<f64>,
+}
+
+/// What the `take` function answers: the time it used, whether it wrote, the state it read.
+type Answer = (f64, bool, Option<State>);
+
+impl OneRow {
+    fn new(take: &OneTake<'_>, now: Option<f64>) -> Self {
+        let slot = &take.slot;
+        let c = &slot.config;
+        OneRow {
+            lock: lock_id(slot.name, slot.key, slot.shard),
+            name: slot.name.to_owned(),
+            key: slot.key.map(str::to_owned),
+            shard: i32::from(slot.shard),
+            kind: match c.kind() {
+                Kind::TokenBucket => 0,
+                Kind::FixedWindow => 1,
+            },
+            rate: c.rate(),
+            period: c.period(),
+            cap: c.capacity(),
+            max_reserved: c.max_reserved(),
+            alignment: slot.alignment,
+            count: take.count,
+            reserve: take.reserve,
+            writes: take.writes,
+            now,
+        }
+    }
+}
+
+/// Reads a row of the `take` or `takes` function.
+fn answer(row: &postgres::Row) -> Answer {
+    let state = match (row.get::<_, Option<f64>>(2), row.get::<_, Option<f64>>(3)) {
+        (Some(value), Some(ts)) => Some(State { value, ts }),
+        _ => None,
+    };
+    (row.get(0), row.get(1), state)
+}
+
+impl<C> PgStore<C> {
+    /// Runs one-takes in one statement: the `take` function for one, `takes` for several;
+    /// answers each.
+    fn send_ones(&self, rows: &[&OneRow]) -> Vec<Result<Answer, StoreError>> {
+        let answers = self.with_conn(|conn| {
+            let (client, prepared) = conn.prepared(&self.sql)?;
+            if let [r] = rows {
+                let (has_key, key) = key_columns(r.key.as_deref());
+                let row = client.query_one(
+                    &prepared.take,
+                    &[
+                        &r.lock,
+                        &r.name,
+                        &has_key,
+                        &key,
+                        &r.shard,
+                        &r.kind,
+                        &r.rate,
+                        &r.period,
+                        &r.cap,
+                        &r.max_reserved,
+                        &r.alignment,
+                        &r.count,
+                        &r.reserve,
+                        &r.writes,
+                        &r.now,
+                    ],
+                )?;
+                return Ok(vec![answer(&row)]);
+            }
+            let column = |f: fn(&OneRow) -> f64| rows.iter().map(|r| f(r)).collect::<Vec<f64>>();
+            let flags = |f: fn(&OneRow) -> bool| rows.iter().map(|r| f(r)).collect::<Vec<bool>>();
+            let ints = |f: fn(&OneRow) -> i32| rows.iter().map(|r| f(r)).collect::<Vec<i32>>();
+            let names: Vec<&str> = rows.iter().map(|r| r.name.as_str()).collect();
+            let keys: Vec<&str> = rows.iter().map(|r| key_columns(r.key.as_deref()).1).collect();
+            let max_reserved: Vec<Option<f64>> = rows.iter().map(|r| r.max_reserved).collect();
+            let now: Vec<Option<f64>> = rows.iter().map(|r| r.now).collect();
+            let found = client.query(
+                &prepared.takes,
+                &[
+                    &ints(|r| r.lock),
+                    &names,
+                    &flags(|r| r.key.is_some()),
+                    &keys,
+                    &ints(|r| r.shard),
+                    &ints(|r| r.kind),
+                    &column(|r| r.rate),
+                    &column(|r| r.period),
+                    &column(|r| r.cap),
+                    &max_reserved,
+                    &column(|r| r.alignment),
+                    &column(|r| r.count),
+                    &flags(|r| r.reserve),
+                    &flags(|r| r.writes),
+                    &now,
+                ],
+            )?;
+            Ok(found.iter().map(answer).collect::<Vec<_>>())
+        });
+        match answers {
+            Ok(answers) if answers.len() == rows.len() => answers.into_iter().map(Ok).collect(),
+            Ok(answers) => fail_all(
+                rows.len(),
+                StoreError::new(format!(
+                    "postgres: {} rows for {} takes",
+                    answers.len(),
+                    rows.len()
+                )),
+            ),
+            Err(e) => fail_all(rows.len(), e),
+        }
     }
 }
 
@@ -248,44 +397,12 @@ impl<C: Clock> Store for PgStore<C> {
         })
     }
 
-    /// The common request in one statement (see the `take` function of the table).
+    /// The common request in one statement (see the `take` function of the table), alone
+    /// or grouped with others that wait (see [`PgStoreBuilder::connections`]).
     fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        let now = self.clock.as_ref().map(Clock::now);
-        let slot = &take.slot;
-        let c = &slot.config;
-        let kind: i32 = match c.kind() {
-            Kind::TokenBucket => 0,
-            Kind::FixedWindow => 1,
-        };
-        let (has_key, key) = key_columns(slot.key);
-        let row = self.with_conn(|conn| {
-            let (client, prepared) = conn.prepared(&self.sql)?;
-            client.query_one(
-                &prepared.take,
-                &[
-                    &lock_id(slot.name, slot.key, slot.shard),
-                    &slot.name,
-                    &has_key,
-                    &key,
-                    &i32::from(slot.shard),
-                    &kind,
-                    &c.rate(),
-                    &c.period(),
-                    &c.capacity(),
-                    &c.max_reserved(),
-                    &slot.alignment,
-                    &take.count,
-                    &take.reserve,
-                    &take.writes,
-                    &now,
-                ],
-            )
-        })?;
-        let (db_now, wrote): (f64, bool) = (row.get(0), row.get(1));
-        let state = match (row.get::<_, Option<f64>>(2), row.get::<_, Option<f64>>(3)) {
-            (Some(value), Some(ts)) => Some(State { value, ts }),
-            _ => None,
-        };
+        let row = OneRow::new(take, self.clock.as_ref().map(Clock::now));
+        let (db_now, wrote, state) =
+            self.group.run(row, 2 * self.timeout, |rows| self.send_ones(rows))?;
         // As for a plan: the answer is tollgate-core's, on what the function read.
         let (taken, new) = take.decide(db_now, state);
         if wrote != new.is_some() {
@@ -314,7 +431,10 @@ impl<C: Clock> Store for PgStore<C> {
 
 /// The limiter inside a transaction of your own: the tokens are spent if you commit and
 /// given back if you roll back. The table must exist (open a [`PgStore`] once, or create it
-/// as that does).
+/// as that does). The slots' locks are held until your transaction ends: take several
+/// limits in one `transaction` (locked in ascending order) rather than one after another,
+/// or your transaction may deadlock with a request that locks them all (PostgreSQL then
+/// fails one of the two with an error; nothing is admitted by it).
 ///
 /// # Examples
 ///
@@ -475,5 +595,50 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().contains("use letters, digits and _"), "{err}");
+    }
+}
+
+/// The grouped statement against the memory store, on the PostgreSQL of
+/// `TOLLGATE_POSTGRES_URL` (skipped without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`).
+#[cfg(test)]
+mod group_tests {
+    use tollgate_core::ManualClock;
+
+    use super::*;
+    use crate::store::group::testing::{T0, grouped_takes_answer_as_memory};
+
+    #[test]
+    fn grouped_takes_answer_as_memory_one_after_the_other() {
+        let url = match std::env::var("TOLLGATE_POSTGRES_URL") {
+            Ok(url) if !url.is_empty() => url,
+            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+                panic!("TOLLGATE_POSTGRES_URL is required by TOLLGATE_REQUIRE_BACKENDS=1")
+            }
+            _ => return,
+        };
+        // Drops the table and its functions however the test ends.
+        struct DropTable(String, String);
+        impl Drop for DropTable {
+            fn drop(&mut self) {
+                if let Ok(mut client) = postgres::Client::connect(&self.0, NoTls) {
+                    let _ = client.batch_execute(&format!(
+                        "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
+                         DROP FUNCTION IF EXISTS {0}_take",
+                        self.1
+                    ));
+                }
+            }
+        }
+        let clock = ManualClock::new(T0);
+        let table = format!("tollgate_group_{}", std::process::id());
+        let _drop = DropTable(url.clone(), table.clone());
+        let store = PgStore::builder().table(&table).open_with_clock(&url, clock.clone());
+        let store = store.unwrap();
+        grouped_takes_answer_as_memory(&clock, &store, |ones| {
+            let rows: Vec<OneRow> =
+                ones.iter().map(|o| OneRow::new(o, Some(clock.now()))).collect();
+            let refs: Vec<&OneRow> = rows.iter().collect();
+            store.send_ones(&refs).into_iter().map(Result::unwrap).collect()
+        });
     }
 }

@@ -9,7 +9,7 @@ use tollgate_core::Split;
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::Store;
-use super::group::Group;
+use super::group::{Group, fail_all};
 use super::pool::Pool;
 use crate::StoreError;
 
@@ -587,13 +587,7 @@ impl<C: Clock> RedisStore<C> {
         };
         match replies {
             Ok(replies) => replies.into_iter().map(Ok).collect(),
-            // Every request of the round trip fails alike (StoreError is not Clone).
-            Err(e) => {
-                let message = e.message().to_owned();
-                let mut all = vec![Err(e)];
-                all.extend((1..requests.len()).map(|_| Err(StoreError::new(message.clone()))));
-                all
-            }
+            Err(e) => fail_all(requests.len(), e),
         }
     }
 
@@ -1048,103 +1042,32 @@ mod give_back_tests {
 /// (skipped without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`).
 #[cfg(test)]
 mod group_tests {
-    use tollgate_core::{Config, MINUTE, ManualClock, SECOND, Take};
+    use tollgate_core::ManualClock;
 
     use super::*;
-    use crate::MemoryStore;
+    use crate::store::group::testing::{T0, grouped_takes_answer_as_memory};
 
-    fn url() -> Option<String> {
-        match std::env::var("TOLLGATE_REDIS_URL") {
-            Ok(url) if !url.is_empty() => Some(url),
+    #[test]
+    fn grouped_takes_answer_as_memory_one_after_the_other() {
+        let url = match std::env::var("TOLLGATE_REDIS_URL") {
+            Ok(url) if !url.is_empty() => url,
             _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
                 panic!("TOLLGATE_REDIS_URL is required by TOLLGATE_REQUIRE_BACKENDS=1")
             }
-            _ => None,
-        }
-    }
-
-    /// Groups of 1 to 40 one-takes over four limits and three keys (repeats in a group
-    /// included), with counts, reservations, maxReserved and checks, sent in one round trip
-    /// each: every answer and every state as the memory store's, one take after the other.
-    #[test]
-    fn grouped_takes_answer_as_memory_one_after_the_other() {
-        let Some(url) = url() else { return };
-        const T0: f64 = 1_700_000_000_000.0;
+            _ => return,
+        };
         let clock = ManualClock::new(T0);
         let prefix = format!("tollgate-group:{}:", std::process::id());
         let redis = RedisStore::builder().prefix(prefix).open_with_clock(&url, clock.clone());
         let redis = redis.unwrap();
-        let memory = MemoryStore::with_clock(clock.clone());
-        let limits = [
-            ("tb", Config::token_bucket(10.0, MINUTE)),
-            ("burst", Config::token_bucket(2.0, SECOND).with_capacity(5.0).with_max_reserved(4.0)),
-            ("fw", Config::fixed_window(10.0, MINUTE).with_start(T0 - 7.0 * SECOND)),
-            ("fw_burst", Config::fixed_window(3.0, SECOND).with_capacity(6.0)),
-        ];
-        let keys = [Some("a"), Some(""), None];
-        // A small LCG: the same cases every run.
-        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = |n: u64| {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (seed >> 33) % n
-        };
-        let (mut admitted, mut refused) = (0, 0);
-        for _ in 0..60 {
-            clock.advance([0.0, 150.0, 1_000.0, 7_000.0][next(4) as usize]);
-            let group: Vec<(Take<'_>, bool)> = (0..1 + next(40))
-                .map(|_| {
-                    let (name, config) = limits[next(4) as usize];
-                    let take = Take {
-                        name,
-                        key: keys[next(3) as usize],
-                        config,
-                        count: [1.0, 2.0, 3.0, 0.5][next(4) as usize],
-                        reserve: next(3) == 0,
-                    };
-                    (take, next(5) != 0)
-                })
-                .collect();
-            let ones: Vec<OneTake<'_>> =
-                group.iter().map(|(t, writes)| OneTake::new(t, 0, *writes).unwrap()).collect();
+        grouped_takes_answer_as_memory(&clock, &redis, |ones| {
             let requests: Vec<(String, Vec<u8>)> = ones
                 .iter()
                 .map(|o| (redis.key(o.slot.name, o.slot.key, 0), one_args(o, clock.now())))
                 .collect();
             let refs: Vec<&(String, Vec<u8>)> = requests.iter().collect();
             let replies = redis.send_ones(&refs);
-            assert_eq!(replies.len(), ones.len());
-            for (one, reply) in ones.iter().zip(replies) {
-                let (now, wrote, loaded) = unpack_one(&reply.unwrap()).unwrap();
-                assert_eq!(now, clock.now());
-                let (taken, new) = one.decide(now, loaded);
-                assert_eq!(wrote, new.is_some());
-                let expected = memory.execute_one(one).unwrap();
-                assert_eq!(taken.decision, expected.decision, "{:?}", one.slot.name);
-                assert_eq!(taken.status, expected.status, "{:?}", one.slot.name);
-                if taken.decision.ok {
-                    admitted += 1;
-                } else {
-                    refused += 1;
-                }
-            }
-            for (name, config) in limits {
-                for key in keys {
-                    let take = Take { name, key, config, count: 1.0, reserve: false };
-                    let slot = [OneTake::new(&take, 0, false).unwrap().slot];
-                    assert_eq!(redis.read(&slot).unwrap().1, memory.read(&slot).unwrap().1);
-                }
-            }
-        }
-        assert!(
-            admitted > 100 && refused > 100,
-            "both paths: {admitted} admitted, {refused} refused"
-        );
-        for (name, _) in limits {
-            for key in keys {
-                redis.delete(name, key, 1).unwrap();
-            }
-        }
+            replies.iter().map(|r| unpack_one(r.as_ref().unwrap()).unwrap()).collect()
+        });
     }
 }

@@ -98,9 +98,9 @@ pub(crate) fn lock_ids(slots: &[Slot<'_>]) -> Vec<i32> {
     ids
 }
 
-/// The longest table name: PostgreSQL keeps 63 bytes of a name, and the store names a
-/// function after the table with `_take` added.
-pub(crate) const MAX_TABLE: usize = 58;
+/// The longest table name: PostgreSQL keeps 63 bytes of a name, and the store names
+/// functions after the table with `_take` and `_takes` added.
+pub(crate) const MAX_TABLE: usize = 57;
 
 /// Whether `table` is a name that may go into a statement as it is: letters, digits and `_`,
 /// at most [`MAX_TABLE`] of them.
@@ -115,12 +115,16 @@ pub(crate) struct PgSql {
     pub(crate) create: String,
     /// Creates (or replaces) the function behind [`PgSql::take`].
     pub(crate) create_take: String,
+    /// Creates (or replaces) the function behind [`PgSql::takes`].
+    pub(crate) create_takes: String,
     pub(crate) load: String,
     pub(crate) upsert: String,
     pub(crate) delete: String,
     pub(crate) delete_all: String,
     /// The common request in one statement: see [`PgSql::new`].
     pub(crate) take: String,
+    /// Several common requests in one statement, one transaction: see [`PgSql::new`].
+    pub(crate) takes: String,
 }
 
 impl PgSql {
@@ -134,6 +138,13 @@ impl PgSql {
     /// `tollgate-core`, which the differential test checks), and writes. It answers the time
     /// it used, whether it wrote, and the state it read, from which `tollgate-core` computes
     /// the answer itself.
+    ///
+    /// `takes` runs several such requests, given as arrays of the same parameters, in one
+    /// statement (group commit: one round trip and one commit for all): a function that
+    /// first takes the advisory locks of all their slots in ascending order (as a plan's
+    /// locks are taken, so no two tollgate requests deadlock), then runs `take` for each in
+    /// turn, a later one seeing what an earlier one wrote, and answers a row for each, in
+    /// order.
     pub(crate) fn new(table: &str) -> Self {
         PgSql {
             create: format!(
@@ -203,9 +214,36 @@ impl PgSql {
                   END IF;
                 END $fn$"
             ),
+            create_takes: format!(
+                "CREATE OR REPLACE FUNCTION {table}_takes(
+                    p_lock int4[], p_name text[], p_has_key bool[], p_key text[], p_shard int4[],
+                    p_kind int4[], p_rate float8[], p_period float8[], p_cap float8[],
+                    p_maxr float8[], p_align float8[], p_count float8[], p_reserve bool[],
+                    p_writes bool[], p_now float8[],
+                    OUT o_now float8, OUT o_wrote bool, OUT o_value float8, OUT o_ts float8)
+                RETURNS SETOF record LANGUAGE plpgsql VOLATILE AS $fn$
+                DECLARE id int4;
+                BEGIN
+                  FOR id IN SELECT DISTINCT l FROM unnest(p_lock) l ORDER BY l LOOP
+                    PERFORM pg_advisory_xact_lock({LOCK_CLASS}, id);
+                  END LOOP;
+                  FOR i IN 1 .. coalesce(array_length(p_lock, 1), 0) LOOP
+                    SELECT t.o_now, t.o_wrote, t.o_value, t.o_ts
+                      INTO o_now, o_wrote, o_value, o_ts
+                      FROM {table}_take(p_lock[i], p_name[i], p_has_key[i], p_key[i],
+                        p_shard[i], p_kind[i], p_rate[i], p_period[i], p_cap[i], p_maxr[i],
+                        p_align[i], p_count[i], p_reserve[i], p_writes[i], p_now[i]) t;
+                    RETURN NEXT;
+                  END LOOP;
+                END $fn$"
+            ),
             take: format!(
                 "SELECT o_now, o_wrote, o_value, o_ts FROM {table}_take($1, $2, $3, $4, $5, $6, \
                  $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+            ),
+            takes: format!(
+                "SELECT o_now, o_wrote, o_value, o_ts FROM {table}_takes($1, $2, $3, $4, $5, \
+                 $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
             ),
             // One row per slot, in order, with the database's time once the locks are held.
             load: format!(

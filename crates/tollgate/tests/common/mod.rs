@@ -81,9 +81,10 @@ impl DropTable {
 impl Drop for DropTable {
     fn drop(&mut self) {
         if let Ok(mut client) = postgres::Client::connect(&self.url, postgres::NoTls) {
-            // The store made a function beside its table, for its one-statement requests.
+            // The store made functions beside its table, for its one-statement requests.
             let _ = client.batch_execute(&format!(
-                "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_take",
+                "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
+                 DROP FUNCTION IF EXISTS {0}_take",
                 self.table
             ));
         }
