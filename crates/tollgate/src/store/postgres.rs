@@ -321,7 +321,7 @@ impl<C> PgStore<C> {
                         &r.now,
                     ],
                 )?;
-                return Ok(vec![answer(&row)]);
+                return Ok(Some(vec![answer(&row)]));
             }
             let column = |f: fn(&OneRow) -> f64| rows.iter().map(|r| f(r)).collect::<Vec<f64>>();
             let flags = |f: fn(&OneRow) -> bool| rows.iter().map(|r| f(r)).collect::<Vec<bool>>();
@@ -330,7 +330,7 @@ impl<C> PgStore<C> {
             let keys: Vec<&str> = rows.iter().map(|r| key_columns(r.key.as_deref()).1).collect();
             let max_reserved: Vec<Option<f64>> = rows.iter().map(|r| r.max_reserved).collect();
             let now: Vec<Option<f64>> = rows.iter().map(|r| r.now).collect();
-            let found = client.query(
+            let found = match client.query(
                 &prepared.takes,
                 &[
                     &ints(|r| r.lock),
@@ -349,9 +349,23 @@ impl<C> PgStore<C> {
                     &flags(|r| r.writes),
                     &now,
                 ],
-            )?;
-            Ok(found.iter().map(answer).collect::<Vec<_>>())
+            ) {
+                Ok(found) => found,
+                // One take's arithmetic failed (a float out of range: a data exception), so
+                // the statement was rolled back whole and nothing was taken: each goes again
+                // alone, below, so that only that one fails.
+                Err(e) if e.code().is_some_and(|c| c.code().starts_with("22")) => {
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            };
+            Ok(Some(found.iter().map(answer).collect::<Vec<_>>()))
         });
+        let answers = match answers {
+            Ok(None) => return rows.iter().flat_map(|r| self.send_ones(&[r])).collect(),
+            Ok(Some(answers)) => Ok(answers),
+            Err(e) => Err(e),
+        };
         match answers {
             Ok(answers) if answers.len() == rows.len() => answers.into_iter().map(Ok).collect(),
             Ok(answers) => fail_all(
@@ -602,43 +616,90 @@ mod tests {
 /// `TOLLGATE_POSTGRES_URL` (skipped without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`).
 #[cfg(test)]
 mod group_tests {
-    use tollgate_core::ManualClock;
+    use tollgate_core::{Config, MINUTE, ManualClock, Take};
 
     use super::*;
     use crate::store::group::testing::{T0, grouped_takes_answer_as_memory};
 
-    #[test]
-    fn grouped_takes_answer_as_memory_one_after_the_other() {
-        let url = match std::env::var("TOLLGATE_POSTGRES_URL") {
-            Ok(url) if !url.is_empty() => url,
+    fn url() -> Option<String> {
+        match std::env::var("TOLLGATE_POSTGRES_URL") {
+            Ok(url) if !url.is_empty() => Some(url),
             _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
                 panic!("TOLLGATE_POSTGRES_URL is required by TOLLGATE_REQUIRE_BACKENDS=1")
             }
-            _ => return,
-        };
-        // Drops the table and its functions however the test ends.
-        struct DropTable(String, String);
-        impl Drop for DropTable {
-            fn drop(&mut self) {
-                if let Ok(mut client) = postgres::Client::connect(&self.0, NoTls) {
-                    let _ = client.batch_execute(&format!(
-                        "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
-                         DROP FUNCTION IF EXISTS {0}_take",
-                        self.1
-                    ));
-                }
+            _ => None,
+        }
+    }
+
+    /// A store on a table of its own, which is dropped with its functions however the test
+    /// ends.
+    struct OnTable {
+        store: PgStore<ManualClock>,
+        url: String,
+        table: String,
+    }
+
+    impl OnTable {
+        fn open(url: &str, test: &str, clock: &ManualClock) -> Self {
+            let table = format!("tollgate_{test}_{}", std::process::id());
+            let store = PgStore::builder().table(&table).open_with_clock(url, clock.clone());
+            OnTable { store: store.unwrap(), url: url.to_owned(), table }
+        }
+    }
+
+    impl Drop for OnTable {
+        fn drop(&mut self) {
+            if let Ok(mut client) = postgres::Client::connect(&self.url, NoTls) {
+                let _ = client.batch_execute(&format!(
+                    "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
+                     DROP FUNCTION IF EXISTS {0}_take",
+                    self.table
+                ));
             }
         }
+    }
+
+    #[test]
+    fn grouped_takes_answer_as_memory_one_after_the_other() {
+        let Some(url) = url() else { return };
         let clock = ManualClock::new(T0);
-        let table = format!("tollgate_group_{}", std::process::id());
-        let _drop = DropTable(url.clone(), table.clone());
-        let store = PgStore::builder().table(&table).open_with_clock(&url, clock.clone());
-        let store = store.unwrap();
-        grouped_takes_answer_as_memory(&clock, &store, |ones| {
+        let on = OnTable::open(&url, "group", &clock);
+        let store = &on.store;
+        grouped_takes_answer_as_memory(&clock, store, |ones| {
             let rows: Vec<OneRow> =
                 ones.iter().map(|o| OneRow::new(o, Some(clock.now()))).collect();
             let refs: Vec<&OneRow> = rows.iter().collect();
             store.send_ones(&refs).into_iter().map(Result::unwrap).collect()
         });
+    }
+
+    /// A take whose arithmetic fails in PostgreSQL (a refill that overflows a float8) fails
+    /// alone: the group goes again one take at a time, and the others are taken once.
+    #[test]
+    fn a_take_whose_arithmetic_fails_fails_alone() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let on = OnTable::open(&url, "overflow", &clock);
+        let store = &on.store;
+        let huge = Config::token_bucket(1e300, 1.0);
+        let normal = Config::token_bucket(10.0, MINUTE);
+        let take =
+            |name, config, count| Take { name, key: Some("k"), config, count, reserve: false };
+        fn one<'a>(t: &Take<'a>) -> OneTake<'a> {
+            OneTake::new(t, 0, true).unwrap()
+        }
+        // A state of the huge limit; 11 days later its refill, 1e9 ms x 1e300, overflows.
+        assert!(store.execute_one(&one(&take("huge", huge, 1e299))).unwrap().decision.ok);
+        clock.advance(1e9);
+        let takes =
+            [take("normal", normal, 1.0), take("huge", huge, 1.0), take("normal", normal, 2.0)];
+        let rows: Vec<OneRow> =
+            takes.iter().map(|t| OneRow::new(&one(t), Some(clock.now()))).collect();
+        let answers = store.send_ones(&rows.iter().collect::<Vec<_>>());
+        assert!(answers[1].is_err(), "{:?}", answers[1]);
+        assert!(answers[0].as_ref().unwrap().1 && answers[2].as_ref().unwrap().1, "both wrote");
+        let slot = [one(&takes[0]).slot];
+        let now = clock.now();
+        assert_eq!(store.read(&slot).unwrap().1, [Some(State { value: 7.0, ts: now })]);
     }
 }
