@@ -185,6 +185,18 @@ pub(crate) mod testing {
     /// The clock's start.
     pub(crate) const T0: f64 = 1_700_000_000_000.0;
 
+    /// The URL of a backend for a store's own tests, from `var`: `None` (the test returns
+    /// early) without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`, which makes it a failure.
+    pub(crate) fn backend_url(var: &str) -> Option<String> {
+        match std::env::var(var) {
+            Ok(url) if !url.is_empty() => Some(url),
+            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+                panic!("{var} is required by TOLLGATE_REQUIRE_BACKENDS=1")
+            }
+            _ => None,
+        }
+    }
+
     /// Groups of 1 to 40 one-takes over four limits and three keys (repeats in a group
     /// included), with counts, reservations, maxReserved and checks, each group run by
     /// `send` in one round trip (answering, per take, the time it used, whether it wrote and

@@ -619,16 +619,10 @@ mod group_tests {
     use tollgate_core::{Config, MINUTE, ManualClock, Take};
 
     use super::*;
-    use crate::store::group::testing::{T0, grouped_takes_answer_as_memory};
+    use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory};
 
     fn url() -> Option<String> {
-        match std::env::var("TOLLGATE_POSTGRES_URL") {
-            Ok(url) if !url.is_empty() => Some(url),
-            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-                panic!("TOLLGATE_POSTGRES_URL is required by TOLLGATE_REQUIRE_BACKENDS=1")
-            }
-            _ => None,
-        }
+        backend_url("TOLLGATE_POSTGRES_URL")
     }
 
     /// A store on a table of its own, which is dropped with its functions however the test

@@ -1014,13 +1014,7 @@ mod give_back_tests {
     use super::*;
 
     fn cluster_url() -> Option<String> {
-        match std::env::var("TOLLGATE_REDIS_CLUSTER_URL") {
-            Ok(url) if !url.is_empty() => Some(url),
-            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-                panic!("TOLLGATE_REDIS_CLUSTER_URL is required by TOLLGATE_REQUIRE_BACKENDS=1")
-            }
-            _ => None,
-        }
+        crate::store::group::testing::backend_url("TOLLGATE_REDIS_CLUSTER_URL")
     }
 
     #[test]
@@ -1069,16 +1063,10 @@ mod on_redis_tests {
     use tollgate_core::{Config, MINUTE, ManualClock, SECOND, Take};
 
     use super::*;
-    use crate::store::group::testing::{T0, grouped_takes_answer_as_memory};
+    use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory};
 
     fn url() -> Option<String> {
-        match std::env::var("TOLLGATE_REDIS_URL") {
-            Ok(url) if !url.is_empty() => Some(url),
-            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-                panic!("TOLLGATE_REDIS_URL is required by TOLLGATE_REQUIRE_BACKENDS=1")
-            }
-            _ => None,
-        }
+        backend_url("TOLLGATE_REDIS_URL")
     }
 
     fn open(url: &str, clock: &ManualClock, test: &str) -> RedisStore<ManualClock> {
