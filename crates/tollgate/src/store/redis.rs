@@ -623,7 +623,7 @@ impl<C: Clock> RedisStore<C> {
         for slot in slots {
             let c = &slot.config;
             invocation
-                .arg(kind_arg(c.kind()))
+                .arg(kind_code(c.kind()))
                 .arg(num(c.rate()))
                 .arg(num(c.period()))
                 .arg(num(c.capacity()))
@@ -746,7 +746,7 @@ impl<C: Clock> RedisStore<C> {
             .arg(self.now_arg())
             .arg(written)
             .arg(ran.loaded[0].as_slice())
-            .arg(kind_arg(c.kind()))
+            .arg(kind_code(c.kind()))
             .arg(num(c.rate()))
             .arg(num(c.period()))
             .arg(num(c.capacity()))
@@ -790,10 +790,12 @@ fn cross_slot(plan: &Plan<'_>, keys: &[String]) -> StoreError {
     ))
 }
 
-fn kind_arg(kind: Kind) -> &'static str {
+/// How the scripts name a limit's kind: 0 token bucket, 1 fixed window (a byte in
+/// [`one_args`], its digit as a text argument).
+fn kind_code(kind: Kind) -> u8 {
     match kind {
-        Kind::TokenBucket => "0",
-        Kind::FixedWindow => "1",
+        Kind::TokenBucket => 0,
+        Kind::FixedWindow => 1,
     }
 }
 
@@ -802,10 +804,7 @@ fn one_args(take: &OneTake<'_>, now: f64) -> Vec<u8> {
     let c = &take.slot.config;
     let mut args = Vec::with_capacity(3 + 7 * 8);
     args.push(u8::from(take.writes));
-    args.push(match c.kind() {
-        Kind::TokenBucket => 0,
-        Kind::FixedWindow => 1,
-    });
+    args.push(kind_code(c.kind()));
     args.push(u8::from(take.reserve));
     let numbers = [
         c.rate(),
