@@ -17,6 +17,10 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::StoreError;
 
+/// What a store's one-take function or script answers for a take: the time it used,
+/// whether it wrote, and the state it loaded (from which `tollgate-core` decides).
+pub(crate) type OneAnswer = (f64, bool, Option<tollgate_core::State>);
+
 /// Requests of type `Q`, each answered with an `A`.
 pub(crate) struct Group<Q, A> {
     line: Mutex<Line<Q, A>>,
@@ -177,13 +181,18 @@ impl<Q, A> Drop for HandOn<'_, Q, A> {
 /// A check that a store's grouped round trip answers as one request after the other.
 #[cfg(test)]
 pub(crate) mod testing {
-    use tollgate_core::{Clock, Config, MINUTE, ManualClock, OneTake, SECOND, State, Take};
+    use tollgate_core::{Clock, Config, MINUTE, ManualClock, OneTake, SECOND, Take};
 
     use crate::MemoryStore;
     use crate::store::Store;
 
     /// The clock's start.
     pub(crate) const T0: f64 = 1_700_000_000_000.0;
+
+    /// `take` as a one-take that writes.
+    pub(crate) fn writing<'a>(take: &Take<'a>) -> OneTake<'a> {
+        OneTake::new(take, 0, true).unwrap()
+    }
 
     /// The URL of a backend for a store's own tests, from `var`: `None` (the test returns
     /// early) without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`, which makes it a failure.
@@ -205,7 +214,7 @@ pub(crate) mod testing {
     pub(crate) fn grouped_takes_answer_as_memory(
         clock: &ManualClock,
         store: &impl Store,
-        send: impl Fn(&[OneTake<'_>]) -> Vec<(f64, bool, Option<State>)>,
+        send: impl Fn(&[OneTake<'_>]) -> Vec<super::OneAnswer>,
     ) {
         let memory = MemoryStore::with_clock(clock.clone());
         let limits = [

@@ -7,7 +7,7 @@ use postgres::{Client, GenericClient, NoTls, Statement, ToStatement};
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::Store;
-use super::group::{Group, fail_all};
+use super::group::{Group, OneAnswer, fail_all};
 use super::pool::Pool;
 use super::sql::{
     LOCK_CLASS, MAX_TABLE, PG_LOCK, PgSql, key_columns, lock_id, lock_ids, saves, valid_table,
@@ -210,7 +210,7 @@ pub struct PgStore<C = tollgate_core::SystemClock> {
     config: postgres::Config,
     connections: Pool<PgConn>,
     /// One-takes, sent together when every connection is busy.
-    group: Group<OneRow, Answer>,
+    group: Group<OneRow, OneAnswer>,
     timeout: Duration,
     sql: PgSql,
     /// `None`: the database's clock.
@@ -255,9 +255,6 @@ struct OneRow {
     now: Option<f64>,
 }
 
-/// What the `take` function answers: the time it used, whether it wrote, the state it read.
-type Answer = (f64, bool, Option<State>);
-
 impl OneRow {
     fn new(take: &OneTake<'_>, now: Option<f64>) -> Self {
         let slot = &take.slot;
@@ -285,7 +282,7 @@ impl OneRow {
 }
 
 /// Reads a row of the `take` or `takes` function.
-fn answer(row: &postgres::Row) -> Answer {
+fn answer(row: &postgres::Row) -> OneAnswer {
     let state = match (row.get::<_, Option<f64>>(2), row.get::<_, Option<f64>>(3)) {
         (Some(value), Some(ts)) => Some(State { value, ts }),
         _ => None,
@@ -296,7 +293,7 @@ fn answer(row: &postgres::Row) -> Answer {
 impl<C> PgStore<C> {
     /// Runs one-takes in one statement: the `take` function for one, `takes` for several;
     /// answers each.
-    fn send_ones(&self, rows: &[&OneRow]) -> Vec<Result<Answer, StoreError>> {
+    fn send_ones(&self, rows: &[&OneRow]) -> Vec<Result<OneAnswer, StoreError>> {
         let answers = self.with_conn(|conn| {
             let (client, prepared) = conn.prepared(&self.sql)?;
             if let [r] = rows {
@@ -619,10 +616,20 @@ mod group_tests {
     use tollgate_core::{Config, MINUTE, ManualClock, Take};
 
     use super::*;
-    use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory};
+    use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory, writing};
 
     fn url() -> Option<String> {
         backend_url("TOLLGATE_POSTGRES_URL")
+    }
+
+    /// `takes` in one statement, at `now`.
+    fn send_group(
+        store: &PgStore<ManualClock>,
+        takes: &[OneTake<'_>],
+        now: f64,
+    ) -> Vec<Result<OneAnswer, StoreError>> {
+        let rows: Vec<OneRow> = takes.iter().map(|o| OneRow::new(o, Some(now))).collect();
+        store.send_ones(&rows.iter().collect::<Vec<_>>())
     }
 
     /// A store on a table of its own, which is dropped with its functions however the test
@@ -660,10 +667,7 @@ mod group_tests {
         let on = OnTable::open(&url, "group", &clock);
         let store = &on.store;
         grouped_takes_answer_as_memory(&clock, store, |ones| {
-            let rows: Vec<OneRow> =
-                ones.iter().map(|o| OneRow::new(o, Some(clock.now()))).collect();
-            let refs: Vec<&OneRow> = rows.iter().collect();
-            store.send_ones(&refs).into_iter().map(Result::unwrap).collect()
+            send_group(store, ones, clock.now()).into_iter().map(Result::unwrap).collect()
         });
     }
 
@@ -679,20 +683,15 @@ mod group_tests {
         let normal = Config::token_bucket(10.0, MINUTE);
         let take =
             |name, config, count| Take { name, key: Some("k"), config, count, reserve: false };
-        fn one<'a>(t: &Take<'a>) -> OneTake<'a> {
-            OneTake::new(t, 0, true).unwrap()
-        }
         // A state of the huge limit; 11 days later its refill, 1e9 ms x 1e300, overflows.
-        assert!(store.execute_one(&one(&take("huge", huge, 1e299))).unwrap().decision.ok);
+        assert!(store.execute_one(&writing(&take("huge", huge, 1e299))).unwrap().decision.ok);
         clock.advance(1e9);
         let takes =
             [take("normal", normal, 1.0), take("huge", huge, 1.0), take("normal", normal, 2.0)];
-        let rows: Vec<OneRow> =
-            takes.iter().map(|t| OneRow::new(&one(t), Some(clock.now()))).collect();
-        let answers = store.send_ones(&rows.iter().collect::<Vec<_>>());
+        let answers = send_group(store, &takes.each_ref().map(writing), clock.now());
         assert!(answers[1].is_err(), "{:?}", answers[1]);
         assert!(answers[0].as_ref().unwrap().1 && answers[2].as_ref().unwrap().1, "both wrote");
-        let slot = [one(&takes[0]).slot];
+        let slot = [writing(&takes[0]).slot];
         let now = clock.now();
         assert_eq!(store.read(&slot).unwrap().1, [Some(State { value: 7.0, ts: now })]);
     }

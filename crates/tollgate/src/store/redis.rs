@@ -9,7 +9,7 @@ use tollgate_core::Split;
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::Store;
-use super::group::{Group, fail_all};
+use super::group::{Group, OneAnswer, fail_all};
 use super::pool::Pool;
 use crate::StoreError;
 
@@ -823,7 +823,7 @@ fn one_args(take: &OneTake<'_>, now: f64) -> Vec<u8> {
 
 /// Reads [`SCRIPT_ONE`]'s answer: the time it used, whether it wrote, and the state it
 /// loaded.
-fn unpack_one(reply: &Value) -> Result<(f64, bool, Option<State>), StoreError> {
+fn unpack_one(reply: &Value) -> Result<OneAnswer, StoreError> {
     let Value::BulkString(reply) = reply else {
         return Err(garbage("not a string for one slot"));
     };
@@ -1062,10 +1062,24 @@ mod on_redis_tests {
     use tollgate_core::{Config, MINUTE, ManualClock, SECOND, Take};
 
     use super::*;
-    use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory};
+    use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory, writing};
 
     fn url() -> Option<String> {
         backend_url("TOLLGATE_REDIS_URL")
+    }
+
+    /// `takes` in one round trip, at the clock's time: each answer as [`unpack_one`] reads it.
+    fn send_group(
+        redis: &RedisStore<ManualClock>,
+        takes: &[OneTake<'_>],
+        now: f64,
+    ) -> Vec<Result<OneAnswer, StoreError>> {
+        let requests: Vec<(String, Vec<u8>)> = takes
+            .iter()
+            .map(|o| (redis.key(o.slot.name, o.slot.key, o.slot.shard), one_args(o, now)))
+            .collect();
+        let replies = redis.send_ones(&requests.iter().collect::<Vec<_>>());
+        replies.into_iter().map(|r| unpack_one(&r?)).collect()
     }
 
     fn open(url: &str, clock: &ManualClock, test: &str) -> RedisStore<ManualClock> {
@@ -1079,13 +1093,7 @@ mod on_redis_tests {
         let clock = ManualClock::new(T0);
         let redis = open(&url, &clock, "group");
         grouped_takes_answer_as_memory(&clock, &redis, |ones| {
-            let requests: Vec<(String, Vec<u8>)> = ones
-                .iter()
-                .map(|o| (redis.key(o.slot.name, o.slot.key, 0), one_args(o, clock.now())))
-                .collect();
-            let refs: Vec<&(String, Vec<u8>)> = requests.iter().collect();
-            let replies = redis.send_ones(&refs);
-            replies.iter().map(|r| unpack_one(r.as_ref().unwrap()).unwrap()).collect()
+            send_group(&redis, ones, clock.now()).into_iter().map(Result::unwrap).collect()
         });
     }
 
@@ -1102,21 +1110,14 @@ mod on_redis_tests {
         let bad_key = redis.key("t", Some("bad"), 0);
         let _: () = redis::cmd("SET").arg(&bad_key).arg("x").query(&mut conn).unwrap();
         let (bad, good) = (take("bad"), take("good"));
-        fn one<'a>(t: &Take<'a>) -> OneTake<'a> {
-            OneTake::new(t, 0, true).unwrap()
-        }
-        assert!(redis.execute_one(&one(&bad)).is_err(), "alone");
-        let requests: Vec<(String, Vec<u8>)> = [&good, &bad, &good]
-            .iter()
-            .map(|t| (redis.key("t", t.key, 0), one_args(&one(t), clock.now())))
-            .collect();
-        let replies = redis.send_ones(&requests.iter().collect::<Vec<_>>());
-        let answers: Vec<_> = replies.iter().map(|r| unpack_one(r.as_ref().unwrap())).collect();
+        assert!(redis.execute_one(&writing(&bad)).is_err(), "alone");
+        let group = [writing(&good), writing(&bad), writing(&good)];
+        let answers = send_group(&redis, &group, clock.now());
         let error = answers[1].as_ref().unwrap_err().message().to_owned();
         assert!(error.starts_with("redis: script error: "), "{error}");
         assert_eq!(answers[0].as_ref().unwrap().2, None);
         assert_eq!(answers[2].as_ref().unwrap().2, Some(State { value: 9.0, ts: T0 }));
-        let slot = [one(&good).slot];
+        let slot = [writing(&good).slot];
         assert_eq!(redis.read(&slot).unwrap().1, [Some(State { value: 8.0, ts: T0 })]);
         redis.delete("t", Some("good"), 1).unwrap();
         redis.delete("t", Some("bad"), 1).unwrap();
@@ -1137,7 +1138,7 @@ mod on_redis_tests {
         let window = Config::fixed_window(10.0, MINUTE).with_start(T0 - 15.0 * SECOND);
         let take =
             |name, key, config, count| Take { name, key: Some(key), config, count, reserve: false };
-        let one = |t: &Take<'_>| redis.execute_one(&OneTake::new(t, 0, true).unwrap()).unwrap();
+        let one = |t: &Take<'_>| redis.execute_one(&writing(t)).unwrap();
 
         // 4 of 10 a minute taken: full again in 4 x 6 s.
         assert!(one(&take("tb", "alone", bucket, 4.0)).decision.ok);
@@ -1151,15 +1152,8 @@ mod on_redis_tests {
 
         // Grouped: 1, then 2 more of the same state: full again in 3 x 6 s.
         let (a, b) = (take("tb", "grouped", bucket, 1.0), take("tb", "grouped", bucket, 2.0));
-        let requests: Vec<(String, Vec<u8>)> = [a, b]
-            .iter()
-            .map(|t| {
-                let o = OneTake::new(t, 0, true).unwrap();
-                (redis.key(o.slot.name, o.slot.key, 0), one_args(&o, clock.now()))
-            })
-            .collect();
-        let replies = redis.send_ones(&requests.iter().collect::<Vec<_>>());
-        assert!(replies.iter().all(|r| unpack_one(r.as_ref().unwrap()).unwrap().1), "both wrote");
+        let answers = send_group(&redis, &[writing(&a), writing(&b)], clock.now());
+        assert!(answers.iter().all(|r| r.as_ref().unwrap().1), "both wrote");
         assert!((17_000..=18_000).contains(&pttl("tb", "grouped")));
 
         // A transaction (the general script): 5 of the bucket, 1 of the window.
