@@ -116,19 +116,24 @@ struct Table {
     names: Vec<Box<str>>,
     /// The indexes of `names`, found by a name's hash.
     by_name: HashTable<u32>,
-    /// The index of the name found last: most requests to a segment name the same few
-    /// limits, so comparing with it first mostly saves hashing the name and a lookup.
-    last: u32,
+    /// The indexes of the two names found last, the latest first: most requests to a segment
+    /// name the same few limits, so comparing with them first mostly saves hashing the name
+    /// and a lookup. (Two, so that two limits of a transaction that share a segment do not
+    /// push each other out on every request.)
+    last: [u32; 2],
     /// Sweep when `entries.len()` reaches this.
     sweep_at: usize,
 }
 
 impl Table {
     /// The index of `name` in this segment, if it was stored here.
-    #[inline]
+    #[inline(always)]
     fn name_id(&mut self, name: &str, hasher: &RandomState) -> Option<u32> {
-        match self.names.get(self.last as usize) {
-            Some(last) if same_bytes(last.as_bytes(), name.as_bytes()) => Some(self.last),
+        let is = |id: u32| {
+            self.names.get(id as usize).is_some_and(|n| same_bytes(n.as_bytes(), name.as_bytes()))
+        };
+        match self.last {
+            [id, _] | [_, id] if is(id) => Some(id),
             _ => self.look_up_name(name, hasher),
         }
     }
@@ -140,8 +145,13 @@ impl Table {
             same_bytes(names[id as usize].as_bytes(), name.as_bytes())
         });
         let id = *found?;
-        self.last = id;
+        self.found(id);
         Some(id)
+    }
+
+    /// Remembers `id` as the name found last.
+    fn found(&mut self, id: u32) {
+        self.last = [id, self.last[0]];
     }
 
     /// The entry id of (name, shard) in this segment; `None` if the name was never stored here.
@@ -238,7 +248,7 @@ impl MemoryStoreBuilder {
                     entries: HashTable::new(),
                     names: Vec::new(),
                     by_name: HashTable::new(),
-                    last: u32::MAX,
+                    last: [u32::MAX; 2],
                     sweep_at: MIN_SWEEP_LEN,
                 }))
             })
@@ -425,7 +435,7 @@ impl<C: Clock> MemoryStore<C> {
         by_name.insert_unique(self.hasher.hash_one(name), id, |&i| {
             self.hasher.hash_one(&*names[i as usize])
         });
-        table.last = id;
+        table.found(id);
         Ok(id)
     }
 
@@ -485,6 +495,7 @@ impl<C: Clock> MemoryStore<C> {
         loop {
             let now = self.clock.now();
             let mut table = self.segments[at.segment].0.lock();
+            prefetch_home(&table.entries, at.hash);
             let id = table.entry_id(slot, &self.hasher);
             let found =
                 id.and_then(|id| table.entries.find_entry(at.hash, |e| e.is(id, slot.key)).ok());
@@ -738,6 +749,37 @@ impl OneSlot for Plan<'_> {
     }
 }
 
+/// Starts loading the entries that `hash` most likely names, in its home bucket (where an
+/// entry is put unless that bucket was taken) and the next (in a table 0.76 full, 63% and 15%
+/// of the entries are in one of them), so that on a table larger than the caches the wait for
+/// the entry overlaps the wait for the control bytes that the lookup reads first, instead of
+/// following it. A hint only: if neither is the entry, the lookup finds it as usual, a little
+/// later.
+#[inline(always)]
+fn prefetch_home(entries: &HashTable<Entry>, hash: u64) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // hashbrown probes from bucket `hash & (buckets - 1)`, and keeps bucket i + 1 just
+        // below bucket i in memory (if it ever did otherwise, a prefetch would be wasted,
+        // nothing more).
+        let home = hash as usize & entries.num_buckets().wrapping_sub(1);
+        if let Some(e) = entries.get_bucket(home) {
+            let start: *const i8 = std::ptr::from_ref(e).cast();
+            let size = size_of::<Entry>();
+            // SAFETY: a prefetch is a hint that never faults, whatever the address, and SSE,
+            // which it needs, is part of every x86_64 target.
+            #[allow(unsafe_code)]
+            unsafe {
+                // Bucket i + 1, then both ends of bucket i (an entry may straddle two lines).
+                _mm_prefetch::<_MM_HINT_T0>(start.wrapping_sub(size));
+                _mm_prefetch::<_MM_HINT_T0>(start);
+                _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(size - 1));
+            }
+        }
+    }
+}
+
 /// Whole seconds after `ms`: a state is dropped at or after it is full, never before.
 ///
 /// Multiplying by 0.001 (a division is a long wait on the hot path) may be off by a rounding
@@ -865,6 +907,27 @@ mod tests {
             assert_eq!(StoredKey::new(key).get(), key.map(str::as_bytes));
         }
         assert!(matches!(StoredKey::new(Some(&long)), StoredKey::Heap(_)));
+    }
+
+    #[test]
+    fn names_are_found_whatever_the_order() {
+        // One segment, so every name is interned in the same table and the two names found
+        // last are pushed out in turn.
+        let store = MemoryStore::builder().segments(1).build();
+        let hasher = &store.hasher;
+        let mut table = store.segments[0].0.lock();
+        let names = ["perUser", "perTeam", "global", "upload"];
+        for name in names {
+            assert_eq!(table.name_id(name, hasher), None);
+            store.intern(&mut table, name).unwrap();
+        }
+        for order in [[0, 1, 0, 1, 2, 2, 3, 0, 3, 1, 2, 0], [3, 2, 1, 0, 0, 1, 2, 3, 1, 3, 1, 3]] {
+            for i in order {
+                assert_eq!(table.name_id(names[i], hasher), Some(i as u32), "{}", names[i]);
+            }
+            assert_eq!(table.name_id("perUse", hasher), None);
+            assert_eq!(table.name_id("perUserX", hasher), None);
+        }
     }
 
     proptest::proptest! {
