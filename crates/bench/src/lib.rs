@@ -60,6 +60,32 @@ fn quota() -> Quota {
     Quota::per_second(one).allow_burst(NonZeroU32::new(BURST).expect("non-zero"))
 }
 
+/// The URL in the environment variable `var`, else `default`; panics unless it is a loopback
+/// address: the load scripts never target another machine.
+pub fn loopback_url(var: &str, default: &str) -> String {
+    let url = std::env::var(var).unwrap_or_else(|_| default.into());
+    assert!(
+        url.contains("127.0.0.1") || url.contains("localhost") || url.contains("[::1]"),
+        "loopback only: {url}"
+    );
+    url
+}
+
+/// The Redis key of the `INCR` counter of `key`, the plain operation the Redis store is
+/// measured against.
+pub fn counter_key(key: &str) -> String {
+    format!("tollgate-bench:incr:{key}")
+}
+
+/// Deletes the `INCR` counters of `keys`, which have no expiry (tollgate's states do), so a
+/// run leaves the server as it was.
+pub fn delete_counters(conn: &mut redis::Connection, keys: &[String]) {
+    for chunk in keys.chunks(1000) {
+        let names: Vec<String> = chunk.iter().map(|k| counter_key(k)).collect();
+        let _: () = redis::cmd("DEL").arg(names).query(conn).unwrap();
+    }
+}
+
 /// `n` distinct keys shaped like user ids.
 pub fn keys(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("user-{i:08}")).collect()

@@ -16,16 +16,13 @@ use std::time::Duration;
 
 use tollgate::store::RedisStore;
 use tollgate::{RateLimiter, Request};
-use tollgate_bench::{Limit, alternate, keys, throughput};
+use tollgate_bench::{
+    Limit, alternate, counter_key, delete_counters, keys, loopback_url, throughput,
+};
 
 fn main() {
     let secs: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
-    let url =
-        std::env::var("TOLLGATE_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-    assert!(
-        url.contains("127.0.0.1") || url.contains("localhost") || url.contains("[::1]"),
-        "loopback only: {url}"
-    );
+    let url = loopback_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379");
     let rounds: usize = std::env::args().nth(2).and_then(|a| a.parse().ok()).unwrap_or(1).max(1);
     let connections: Option<usize> = std::env::args().nth(3).and_then(|a| a.parse().ok());
     let duration = Duration::from_secs(secs);
@@ -39,7 +36,7 @@ fn main() {
             .collect();
         let incr = || {
             throughput(in_flight, duration, |t, n| {
-                let key = format!("tollgate-bench:incr:{}", keys[(t * 7919 + n) % keys.len()]);
+                let key = counter_key(&keys[(t * 7919 + n) % keys.len()]);
                 let _: i64 = redis::cmd("INCR").arg(key).query(&mut *conns[t].lock()).unwrap();
             })
         };
@@ -62,10 +59,5 @@ fn main() {
             println!("| {in_flight}: median of {rounds} | | | {median:.3}x |");
         }
     }
-    // Leave the server as it was: the counters have no expiry (tollgate's states do).
-    let mut conn = client.get_connection().unwrap();
-    for chunk in keys.chunks(1000) {
-        let names: Vec<String> = chunk.iter().map(|k| format!("tollgate-bench:incr:{k}")).collect();
-        let _: () = redis::cmd("DEL").arg(names).query(&mut conn).unwrap();
-    }
+    delete_counters(&mut client.get_connection().unwrap(), &keys);
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tollgate::store::RedisStore;
 use tollgate::{RateLimiter, Request};
-use tollgate_bench::{Limit, keys};
+use tollgate_bench::{Limit, counter_key, delete_counters, keys, loopback_url};
 
 /// User and system CPU time of a process so far, in microseconds.
 fn cpu_us(pid: &str) -> (f64, f64) {
@@ -48,12 +48,7 @@ struct Side<'a> {
 fn main() {
     let secs: f64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(2.0);
     let rounds: usize = std::env::args().nth(2).and_then(|a| a.parse().ok()).unwrap_or(3);
-    let url =
-        std::env::var("TOLLGATE_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-    assert!(
-        url.contains("127.0.0.1") || url.contains("localhost") || url.contains("[::1]"),
-        "loopback only: {url}"
-    );
+    let url = loopback_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379");
     let client = redis::Client::open(url.as_str()).unwrap();
     let mut stats = client.get_connection().unwrap();
     let info: String = redis::cmd("INFO").arg("server").query(&mut stats).unwrap();
@@ -80,7 +75,7 @@ fn main() {
             name: "INCR",
             command: "incr",
             op: Box::new(|n| {
-                let key = format!("tollgate-bench:incr:{}", keys[n % keys.len()]);
+                let key = counter_key(&keys[n % keys.len()]);
                 let _: i64 = redis::cmd("INCR").arg(key).query(&mut incr_conn).unwrap();
             }),
         },
@@ -138,9 +133,5 @@ fn main() {
             );
         }
     }
-    // Leave the server as it was: the counters have no expiry (tollgate's states do).
-    for chunk in keys.chunks(1000) {
-        let names: Vec<String> = chunk.iter().map(|k| format!("tollgate-bench:incr:{k}")).collect();
-        let _: () = redis::cmd("DEL").arg(names).query(&mut stats).unwrap();
-    }
+    delete_counters(&mut stats, &keys);
 }

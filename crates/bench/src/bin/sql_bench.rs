@@ -21,18 +21,13 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tollgate::store::{PgStore, SqliteStore};
 use tollgate::{RateLimiter, Request};
-use tollgate_bench::{Limit, alternate, keys, throughput};
+use tollgate_bench::{Limit, alternate, keys, loopback_url, throughput};
 
 fn main() {
     let secs: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
     let duration = Duration::from_secs(secs);
     let keys = keys(10_000);
-    let url = std::env::var("TOLLGATE_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
-    assert!(
-        url.contains("127.0.0.1") || url.contains("localhost") || url.contains("[::1]"),
-        "loopback only: {url}"
-    );
+    let url = loopback_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test");
 
     let only = std::env::args().nth(2);
     let rounds: usize = std::env::args().nth(3).and_then(|a| a.parse().ok()).unwrap_or(1).max(1);
