@@ -4,12 +4,11 @@
 //! table of BENCHMARKS.md.
 
 use std::hint::black_box;
-use std::sync::Barrier;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::Request;
-use tollgate_bench::{Limit, governor_direct, governor_keyed, keys, tollgate};
+use tollgate_bench::{Limit, governor_direct, governor_keyed, keys, tollgate, two_threads};
 
 fn one_key_one_thread(c: &mut Criterion) {
     let mut g = c.benchmark_group("one_key_one_thread");
@@ -63,27 +62,6 @@ fn many_keys(c: &mut Criterion) {
         })
     });
     g.finish();
-}
-
-/// Runs `op` on two threads at once, `iters` times in all; the time per op is wall time over
-/// all ops, so it falls if the threads truly run in parallel.
-fn two_threads(iters: u64, op: &(dyn Fn() + Sync)) -> Duration {
-    let barrier = Barrier::new(2);
-    std::thread::scope(|s| {
-        let worker = s.spawn(|| {
-            barrier.wait();
-            for _ in 0..iters / 2 {
-                op();
-            }
-        });
-        barrier.wait();
-        let start = Instant::now();
-        for _ in 0..iters - iters / 2 {
-            op();
-        }
-        worker.join().unwrap();
-        start.elapsed()
-    })
 }
 
 fn one_key_two_threads(c: &mut Criterion) {

@@ -2,6 +2,7 @@
 //! for governor, so the criterion bench and the memory report measure the same thing.
 
 use std::num::NonZeroU32;
+use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -116,6 +117,27 @@ pub fn throughput(threads: usize, duration: Duration, op: impl Fn(usize, usize) 
         workers.into_iter().map(|w| w.join().unwrap()).sum()
     });
     total as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Runs `op` on two threads at once, `iters` times in all; the time per op is wall time over
+/// all ops, so it falls if the threads truly run in parallel.
+pub fn two_threads(iters: u64, op: &(dyn Fn() + Sync)) -> Duration {
+    let barrier = Barrier::new(2);
+    std::thread::scope(|s| {
+        let worker = s.spawn(|| {
+            barrier.wait();
+            for _ in 0..iters / 2 {
+                op();
+            }
+        });
+        barrier.wait();
+        let start = Instant::now();
+        for _ in 0..iters - iters / 2 {
+            op();
+        }
+        worker.join().unwrap();
+        start.elapsed()
+    })
 }
 
 /// Measures the two sides of a comparison in `rounds` rounds (at least one) that alternate

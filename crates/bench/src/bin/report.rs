@@ -1,7 +1,7 @@
 //! Prints BENCHMARKS.md's table: per scenario, tollgate's and governor's ns/op (read from the
 //! last `cargo bench -p tollgate-bench` run) and their ratio; then measures bytes per live key
 //! for both at 100k String keys with a counting allocator; then, unless `--no-rounds`, runs
-//! the single-thread scenarios again in interleaved rounds (tollgate, governor, governor,
+//! the scenarios with a target again in interleaved rounds (tollgate, governor, governor,
 //! tollgate, ...) and prints each round's ratio and their median: on a shared machine whose
 //! caches other tenants use, a slow spell then falls on both sides of a ratio alike.
 
@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
 
 use tollgate::{Request, Target};
-use tollgate_bench::{Limit, alternate, governor_direct, governor_keyed, keys, tollgate};
+use tollgate_bench::{
+    Limit, alternate, governor_direct, governor_keyed, keys, tollgate, two_threads,
+};
 
 /// Counts the bytes currently allocated, to measure what live keys cost.
 struct Counting;
@@ -134,16 +136,18 @@ fn time(n: usize, mut op: impl FnMut(usize)) -> f64 {
     start.elapsed().as_nanos() as f64 / n as f64
 }
 
-/// Runs both sides of a scenario in alternating rounds; prints each round and the median
-/// ratio.
+/// Runs both sides of a one-thread scenario, `n` calls a round, in alternating rounds;
+/// prints each round and the median ratio.
 fn interleave(name: &str, n: usize, mut ours: impl FnMut(usize), mut theirs: impl FnMut(usize)) {
+    interleave_timed(name, || time(n, &mut ours), || time(n, &mut theirs));
+}
+
+/// The same for sides that time themselves (ns/op).
+fn interleave_timed(name: &str, ours: impl FnMut() -> f64, theirs: impl FnMut() -> f64) {
     let mut line = String::new();
-    let median = alternate(
-        ROUNDS,
-        || time(n, &mut theirs),
-        || time(n, &mut ours),
-        |g, t| line.push_str(&format!(" {t:.0}/{g:.0} ({:.2}x)", t / g)),
-    );
+    let median = alternate(ROUNDS, theirs, ours, |g, t| {
+        line.push_str(&format!(" {t:.0}/{g:.0} ({:.2}x)", t / g));
+    });
     println!("- {name}: median {median:.2}x;{line}");
 }
 
@@ -178,6 +182,25 @@ fn rounds() {
         },
         |i| {
             black_box(gov.check_key(&keys[order[i % n]]).is_ok());
+        },
+    );
+
+    // Wall time over all calls of both threads, as in the criterion scenario.
+    let (t, gov) = (tollgate(), governor_keyed());
+    let calls = 2_000_000;
+    interleave_timed(
+        "one_key_two_threads",
+        || {
+            let ours = || {
+                black_box(t.limit(Limit::PerUser, black_box("user-00000001")).unwrap());
+            };
+            two_threads(calls, &ours).as_nanos() as f64 / calls as f64
+        },
+        || {
+            let theirs = || {
+                black_box(gov.check_key(black_box(&key)).is_ok());
+            };
+            two_threads(calls, &theirs).as_nanos() as f64 / calls as f64
         },
     );
 

@@ -539,7 +539,8 @@ impl<C: Clock> MemoryStore<C> {
         Ok(true)
     }
 
-    /// A transaction of up to [`EACH`] one-takes from distinct states: their segments locked
+    /// A transaction of up to [`EACH`] one-takes from distinct states (`located[i]`: where
+    /// take i's state lives, worked out before any lock is taken): their segments locked
     /// once each, in ascending order; each take decided on its own state (which is what a
     /// plan of them decides); all saved, or nothing. Each entry is found once: updates and
     /// removals go by the bucket found, and inserts, which may move buckets, come last. What
@@ -547,15 +548,14 @@ impl<C: Clock> MemoryStore<C> {
     fn execute_each_distinct(
         &self,
         takes: &[OneTake<'_>],
+        located: &[Located],
         answers: &mut [Taken],
     ) -> Result<bool, StoreError> {
         let n = takes.len();
-        assert!(n <= EACH && answers.len() >= n);
-        let mut located = [Located { hash: 0, segment: 0 }; EACH];
+        assert!(n <= EACH && located.len() == n && answers.len() >= n);
         let mut order = [usize::MAX; EACH];
-        for (i, take) in takes.iter().enumerate() {
-            located[i] = self.locate(&take.slot);
-            order[i] = located[i].segment;
+        for (o, at) in order.iter_mut().zip(located) {
+            *o = at.segment;
         }
         order[..n].sort_unstable();
         let mut guards: [Option<MutexGuard<'_, Table>>; EACH] = [None, None, None, None];
@@ -564,8 +564,11 @@ impl<C: Clock> MemoryStore<C> {
                 guards[i] = Some(self.segments[order[i]].0.lock());
             }
         }
-        // The guard of a segment: at the first position of the segment in `order`.
-        let guard_of = |segment: usize| order.iter().position(|&s| s == segment).expect("locked");
+        // Per take, its segment's guard: at the segment's first position in `order`.
+        let mut guard = [0; EACH];
+        for (g, at) in guard.iter_mut().zip(located) {
+            *g = order.iter().position(|&s| s == at.segment).expect("locked");
+        }
         let now = self.clock.now();
         // Per take: its entry id if its name is stored in the segment, the bucket of its
         // entry if found, and the state to save.
@@ -574,7 +577,7 @@ impl<C: Clock> MemoryStore<C> {
         let mut ok = true;
         for (i, take) in takes.iter().enumerate() {
             let at = located[i];
-            let table = guards[guard_of(at.segment)].as_mut().expect("locked");
+            let table = guards[guard[i]].as_mut().expect("locked");
             let id = table.entry_id(&take.slot, &self.hasher);
             let bucket = id.and_then(|id| {
                 table.entries.find_bucket_index(at.hash, |e| e.is(id, take.slot.key))
@@ -594,7 +597,7 @@ impl<C: Clock> MemoryStore<C> {
         let mut new = 0;
         for (i, take) in takes.iter().enumerate() {
             if let (id, None, Some(_)) = &mut found[i] {
-                let table = guards[guard_of(located[i].segment)].as_mut().expect("locked");
+                let table = guards[guard[i]].as_mut().expect("locked");
                 *id = Some(self.entry_id_or_intern(table, &take.slot)?);
                 new += 1;
             }
@@ -604,7 +607,7 @@ impl<C: Clock> MemoryStore<C> {
         }
         for (i, take) in takes.iter().enumerate() {
             let (_, Some(bucket), Some(state)) = found[i] else { continue };
-            let table = guards[guard_of(located[i].segment)].as_mut().expect("locked");
+            let table = guards[guard[i]].as_mut().expect("locked");
             let Ok(entry) = table.entries.get_bucket_entry(bucket) else {
                 unreachable!("a bucket found under the lock is still full")
             };
@@ -613,7 +616,7 @@ impl<C: Clock> MemoryStore<C> {
         }
         for (i, take) in takes.iter().enumerate() {
             if let (Some(id), None, Some(state)) = found[i] {
-                let table = guards[guard_of(located[i].segment)].as_mut().expect("locked");
+                let table = guards[guard[i]].as_mut().expect("locked");
                 self.save(table, located[i], &take.slot, id, state, now);
             }
         }
@@ -820,15 +823,26 @@ impl<C: Clock> Store for MemoryStore<C> {
     }
 
     fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
-        let distinct = takes
-            .iter()
-            .enumerate()
-            .all(|(i, a)| takes[..i].iter().all(|b| !a.slot.same_state(&b.slot)));
-        if takes.len() > EACH || !distinct {
+        let n = takes.len();
+        if n > EACH {
+            return super::each_through_plan(self, takes, answers);
+        }
+        let mut located = [Located { hash: 0, segment: 0 }; EACH];
+        for (at, take) in located.iter_mut().zip(takes) {
+            *at = self.locate(&take.slot);
+        }
+        // One state has one hash: only takes of equal hashes need comparing.
+        let distinct = (1..n).all(|j| {
+            (0..j).all(|i| {
+                located[i].hash != located[j].hash || !takes[i].slot.same_state(&takes[j].slot)
+            })
+        });
+        if !distinct {
             // Takes of one state add up: the plan's bookkeeping does that.
             return super::each_through_plan(self, takes, answers);
         }
-        self.with_room(|| Ok(self.execute_each_distinct(takes, answers)?.then_some(())))
+        let located = &located[..n];
+        self.with_room(|| Ok(self.execute_each_distinct(takes, located, answers)?.then_some(())))
     }
 
     #[inline(always)]
