@@ -81,7 +81,9 @@ pub trait Connection: sealed::Sealed + Send {
 
 /// Creates tollgate's table (`tollgate_state`) in the database of `conn` if it is missing.
 /// Run it once, outside the transactions that use the limiter (a rolled-back transaction
-/// would take the table with it).
+/// would take the table with it). Instances that start together may all call it: on
+/// PostgreSQL they take turns (an advisory lock, the one `PgStore` takes to create its
+/// table), so none fails because another created the table at the same moment.
 ///
 /// # Errors
 ///
@@ -243,14 +245,28 @@ mod postgres {
         }
 
         fn create_table(&mut self) -> Boxed<'_, ()> {
-            Box::pin(async move {
-                sqlx::query(sql().create.as_str())
-                    .execute(&mut *self)
-                    .await
-                    .map_err(|e| sqlx_error("cannot create the table", e))?;
-                Ok(())
-            })
+            static CREATE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+            let create = CREATE.get_or_init(|| locked_create(&sql().create));
+            Box::pin(async move { create_with(self, create).await })
         }
+    }
+
+    /// `create` (a `CREATE TABLE IF NOT EXISTS`) behind the advisory lock that `PgStore`
+    /// takes to create its table too. Without it, app instances that start together race: of
+    /// two concurrent creates of a missing table, PostgreSQL fails one ("duplicate key value
+    /// violates unique constraint"). Sent as one simple query, which PostgreSQL runs as one
+    /// transaction, so the lock is held until the table exists (or to the end of the
+    /// caller's transaction, if one is open).
+    fn locked_create(create: &str) -> String {
+        format!("SELECT pg_advisory_xact_lock({LOCK_CLASS}, 0); {create}")
+    }
+
+    async fn create_with(conn: &mut PgConnection, locked: &'static str) -> Result<(), StoreError> {
+        sqlx::raw_sql(locked)
+            .execute(conn)
+            .await
+            .map_err(|e| sqlx_error("cannot create the table", e))?;
+        Ok(())
     }
 
     async fn execute(conn: &mut PgConnection, plan: &Plan<'_>) -> Result<Outcome, sqlx::Error> {
@@ -285,6 +301,50 @@ mod postgres {
         let outcome = plan.decide(now, &mut states);
         save!(conn, plan, states, outcome, now, sql.upsert.as_str(), sql.delete.as_str());
         Ok(outcome)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use crate::store::backend_url;
+
+        /// Eight connections create one missing table at once, five times over: all succeed.
+        /// (Without the lock, most rounds fail on this machine.)
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn concurrent_creates_of_a_missing_table_all_succeed() {
+            let Some(url) = backend_url("TOLLGATE_POSTGRES_URL") else { return };
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(8)
+                .connect(&url)
+                .await
+                .unwrap();
+            for round in 0..5 {
+                let table = format!("tollgate_create_race_{}_{round}", std::process::id());
+                // sqlx takes only `'static` statement text: a test may leak a few.
+                let leak = |sql: String| -> &'static str { Box::leak(sql.into_boxed_str()) };
+                let drop = leak(format!("DROP TABLE IF EXISTS {table}"));
+                sqlx::raw_sql(drop).execute(&pool).await.unwrap();
+                let create = leak(locked_create(&PgSql::new(&table).create));
+                let mut conns = Vec::new();
+                for _ in 0..8 {
+                    conns.push(pool.acquire().await.unwrap());
+                }
+                let tasks: Vec<_> = conns
+                    .into_iter()
+                    .map(|mut conn| {
+                        tokio::spawn(async move { create_with(&mut conn, create).await })
+                    })
+                    .collect();
+                let mut results = Vec::new();
+                for task in tasks {
+                    results.push(task.await.unwrap());
+                }
+                sqlx::raw_sql(drop).execute(&pool).await.unwrap();
+                for result in results {
+                    result.unwrap();
+                }
+            }
+        }
     }
 }
 

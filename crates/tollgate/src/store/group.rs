@@ -194,17 +194,7 @@ pub(crate) mod testing {
         OneTake::new(take, 0, true).unwrap()
     }
 
-    /// The URL of a backend for a store's own tests, from `var`: `None` (the test returns
-    /// early) without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`, which makes it a failure.
-    pub(crate) fn backend_url(var: &str) -> Option<String> {
-        match std::env::var(var) {
-            Ok(url) if !url.is_empty() => Some(url),
-            _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-                panic!("{var} is required by TOLLGATE_REQUIRE_BACKENDS=1")
-            }
-            _ => None,
-        }
-    }
+    pub(crate) use crate::store::backend_url;
 
     /// Groups of 1 to 40 one-takes over four limits and three keys (repeats in a group
     /// included), with counts, reservations, maxReserved and checks, each group run by

@@ -211,3 +211,16 @@ pub(crate) fn each_through_plan<S: Store + ?Sized>(
     }
     Ok(())
 }
+
+/// The URL of a backend for a store's own tests, from `var`: `None` (the test returns early)
+/// without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`, which makes it a failure.
+#[cfg(all(test, any(feature = "redis", feature = "postgres", feature = "sqlx-postgres")))]
+pub(crate) fn backend_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+            panic!("{var} is required by TOLLGATE_REQUIRE_BACKENDS=1")
+        }
+        _ => None,
+    }
+}
