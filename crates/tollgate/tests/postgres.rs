@@ -56,9 +56,12 @@ fn a_rolled_back_transaction_gives_the_tokens_back() {
 fn a_request_waits_for_a_transaction_holding_its_slot() {
     let Some(url) = url() else { return };
     let guard = common::DropTable::new(&url, "tollgate_wait");
+    // Short enough to wait out below, long enough for opening the store to wait for another
+    // test opening its own (both create their tables under one advisory lock): 300 ms was
+    // not, once, in CI.
     let store = PgStore::builder()
         .table(&guard.table)
-        .timeout(std::time::Duration::from_millis(300))
+        .timeout(std::time::Duration::from_secs(2))
         .open(&url)
         .unwrap();
     let limiter = RateLimiter::new(store);
