@@ -113,6 +113,7 @@ fn create_table(client: &mut Client, sql: &PgSql) -> Result<(), postgres::Error>
     let mut tx = client.transaction()?;
     tx.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&LOCK_CLASS])?;
     tx.batch_execute(&sql.create)?;
+    tx.batch_execute(&sql.drop_old)?;
     tx.batch_execute(&sql.create_take)?;
     tx.batch_execute(&sql.create_takes)?;
     tx.commit()
@@ -281,13 +282,22 @@ impl OneRow {
     }
 }
 
-/// Reads a row of the `take` or `takes` function.
-fn answer(row: &postgres::Row) -> OneAnswer {
-    let state = match (row.get::<_, Option<f64>>(2), row.get::<_, Option<f64>>(3)) {
+/// Reads an answer of the `take` function (a row of `takes`): an array of the time it used,
+/// whether it wrote (1 or 0), and the state it read (value and ts, or two NULLs).
+fn answer(row: &postgres::Row) -> Result<OneAnswer, StoreError> {
+    let garbage = || StoreError::new("postgres: the take function answered garbage");
+    let array: Vec<Option<f64>> = row.try_get(0).map_err(|_| garbage())?;
+    let [Some(now), Some(wrote), value, ts] = array[..] else { return Err(garbage()) };
+    let state = match (value, ts) {
         (Some(value), Some(ts)) => Some(State { value, ts }),
-        _ => None,
+        (None, None) => None,
+        _ => return Err(garbage()),
     };
-    (row.get(0), row.get(1), state)
+    match wrote {
+        0.0 => Ok((now, false, state)),
+        1.0 => Ok((now, true, state)),
+        _ => Err(garbage()),
+    }
 }
 
 impl<C> PgStore<C> {
@@ -364,7 +374,7 @@ impl<C> PgStore<C> {
             Err(e) => Err(e),
         };
         match answers {
-            Ok(answers) if answers.len() == rows.len() => answers.into_iter().map(Ok).collect(),
+            Ok(answers) if answers.len() == rows.len() => answers,
             Ok(answers) => fail_all(
                 rows.len(),
                 StoreError::new(format!(
@@ -617,6 +627,7 @@ mod group_tests {
 
     use super::*;
     use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory, writing};
+    use crate::store::sql::{TAKE_ARGS, TAKES_ARGS};
 
     fn url() -> Option<String> {
         backend_url("TOLLGATE_POSTGRES_URL")
@@ -669,6 +680,61 @@ mod group_tests {
         grouped_takes_answer_as_memory(&clock, store, |ones| {
             send_group(store, ones, clock.now()).into_iter().map(Result::unwrap).collect()
         });
+    }
+
+    /// A table whose functions an earlier version made (answering rows, which `CREATE OR
+    /// REPLACE` cannot change) gets this version's functions when a store opens on it.
+    #[test]
+    fn functions_of_an_earlier_version_are_replaced() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let on = OnTable::open(&url, "earlier", &clock);
+        let table = &on.table;
+        let mut client = postgres::Client::connect(&url, NoTls).unwrap();
+        client
+            .batch_execute(&format!(
+                "DROP FUNCTION {table}_take; DROP FUNCTION {table}_takes;
+                 CREATE FUNCTION {table}_take({TAKE_ARGS}, OUT o_now float8, OUT o_wrote bool,
+                   OUT o_value float8, OUT o_ts float8)
+                   LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8';
+                 CREATE FUNCTION {table}_takes({TAKES_ARGS}, OUT o_now float8, OUT o_wrote bool,
+                   OUT o_value float8, OUT o_ts float8) RETURNS SETOF record
+                   LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8'"
+            ))
+            .unwrap();
+        let store = PgStore::builder().table(table).open_with_clock(&url, clock.clone()).unwrap();
+        let config = Config::token_bucket(10.0, MINUTE);
+        let take = Take { name: "n", key: Some("k"), config, count: 4.0, reserve: false };
+        for left in [6.0, 2.0] {
+            let taken = store.execute_one(&writing(&take)).unwrap();
+            assert_eq!(taken.status.remaining, left);
+        }
+        let answers = send_group(&store, &[writing(&take), writing(&take)], clock.now());
+        let wrote: Vec<bool> = answers.iter().map(|a| a.as_ref().unwrap().1).collect();
+        assert_eq!(wrote, [false, false], "2 left: both refused");
+    }
+
+    /// A `take` function that answers something else than its array fails the request.
+    #[test]
+    fn a_garbled_answer_is_an_error() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let on = OnTable::open(&url, "garbled", &clock);
+        let table = &on.table;
+        let config = Config::token_bucket(10.0, MINUTE);
+        let take = Take { name: "n", key: Some("k"), config, count: 1.0, reserve: false };
+        let mut client = postgres::Client::connect(&url, NoTls).unwrap();
+        for garbage in ["ARRAY[1, 2]", "ARRAY[1, 2, 3, NULL]", "ARRAY[NULL, 1, NULL, NULL]"] {
+            client
+                .batch_execute(&format!(
+                    "DROP FUNCTION {table}_take; CREATE FUNCTION {table}_take({args})
+                       RETURNS float8[] LANGUAGE sql AS 'SELECT {garbage}::float8[]'",
+                    args = TAKE_ARGS,
+                ))
+                .unwrap();
+            let err = on.store.execute_one(&writing(&take)).unwrap_err();
+            assert!(err.to_string().contains("garbage"), "{garbage}: {err}");
+        }
     }
 
     /// A take whose arithmetic fails in PostgreSQL (a refill that overflows a float8) fails
