@@ -111,11 +111,12 @@ pub(crate) fn valid_table(table: &str) -> bool {
 }
 
 /// The argument types of the `take` function, which name it with its table's name.
-pub(crate) const TAKE_ARGS: &str = "int4, text, bool, text, int4, int4, float8, float8, float8, float8, float8, float8, bool, bool, float8";
+pub(crate) const TAKE_ARGS: &str = "int4, text, bool, text, int4, int4, float8, float8, \
+    float8, float8, float8, float8, bool, bool, float8";
 
 /// The argument types of the `takes` function: each of `take`'s, as an array.
-pub(crate) const TAKES_ARGS: &str = "int4[], text[], bool[], text[], int4[], int4[], float8[], float8[], \
-    float8[], float8[], float8[], float8[], bool[], bool[], float8[]";
+pub(crate) const TAKES_ARGS: &str = "int4[], text[], bool[], text[], int4[], int4[], \
+    float8[], float8[], float8[], float8[], float8[], float8[], bool[], bool[], float8[]";
 
 /// The parameters of the `takes` function.
 const TAKES_PARAMS: &str = "p_lock int4[], p_name text[], p_has_key bool[], p_key text[], \
