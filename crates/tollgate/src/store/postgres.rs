@@ -627,7 +627,7 @@ mod group_tests {
 
     use super::*;
     use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory, writing};
-    use crate::store::sql::{TAKE_ARGS, TAKES_ARGS};
+    use crate::store::sql::take_params;
 
     fn url() -> Option<String> {
         backend_url("TOLLGATE_POSTGRES_URL")
@@ -659,15 +659,20 @@ mod group_tests {
         }
     }
 
+    impl OnTable {
+        /// Runs `sql` on the table's database, on a connection of its own.
+        fn batch(&self, sql: &str) -> Result<(), postgres::Error> {
+            postgres::Client::connect(&self.url, NoTls)?.batch_execute(sql)
+        }
+    }
+
     impl Drop for OnTable {
         fn drop(&mut self) {
-            if let Ok(mut client) = postgres::Client::connect(&self.url, NoTls) {
-                let _ = client.batch_execute(&format!(
-                    "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
-                     DROP FUNCTION IF EXISTS {0}_take",
-                    self.table
-                ));
-            }
+            let _ = self.batch(&format!(
+                "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
+                 DROP FUNCTION IF EXISTS {0}_take",
+                self.table
+            ));
         }
     }
 
@@ -690,18 +695,18 @@ mod group_tests {
         let clock = ManualClock::new(T0);
         let on = OnTable::open(&url, "earlier", &clock);
         let table = &on.table;
-        let mut client = postgres::Client::connect(&url, NoTls).unwrap();
-        client
-            .batch_execute(&format!(
-                "DROP FUNCTION {table}_take; DROP FUNCTION {table}_takes;
-                 CREATE FUNCTION {table}_take({TAKE_ARGS}, OUT o_now float8, OUT o_wrote bool,
-                   OUT o_value float8, OUT o_ts float8)
-                   LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8';
-                 CREATE FUNCTION {table}_takes({TAKES_ARGS}, OUT o_now float8, OUT o_wrote bool,
-                   OUT o_value float8, OUT o_ts float8) RETURNS SETOF record
-                   LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8'"
-            ))
-            .unwrap();
+        on.batch(&format!(
+            "DROP FUNCTION {table}_take; DROP FUNCTION {table}_takes;
+             CREATE FUNCTION {table}_take({take}, OUT o_now float8, OUT o_wrote bool,
+               OUT o_value float8, OUT o_ts float8)
+               LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8';
+             CREATE FUNCTION {table}_takes({takes}, OUT o_now float8, OUT o_wrote bool,
+               OUT o_value float8, OUT o_ts float8) RETURNS SETOF record
+               LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8'",
+            take = take_params(false, false),
+            takes = take_params(false, true),
+        ))
+        .unwrap();
         let store = PgStore::builder().table(table).open_with_clock(&url, clock.clone()).unwrap();
         let config = Config::token_bucket(10.0, MINUTE);
         let take = Take { name: "n", key: Some("k"), config, count: 4.0, reserve: false };
@@ -723,15 +728,13 @@ mod group_tests {
         let table = &on.table;
         let config = Config::token_bucket(10.0, MINUTE);
         let take = Take { name: "n", key: Some("k"), config, count: 1.0, reserve: false };
-        let mut client = postgres::Client::connect(&url, NoTls).unwrap();
         for garbage in ["ARRAY[1, 2]", "ARRAY[1, 2, 3, NULL]", "ARRAY[NULL, 1, NULL, NULL]"] {
-            client
-                .batch_execute(&format!(
-                    "DROP FUNCTION {table}_take; CREATE FUNCTION {table}_take({args})
-                       RETURNS float8[] LANGUAGE sql AS 'SELECT {garbage}::float8[]'",
-                    args = TAKE_ARGS,
-                ))
-                .unwrap();
+            on.batch(&format!(
+                "DROP FUNCTION {table}_take; CREATE FUNCTION {table}_take({args})
+                   RETURNS float8[] LANGUAGE sql AS 'SELECT {garbage}::float8[]'",
+                args = take_params(false, false),
+            ))
+            .unwrap();
             let err = on.store.execute_one(&writing(&take)).unwrap_err();
             assert!(err.to_string().contains("garbage"), "{garbage}: {err}");
         }

@@ -110,19 +110,35 @@ pub(crate) fn valid_table(table: &str) -> bool {
         && table.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
-/// The argument types of the `take` function, which name it with its table's name.
-pub(crate) const TAKE_ARGS: &str = "int4, text, bool, text, int4, int4, float8, float8, \
-    float8, float8, float8, float8, bool, bool, float8";
+/// The parameters of the `take` function, in order, with their types; `takes` has each as
+/// an array.
+const TAKE_PARAMS: [(&str, &str); 15] = [
+    ("p_lock", "int4"),
+    ("p_name", "text"),
+    ("p_has_key", "bool"),
+    ("p_key", "text"),
+    ("p_shard", "int4"),
+    ("p_kind", "int4"),
+    ("p_rate", "float8"),
+    ("p_period", "float8"),
+    ("p_cap", "float8"),
+    ("p_maxr", "float8"),
+    ("p_align", "float8"),
+    ("p_count", "float8"),
+    ("p_reserve", "bool"),
+    ("p_writes", "bool"),
+    ("p_now", "float8"),
+];
 
-/// The argument types of the `takes` function: each of `take`'s, as an array.
-pub(crate) const TAKES_ARGS: &str = "int4[], text[], bool[], text[], int4[], int4[], \
-    float8[], float8[], float8[], float8[], float8[], float8[], bool[], bool[], float8[]";
-
-/// The parameters of the `takes` function.
-const TAKES_PARAMS: &str = "p_lock int4[], p_name text[], p_has_key bool[], p_key text[], \
-    p_shard int4[], p_kind int4[], p_rate float8[], p_period float8[], p_cap float8[], \
-    p_maxr float8[], p_align float8[], p_count float8[], p_reserve bool[], p_writes bool[], \
-    p_now float8[]";
+/// `take`'s parameters as a function declares them (`named`) or as its signature names it
+/// (types only), each type an array for `takes` (`arrays`).
+pub(crate) fn take_params(named: bool, arrays: bool) -> String {
+    let suffix = if arrays { "[]" } else { "" };
+    let param = |(name, ty): (&str, &str)| {
+        if named { format!("{name} {ty}{suffix}") } else { format!("{ty}{suffix}") }
+    };
+    TAKE_PARAMS.map(param).join(", ")
+}
 
 /// PostgreSQL's statements, for one table.
 pub(crate) struct PgSql {
@@ -175,20 +191,19 @@ impl PgSql {
             ),
             drop_old: format!(
                 "DO $do$ DECLARE f regprocedure; BEGIN
-                  FOREACH f IN ARRAY ARRAY[to_regprocedure('{table}_take({TAKE_ARGS})'),
-                      to_regprocedure('{table}_takes({TAKES_ARGS})')] LOOP
+                  FOREACH f IN ARRAY ARRAY[to_regprocedure('{table}_take({take})'),
+                      to_regprocedure('{table}_takes({takes})')] LOOP
                     IF f IS NOT NULL AND (SELECT p.prorettype FROM pg_proc p WHERE p.oid = f)
                         <> 'float8[]'::regtype THEN
                       EXECUTE 'DROP FUNCTION ' || f;
                     END IF;
                   END LOOP;
-                END $do$"
+                END $do$",
+                take = take_params(false, false),
+                takes = take_params(false, true),
             ),
             create_take: format!(
-                "CREATE OR REPLACE FUNCTION {table}_take(
-                    p_lock int4, p_name text, p_has_key bool, p_key text, p_shard int4,
-                    p_kind int4, p_rate float8, p_period float8, p_cap float8, p_maxr float8,
-                    p_align float8, p_count float8, p_reserve bool, p_writes bool, p_now float8)
+                "CREATE OR REPLACE FUNCTION {table}_take({params})
                 RETURNS float8[] LANGUAGE plpgsql VOLATILE AS $fn$
                 DECLARE row_id tid; o_now float8; o_value float8; o_ts float8; o_wrote bool;
                   v float8; t float8; nv float8; nts float8; w float8; full_at float8;
@@ -242,10 +257,11 @@ impl PgSql {
                     END IF;
                   END IF;
                   RETURN ARRAY[o_now, o_wrote::int, o_value, o_ts];
-                END $fn$"
+                END $fn$",
+                params = take_params(true, false),
             ),
             create_takes: format!(
-                "CREATE OR REPLACE FUNCTION {table}_takes({TAKES_PARAMS})
+                "CREATE OR REPLACE FUNCTION {table}_takes({params})
                 RETURNS SETOF float8[] LANGUAGE plpgsql VOLATILE AS $fn$
                 DECLARE id int4;
                 BEGIN
@@ -257,7 +273,8 @@ impl PgSql {
                         p_shard[i], p_kind[i], p_rate[i], p_period[i], p_cap[i], p_maxr[i],
                         p_align[i], p_count[i], p_reserve[i], p_writes[i], p_now[i]);
                   END LOOP;
-                END $fn$"
+                END $fn$",
+                params = take_params(true, true),
             ),
             take: format!(
                 "SELECT {table}_take($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
