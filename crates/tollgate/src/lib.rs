@@ -29,6 +29,20 @@
 //!
 //! Declare limits in a type of your own with [`Limits`] so that names are checked by the
 //! compiler; see [`Limits`] and [`RateLimiter`].
+//!
+//! # Features
+//!
+//! The memory store is always built; everything else is a Cargo feature, none on by default:
+//!
+//! | feature | adds |
+//! |---|---|
+//! | `sqlite` | `store::SqliteStore` and `store::SqliteTransaction`: states in a SQLite file (bundled SQLite) |
+//! | `postgres` | `store::PgStore` and `store::PgTransaction`: states in PostgreSQL |
+//! | `redis` | `store::RedisStore`: states in Redis, one server-side script per request |
+//! | `redis-cluster` | `redis+cluster://` URLs for `store::RedisStore` |
+//! | `sqlx-postgres`, `sqlx-sqlite` | the `sqlx` module: limits inside your own sqlx transaction |
+//! | `tower` | the `tower` module: a rate limit layer for tower and axum services |
+//! | `axum` | `tower`, and keys from axum's `ConnectInfo` peer address |
 
 mod error;
 mod limiter;

@@ -4,10 +4,9 @@
 //! transaction you began, so that if you roll back, the tokens are back, and if you commit,
 //! they are spent together with your own writes.
 //!
-//! The states live in the table `tollgate_state` of that database, as with
-//! [`PgStore`](crate::store::PgStore) and [`SqliteStore`](crate::store::SqliteStore) (the same
-//! rows: a limit may be used both ways). Create it once, at start-up or in your migrations,
-//! with [`create_table`].
+//! The states live in the table `tollgate_state` of that database, as with [`PgStore`] and
+//! [`SqliteStore`] (the same rows: a limit may be used both ways). Create it once, at
+//! start-up or in your migrations, with [`create_table`].
 //!
 //! - **PostgreSQL**: transaction-scoped advisory locks on the request's slots, in ascending
 //!   order, then one query for the states and the database's clock; correct under READ
@@ -46,6 +45,11 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+#![cfg_attr(feature = "postgres", doc = "[`PgStore`]: crate::store::PgStore")]
+#![cfg_attr(not(feature = "postgres"), doc = "[`PgStore`]: ../index.html#features")]
+#![cfg_attr(feature = "sqlite", doc = "[`SqliteStore`]: crate::store::SqliteStore")]
+#![cfg_attr(not(feature = "sqlite"), doc = "[`SqliteStore`]: ../index.html#features")]
 
 use std::future::Future;
 use std::pin::Pin;

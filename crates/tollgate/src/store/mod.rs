@@ -31,6 +31,14 @@
 //!
 //! Stores that read their own clock accept a fixed one in tests (for the memory store,
 //! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).
+//!
+//! (A store whose feature this build lacks links to the [list of features](crate#features).)
+//!
+#![cfg_attr(not(feature = "sqlite"), doc = "[`SqliteStore`]: ../index.html#features")]
+#![cfg_attr(not(feature = "sqlite"), doc = "[`SqliteTransaction`]: ../index.html#features")]
+#![cfg_attr(not(feature = "postgres"), doc = "[`PgStore`]: ../index.html#features")]
+#![cfg_attr(not(feature = "postgres"), doc = "[`PgTransaction`]: ../index.html#features")]
+#![cfg_attr(not(feature = "redis"), doc = "[`RedisStore`]: ../index.html#features")]
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod group;
