@@ -1,5 +1,5 @@
 //! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
-//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|global|tx|governor]`.
+//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|global|tx|tx1|tx2|governor]`.
 use std::time::Instant;
 
 use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
@@ -11,15 +11,22 @@ fn main() {
     }
     let n: u32 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(200_000);
     let t = tollgate();
-    if std::env::args().nth(2).as_deref() == Some("tx") {
-        // Only the transaction of three, as in the criterion scenario.
+    // `tx`: the transaction of three, as in the criterion scenario; `tx1`, `tx2`: its first
+    // one or two calls, to tell a transaction's fixed cost from its cost per take.
+    let tx = std::env::args().nth(2).and_then(|m| match m.as_str() {
+        "tx" | "tx3" => Some(3),
+        "tx2" => Some(2),
+        "tx1" => Some(1),
+        _ => None,
+    });
+    if let Some(k) = tx {
         for _ in 0..n {
             let calls = [
                 tollgate::Target::from(Limit::PerUser).with(std::hint::black_box("user-00000001")),
                 tollgate::Target::from(Limit::PerTeam).with(std::hint::black_box("team-0001")),
                 tollgate::Target::from(Limit::Global).with(tollgate::Request::new()),
             ];
-            let _ = std::hint::black_box(t.transaction(&calls));
+            let _ = std::hint::black_box(t.transaction(&calls[..k]));
         }
         return;
     }
