@@ -140,6 +140,16 @@ pub(crate) fn take_params(named: bool, arrays: bool) -> String {
     TAKE_PARAMS.map(param).join(", ")
 }
 
+/// The arguments of a call of `take`: its parameters' `$1` to `$15` for a statement, or
+/// (`element`) element `i` of each of `takes`'s array parameters.
+fn take_args(element: bool) -> String {
+    let args = TAKE_PARAMS
+        .iter()
+        .enumerate()
+        .map(|(at, (name, _))| if element { format!("{name}[i]") } else { format!("${}", at + 1) });
+    args.collect::<Vec<_>>().join(", ")
+}
+
 /// PostgreSQL's statements, for one table.
 pub(crate) struct PgSql {
     pub(crate) create: String,
@@ -269,21 +279,14 @@ impl PgSql {
                     PERFORM pg_advisory_xact_lock({LOCK_CLASS}, id);
                   END LOOP;
                   FOR i IN 1 .. coalesce(array_length(p_lock, 1), 0) LOOP
-                    RETURN NEXT {table}_take(p_lock[i], p_name[i], p_has_key[i], p_key[i],
-                        p_shard[i], p_kind[i], p_rate[i], p_period[i], p_cap[i], p_maxr[i],
-                        p_align[i], p_count[i], p_reserve[i], p_writes[i], p_now[i]);
+                    RETURN NEXT {table}_take({elements});
                   END LOOP;
                 END $fn$",
                 params = take_params(true, true),
+                elements = take_args(true),
             ),
-            take: format!(
-                "SELECT {table}_take($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-                 $14, $15)"
-            ),
-            takes: format!(
-                "SELECT a FROM {table}_takes($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, \
-                 $13, $14, $15) a"
-            ),
+            take: format!("SELECT {table}_take({args})", args = take_args(false)),
+            takes: format!("SELECT a FROM {table}_takes({args}) a", args = take_args(false)),
             // One row per slot, in order, with the database's time once the locks are held.
             load: format!(
                 "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8
