@@ -3,7 +3,9 @@
 //! for both at 100k String keys with a counting allocator; then, unless `--no-rounds`, runs
 //! the scenarios with a target again in interleaved rounds (tollgate, governor, governor,
 //! tollgate, ...) and prints each round's ratio and their median: on a shared machine whose
-//! caches other tenants use, a slow spell then falls on both sides of a ratio alike.
+//! caches other tenants use, a slow spell then falls on both sides of a ratio alike. The
+//! rounds end with one extra, not a target: the transaction's three limits as three separate
+//! `limit` calls, the floor under a transaction of three.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
@@ -217,6 +219,28 @@ fn rounds() {
                 Target::from(Limit::Global).with(Request::new()),
             ];
             black_box(t.transaction(&calls).unwrap().ok);
+        },
+        |_| {
+            black_box(
+                users.check_key(black_box(&user)).is_ok()
+                    && teams.check_key(black_box(&team)).is_ok()
+                    && global.check().is_ok(),
+            );
+        },
+    );
+
+    // Not a target: the same three limits as three separate `limit` calls (not atomic), the
+    // work a transaction of three does at the least, against the same three checks.
+    let t = tollgate();
+    interleave(
+        "three_limits (extra, not a target)",
+        1_000_000,
+        |_| {
+            black_box(
+                t.limit(Limit::PerUser, black_box("user-00000001")).unwrap().ok
+                    && t.limit(Limit::PerTeam, black_box("team-0001")).unwrap().ok
+                    && t.limit(Limit::Global, Request::new()).unwrap().ok,
+            );
         },
         |_| {
             black_box(
