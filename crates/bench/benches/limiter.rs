@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::Request;
-use tollgate_bench::{Limit, governor_direct, governor_keyed, keys, tollgate, two_threads};
+use tollgate_bench::{
+    GovernorThree, Limit, governor_direct, governor_keyed, keys, tollgate, transaction_calls,
+    two_threads,
+};
 
 fn one_key_one_thread(c: &mut Criterion) {
     let mut g = c.benchmark_group("one_key_one_thread");
@@ -87,30 +90,13 @@ fn one_key_two_threads(c: &mut Criterion) {
 }
 
 fn transaction_of_three(c: &mut Criterion) {
-    // tollgate takes three limits all or nothing; governor has no transaction, so it checks
-    // three keyed limiters one after another (not atomic: the first two are spent even when
-    // the third refuses).
+    // tollgate takes three limits all or nothing; governor has no transaction (see
+    // `GovernorThree`).
     let mut g = c.benchmark_group("transaction_of_3");
     let t = tollgate();
-    g.bench_function("tollgate", |b| {
-        b.iter(|| {
-            let calls = [
-                tollgate::Target::from(Limit::PerUser).with(black_box("user-00000001")),
-                tollgate::Target::from(Limit::PerTeam).with(black_box("team-0001")),
-                tollgate::Target::from(Limit::Global).with(Request::new()),
-            ];
-            t.transaction(&calls).unwrap().ok
-        })
-    });
-    let (users, teams, global) = (governor_keyed(), governor_keyed(), governor_direct());
-    let (user, team) = (String::from("user-00000001"), String::from("team-0001"));
-    g.bench_function("governor", |b| {
-        b.iter(|| {
-            users.check_key(black_box(&user)).is_ok()
-                && teams.check_key(black_box(&team)).is_ok()
-                && global.check().is_ok()
-        })
-    });
+    g.bench_function("tollgate", |b| b.iter(|| t.transaction(&transaction_calls()).unwrap().ok));
+    let gov = GovernorThree::new();
+    g.bench_function("governor", |b| b.iter(|| gov.check()));
     g.finish();
 }
 

@@ -1,13 +1,14 @@
 //! What the benchmarks of tollgate share: the scenarios, built the same way for tollgate and
 //! for governor, so the criterion bench and the memory report measure the same thing.
 
+use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use governor::{DefaultKeyedRateLimiter, Quota};
-use tollgate::{Config, Limits, MemoryStore, RateLimiter, SECOND};
+use tollgate::{Call, Config, Limits, MemoryStore, RateLimiter, Request, SECOND, Target};
 
 /// A burst large enough that every request of a run is admitted, with a slow refill, so that
 /// states stay live (not full) for the whole run: both libraries then measure the admit path
@@ -44,6 +45,73 @@ impl Limits for Limit {
 /// A tollgate limiter on the memory store.
 pub fn tollgate() -> RateLimiter<MemoryStore> {
     RateLimiter::new(MemoryStore::new())
+}
+
+/// tollgate's side of the transaction scenario: one user, one team and the global limit, the
+/// keys hidden from the compiler.
+#[inline(always)]
+pub fn transaction_calls() -> [Call<'static>; 3] {
+    [
+        Target::from(Limit::PerUser).with(black_box("user-00000001")),
+        Target::from(Limit::PerTeam).with(black_box("team-0001")),
+        Target::from(Limit::Global).with(Request::new()),
+    ]
+}
+
+/// The transaction's three limits as three separate `limit` calls (not atomic): the work a
+/// transaction of three does at the least. Whether all three admitted.
+#[inline(always)]
+pub fn three_limits(t: &RateLimiter<MemoryStore>) -> bool {
+    t.limit(Limit::PerUser, black_box("user-00000001")).unwrap().ok
+        && t.limit(Limit::PerTeam, black_box("team-0001")).unwrap().ok
+        && t.limit(Limit::Global, Request::new()).unwrap().ok
+}
+
+/// governor's side of the transaction scenario: governor has no transaction, so it checks
+/// the three limiters one after another (not atomic: the first two are spent even when the
+/// third refuses), the global one on its direct limiter.
+pub struct GovernorThree {
+    users: DefaultKeyedRateLimiter<String>,
+    teams: DefaultKeyedRateLimiter<String>,
+    global: governor::DefaultDirectRateLimiter,
+    user: String,
+    team: String,
+}
+
+impl GovernorThree {
+    /// Fresh limiters with the scenarios' rate.
+    pub fn new() -> Self {
+        GovernorThree {
+            users: governor_keyed(),
+            teams: governor_keyed(),
+            global: governor_direct(),
+            user: String::from("user-00000001"),
+            team: String::from("team-0001"),
+        }
+    }
+
+    /// The three checks; whether all three admitted.
+    #[inline(always)]
+    pub fn check(&self) -> bool {
+        self.users.check_key(black_box(&self.user)).is_ok()
+            && self.teams.check_key(black_box(&self.team)).is_ok()
+            && self.global.check().is_ok()
+    }
+}
+
+impl Default for GovernorThree {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// ns per call of `op`, over `n` calls (`op` gets the call's index).
+pub fn ns_per_call(n: usize, mut op: impl FnMut(usize)) -> f64 {
+    let start = Instant::now();
+    for i in 0..n {
+        op(i);
+    }
+    start.elapsed().as_nanos() as f64 / n as f64
 }
 
 /// governor's keyed limiter (dashmap, quanta clock: its defaults) with the same rate.

@@ -11,11 +11,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicIsize, Ordering};
-use std::time::Instant;
-
-use tollgate::{Request, Target};
 use tollgate_bench::{
-    Limit, alternate, governor_direct, governor_keyed, keys, tollgate, two_threads,
+    GovernorThree, Limit, alternate, governor_keyed, keys, ns_per_call, three_limits, tollgate,
+    transaction_calls, two_threads,
 };
 
 /// Counts the bytes currently allocated, to measure what live keys cost.
@@ -129,19 +127,10 @@ fn main() {
 
 const ROUNDS: usize = 9;
 
-/// ns per call of `op`, over `n` calls.
-fn time(n: usize, mut op: impl FnMut(usize)) -> f64 {
-    let start = Instant::now();
-    for i in 0..n {
-        op(i);
-    }
-    start.elapsed().as_nanos() as f64 / n as f64
-}
-
 /// Runs both sides of a one-thread scenario, `n` calls a round, in alternating rounds;
 /// prints each round and the median ratio.
 fn interleave(name: &str, n: usize, mut ours: impl FnMut(usize), mut theirs: impl FnMut(usize)) {
-    interleave_timed(name, || time(n, &mut ours), || time(n, &mut theirs));
+    interleave_timed(name, || ns_per_call(n, &mut ours), || ns_per_call(n, &mut theirs));
 }
 
 /// The same for sides that time themselves (ns/op).
@@ -206,26 +195,15 @@ fn rounds() {
         },
     );
 
-    let t = tollgate();
-    let (users, teams, global) = (governor_keyed(), governor_keyed(), governor_direct());
-    let (user, team) = (String::from("user-00000001"), String::from("team-0001"));
+    let (t, gov) = (tollgate(), GovernorThree::new());
     interleave(
         "transaction_of_3",
         1_000_000,
         |_| {
-            let calls = [
-                Target::from(Limit::PerUser).with(black_box("user-00000001")),
-                Target::from(Limit::PerTeam).with(black_box("team-0001")),
-                Target::from(Limit::Global).with(Request::new()),
-            ];
-            black_box(t.transaction(&calls).unwrap().ok);
+            black_box(t.transaction(&transaction_calls()).unwrap().ok);
         },
         |_| {
-            black_box(
-                users.check_key(black_box(&user)).is_ok()
-                    && teams.check_key(black_box(&team)).is_ok()
-                    && global.check().is_ok(),
-            );
+            black_box(gov.check());
         },
     );
 
@@ -236,18 +214,10 @@ fn rounds() {
         "three_limits (extra, not a target)",
         1_000_000,
         |_| {
-            black_box(
-                t.limit(Limit::PerUser, black_box("user-00000001")).unwrap().ok
-                    && t.limit(Limit::PerTeam, black_box("team-0001")).unwrap().ok
-                    && t.limit(Limit::Global, Request::new()).unwrap().ok,
-            );
+            black_box(three_limits(&t));
         },
         |_| {
-            black_box(
-                users.check_key(black_box(&user)).is_ok()
-                    && teams.check_key(black_box(&team)).is_ok()
-                    && global.check().is_ok(),
-            );
+            black_box(gov.check());
         },
     );
 }
