@@ -89,11 +89,29 @@ impl<'a> OneTake<'a> {
     /// As for [`OneTake::new`].
     #[inline(always)]
     pub fn check(take: &Take<'_>) -> Result<(), InvalidRequest> {
-        if take.config.shards() != 1 {
-            return Err(sharded_one_take(take.name));
+        Self::check_parts(take.name, take.key, &take.config, take.count, take.reserve)
+    }
+
+    /// [`OneTake::check`] of a take given by its fields, for a caller that has them apart:
+    /// a `Take` built only to be checked and copied is read back in other pieces than it was
+    /// written in, which stalls the processor.
+    ///
+    /// # Errors
+    ///
+    /// As for [`OneTake::new`].
+    #[inline(always)]
+    pub fn check_parts(
+        name: &str,
+        key: Option<&str>,
+        config: &Config,
+        count: f64,
+        reserve: bool,
+    ) -> Result<(), InvalidRequest> {
+        if config.shards() != 1 {
+            return Err(sharded_one_take(name));
         }
-        validate_name_key(take.name, take.key)?;
-        validate_count(take.name, &take.config, take.count, take.reserve)
+        validate_name_key(name, key)?;
+        validate_count(name, config, count, reserve)
     }
 
     /// The take of [`OneTake::new`] for a `take` that [`OneTake::check`] accepted. (Apart, so
@@ -101,14 +119,24 @@ impl<'a> OneTake<'a> {
     /// keeps its variant in one of the take's flags, and is copied through memory.)
     #[inline(always)]
     pub fn of_valid(take: &Take<'a>, seed: u64, writes: bool) -> Self {
-        let slot = Slot {
-            name: take.name,
-            key: take.key,
-            shard: 0,
-            config: take.config,
-            alignment: alignment(&take.config, seed, take.name, take.key, 0),
-        };
-        OneTake { slot, count: take.count, reserve: take.reserve, writes }
+        let (name, key, count, reserve) = (take.name, take.key, take.count, take.reserve);
+        Self::of_valid_parts(name, key, &take.config, (count, reserve), seed, writes)
+    }
+
+    /// [`OneTake::of_valid`] of a take given by its fields (see [`OneTake::check_parts`]);
+    /// `ask` is the count and the reserve flag.
+    #[inline(always)]
+    pub fn of_valid_parts(
+        name: &'a str,
+        key: Option<&'a str>,
+        config: &Config,
+        (count, reserve): (f64, bool),
+        seed: u64,
+        writes: bool,
+    ) -> Self {
+        let alignment = alignment(config, seed, name, key, 0);
+        let slot = Slot { name, key, shard: 0, config: *config, alignment };
+        OneTake { slot, count, reserve, writes }
     }
 
     /// Evaluates the take against the slot's loaded state: the decision with the limit's

@@ -472,7 +472,7 @@ impl<S: Store> RateLimiter<S> {
         request: Request<'_>,
         answer: impl Fn(Taken) -> T,
     ) -> Result<T, Error> {
-        let config = self.resolve(&target)?;
+        let config = *self.resolve(&target)?;
         let name = target.name();
         let take = request.take(name, config);
         if config.shards() != 1 {
@@ -553,9 +553,12 @@ impl<S: Store> RateLimiter<S> {
             if config.shards() != 1 {
                 return self.planned_transaction(calls);
             }
-            let take = call.request.take(call.target.name(), config);
-            OneTake::check(&take)?;
-            takes.push(OneTake::of_valid(&take, self.setup.seed, true));
+            // Checked and built from the call's fields, not through a `Take` (see
+            // `OneTake::check_parts`).
+            let (name, r) = (call.target.name(), &call.request);
+            OneTake::check_parts(name, r.key, config, r.count, r.reserve)?;
+            let ask = (r.count, r.reserve);
+            takes.push(OneTake::of_valid_parts(name, r.key, config, ask, self.setup.seed, true));
         }
         const UNSET: Taken = Taken {
             decision: Decision { ok: false, retry_after: None },
@@ -726,22 +729,25 @@ impl<S: Store> RateLimiter<S> {
             .zip(states)
             .map(|(slot, state)| Sample { shard: slot.shard, state, alignment: slot.alignment })
             .collect();
-        Ok(read(&config, &samples, now))
+        Ok(read(config, &samples, now))
     }
 
     /// The config of `target`: a typed or inline target carries it (inlined, so that a typed
     /// limit's config is a constant at the call); a name is looked up.
+    ///
+    /// A reference, not a copy: a config copied into a `Result` and out again is read back
+    /// in pieces other than those it was written in, which stalls the processor.
     #[inline(always)]
-    fn resolve(&self, target: &Target<'_>) -> Result<Config, Error> {
-        match *target {
+    fn resolve<'t>(&'t self, target: &'t Target<'_>) -> Result<&'t Config, Error> {
+        match target {
             Target::Inline(_, config) => Ok(config),
             Target::Named(name) => self.resolve_name(name),
         }
     }
 
     #[inline(never)]
-    fn resolve_name(&self, name: &str) -> Result<Config, Error> {
-        self.defined_config(name).ok_or_else(|| Error::NotDefined { name: name.to_owned() })
+    fn resolve_name(&self, name: &str) -> Result<&Config, Error> {
+        self.setup.defined.get(name).ok_or_else(|| Error::NotDefined { name: name.to_owned() })
     }
 
     fn push<'a>(
@@ -752,7 +758,7 @@ impl<S: Store> RateLimiter<S> {
     ) -> Result<(), Error> {
         let config = self.resolve(target)?;
         let random = if config.shards() > 1 { self.draw() } else { 0 };
-        plan.push(&request.take(target.name(), config), self.setup.seed, random)?;
+        plan.push(&request.take(target.name(), *config), self.setup.seed, random)?;
         Ok(())
     }
 

@@ -98,6 +98,24 @@ fn parts(n: usize) {
         black_box(store.execute_one(black_box(&one)).unwrap());
     });
     println!("store.execute_one alone: {per:.1} ns/op");
+    let names = ["perUser", "perTeam", "global"];
+    let keys = [Some("user-00000001"), Some("team-0001"), None];
+    let takes: Vec<OneTake<'_>> = (0..3)
+        .map(|i| {
+            let take = Take { name: names[i], key: keys[i], config, count: 1.0, reserve: false };
+            OneTake::new(&take, 0, true).unwrap()
+        })
+        .collect();
+    for k in 1..=3 {
+        let unset =
+            tollgate::core::Taken { decision: Default::default(), status: Default::default() };
+        let mut answers = [unset; 4];
+        let per = ns_per_call(n, |_| {
+            store.execute_each(black_box(&takes[..k]), &mut answers).unwrap();
+            black_box(&answers);
+        });
+        println!("store.execute_each of {k} alone: {per:.1} ns/op");
+    }
     let per = ns_per_call(n, |_| {
         black_box(OneTake::new(black_box(&take), 0, true).unwrap());
     });
