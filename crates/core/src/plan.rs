@@ -120,17 +120,17 @@ impl<'a> OneTake<'a> {
     #[inline(always)]
     pub fn of_valid(take: &Take<'a>, seed: u64, writes: bool) -> Self {
         let (name, key, count, reserve) = (take.name, take.key, take.count, take.reserve);
-        Self::of_valid_parts(name, key, &take.config, (count, reserve), seed, writes)
+        Self::of_valid_parts(name, key, &take.config, count, reserve, seed, writes)
     }
 
-    /// [`OneTake::of_valid`] of a take given by its fields (see [`OneTake::check_parts`]);
-    /// `ask` is the count and the reserve flag.
+    /// [`OneTake::of_valid`] of a take given by its fields (see [`OneTake::check_parts`]).
     #[inline(always)]
     pub fn of_valid_parts(
         name: &'a str,
         key: Option<&'a str>,
         config: &Config,
-        (count, reserve): (f64, bool),
+        count: f64,
+        reserve: bool,
         seed: u64,
         writes: bool,
     ) -> Self {

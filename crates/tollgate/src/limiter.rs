@@ -557,8 +557,9 @@ impl<S: Store> RateLimiter<S> {
             // `OneTake::check_parts`).
             let (name, r) = (call.target.name(), &call.request);
             OneTake::check_parts(name, r.key, config, r.count, r.reserve)?;
-            let ask = (r.count, r.reserve);
-            takes.push(OneTake::of_valid_parts(name, r.key, config, ask, self.setup.seed, true));
+            let seed = self.setup.seed;
+            takes
+                .push(OneTake::of_valid_parts(name, r.key, config, r.count, r.reserve, seed, true));
         }
         const UNSET: Taken = Taken {
             decision: Decision { ok: false, retry_after: None },

@@ -106,9 +106,8 @@ fn parts(n: usize) {
             OneTake::new(&take, 0, true).unwrap()
         })
         .collect();
+    let unset = tollgate::core::Taken { decision: Default::default(), status: Default::default() };
     for k in 1..=3 {
-        let unset =
-            tollgate::core::Taken { decision: Default::default(), status: Default::default() };
         let mut answers = [unset; 4];
         let per = ns_per_call(n, |_| {
             store.execute_each(black_box(&takes[..k]), &mut answers).unwrap();
