@@ -539,41 +539,36 @@ impl<C: Clock> MemoryStore<C> {
         Ok(true)
     }
 
-    /// A transaction of up to [`EACH`] one-takes from distinct states (`located[i]`: where
-    /// take i's state lives, worked out before any lock is taken): their segments locked
-    /// once each, in ascending order; each take decided on its own state (which is what a
-    /// plan of them decides); all saved, or nothing. Each entry is found once: updates and
-    /// removals go by the bucket found, and inserts, which may move buckets, come last. What
-    /// it keeps per take is in arrays on the stack, which cost nothing to set up.
-    fn execute_each_distinct(
+    /// A transaction of `N` (up to [`EACH`]) one-takes from distinct states (`located[i]`:
+    /// where take i's state lives, worked out before any lock is taken): their segments
+    /// locked once each, in ascending order; each take decided on its own state (which is
+    /// what a plan of them decides); all saved, or nothing. Each entry is found once: updates
+    /// and removals go by the bucket found, and inserts, which may move buckets, come last.
+    /// What it keeps per take is in arrays on the stack, which cost nothing to set up, of
+    /// exactly `N` elements: with the count known to the compiler, its loops over the takes
+    /// are unrolled and their bounds checks and empty slots are gone (see [`Self::each_n`]).
+    fn execute_each_distinct<const N: usize>(
         &self,
-        takes: &[OneTake<'_>],
-        located: &[Located],
-        answers: &mut [Taken],
+        takes: &[OneTake<'_>; N],
+        located: &[Located; N],
+        answers: &mut [Taken; N],
     ) -> Result<bool, StoreError> {
-        let n = takes.len();
-        assert!(n <= EACH && located.len() == n && answers.len() >= n);
-        let mut order = [usize::MAX; EACH];
-        for (o, at) in order.iter_mut().zip(located) {
-            *o = at.segment;
-        }
-        order[..n].sort_unstable();
-        let mut guards: [Option<MutexGuard<'_, Table>>; EACH] = [None, None, None, None];
-        for i in 0..n {
+        let mut order: [usize; N] = std::array::from_fn(|i| located[i].segment);
+        order.sort_unstable();
+        let mut guards: [Option<MutexGuard<'_, Table>>; N] = std::array::from_fn(|_| None);
+        for i in 0..N {
             if i == 0 || order[i] != order[i - 1] {
                 guards[i] = Some(self.segments[order[i]].0.lock());
             }
         }
         // Per take, its segment's guard: at the segment's first position in `order`.
-        let mut guard = [0; EACH];
-        for (g, at) in guard.iter_mut().zip(located) {
-            *g = order.iter().position(|&s| s == at.segment).expect("locked");
-        }
+        let guard: [usize; N] = std::array::from_fn(|i| {
+            order.iter().position(|&s| s == located[i].segment).expect("locked")
+        });
         let now = self.clock.now();
         // Per take: its entry id if its name is stored in the segment, the bucket of its
         // entry if found, and the state to save.
-        let mut found: [(Option<u32>, Option<usize>, Option<State>); EACH] =
-            [(None, None, None); EACH];
+        let mut found: [(Option<u32>, Option<usize>, Option<State>); N] = [(None, None, None); N];
         let mut ok = true;
         for (i, take) in takes.iter().enumerate() {
             let at = located[i];
@@ -590,7 +585,7 @@ impl<C: Clock> MemoryStore<C> {
             answers[i] = taken;
             found[i] = (id, bucket, save);
         }
-        if !ok || found[..n].iter().all(|f| f.2.is_none()) {
+        if !ok || found.iter().all(|f| f.2.is_none()) {
             return Ok(true); // refused, or checks: nothing to save
         }
         // What can fail comes before the first write: interning names, then room.
@@ -621,6 +616,21 @@ impl<C: Clock> MemoryStore<C> {
             }
         }
         Ok(true)
+    }
+
+    /// [`Self::execute_each_distinct`] for the first `N` of `takes`, `located` and `answers`,
+    /// with `N` known to the compiler: one copy of it for each count up to [`EACH`] (what
+    /// that saves is measured in BENCHMARKS.md, "Eleventh session").
+    fn each_n<const N: usize>(
+        &self,
+        takes: &[OneTake<'_>],
+        located: &[Located],
+        answers: &mut [Taken],
+    ) -> Result<(), StoreError> {
+        let takes: &[OneTake<'_>; N] = takes.try_into().expect("N takes");
+        let located: &[Located; N] = located[..N].try_into().expect("N takes");
+        let answers: &mut [Taken; N] = (&mut answers[..N]).try_into().expect("N answers");
+        self.with_room(|| Ok(self.execute_each_distinct(takes, located, answers)?.then_some(())))
     }
 
     /// Several slots: their segments locked once each, in ascending order.
@@ -841,8 +851,13 @@ impl<C: Clock> Store for MemoryStore<C> {
             // Takes of one state add up: the plan's bookkeeping does that.
             return super::each_through_plan(self, takes, answers);
         }
-        let located = &located[..n];
-        self.with_room(|| Ok(self.execute_each_distinct(takes, located, answers)?.then_some(())))
+        match n {
+            0 => Ok(()),
+            1 => self.each_n::<1>(takes, &located, answers),
+            2 => self.each_n::<2>(takes, &located, answers),
+            3 => self.each_n::<3>(takes, &located, answers),
+            _ => self.each_n::<4>(takes, &located, answers),
+        }
     }
 
     #[inline(always)]
