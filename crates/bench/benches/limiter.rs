@@ -9,18 +9,16 @@ use std::time::Duration;
 use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::Request;
 use tollgate_bench::{
-    GovernorThree, Limit, governor_direct, governor_keyed, keys, tollgate, transaction_calls,
+    GovernorThree, Limit, USER, governor_direct, governor_keyed, keys, tollgate, transaction_calls,
     two_threads,
 };
 
 fn one_key_one_thread(c: &mut Criterion) {
     let mut g = c.benchmark_group("one_key_one_thread");
     let t = tollgate();
-    g.bench_function("tollgate", |b| {
-        b.iter(|| t.limit(Limit::PerUser, black_box("user-00000001")).unwrap())
-    });
+    g.bench_function("tollgate", |b| b.iter(|| t.limit(Limit::PerUser, black_box(USER)).unwrap()));
     let gov = governor_keyed();
-    let key = String::from("user-00000001");
+    let key = String::from(USER);
     g.bench_function("governor", |b| b.iter(|| gov.check_key(black_box(&key)).is_ok()));
     g.finish();
 }
@@ -73,12 +71,12 @@ fn one_key_two_threads(c: &mut Criterion) {
     g.bench_function("tollgate", |b| {
         b.iter_custom(|iters| {
             two_threads(iters, &|| {
-                black_box(t.limit(Limit::PerUser, black_box("user-00000001")).unwrap());
+                black_box(t.limit(Limit::PerUser, black_box(USER)).unwrap());
             })
         })
     });
     let gov = governor_keyed();
-    let key = String::from("user-00000001");
+    let key = String::from(USER);
     g.bench_function("governor", |b| {
         b.iter_custom(|iters| {
             two_threads(iters, &|| {

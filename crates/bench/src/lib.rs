@@ -47,13 +47,19 @@ pub fn tollgate() -> RateLimiter<MemoryStore> {
     RateLimiter::new(MemoryStore::new())
 }
 
+/// The key of the one-key scenarios and of the transaction's user: both libraries are given
+/// this one.
+pub const USER: &str = "user-00000001";
+/// The key of the transaction's team, for both libraries.
+pub const TEAM: &str = "team-0001";
+
 /// tollgate's side of the transaction scenario: one user, one team and the global limit, the
 /// keys hidden from the compiler.
 #[inline(always)]
 pub fn transaction_calls() -> [Call<'static>; 3] {
     [
-        Target::from(Limit::PerUser).with(black_box("user-00000001")),
-        Target::from(Limit::PerTeam).with(black_box("team-0001")),
+        Target::from(Limit::PerUser).with(black_box(USER)),
+        Target::from(Limit::PerTeam).with(black_box(TEAM)),
         Target::from(Limit::Global).with(Request::new()),
     ]
 }
@@ -62,8 +68,8 @@ pub fn transaction_calls() -> [Call<'static>; 3] {
 /// transaction of three does at the least. Whether all three admitted.
 #[inline(always)]
 pub fn three_limits(t: &RateLimiter<MemoryStore>) -> bool {
-    t.limit(Limit::PerUser, black_box("user-00000001")).unwrap().ok
-        && t.limit(Limit::PerTeam, black_box("team-0001")).unwrap().ok
+    t.limit(Limit::PerUser, black_box(USER)).unwrap().ok
+        && t.limit(Limit::PerTeam, black_box(TEAM)).unwrap().ok
         && t.limit(Limit::Global, Request::new()).unwrap().ok
 }
 
@@ -85,8 +91,8 @@ impl GovernorThree {
             users: governor_keyed(),
             teams: governor_keyed(),
             global: governor_direct(),
-            user: String::from("user-00000001"),
-            team: String::from("team-0001"),
+            user: String::from(USER),
+            team: String::from(TEAM),
         }
     }
 

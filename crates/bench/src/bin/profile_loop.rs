@@ -4,7 +4,7 @@ use std::hint::black_box;
 
 use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
 use tollgate_bench::{
-    GovernorThree, Limit, ns_per_call, three_limits, tollgate, transaction_calls,
+    GovernorThree, Limit, TEAM, USER, ns_per_call, three_limits, tollgate, transaction_calls,
 };
 
 fn main() {
@@ -43,13 +43,13 @@ fn main() {
             let config = tollgate::Limits::config(Limit::PerUser);
             ns_per_call(n, |_| {
                 let target = ("perUser", black_box(config));
-                let _ = black_box(t.limit(target, black_box("user-00000001")));
+                let _ = black_box(t.limit(target, black_box(USER)));
             })
         }
         // governor's keyed check on one key, for the same instruction count.
         Some("governor") => {
             let gov = tollgate_bench::governor_keyed();
-            let key = String::from("user-00000001");
+            let key = String::from(USER);
             ns_per_call(n, |_| {
                 let _ = black_box(gov.check_key(black_box(&key)).is_ok());
             })
@@ -60,7 +60,7 @@ fn main() {
         }),
         // Only the typed one-key `limit`, for instruction counts per call.
         Some("one") => ns_per_call(n, |_| {
-            let _ = black_box(t.limit(Limit::PerUser, black_box("user-00000001")));
+            let _ = black_box(t.limit(Limit::PerUser, black_box(USER)));
         }),
         _ => return several(&t, n),
     };
@@ -71,17 +71,17 @@ fn main() {
 fn several(t: &RateLimiter<MemoryStore>, n: usize) {
     let mut ok = 0usize;
     let per = ns_per_call(n, |_| {
-        ok += usize::from(t.limit(Limit::PerUser, black_box("user-00000001")).unwrap().ok);
+        ok += usize::from(t.limit(Limit::PerUser, black_box(USER)).unwrap().ok);
     });
     println!("limit, one key: {per:.1} ns/op ({ok} admitted)");
     let manual = RateLimiter::new(MemoryStore::with_clock(tollgate::ManualClock::new(0.0)));
     let c = Config::token_bucket(1.0, SECOND).with_capacity(4e9);
     let per = ns_per_call(n, |_| {
-        ok += usize::from(manual.limit(("x", c), black_box("user-00000001")).unwrap().ok);
+        ok += usize::from(manual.limit(("x", c), black_box(USER)).unwrap().ok);
     });
     println!("limit, one key, manual clock: {per:.1} ns/op");
     let per = ns_per_call(n, |_| {
-        ok += usize::from(t.check(Limit::PerUser, black_box("user-00000001")).unwrap().ok);
+        ok += usize::from(t.check(Limit::PerUser, black_box(USER)).unwrap().ok);
     });
     println!("check, one key: {per:.1} ns/op ({ok} granted in all)");
 }
@@ -91,15 +91,14 @@ fn parts(n: usize) {
     use tollgate::core::{OneTake, Take};
     let store = MemoryStore::new();
     let config = tollgate::Limits::config(Limit::PerUser);
-    let take =
-        Take { name: "perUser", key: Some("user-00000001"), config, count: 1.0, reserve: false };
+    let take = Take { name: "perUser", key: Some(USER), config, count: 1.0, reserve: false };
     let one = OneTake::new(&take, 0, true).unwrap();
     let per = ns_per_call(n, |_| {
         black_box(store.execute_one(black_box(&one)).unwrap());
     });
     println!("store.execute_one alone: {per:.1} ns/op");
     let names = ["perUser", "perTeam", "global"];
-    let keys = [Some("user-00000001"), Some("team-0001"), None];
+    let keys = [Some(USER), Some(TEAM), None];
     let takes: Vec<OneTake<'_>> = (0..3)
         .map(|i| {
             let take = Take { name: names[i], key: keys[i], config, count: 1.0, reserve: false };

@@ -12,8 +12,8 @@ use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use tollgate_bench::{
-    GovernorThree, Limit, alternate, governor_keyed, keys, ns_per_call, three_limits, tollgate,
-    transaction_calls, two_threads,
+    GovernorThree, Limit, USER, alternate, governor_keyed, keys, ns_per_call, three_limits,
+    tollgate, transaction_calls, two_threads,
 };
 
 /// Counts the bytes currently allocated, to measure what live keys cost.
@@ -145,12 +145,12 @@ fn interleave_timed(name: &str, ours: impl FnMut() -> f64, theirs: impl FnMut() 
 fn rounds() {
     let t = tollgate();
     let gov = governor_keyed();
-    let key = String::from("user-00000001");
+    let key = String::from(USER);
     interleave(
         "one_key_one_thread",
         2_000_000,
         |_| {
-            black_box(t.limit(Limit::PerUser, black_box("user-00000001")).unwrap());
+            black_box(t.limit(Limit::PerUser, black_box(USER)).unwrap());
         },
         |_| {
             black_box(gov.check_key(black_box(&key)).is_ok());
@@ -183,7 +183,7 @@ fn rounds() {
         "one_key_two_threads",
         || {
             let ours = || {
-                black_box(t.limit(Limit::PerUser, black_box("user-00000001")).unwrap());
+                black_box(t.limit(Limit::PerUser, black_box(USER)).unwrap());
             };
             two_threads(calls, &ours).as_nanos() as f64 / calls as f64
         },
