@@ -9,8 +9,8 @@ use std::time::Duration;
 use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::Request;
 use tollgate_bench::{
-    GovernorThree, Limit, USER, governor_direct, governor_keyed, keys, tollgate, transaction_calls,
-    two_threads,
+    GovernorThree, Limit, ManyKeys, USER, governor_direct, governor_keyed, tollgate,
+    transaction_calls, two_threads,
 };
 
 fn one_key_one_thread(c: &mut Criterion) {
@@ -36,30 +36,21 @@ fn global_one_thread(c: &mut Criterion) {
 fn many_keys(c: &mut Criterion) {
     // 100k distinct String keys, visited in a fixed shuffled order: every call hits a live key
     // in a table far larger than the CPU caches' share per key.
-    let n = 100_000;
-    let keys = keys(n);
-    let order: Vec<usize> = (0..n).map(|i| (i * 48_271) % n).collect();
+    let keys = ManyKeys::new(100_000);
+    let (t, gov) = keys.filled();
     let mut g = c.benchmark_group("100k_string_keys");
-    let t = tollgate();
-    for k in &keys {
-        t.limit(Limit::PerUser, k.as_str()).unwrap();
-    }
     let mut i = 0;
     g.bench_function("tollgate", |b| {
         b.iter(|| {
-            i = (i + 1) % n;
-            t.limit(Limit::PerUser, keys[order[i]].as_str()).unwrap()
+            i += 1;
+            t.limit(Limit::PerUser, keys.at(i).as_str()).unwrap()
         })
     });
-    let gov = governor_keyed();
-    for k in &keys {
-        let _ = gov.check_key(k);
-    }
     let mut i = 0;
     g.bench_function("governor", |b| {
         b.iter(|| {
-            i = (i + 1) % n;
-            gov.check_key(&keys[order[i]]).is_ok()
+            i += 1;
+            gov.check_key(keys.at(i)).is_ok()
         })
     });
     g.finish();

@@ -166,6 +166,39 @@ pub fn keys(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("user-{i:08}")).collect()
 }
 
+/// The keys of the 100k-key scenario: distinct `String` keys and a fixed shuffled order to
+/// visit them in, so that each call goes to a live key far in memory from the last one's.
+pub struct ManyKeys {
+    keys: Vec<String>,
+    order: Vec<usize>,
+}
+
+impl ManyKeys {
+    /// `n` keys (see [`keys`]), visited in the order of `i * 48,271 mod n`: a permutation of
+    /// them, since 48,271 is a prime that does not divide `n` (true of the scenario's 100,000).
+    pub fn new(n: usize) -> Self {
+        assert!(n > 0 && !n.is_multiple_of(48_271), "the order must visit every key");
+        ManyKeys { keys: keys(n), order: (0..n).map(|i| (i * 48_271) % n).collect() }
+    }
+
+    /// The key of call `i` (any `i`: the order repeats every `n` calls).
+    #[inline(always)]
+    pub fn at(&self, i: usize) -> &String {
+        &self.keys[self.order[i % self.keys.len()]]
+    }
+
+    /// A tollgate limiter (on the scenario's per-user limit) and a governor keyed limiter,
+    /// each with every key live.
+    pub fn filled(&self) -> (RateLimiter<MemoryStore>, DefaultKeyedRateLimiter<String>) {
+        let (t, gov) = (tollgate(), governor_keyed());
+        for k in &self.keys {
+            t.limit(Limit::PerUser, k.as_str()).unwrap();
+            let _ = gov.check_key(k);
+        }
+        (t, gov)
+    }
+}
+
 /// Runs `op(thread, iteration)` on `threads` threads for `duration`, as fast as they go;
 /// returns operations per second over all threads. For load against a server, where each
 /// operation is a round trip.

@@ -1,10 +1,11 @@
 //! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
-//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|global|runtime_config|tx|tx1|tx2|limit3|governor|govtx]`.
+//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|global|runtime_config|tx|tx1|tx2|limit3|governor|govtx|keys|govkeys|keybytes]`.
 use std::hint::black_box;
 
 use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
 use tollgate_bench::{
-    GovernorThree, Limit, TEAM, USER, ns_per_call, three_limits, tollgate, transaction_calls,
+    GovernorThree, Limit, ManyKeys, TEAM, USER, ns_per_call, three_limits, tollgate,
+    transaction_calls,
 };
 
 fn main() {
@@ -58,6 +59,30 @@ fn main() {
         Some("global") => ns_per_call(n, |_| {
             let _ = black_box(t.limit(Limit::Global, tollgate::Request::new()));
         }),
+        // The 100k-key scenario, one library at a time, for `perf`: where a call waits.
+        Some(m @ ("keys" | "govkeys")) => {
+            let keys = ManyKeys::new(100_000);
+            let (t, gov) = keys.filled();
+            if m == "keys" {
+                ns_per_call(n, |i| {
+                    let _ = black_box(t.limit(Limit::PerUser, keys.at(i).as_str()));
+                })
+            } else {
+                ns_per_call(n, |i| {
+                    black_box(gov.check_key(keys.at(i)).is_ok());
+                })
+            }
+        }
+        // The same keys only read and hashed (as tollgate hashes them), with no limiter: the
+        // benchmark's own share of the 100k-key scenario when nothing else is in the way.
+        Some("keybytes") => {
+            use std::hash::BuildHasher;
+            let keys = ManyKeys::new(100_000);
+            let hasher = foldhash::fast::RandomState::default();
+            ns_per_call(n, |i| {
+                black_box(hasher.hash_one(keys.at(i).as_str()));
+            })
+        }
         // Only the typed one-key `limit`, for instruction counts per call.
         Some("one") => ns_per_call(n, |_| {
             let _ = black_box(t.limit(Limit::PerUser, black_box(USER)));

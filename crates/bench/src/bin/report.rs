@@ -12,8 +12,8 @@ use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use tollgate_bench::{
-    GovernorThree, Limit, USER, alternate, governor_keyed, keys, ns_per_call, three_limits,
-    tollgate, transaction_calls, two_threads,
+    GovernorThree, Limit, ManyKeys, USER, alternate, governor_keyed, keys, ns_per_call,
+    three_limits, tollgate, transaction_calls, two_threads,
 };
 
 /// Counts the bytes currently allocated, to measure what live keys cost.
@@ -157,22 +157,16 @@ fn rounds() {
         },
     );
 
-    let n = 100_000;
-    let keys = keys(n);
-    let order: Vec<usize> = (0..n).map(|i| (i * 48_271) % n).collect();
-    let (t, gov) = (tollgate(), governor_keyed());
-    for k in &keys {
-        t.limit(Limit::PerUser, k.as_str()).unwrap();
-        let _ = gov.check_key(k);
-    }
+    let keys = ManyKeys::new(100_000);
+    let (t, gov) = keys.filled();
     interleave(
         "100k_string_keys",
         1_000_000,
         |i| {
-            black_box(t.limit(Limit::PerUser, keys[order[i % n]].as_str()).unwrap());
+            black_box(t.limit(Limit::PerUser, keys.at(i).as_str()).unwrap());
         },
         |i| {
-            black_box(gov.check_key(&keys[order[i % n]]).is_ok());
+            black_box(gov.check_key(keys.at(i)).is_ok());
         },
     );
 
