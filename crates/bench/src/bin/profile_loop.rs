@@ -73,8 +73,9 @@ fn main() {
                 })
             }
         }
-        // The same keys only read and hashed (as tollgate hashes them), with no limiter: the
-        // benchmark's own share of the 100k-key scenario when nothing else is in the way.
+        // The same keys only read and hashed (with foldhash, the memory store's hasher, over
+        // the key alone), with no limiter: the benchmark's own share of the 100k-key scenario
+        // when nothing else is in the way.
         Some("keybytes") => {
             use std::hash::BuildHasher;
             let keys = ManyKeys::new(100_000);
