@@ -152,6 +152,53 @@ fn transactions_across_threads_stay_atomic() {
     assert_eq!(l.value(b, Some("shared")).unwrap().value, 400.0, "b gave exactly what a admitted");
 }
 
+/// Far more threads than cores on two segments, while the tables grow (each transaction
+/// inserts a new key) and another thread sweeps them over and over (holding each segment
+/// while it scans it): every thread gets through (a waiter yields its core to the holder),
+/// the locks taken in opposite call orders do not deadlock, and the count stays exact.
+#[test]
+fn many_threads_on_two_segments_with_sweeps_stay_exact() {
+    let store = MemoryStore::builder().segments(2).build_with_clock(ManualClock::new(T0));
+    let l = Arc::new(RateLimiter::new(store));
+    let day = 24.0 * 3_600_000.0;
+    let shared = Target::Inline("shared", Config::token_bucket(1000.0, day));
+    let own = Target::Inline("own", Config::token_bucket(1.0, day));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sweeper = {
+        let (l, done) = (Arc::clone(&l), Arc::clone(&done));
+        std::thread::spawn(move || {
+            let mut sweeps = 0u64;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                assert_eq!(l.store().sweep(), 0, "nothing is full: nothing refills");
+                sweeps += 1;
+            }
+            sweeps
+        })
+    };
+    let threads: Vec<_> = (0..16)
+        .map(|i| {
+            let l = Arc::clone(&l);
+            std::thread::spawn(move || {
+                (0..200)
+                    .filter(|j| {
+                        let key = format!("{i}-{j}");
+                        let (a, b) = (own.with(key.as_str()), shared.with("all"));
+                        let calls = if (i + j) % 2 == 0 { [a, b] } else { [b, a] };
+                        l.transaction(&calls).unwrap().ok
+                    })
+                    .count()
+            })
+        })
+        .collect();
+    let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(sweeper.join().unwrap() > 0);
+    assert_eq!(admitted, 1000, "3,200 asked, the shared limit holds 1,000");
+    assert_eq!(l.value(shared, Some("all")).unwrap().value, 0.0);
+    // One state per admitted key of `own` (taken to 0, not full), and the shared one.
+    assert_eq!(l.store().len(), 1001);
+}
+
 /// Many names and keys in few segments, so tables grow (every entry rehashed), names
 /// alternate (the last-name shortcut misses and hits), and each state stays its own.
 #[test]

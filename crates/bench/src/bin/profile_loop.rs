@@ -1,11 +1,11 @@
 //! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
-//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|global|runtime_config|tx|tx1|tx2|limit3|governor|govtx|keys|govkeys|keybytes]`.
+//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|two|global|runtime_config|tx|tx1|tx2|limit3|governor|govtwo|govtx|keys|govkeys|keybytes]`.
 use std::hint::black_box;
 
 use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
 use tollgate_bench::{
     GovernorThree, Limit, ManyKeys, TEAM, USER, ns_per_call, three_limits, tollgate,
-    transaction_calls,
+    transaction_calls, two_threads,
 };
 
 fn main() {
@@ -54,6 +54,22 @@ fn main() {
             ns_per_call(n, |_| {
                 let _ = black_box(gov.check_key(black_box(&key)).is_ok());
             })
+        }
+        // One key shared by two threads, as in the criterion scenario: wall time over all the
+        // calls of both, so a lock that the two threads pass back and forth shows here.
+        Some("two") => {
+            let wall = two_threads(n as u64, &|| {
+                let _ = black_box(t.limit(Limit::PerUser, black_box(USER)));
+            });
+            wall.as_nanos() as f64 / n as f64
+        }
+        Some("govtwo") => {
+            let gov = tollgate_bench::governor_keyed();
+            let key = String::from(USER);
+            let wall = two_threads(n as u64, &|| {
+                let _ = black_box(gov.check_key(black_box(&key)).is_ok());
+            });
+            wall.as_nanos() as f64 / n as f64
         }
         // The typed unkeyed `limit`.
         Some("global") => ns_per_call(n, |_| {

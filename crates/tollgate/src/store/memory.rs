@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 use hashbrown::hash_table::OccupiedEntry;
-use parking_lot::{Mutex, MutexGuard};
+use spin::mutex::{SpinMutex, SpinMutexGuard};
+use spin::relax::Yield;
 use tollgate_core::{
     Clock, Config, Inline, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
@@ -105,8 +106,21 @@ struct Located {
     segment: usize,
 }
 
+/// A segment: its table behind its own lock.
+///
+/// The lock is a spin lock, which leaves with a plain store; a lock that can put a waiter to
+/// sleep (parking_lot's, std's) leaves with a second atomic read-modify-write, to see whether
+/// anyone sleeps. A segment is held for tens of nanoseconds, and that second atomic was 8% of
+/// a one-key request's time and 13% of a transaction of three's (BENCHMARKS.md, "Fourteenth
+/// session"). A thread that finds the segment held yields its core (`Yield`) between looks
+/// instead of spinning on the lock's cache line: a holder that was preempted, or is busy with
+/// a rare long step (the table growing, a sweep), gets to run, and the thread that holds the
+/// line runs its requests on it while it is warm.
 #[repr(align(64))] // one cache line per segment lock: segments do not contend falsely
-struct Segment(Mutex<Table>);
+struct Segment(SpinMutex<Table, Yield>);
+
+/// A locked segment's table.
+type Locked<'a> = SpinMutexGuard<'a, Table, Yield>;
 
 struct Table {
     entries: HashTable<Entry>,
@@ -172,7 +186,10 @@ impl Table {
 /// States live in a hash table split into segments, each behind its own lock, so requests
 /// for different keys rarely meet; a request holds its segments' locks only while it
 /// evaluates, and a transaction locks its segments in ascending order, so it is atomic and
-/// cannot deadlock.
+/// cannot deadlock. The locks are spin locks (held for tens of nanoseconds, they leave with a
+/// plain store): a thread that finds a segment held yields its core until it is free, rather
+/// than sleeping. With many more threads than cores on one hot key, that trades a higher 99th
+/// percentile for a lower 99.99th than a sleeping lock (BENCHMARKS.md, "Fourteenth session").
 ///
 /// Memory follows active keys: a state that has refilled to capacity carries no
 /// information, so it is dropped, either at once when a request leaves it full or by a
@@ -244,7 +261,7 @@ impl MemoryStoreBuilder {
         let n = if self.segments.is_some() { n } else { n.max(16) };
         let segments = (0..n)
             .map(|_| {
-                Segment(Mutex::new(Table {
+                Segment(SpinMutex::new(Table {
                     entries: HashTable::new(),
                     names: Vec::new(),
                     by_name: HashTable::new(),
@@ -555,7 +572,7 @@ impl<C: Clock> MemoryStore<C> {
     ) -> Result<bool, StoreError> {
         let mut order: [usize; N] = std::array::from_fn(|i| located[i].segment);
         order.sort_unstable();
-        let mut guards: [Option<MutexGuard<'_, Table>>; N] = std::array::from_fn(|_| None);
+        let mut guards: [Option<Locked<'_>>; N] = std::array::from_fn(|_| None);
         for i in 0..N {
             if i == 0 || order[i] != order[i - 1] {
                 guards[i] = Some(self.segments[order[i]].0.lock());
@@ -641,7 +658,7 @@ impl<C: Clock> MemoryStore<C> {
         order.sort_unstable();
         order.dedup();
         let now = self.clock.now();
-        let mut guards: Inline<MutexGuard<'_, Table>> =
+        let mut guards: Inline<Locked<'_>> =
             order.iter().map(|&s| self.segments[s].0.lock()).collect();
         let guard_of = |segment: usize| order.binary_search(&segment).expect("locked");
         // Each slot's entry id (None: its name is new to the segment) and stored state.
