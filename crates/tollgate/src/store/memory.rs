@@ -190,6 +190,8 @@ impl Table {
 /// plain store): a thread that finds a segment held yields its core until it is free, rather
 /// than sleeping. With many more threads than cores on one hot key, that trades a higher 99th
 /// percentile for a lower 99.99th than a sleeping lock (BENCHMARKS.md, "Fourteenth session").
+/// (Real-time threads of different priorities pinned to one core should not share a store:
+/// yielding does not let a lower-priority holder run there.)
 ///
 /// Memory follows active keys: a state that has refilled to capacity carries no
 /// information, so it is dropped, either at once when a request leaves it full or by a
