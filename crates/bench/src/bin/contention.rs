@@ -12,7 +12,11 @@ use std::time::{Duration, Instant};
 use tollgate_bench::{GovernorThree, Limit, USER, governor_keyed, tollgate, transaction_calls};
 
 fn main() {
-    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("a number"));
+    let mut args = std::env::args().skip(1).map(|a| {
+        a.parse::<usize>().unwrap_or_else(|_| {
+            panic!("usage: contention [CALLS] [THREADS...]: {a:?} is not a whole number")
+        })
+    });
     let calls = args.next().unwrap_or(800_000);
     let threads: Vec<usize> = args.collect();
     let threads = if threads.is_empty() { vec![2, 8, 32] } else { threads };
