@@ -247,6 +247,11 @@ pub fn two_threads(iters: u64, op: &(dyn Fn() + Sync)) -> Duration {
     })
 }
 
+/// ns per call of [`two_threads`]: wall time over all `calls` of both threads.
+pub fn ns_per_call_on_two_threads(calls: u64, op: &(dyn Fn() + Sync)) -> f64 {
+    two_threads(calls, op).as_nanos() as f64 / calls as f64
+}
+
 /// Measures the two sides of a comparison in `rounds` rounds (at least one) that alternate
 /// which side goes first (`a` in even rounds), so that a slow spell of a shared machine falls
 /// on both alike; calls `each(a, b)` with the two figures of every round, and returns the

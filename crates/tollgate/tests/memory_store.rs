@@ -1,6 +1,7 @@
 //! Behaviours of the memory store itself: bounded memory, max_keys, exactness under threads.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, SECOND, Target};
 
@@ -163,12 +164,12 @@ fn many_threads_on_two_segments_with_sweeps_stay_exact() {
     let day = 24.0 * 3_600_000.0;
     let shared = Target::Inline("shared", Config::token_bucket(1000.0, day));
     let own = Target::Inline("own", Config::token_bucket(1.0, day));
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
     let sweeper = {
         let (l, done) = (Arc::clone(&l), Arc::clone(&done));
         std::thread::spawn(move || {
             let mut sweeps = 0u64;
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+            while !done.load(Ordering::Relaxed) {
                 assert_eq!(l.store().sweep(), 0, "nothing is full: nothing refills");
                 sweeps += 1;
             }
@@ -191,7 +192,7 @@ fn many_threads_on_two_segments_with_sweeps_stay_exact() {
         })
         .collect();
     let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    done.store(true, Ordering::Relaxed);
     assert!(sweeper.join().unwrap() > 0);
     assert_eq!(admitted, 1000, "3,200 asked, the shared limit holds 1,000");
     assert_eq!(l.value(shared, Some("all")).unwrap().value, 0.0);

@@ -4,8 +4,8 @@ use std::hint::black_box;
 
 use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
 use tollgate_bench::{
-    GovernorThree, Limit, ManyKeys, TEAM, USER, ns_per_call, three_limits, tollgate,
-    transaction_calls, two_threads,
+    GovernorThree, Limit, ManyKeys, TEAM, USER, ns_per_call, ns_per_call_on_two_threads,
+    three_limits, tollgate, transaction_calls,
 };
 
 fn main() {
@@ -57,19 +57,15 @@ fn main() {
         }
         // One key shared by two threads, as in the criterion scenario: wall time over all the
         // calls of both, so a lock that the two threads pass back and forth shows here.
-        Some("two") => {
-            let wall = two_threads(n as u64, &|| {
-                let _ = black_box(t.limit(Limit::PerUser, black_box(USER)));
-            });
-            wall.as_nanos() as f64 / n as f64
-        }
+        Some("two") => ns_per_call_on_two_threads(n as u64, &|| {
+            let _ = black_box(t.limit(Limit::PerUser, black_box(USER)));
+        }),
         Some("govtwo") => {
             let gov = tollgate_bench::governor_keyed();
             let key = String::from(USER);
-            let wall = two_threads(n as u64, &|| {
+            ns_per_call_on_two_threads(n as u64, &|| {
                 let _ = black_box(gov.check_key(black_box(&key)).is_ok());
-            });
-            wall.as_nanos() as f64 / n as f64
+            })
         }
         // The typed unkeyed `limit`.
         Some("global") => ns_per_call(n, |_| {

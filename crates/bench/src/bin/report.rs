@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use tollgate_bench::{
     GovernorThree, Limit, ManyKeys, USER, alternate, governor_keyed, keys, ns_per_call,
-    three_limits, tollgate, transaction_calls, two_threads,
+    ns_per_call_on_two_threads, three_limits, tollgate, transaction_calls,
 };
 
 /// Counts the bytes currently allocated, to measure what live keys cost.
@@ -179,13 +179,13 @@ fn rounds() {
             let ours = || {
                 black_box(t.limit(Limit::PerUser, black_box(USER)).unwrap());
             };
-            two_threads(calls, &ours).as_nanos() as f64 / calls as f64
+            ns_per_call_on_two_threads(calls, &ours)
         },
         || {
             let theirs = || {
                 black_box(gov.check_key(black_box(&key)).is_ok());
             };
-            two_threads(calls, &theirs).as_nanos() as f64 / calls as f64
+            ns_per_call_on_two_threads(calls, &theirs)
         },
     );
 
