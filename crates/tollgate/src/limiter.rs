@@ -546,9 +546,43 @@ impl<S: Store> RateLimiter<S> {
     /// assert_eq!(t.retry_after, Some(20_000.0)); // the global limit booked one token ahead
     /// ```
     pub fn transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
-        // The common transaction, of unsharded limits, goes to the store as one-takes.
-        let mut takes: Inline<OneTake<'_>> = Inline::new();
-        for call in calls {
+        // With the number of calls known to the compiler, the loops over them are unrolled
+        // and what is kept per call lives in arrays of exactly that size.
+        match calls.len() {
+            0 => self.transaction_of::<0>(&[]),
+            1 => self.transaction_of::<1>(calls.try_into().expect("1 call")),
+            2 => self.transaction_of::<2>(calls.try_into().expect("2 calls")),
+            3 => self.transaction_of::<3>(calls.try_into().expect("3 calls")),
+            4 => self.transaction_of::<4>(calls.try_into().expect("4 calls")),
+            _ => self.planned_transaction(calls),
+        }
+    }
+
+    /// A transaction of `N` calls: of unsharded limits, it goes to the store as one-takes;
+    /// with a sharded limit, through a [`Plan`].
+    fn transaction_of<const N: usize>(
+        &self,
+        calls: &[Call<'_>; N],
+    ) -> Result<TransactionDecision, Error> {
+        const UNSET: Taken = Taken {
+            decision: Decision { ok: false, retry_after: None },
+            status: Status { remaining: 0.0, reset_after: 0.0 },
+        };
+        /// What `takes` holds until the loop below has built each take.
+        const PLACEHOLDER: OneTake<'static> = OneTake {
+            slot: Slot {
+                name: "",
+                key: None,
+                shard: 0,
+                config: Config::token_bucket(1.0, 1.0),
+                alignment: 0.0,
+            },
+            count: 0.0,
+            reserve: false,
+            writes: false,
+        };
+        let mut takes = [PLACEHOLDER; N];
+        for (take, call) in takes.iter_mut().zip(calls) {
             let config = self.resolve(&call.target)?;
             if config.shards() != 1 {
                 return self.planned_transaction(calls);
@@ -558,39 +592,29 @@ impl<S: Store> RateLimiter<S> {
             let (name, r) = (call.target.name(), &call.request);
             OneTake::check_parts(name, r.key, config, r.count, r.reserve)?;
             let seed = self.setup.seed;
-            takes
-                .push(OneTake::of_valid_parts(name, r.key, config, r.count, r.reserve, seed, true));
+            *take = OneTake::of_valid_parts(name, r.key, config, r.count, r.reserve, seed, true);
         }
-        const UNSET: Taken = Taken {
-            decision: Decision { ok: false, retry_after: None },
-            status: Status { remaining: 0.0, reset_after: 0.0 },
-        };
-        let (mut inline, mut spilled) = ([UNSET; 4], Vec::new());
-        let answers = match calls.len() {
-            n @ 0..=4 => &mut inline[..n],
-            n => {
-                spilled.resize(n, UNSET);
-                &mut spilled[..]
-            }
-        };
-        if let Err(e) = self.store.execute_each(&takes, answers) {
+        let mut answers = [UNSET; N];
+        if let Err(e) = self.store.execute_each_of(&takes, &mut answers) {
             return self.transaction_failed(calls, e);
         }
-        let mut decision = TransactionDecision {
-            ok: true,
-            retry_after: None,
-            results: Inline::new(),
-            statuses: Inline::new(),
-        };
-        for taken in answers.iter() {
-            decision.ok &= taken.decision.ok;
-            decision.retry_after =
-                tollgate_core::max_option(decision.retry_after, taken.decision.retry_after);
-            decision.results.push(taken.decision);
-            decision.statuses.push(taken.status);
+        let (mut results, mut statuses) = ([Decision::ADMIT; 4], [UNSET.status; 4]);
+        let (mut ok, mut retry_after) = (true, None);
+        for (i, taken) in answers.iter().enumerate() {
+            ok &= taken.decision.ok;
+            retry_after = tollgate_core::max_option(retry_after, taken.decision.retry_after);
+            results[i] = taken.decision;
+            statuses[i] = taken.status;
         }
-        self.check_throws(calls, &decision)?;
-        Ok(decision)
+        // Checked before the answer is built, so that it is built where it is returned: built
+        // first, it was copied there afterwards (200 bytes, through `memcpy`).
+        self.check_throws(calls, ok, &results[..N])?;
+        Ok(TransactionDecision {
+            ok,
+            retry_after,
+            results: Inline::from_buf_and_len(results, N),
+            statuses: Inline::from_buf_and_len(statuses, N),
+        })
     }
 
     /// A transaction with a sharded limit, through a [`Plan`].
@@ -599,8 +623,8 @@ impl<S: Store> RateLimiter<S> {
         let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
         match self.store.execute(&plan) {
             Ok(outcome) => {
-                let decision = outcome.into();
-                self.check_throws(calls, &decision)?;
+                let decision: TransactionDecision = outcome.into();
+                self.check_throws(calls, decision.ok, &decision.results)?;
                 Ok(decision)
             }
             Err(e) => self.transaction_failed(calls, e),
@@ -650,13 +674,14 @@ impl<S: Store> RateLimiter<S> {
     pub(crate) fn check_throws(
         &self,
         calls: &[Call<'_>],
-        decision: &TransactionDecision,
+        ok: bool,
+        results: &[Decision],
     ) -> Result<(), Error> {
-        if !decision.ok
+        if !ok
             && calls.iter().any(|c| c.request.throws)
-            && let Some(i) = tollgate_core::longest_refusal(&decision.results)
+            && let Some(i) = tollgate_core::longest_refusal(results)
         {
-            return Err(refused(calls[i].target.name(), decision.results[i]));
+            return Err(refused(calls[i].target.name(), results[i]));
         }
         Ok(())
     }

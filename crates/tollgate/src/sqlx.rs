@@ -142,8 +142,8 @@ impl<S: Store + Sync> RateLimiter<S> {
     ) -> Result<TransactionDecision, Error> {
         let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
         let outcome = conn.execute_plan(&plan).await?;
-        let decision = outcome.into();
-        self.check_throws(calls, &decision)?;
+        let decision: TransactionDecision = outcome.into();
+        self.check_throws(calls, decision.ok, &decision.results)?;
         Ok(decision)
     }
 

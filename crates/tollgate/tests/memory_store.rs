@@ -88,6 +88,46 @@ fn max_keys_fails_closed_for_new_keys_only() {
 }
 
 #[test]
+fn transactions_of_every_size_are_all_or_nothing() {
+    let l = RateLimiter::new(MemoryStore::with_clock(ManualClock::new(T0)));
+    let t = Target::Inline("t", Config::token_bucket(10.0, MINUTE));
+    let empty = l.transaction(&[]).unwrap();
+    assert!(empty.ok && empty.retry_after.is_none());
+    assert!(empty.results.is_empty() && empty.statuses.is_empty());
+    let keys = ["a", "b", "c", "d", "e", "f"];
+    // One to six calls (the memory store decides up to four one by one, more through a
+    // plan): every key left with 10 - n tokens.
+    for n in 1..=keys.len() {
+        let calls: Vec<_> = keys[..n].iter().map(|&k| t.with(k)).collect();
+        let d = l.transaction(&calls).unwrap();
+        assert!(d.ok, "{n} calls");
+        assert_eq!(d.results.len(), n);
+        assert_eq!(d.statuses.iter().map(|s| s.remaining).collect::<Vec<_>>(), vec![9.0; n]);
+        for &k in &keys[..n] {
+            l.reset(t, Some(k)).unwrap();
+        }
+    }
+    // The last of n calls is refused (its key spent): nothing taken from the others.
+    for n in 2..=keys.len() {
+        let spent = keys[n - 1];
+        assert!(l.limit(t, Request::new().key(spent).count(10.0)).unwrap().ok);
+        let mut calls: Vec<_> = keys[..n].iter().map(|&k| t.with(k)).collect();
+        let d = l.transaction(&calls).unwrap();
+        assert!(!d.ok, "{n} calls");
+        assert_eq!(d.retry_after, Some(6_000.0));
+        for &k in &keys[..n - 1] {
+            assert_eq!(l.value(t, Some(k)).unwrap().value, 10.0, "{n} calls, key {k}");
+        }
+        assert_eq!(l.value(t, Some(spent)).unwrap().value, 0.0);
+        // The same refusal with `throws` is an error naming the limit.
+        calls[0] = t.with(Request::new().key(keys[0]).throws());
+        let err = l.transaction(&calls).unwrap_err();
+        assert!(matches!(err, tollgate::Error::RateLimited { ref name, .. } if name == "t"));
+        l.reset(t, Some(spent)).unwrap();
+    }
+}
+
+#[test]
 fn transactions_count_the_states_they_keep() {
     let clock = ManualClock::new(T0);
     let store = Arc::new(MemoryStore::builder().segments(2).build_with_clock(clock.clone()));

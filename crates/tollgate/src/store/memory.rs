@@ -561,95 +561,108 @@ impl<C: Clock> MemoryStore<C> {
     /// A transaction of `N` (up to [`EACH`]) one-takes from distinct states (`located[i]`:
     /// where take i's state lives, worked out before any lock is taken): their segments
     /// locked once each, in ascending order; each take decided on its own state (which is
-    /// what a plan of them decides); all saved, or nothing. Each entry is found once: updates
-    /// and removals go by the bucket found, and inserts, which may move buckets, come last.
-    /// What it keeps per take is in arrays on the stack, which cost nothing to set up, of
+    /// what a plan of them decides); all saved, or nothing. False if there was no room for a
+    /// new state (nothing saved).
+    ///
+    /// Each entry is found once: updates and removals go by the bucket found, and inserts,
+    /// which may move buckets, come last. What it keeps per take is in arrays on the stack of
     /// exactly `N` elements: with the count known to the compiler, its loops over the takes
-    /// are unrolled and their bounds checks and empty slots are gone (see [`Self::each_n`]).
+    /// are unrolled and their bounds checks are gone.
+    #[inline(always)]
     fn execute_each_distinct<const N: usize>(
         &self,
         takes: &[OneTake<'_>; N],
         located: &[Located; N],
         answers: &mut [Taken; N],
     ) -> Result<bool, StoreError> {
-        let mut order: [usize; N] = std::array::from_fn(|i| located[i].segment);
+        /// No bucket: the take's state is not stored.
+        const NONE: usize = usize::MAX;
+        let mut order = [0; N];
+        for (segment, at) in order.iter_mut().zip(located) {
+            *segment = at.segment;
+        }
         order.sort_unstable();
-        let mut guards: [Option<Locked<'_>>; N] = std::array::from_fn(|_| None);
+        let mut guards: [Option<Locked<'_>>; N] = [const { None }; N];
         for i in 0..N {
             if i == 0 || order[i] != order[i - 1] {
                 guards[i] = Some(self.segments[order[i]].0.lock());
             }
         }
         // Per take, its segment's guard: at the segment's first position in `order`.
-        let guard: [usize; N] = std::array::from_fn(|i| {
-            order.iter().position(|&s| s == located[i].segment).expect("locked")
-        });
+        let mut guard = [0; N];
+        for (g, at) in guard.iter_mut().zip(located) {
+            *g = order.iter().position(|&s| s == at.segment).expect("locked");
+        }
         let now = self.clock.now();
-        // Per take: its entry id if its name is stored in the segment, the bucket of its
-        // entry if found, and the state to save.
-        let mut found: [(Option<u32>, Option<usize>, Option<State>); N] = [(None, None, None); N];
+        // Per take: the bucket of its entry, and the state to save.
+        let (mut buckets, mut saves) = ([NONE; N], [None; N]);
         let mut ok = true;
-        for (i, take) in takes.iter().enumerate() {
-            let at = located[i];
+        for i in 0..N {
+            let (take, at) = (&takes[i], located[i]);
             let table = guards[guard[i]].as_mut().expect("locked");
-            let id = table.entry_id(&take.slot, &self.hasher);
-            let bucket = id.and_then(|id| {
-                table.entries.find_bucket_index(at.hash, |e| e.is(id, take.slot.key))
-            });
-            let state = bucket
-                .and_then(|b| table.entries.get_bucket(b))
-                .map(|e| State { value: e.value, ts: e.ts });
+            let found = table
+                .entry_id(&take.slot, &self.hasher)
+                .and_then(|id| table.entries.find_entry(at.hash, |e| e.is(id, take.slot.key)).ok());
+            let state = found.as_ref().map(|e| State { value: e.get().value, ts: e.get().ts });
+            let bucket = found.map_or(NONE, |e| e.bucket_index());
             let (taken, save) = take.decide(now, state);
             ok &= taken.decision.ok;
             answers[i] = taken;
-            found[i] = (id, bucket, save);
+            (buckets[i], saves[i]) = (bucket, save);
         }
-        if !ok || found.iter().all(|f| f.2.is_none()) {
-            return Ok(true); // refused, or checks: nothing to save
+        if !ok {
+            return Ok(true); // refused: nothing to save
         }
         // What can fail comes before the first write: interning names, then room.
-        let mut new = 0;
-        for (i, take) in takes.iter().enumerate() {
-            if let (id, None, Some(_)) = &mut found[i] {
+        let (mut ids, mut new) = ([0; N], 0);
+        for i in 0..N {
+            if saves[i].is_some() && buckets[i] == NONE {
                 let table = guards[guard[i]].as_mut().expect("locked");
-                *id = Some(self.entry_id_or_intern(table, &take.slot)?);
+                ids[i] = self.entry_id_or_intern(table, &takes[i].slot)?;
                 new += 1;
             }
         }
         if !self.reserve(new) {
             return Ok(false);
         }
-        for (i, take) in takes.iter().enumerate() {
-            let (_, Some(bucket), Some(state)) = found[i] else { continue };
+        for i in 0..N {
+            let (Some(state), bucket) = (saves[i], buckets[i]) else { continue };
+            if bucket == NONE {
+                continue;
+            }
             let table = guards[guard[i]].as_mut().expect("locked");
             let Ok(entry) = table.entries.get_bucket_entry(bucket) else {
                 unreachable!("a bucket found under the lock is still full")
             };
-            let until_full = until_full(&take.slot.config, state, now);
+            let until_full = until_full(&takes[i].slot.config, state, now);
             self.overwrite(entry, state, expires_in(now, until_full));
         }
-        for (i, take) in takes.iter().enumerate() {
-            if let (Some(id), None, Some(state)) = found[i] {
+        if new > 0 {
+            for i in 0..N {
+                let (Some(state), NONE) = (saves[i], buckets[i]) else { continue };
                 let table = guards[guard[i]].as_mut().expect("locked");
-                self.save(table, located[i], &take.slot, id, state, now);
+                self.save(table, located[i], &takes[i].slot, ids[i], state, now);
             }
         }
         Ok(true)
     }
 
-    /// [`Self::execute_each_distinct`] for the first `N` of `takes`, `located` and `answers`,
-    /// with `N` known to the compiler: one copy of it for each count up to [`EACH`] (what
-    /// that saves is measured in BENCHMARKS.md, "Eleventh session").
-    fn each_n<const N: usize>(
+    /// [`Self::execute_each_distinct`] once more, after sweeping every segment, for a
+    /// transaction that found no room for a new state.
+    #[cold]
+    #[inline(never)]
+    fn each_after_sweep<const N: usize>(
         &self,
-        takes: &[OneTake<'_>],
-        located: &[Located],
-        answers: &mut [Taken],
+        takes: &[OneTake<'_>; N],
+        located: &[Located; N],
+        answers: &mut [Taken; N],
     ) -> Result<(), StoreError> {
-        let takes: &[OneTake<'_>; N] = takes.try_into().expect("N takes");
-        let located: &[Located; N] = located[..N].try_into().expect("N takes");
-        let answers: &mut [Taken; N] = (&mut answers[..N]).try_into().expect("N answers");
-        self.with_room(|| Ok(self.execute_each_distinct(takes, located, answers)?.then_some(())))
+        self.sweep();
+        if self.execute_each_distinct(takes, located, answers)? {
+            Ok(())
+        } else {
+            Err(self.full_error())
+        }
     }
 
     /// Several slots: their segments locked once each, in ascending order.
@@ -852,16 +865,36 @@ impl<C: Clock> Store for MemoryStore<C> {
     }
 
     fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
-        let n = takes.len();
-        if n > EACH {
+        let answers = &mut answers[..takes.len()];
+        match takes.len() {
+            0 => Ok(()),
+            1 => self
+                .execute_each_of::<1>(takes.try_into().expect("1"), answers.try_into().expect("1")),
+            2 => self
+                .execute_each_of::<2>(takes.try_into().expect("2"), answers.try_into().expect("2")),
+            3 => self
+                .execute_each_of::<3>(takes.try_into().expect("3"), answers.try_into().expect("3")),
+            4 => self
+                .execute_each_of::<4>(takes.try_into().expect("4"), answers.try_into().expect("4")),
+            _ => super::each_through_plan(self, takes, answers),
+        }
+    }
+
+    #[inline(always)]
+    fn execute_each_of<const N: usize>(
+        &self,
+        takes: &[OneTake<'_>; N],
+        answers: &mut [Taken; N],
+    ) -> Result<(), StoreError> {
+        if N > EACH {
             return super::each_through_plan(self, takes, answers);
         }
-        let mut located = [Located { hash: 0, segment: 0 }; EACH];
+        let mut located = [Located { hash: 0, segment: 0 }; N];
         for (at, take) in located.iter_mut().zip(takes) {
             *at = self.locate(&take.slot);
         }
         // One state has one hash: only takes of equal hashes need comparing.
-        let distinct = (1..n).all(|j| {
+        let distinct = (1..N).all(|j| {
             (0..j).all(|i| {
                 located[i].hash != located[j].hash || !takes[i].slot.same_state(&takes[j].slot)
             })
@@ -870,13 +903,10 @@ impl<C: Clock> Store for MemoryStore<C> {
             // Takes of one state add up: the plan's bookkeeping does that.
             return super::each_through_plan(self, takes, answers);
         }
-        match n {
-            0 => Ok(()),
-            1 => self.each_n::<1>(takes, &located, answers),
-            2 => self.each_n::<2>(takes, &located, answers),
-            3 => self.each_n::<3>(takes, &located, answers),
-            _ => self.each_n::<4>(takes, &located, answers),
+        if self.execute_each_distinct(takes, &located, answers)? {
+            return Ok(());
         }
+        self.each_after_sweep(takes, &located, answers)
     }
 
     #[inline(always)]

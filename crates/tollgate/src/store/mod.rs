@@ -114,6 +114,24 @@ pub trait Store {
         each_through_plan(self, takes, answers)
     }
 
+    /// [`Store::execute_each`] of exactly `N` takes, the count known to the compiler: the
+    /// default calls [`Store::execute_each`]; the memory store unrolls its loops over them.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Store::execute_each`].
+    #[inline(always)]
+    fn execute_each_of<const N: usize>(
+        &self,
+        takes: &[OneTake<'_>; N],
+        answers: &mut [Taken; N],
+    ) -> Result<(), StoreError>
+    where
+        Self: Sized,
+    {
+        self.execute_each(takes, answers)
+    }
+
     /// [`Store::execute_one`], keeping only what `answer` picks of the result. The default
     /// maps the result; an in-process store may apply `answer` before its result leaves the
     /// store, so that what the caller drops (the status, for `limit`) is never worked out.
