@@ -318,7 +318,8 @@ impl Engine {
             .collect::<Result<Vec<_>, Answer>>()?;
         let calls: Vec<Call<'_>> =
             body.limits.iter().zip(&targets).map(|(l, (_, t))| t.with(Self::request(l))).collect();
-        let t = self.limiter.transaction(&calls).map_err(|e| self.error(e))?;
+        let taken = self.limiter.transaction_with_status(&calls).map_err(|e| self.error(e))?;
+        let t = &taken.decision;
         let mut answer = if !t.ok && body.limits.iter().any(|l| l.throws) {
             let i = tollgate::core::longest_refusal(&t.results).unwrap_or(0);
             rate_limited(&body.limits[i].name, t.results[i].retry_after.unwrap_or(0.0))
@@ -329,7 +330,7 @@ impl Engine {
             body["results"] = Value::Array(results);
             Answer::ok(body)
         };
-        self.rate_limit_headers(&mut answer, &targets, &t.statuses, t.retry_after, t.ok);
+        self.rate_limit_headers(&mut answer, &targets, &taken.statuses, t.retry_after, t.ok);
         Ok(answer)
     }
 

@@ -54,7 +54,8 @@ pub mod tower;
 
 pub use error::{Error, StoreError};
 pub use limiter::{
-    Call, Limits, RateLimiter, RateLimiterBuilder, Request, Target, TransactionDecision, jitter,
+    Call, Limits, RateLimiter, RateLimiterBuilder, Request, Target, TransactionDecision,
+    TransactionTaken, jitter,
 };
 pub use store::{MemoryStore, MemoryStoreBuilder, Store};
 pub use tollgate_core::{

@@ -198,12 +198,14 @@ impl<'a> Call<'a> {
     }
 }
 
-impl From<tollgate_core::Outcome> for TransactionDecision {
+impl From<tollgate_core::Outcome> for TransactionTaken {
     fn from(outcome: tollgate_core::Outcome) -> Self {
-        TransactionDecision {
-            ok: outcome.ok,
-            retry_after: outcome.retry_after,
-            results: outcome.results,
+        TransactionTaken {
+            decision: TransactionDecision {
+                ok: outcome.ok,
+                retry_after: outcome.retry_after,
+                results: outcome.results,
+            },
             statuses: outcome.statuses,
         }
     }
@@ -218,9 +220,88 @@ pub struct TransactionDecision {
     pub retry_after: Option<f64>,
     /// One decision per call, in order (held inline up to four calls: no allocation).
     pub results: Inline<Decision>,
+}
+
+/// The answer to a transaction with what each limit has left
+/// ([`RateLimiter::transaction_with_status`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TransactionTaken {
+    /// Granted or refused, and the waits.
+    pub decision: TransactionDecision,
     /// Per call, what its limit has left afterwards (after the transaction if it was
     /// granted, as it stands if not).
     pub statuses: Inline<Status>,
+}
+
+/// What a transaction keeps of each take: its decision ([`RateLimiter::transaction`]), or
+/// its decision and status ([`RateLimiter::transaction_with_status`]). Chosen before the
+/// take leaves the store, so that a status that is not asked for is never worked out (a
+/// division per take).
+trait Answer: Copy {
+    /// The answer to the whole transaction.
+    type Transaction;
+    /// What an array of answers holds before the store has written it.
+    const UNSET: Self;
+    fn of(taken: Taken) -> Self;
+    fn decision(&self) -> Decision;
+    fn from_taken(taken: TransactionTaken) -> Self::Transaction;
+    fn transaction<const N: usize>(
+        decision: TransactionDecision,
+        answers: &[Self; N],
+    ) -> Self::Transaction;
+}
+
+impl Answer for Decision {
+    type Transaction = TransactionDecision;
+    const UNSET: Self = Decision { ok: false, retry_after: None };
+    #[inline(always)]
+    fn of(taken: Taken) -> Self {
+        taken.decision
+    }
+    #[inline(always)]
+    fn decision(&self) -> Decision {
+        *self
+    }
+    fn from_taken(taken: TransactionTaken) -> TransactionDecision {
+        taken.decision
+    }
+    #[inline(always)]
+    fn transaction<const N: usize>(
+        decision: TransactionDecision,
+        _: &[Self; N],
+    ) -> Self::Transaction {
+        decision
+    }
+}
+
+impl Answer for Taken {
+    type Transaction = TransactionTaken;
+    const UNSET: Self = Taken {
+        decision: Decision { ok: false, retry_after: None },
+        status: Status { remaining: 0.0, reset_after: 0.0 },
+    };
+    #[inline(always)]
+    fn of(taken: Taken) -> Self {
+        taken
+    }
+    #[inline(always)]
+    fn decision(&self) -> Decision {
+        self.decision
+    }
+    fn from_taken(taken: TransactionTaken) -> TransactionTaken {
+        taken
+    }
+    #[inline(always)]
+    fn transaction<const N: usize>(
+        decision: TransactionDecision,
+        answers: &[Self; N],
+    ) -> TransactionTaken {
+        let mut statuses = [Self::UNSET.status; 4];
+        for (status, taken) in statuses.iter_mut().zip(answers) {
+            *status = taken.status;
+        }
+        TransactionTaken { decision, statuses: Inline::from_buf_and_len(statuses, N) }
+    }
 }
 
 /// Application-layer rate limiting over a [`Store`] (SPEC §4).
@@ -525,7 +606,8 @@ impl<S: Store> RateLimiter<S> {
     /// Takes tokens from several limits at once, all or nothing: if any is refused (or
     /// invalid), nothing is taken from any. `retry_after` is the largest wait.
     ///
-    /// Two calls to the same limit and key add up.
+    /// Two calls to the same limit and key add up. What each limit has left is not worked
+    /// out: ask [`RateLimiter::transaction_with_status`] for it.
     ///
     /// # Errors
     ///
@@ -546,28 +628,58 @@ impl<S: Store> RateLimiter<S> {
     /// assert_eq!(t.retry_after, Some(20_000.0)); // the global limit booked one token ahead
     /// ```
     pub fn transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
+        self.transaction_answering::<Decision>(calls)
+    }
+
+    /// Like [`RateLimiter::transaction`], with what each limit has left afterwards (for the
+    /// IETF RateLimit header fields, or a dashboard).
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::transaction`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate::{Config, ManualClock, MemoryStore, RateLimiter, Request, Target, MINUTE};
+    ///
+    /// let limiter = RateLimiter::new(MemoryStore::with_clock(ManualClock::new(0.0)));
+    /// let per_user = Target::Inline("perUser", Config::token_bucket(10.0, MINUTE));
+    /// let global = Target::Inline("global", Config::token_bucket(100.0, MINUTE));
+    /// let calls = [per_user.with("alice"), global.with(Request::new())];
+    /// let t = limiter.transaction_with_status(&calls).unwrap();
+    /// assert!(t.decision.ok);
+    /// assert_eq!(t.statuses[0].remaining, 9.0);
+    /// assert_eq!(t.statuses[1].remaining, 99.0);
+    /// ```
+    pub fn transaction_with_status(&self, calls: &[Call<'_>]) -> Result<TransactionTaken, Error> {
+        self.transaction_answering::<Taken>(calls)
+    }
+
+    /// A transaction, keeping `A` of each take.
+    #[inline(always)]
+    fn transaction_answering<A: Answer>(
+        &self,
+        calls: &[Call<'_>],
+    ) -> Result<A::Transaction, Error> {
         // With the number of calls known to the compiler, the loops over them are unrolled
         // and what is kept per call lives in arrays of exactly that size.
         match calls.len() {
-            0 => self.transaction_of::<0>(&[]),
-            1 => self.transaction_of::<1>(calls.try_into().expect("1 call")),
-            2 => self.transaction_of::<2>(calls.try_into().expect("2 calls")),
-            3 => self.transaction_of::<3>(calls.try_into().expect("3 calls")),
-            4 => self.transaction_of::<4>(calls.try_into().expect("4 calls")),
-            _ => self.planned_transaction(calls),
+            0 => self.transaction_of::<0, A>(&[]),
+            1 => self.transaction_of::<1, A>(calls.try_into().expect("1 call")),
+            2 => self.transaction_of::<2, A>(calls.try_into().expect("2 calls")),
+            3 => self.transaction_of::<3, A>(calls.try_into().expect("3 calls")),
+            4 => self.transaction_of::<4, A>(calls.try_into().expect("4 calls")),
+            _ => self.planned_transaction(calls).map(A::from_taken),
         }
     }
 
     /// A transaction of `N` calls: of unsharded limits, it goes to the store as one-takes;
     /// with a sharded limit, through a [`Plan`].
-    fn transaction_of<const N: usize>(
+    fn transaction_of<const N: usize, A: Answer>(
         &self,
         calls: &[Call<'_>; N],
-    ) -> Result<TransactionDecision, Error> {
-        const UNSET: Taken = Taken {
-            decision: Decision { ok: false, retry_after: None },
-            status: Status { remaining: 0.0, reset_after: 0.0 },
-        };
+    ) -> Result<A::Transaction, Error> {
         /// What `takes` holds until the loop below has built each take.
         const PLACEHOLDER: OneTake<'static> = OneTake {
             slot: Slot {
@@ -585,7 +697,7 @@ impl<S: Store> RateLimiter<S> {
         for (take, call) in takes.iter_mut().zip(calls) {
             let config = self.resolve(&call.target)?;
             if config.shards() != 1 {
-                return self.planned_transaction(calls);
+                return self.planned_transaction(calls).map(A::from_taken);
             }
             // Checked and built from the call's fields, not through a `Take` (see
             // `OneTake::check_parts`).
@@ -594,38 +706,33 @@ impl<S: Store> RateLimiter<S> {
             let seed = self.setup.seed;
             *take = OneTake::of_valid_parts(name, r.key, config, r.count, r.reserve, seed, true);
         }
-        let mut answers = [UNSET; N];
-        if let Err(e) = self.store.execute_each_of(&takes, &mut answers) {
-            return self.transaction_failed(calls, e);
+        let mut answers = [A::UNSET; N];
+        if let Err(e) = self.store.execute_each_of(&takes, &mut answers, A::of) {
+            return self.transaction_failed(calls, e).map(A::from_taken);
         }
-        let (mut results, mut statuses) = ([Decision::ADMIT; 4], [UNSET.status; 4]);
+        let mut results = [Decision::ADMIT; 4];
         let (mut ok, mut retry_after) = (true, None);
-        for (i, taken) in answers.iter().enumerate() {
-            ok &= taken.decision.ok;
-            retry_after = tollgate_core::max_option(retry_after, taken.decision.retry_after);
-            results[i] = taken.decision;
-            statuses[i] = taken.status;
+        for (result, answer) in results.iter_mut().zip(&answers) {
+            *result = answer.decision();
+            ok &= result.ok;
+            retry_after = tollgate_core::max_option(retry_after, result.retry_after);
         }
         // Checked before the answer is built, so that it is built where it is returned: built
-        // first, it was copied there afterwards (200 bytes, through `memcpy`).
+        // first, it was copied there afterwards (through `memcpy`).
         self.check_throws(calls, ok, &results[..N])?;
-        Ok(TransactionDecision {
-            ok,
-            retry_after,
-            results: Inline::from_buf_and_len(results, N),
-            statuses: Inline::from_buf_and_len(statuses, N),
-        })
+        let results = Inline::from_buf_and_len(results, N);
+        Ok(A::transaction(TransactionDecision { ok, retry_after, results }, &answers))
     }
 
     /// A transaction with a sharded limit, through a [`Plan`].
     #[inline(never)]
-    fn planned_transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
+    fn planned_transaction(&self, calls: &[Call<'_>]) -> Result<TransactionTaken, Error> {
         let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
         match self.store.execute(&plan) {
             Ok(outcome) => {
-                let decision: TransactionDecision = outcome.into();
-                self.check_throws(calls, decision.ok, &decision.results)?;
-                Ok(decision)
+                let taken: TransactionTaken = outcome.into();
+                self.check_throws(calls, taken.decision.ok, &taken.decision.results)?;
+                Ok(taken)
             }
             Err(e) => self.transaction_failed(calls, e),
         }
@@ -638,7 +745,7 @@ impl<S: Store> RateLimiter<S> {
         &self,
         calls: &[Call<'_>],
         e: crate::StoreError,
-    ) -> Result<TransactionDecision, Error> {
+    ) -> Result<TransactionTaken, Error> {
         if calls.is_empty() || !self.fails_open(calls.iter().map(|c| c.target.name())) {
             return Err(e.into());
         }
@@ -649,10 +756,12 @@ impl<S: Store> RateLimiter<S> {
                 reset_after: 0.0,
             })
             .collect();
-        Ok(TransactionDecision {
-            ok: true,
-            retry_after: None,
-            results: Inline::from_elem(Decision::ADMIT, calls.len()),
+        Ok(TransactionTaken {
+            decision: TransactionDecision {
+                ok: true,
+                retry_after: None,
+                results: Inline::from_elem(Decision::ADMIT, calls.len()),
+            },
             statuses,
         })
     }

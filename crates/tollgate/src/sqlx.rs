@@ -56,7 +56,7 @@ use std::pin::Pin;
 
 use tollgate_core::{Decision, Outcome, Plan, State};
 
-use crate::limiter::{Call, Request, Target, TransactionDecision};
+use crate::limiter::{Call, Request, Target, TransactionDecision, TransactionTaken};
 use crate::store::Store;
 use crate::store::sql::{key_columns, saves};
 use crate::{Error, RateLimiter, StoreError};
@@ -142,9 +142,9 @@ impl<S: Store + Sync> RateLimiter<S> {
     ) -> Result<TransactionDecision, Error> {
         let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
         let outcome = conn.execute_plan(&plan).await?;
-        let decision: TransactionDecision = outcome.into();
-        self.check_throws(calls, decision.ok, &decision.results)?;
-        Ok(decision)
+        let taken: TransactionTaken = outcome.into();
+        self.check_throws(calls, taken.decision.ok, &taken.decision.results)?;
+        Ok(taken.decision)
     }
 
     async fn single_in(

@@ -286,7 +286,7 @@ fn status_after_requests(b: &impl Backend) {
     clock.advance(15.0 * SECOND);
     let w = l.limit_with_status(window, Request::new().key("{v}").count(4.0)).unwrap();
     assert_eq!((w.status.remaining, w.status.reset_after), (6.0, 45_000.0));
-    let t = l.transaction(&[burst.with("{v}"), window.with("{v}")]).unwrap();
+    let t = l.transaction_with_status(&[burst.with("{v}"), window.with("{v}")]).unwrap();
     assert_eq!(t.statuses.iter().map(|s| s.remaining).collect::<Vec<_>>(), [2.0, 5.0]);
 }
 

@@ -96,7 +96,13 @@ fn run<S: Store>(l: &RateLimiter<S>, op: &Op) -> String {
                     Call::new(limits[limit], if reserve { r.reserve() } else { r })
                 })
                 .collect();
-            l.transaction(&calls).map(|t| format!("{t:?}"))
+            // Both ways of asking: decisions only for an odd number of calls, with
+            // statuses for an even one.
+            if calls.len() % 2 == 1 {
+                l.transaction(&calls).map(|t| format!("{t:?}"))
+            } else {
+                l.transaction_with_status(&calls).map(|t| format!("{t:?}"))
+            }
         }
         Op::Reset { limit, key } => l.reset(limits[limit], KEYS[key]).map(|()| "reset".into()),
     };

@@ -92,17 +92,24 @@ fn transactions_of_every_size_are_all_or_nothing() {
     let l = RateLimiter::new(MemoryStore::with_clock(ManualClock::new(T0)));
     let t = Target::Inline("t", Config::token_bucket(10.0, MINUTE));
     let empty = l.transaction(&[]).unwrap();
-    assert!(empty.ok && empty.retry_after.is_none());
-    assert!(empty.results.is_empty() && empty.statuses.is_empty());
+    assert!(empty.ok && empty.retry_after.is_none() && empty.results.is_empty());
+    let empty = l.transaction_with_status(&[]).unwrap();
+    assert!(empty.decision.ok && empty.statuses.is_empty());
     let keys = ["a", "b", "c", "d", "e", "f"];
+    let remaining = |t: &tollgate::TransactionTaken| -> Vec<f64> {
+        t.statuses.iter().map(|s| s.remaining).collect()
+    };
     // One to six calls (the memory store decides up to four one by one, more through a
-    // plan): every key left with 10 - n tokens.
+    // plan), twice: every key left with 8 tokens.
     for n in 1..=keys.len() {
         let calls: Vec<_> = keys[..n].iter().map(|&k| t.with(k)).collect();
         let d = l.transaction(&calls).unwrap();
         assert!(d.ok, "{n} calls");
         assert_eq!(d.results.len(), n);
-        assert_eq!(d.statuses.iter().map(|s| s.remaining).collect::<Vec<_>>(), vec![9.0; n]);
+        let taken = l.transaction_with_status(&calls).unwrap();
+        assert!(taken.decision.ok, "{n} calls");
+        assert_eq!(taken.decision.results.len(), n);
+        assert_eq!(remaining(&taken), vec![8.0; n]);
         for &k in &keys[..n] {
             l.reset(t, Some(k)).unwrap();
         }
@@ -119,6 +126,11 @@ fn transactions_of_every_size_are_all_or_nothing() {
             assert_eq!(l.value(t, Some(k)).unwrap().value, 10.0, "{n} calls, key {k}");
         }
         assert_eq!(l.value(t, Some(spent)).unwrap().value, 0.0);
+        // With statuses: one per call, the refused one's as it stands.
+        let taken = l.transaction_with_status(&calls).unwrap();
+        assert!(!taken.decision.ok);
+        assert_eq!(remaining(&taken).len(), n);
+        assert_eq!(remaining(&taken)[n - 1], 0.0);
         // The same refusal with `throws` is an error naming the limit.
         calls[0] = t.with(Request::new().key(keys[0]).throws());
         let err = l.transaction(&calls).unwrap_err();

@@ -569,11 +569,12 @@ impl<C: Clock> MemoryStore<C> {
     /// exactly `N` elements: with the count known to the compiler, its loops over the takes
     /// are unrolled and their bounds checks are gone.
     #[inline(always)]
-    fn execute_each_distinct<const N: usize>(
+    fn execute_each_distinct<const N: usize, T>(
         &self,
         takes: &[OneTake<'_>; N],
         located: &[Located; N],
-        answers: &mut [Taken; N],
+        answers: &mut [T; N],
+        answer: &impl Fn(Taken) -> T,
     ) -> Result<bool, StoreError> {
         /// No bucket: the take's state is not stored.
         const NONE: usize = usize::MAX;
@@ -607,7 +608,7 @@ impl<C: Clock> MemoryStore<C> {
             let bucket = found.map_or(NONE, |e| e.bucket_index());
             let (taken, save) = take.decide(now, state);
             ok &= taken.decision.ok;
-            answers[i] = taken;
+            answers[i] = answer(taken);
             (buckets[i], saves[i]) = (bucket, save);
         }
         if !ok {
@@ -651,14 +652,15 @@ impl<C: Clock> MemoryStore<C> {
     /// transaction that found no room for a new state.
     #[cold]
     #[inline(never)]
-    fn each_after_sweep<const N: usize>(
+    fn each_after_sweep<const N: usize, T>(
         &self,
         takes: &[OneTake<'_>; N],
         located: &[Located; N],
-        answers: &mut [Taken; N],
+        answers: &mut [T; N],
+        answer: &impl Fn(Taken) -> T,
     ) -> Result<(), StoreError> {
         self.sweep();
-        if self.execute_each_distinct(takes, located, answers)? {
+        if self.execute_each_distinct(takes, located, answers, answer)? {
             Ok(())
         } else {
             Err(self.full_error())
@@ -865,31 +867,43 @@ impl<C: Clock> Store for MemoryStore<C> {
     }
 
     fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
-        let answers = &mut answers[..takes.len()];
+        /// `execute_each_of` of the first `N` takes and answers.
+        fn of<C: Clock, const N: usize>(
+            store: &MemoryStore<C>,
+            takes: &[OneTake<'_>],
+            answers: &mut [Taken],
+        ) -> Result<(), StoreError> {
+            let takes = takes.try_into().expect("N takes");
+            let answers = (&mut answers[..N]).try_into().expect("N answers");
+            store.execute_each_of::<N, Taken>(takes, answers, |taken| taken)
+        }
         match takes.len() {
             0 => Ok(()),
-            1 => self
-                .execute_each_of::<1>(takes.try_into().expect("1"), answers.try_into().expect("1")),
-            2 => self
-                .execute_each_of::<2>(takes.try_into().expect("2"), answers.try_into().expect("2")),
-            3 => self
-                .execute_each_of::<3>(takes.try_into().expect("3"), answers.try_into().expect("3")),
-            4 => self
-                .execute_each_of::<4>(takes.try_into().expect("4"), answers.try_into().expect("4")),
+            1 => of::<C, 1>(self, takes, answers),
+            2 => of::<C, 2>(self, takes, answers),
+            3 => of::<C, 3>(self, takes, answers),
+            4 => of::<C, 4>(self, takes, answers),
             _ => super::each_through_plan(self, takes, answers),
         }
     }
 
     /// Inlined into the limiter's transaction, so that the takes and their answers do not
-    /// go through a call's memory (BENCHMARKS.md, "Fifteenth session").
+    /// go through a call's memory, and what the caller does not keep of an answer is never
+    /// worked out (BENCHMARKS.md, "Fifteenth session").
     #[inline(always)]
-    fn execute_each_of<const N: usize>(
+    fn execute_each_of<const N: usize, T>(
         &self,
         takes: &[OneTake<'_>; N],
-        answers: &mut [Taken; N],
+        answers: &mut [T; N],
+        answer: impl Fn(Taken) -> T,
     ) -> Result<(), StoreError> {
         if N > EACH {
-            return super::each_through_plan(self, takes, answers);
+            let mut taken = [super::UNSET; N];
+            super::each_through_plan(self, takes, &mut taken)?;
+            for (a, t) in answers.iter_mut().zip(taken) {
+                *a = answer(t);
+            }
+            return Ok(());
         }
         let mut located = [Located { hash: 0, segment: 0 }; N];
         for (at, take) in located.iter_mut().zip(takes) {
@@ -903,12 +917,17 @@ impl<C: Clock> Store for MemoryStore<C> {
         });
         if !distinct {
             // Takes of one state add up: the plan's bookkeeping does that.
-            return super::each_through_plan(self, takes, answers);
-        }
-        if self.execute_each_distinct(takes, &located, answers)? {
+            let mut taken = [super::UNSET; N];
+            super::each_through_plan(self, takes, &mut taken)?;
+            for (a, t) in answers.iter_mut().zip(taken) {
+                *a = answer(t);
+            }
             return Ok(());
         }
-        self.each_after_sweep(takes, &located, answers)
+        if self.execute_each_distinct(takes, &located, answers, &answer)? {
+            return Ok(());
+        }
+        self.each_after_sweep(takes, &located, answers, &answer)
     }
 
     #[inline(always)]

@@ -114,22 +114,31 @@ pub trait Store {
         each_through_plan(self, takes, answers)
     }
 
-    /// [`Store::execute_each`] of exactly `N` takes, the count known to the compiler: the
-    /// default calls [`Store::execute_each`]; the memory store unrolls its loops over them.
+    /// [`Store::execute_each`] of exactly `N` takes, the count known to the compiler, keeping
+    /// what `answer` picks of each take's result (as [`Store::execute_one_then`] does). The
+    /// default calls [`Store::execute_each`]; the memory store unrolls its loops over the
+    /// takes and applies `answer` before a result leaves it, so that what the caller drops
+    /// (the statuses, for `transaction`) is never worked out.
     ///
     /// # Errors
     ///
     /// As for [`Store::execute_each`].
     #[inline(always)]
-    fn execute_each_of<const N: usize>(
+    fn execute_each_of<const N: usize, T>(
         &self,
         takes: &[OneTake<'_>; N],
-        answers: &mut [Taken; N],
+        answers: &mut [T; N],
+        answer: impl Fn(Taken) -> T,
     ) -> Result<(), StoreError>
     where
         Self: Sized,
     {
-        self.execute_each(takes, answers)
+        let mut taken = [UNSET; N];
+        self.execute_each(takes, &mut taken)?;
+        for (a, t) in answers.iter_mut().zip(taken) {
+            *a = answer(t);
+        }
+        Ok(())
     }
 
     /// [`Store::execute_one`], keeping only what `answer` picks of the result. The default
@@ -223,6 +232,12 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         (**self).delete(name, key, shards)
     }
 }
+
+/// What an array of [`Taken`]s holds before a store has written it.
+const UNSET: Taken = Taken {
+    decision: tollgate_core::Decision { ok: false, retry_after: None },
+    status: tollgate_core::Status { remaining: 0.0, reset_after: 0.0 },
+};
 
 /// [`Store::execute_each`] through the plan of the takes.
 pub(crate) fn each_through_plan<S: Store + ?Sized>(

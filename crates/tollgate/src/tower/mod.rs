@@ -255,7 +255,10 @@ impl<S: Store, Inner> RateLimit<S, Inner> {
                 (t.decision.ok, t.decision.retry_after, results, statuses)
             })
         } else {
-            self.limiter.transaction(&calls).map(|t| (t.ok, t.retry_after, t.results, t.statuses))
+            self.limiter.transaction_with_status(&calls).map(|t| {
+                let d = t.decision;
+                (d.ok, d.retry_after, d.results, t.statuses)
+            })
         };
         match outcome {
             Ok((ok, retry_after, results, statuses)) => {
