@@ -399,6 +399,17 @@ impl<'a> Plan<'a> {
         } else {
             changed.iter_mut().for_each(|c| *c = false);
         }
+        if !ok {
+            // Refused: nothing is taken, so a take that alone was granted reports its limit
+            // as it stands, as a refused one does (a take of nothing, on the loaded states).
+            for (i, item) in self.items.iter().enumerate() {
+                let granted: &Decision = &results[i];
+                if granted.ok {
+                    let nothing = Item { count: 0.0, reserve: false, ..*item };
+                    statuses[i] = self.decide_item(&nothing, now, states).1;
+                }
+            }
+        }
         Outcome { ok, retry_after, results, statuses, changed }
     }
 

@@ -288,6 +288,13 @@ fn status_after_requests(b: &impl Backend) {
     assert_eq!((w.status.remaining, w.status.reset_after), (6.0, 45_000.0));
     let t = l.transaction_with_status(&[burst.with("{v}"), window.with("{v}")]).unwrap();
     assert_eq!(t.statuses.iter().map(|s| s.remaining).collect::<Vec<_>>(), [2.0, 5.0]);
+    // A refused transaction takes nothing: every limit as it stands, the one that would have
+    // granted too.
+    let refused = [burst.with("{v}"), window.with(Request::new().key("{v}").count(6.0))];
+    let t = l.transaction_with_status(&refused).unwrap();
+    assert!(!t.decision.ok);
+    let statuses: Vec<_> = t.statuses.iter().map(|s| (s.remaining, s.reset_after)).collect();
+    assert_eq!(statuses, [(2.0, 6_000.0), (5.0, 45_000.0)]);
 }
 
 fn concurrent_exactness(b: &impl Backend) {

@@ -126,11 +126,15 @@ fn transactions_of_every_size_are_all_or_nothing() {
             assert_eq!(l.value(t, Some(k)).unwrap().value, 10.0, "{n} calls, key {k}");
         }
         assert_eq!(l.value(t, Some(spent)).unwrap().value, 0.0);
-        // With statuses: one per call, the refused one's as it stands.
+        // With statuses: every limit as it stands, nothing taken (through a plan beyond four
+        // calls).
         let taken = l.transaction_with_status(&calls).unwrap();
         assert!(!taken.decision.ok);
-        assert_eq!(remaining(&taken).len(), n);
-        assert_eq!(remaining(&taken)[n - 1], 0.0);
+        let mut expected = vec![10.0; n];
+        expected[n - 1] = 0.0;
+        assert_eq!(remaining(&taken), expected, "{n} calls");
+        assert!(taken.statuses[..n - 1].iter().all(|s| s.reset_after == 0.0));
+        assert_eq!(taken.statuses[n - 1].reset_after, MINUTE);
         // The same refusal with `throws` is an error naming the limit.
         calls[0] = t.with(Request::new().key(keys[0]).throws());
         let err = l.transaction(&calls).unwrap_err();

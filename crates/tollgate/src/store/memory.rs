@@ -612,7 +612,21 @@ impl<C: Clock> MemoryStore<C> {
             (buckets[i], saves[i]) = (bucket, save);
         }
         if !ok {
-            return Ok(true); // refused: nothing to save
+            // Refused: nothing is taken, so a take that alone was granted reports its limit
+            // as it stands, as a refused one does (a take of nothing). Deciding is pure: the
+            // take decided again on its unchanged state gives its decision again.
+            for i in 0..N {
+                let (take, at) = (&takes[i], located[i]);
+                let table = guards[guard[i]].as_mut().expect("locked");
+                let state = table.find(at, &take.slot, &self.hasher);
+                let (taken, _) = take.decide(now, state);
+                if taken.decision.ok {
+                    let nothing = OneTake { count: 0.0, reserve: false, ..*take };
+                    let status = nothing.decide(now, state).0.status;
+                    answers[i] = answer(Taken { decision: taken.decision, status });
+                }
+            }
+            return Ok(true); // nothing to save
         }
         // What can fail comes before the first write: interning names, then room.
         let (mut ids, mut new) = ([0; N], 0);
