@@ -378,8 +378,8 @@ impl<'a> Plan<'a> {
         }
         let mut working: Inline<Option<State>> = SmallVec::from_slice(&states[..self.slots.len()]);
         let mut changed: Inline<bool> = SmallVec::from_elem(false, self.slots.len());
-        let mut results = SmallVec::with_capacity(self.items.len());
-        let mut statuses = SmallVec::with_capacity(self.items.len());
+        let mut results: Inline<Decision> = SmallVec::with_capacity(self.items.len());
+        let mut statuses: Inline<Status> = SmallVec::with_capacity(self.items.len());
         let (mut ok, mut retry_after) = (true, None::<f64>);
         for item in &self.items {
             let (decision, status, writes) = self.decide_item(item, now, &working);
@@ -403,8 +403,7 @@ impl<'a> Plan<'a> {
             // Refused: nothing is taken, so a take that alone was granted reports its limit
             // as it stands, as a refused one does (a take of nothing, on the loaded states).
             for (i, item) in self.items.iter().enumerate() {
-                let granted: &Decision = &results[i];
-                if granted.ok {
+                if results[i].ok {
                     let nothing = Item { count: 0.0, reserve: false, ..*item };
                     statuses[i] = self.decide_item(&nothing, now, states).1;
                 }

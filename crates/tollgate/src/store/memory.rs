@@ -911,14 +911,6 @@ impl<C: Clock> Store for MemoryStore<C> {
         answers: &mut [T; N],
         answer: impl Fn(Taken) -> T,
     ) -> Result<(), StoreError> {
-        if N > EACH {
-            let mut taken = [super::UNSET; N];
-            super::each_through_plan(self, takes, &mut taken)?;
-            for (a, t) in answers.iter_mut().zip(taken) {
-                *a = answer(t);
-            }
-            return Ok(());
-        }
         let mut located = [Located { hash: 0, segment: 0 }; N];
         for (at, take) in located.iter_mut().zip(takes) {
             *at = self.locate(&take.slot);
@@ -929,7 +921,7 @@ impl<C: Clock> Store for MemoryStore<C> {
                 located[i].hash != located[j].hash || !takes[i].slot.same_state(&takes[j].slot)
             })
         });
-        if !distinct {
+        if N > EACH || !distinct {
             // Takes of one state add up: the plan's bookkeeping does that.
             let mut taken = [super::UNSET; N];
             super::each_through_plan(self, takes, &mut taken)?;
