@@ -142,14 +142,23 @@ fn advance(shard: &Config, State { value, ts }: State, now: f64, count: f64) -> 
     match shard.kind() {
         // value' = min(value + (now - ts) * rate / period, max) - count; ts' = now
         Kind::TokenBucket => {
-            State { value: (value + (now - ts) * rate / period).min(max) - count, ts: now }
+            State { value: at_most(value + (now - ts) * rate / period, max) - count, ts: now }
         }
         Kind::FixedWindow => {
             // windows = floor((now - ts) / period); value' = min(value + rate * windows, max) - count
             let windows = ((now - ts) / period).floor();
-            State { value: (value + rate * windows).min(max) - count, ts: ts + windows * period }
+            State { value: at_most(value + rate * windows, max) - count, ts: ts + windows * period }
         }
     }
+}
+
+/// `x.min(max)` for a `max` that is not NaN (a capacity): the same value for every `x` (a
+/// NaN `x` gives `max` either way), in one instruction (`minsd` on x86) where `f64::min`,
+/// which must also order a NaN `max`, takes about five: about seven fewer a take in all
+/// (BENCHMARKS.md, "Sixteenth session").
+#[inline(always)]
+fn at_most(x: f64, max: f64) -> f64 {
+    if x < max { x } else { max }
 }
 
 /// Makes a wait exact in floating point: the formula's `wait` is exact in real numbers, but
@@ -391,6 +400,16 @@ mod tests {
     use crate::config::{MINUTE, SECOND};
 
     const T0: f64 = 1_700_000_000_000.0;
+
+    #[test]
+    fn at_most_is_min_for_every_x() {
+        let xs = [f64::NAN, f64::NEG_INFINITY, -1.5, -0.0, 0.0, 2.0, 3.0, 1e300, f64::INFINITY];
+        for max in [0.5, 2.0, 3.0, 1e300, f64::INFINITY] {
+            for x in xs {
+                assert_eq!(at_most(x, max).to_bits(), x.min(max).to_bits(), "{x} at most {max}");
+            }
+        }
+    }
 
     fn run(config: &Config, steps: &[(f64, f64, bool)]) -> Vec<(Decision, State)> {
         let mut state = None;
