@@ -23,7 +23,7 @@ fn main() {
                 _ => 3,
             };
             ns_per_call(n, |_| {
-                let _ = black_box(t.transaction(&transaction_calls()[..k]));
+                black_box(t.transaction(&transaction_calls()[..k]).unwrap().ok);
             })
         }
         // The transaction's three limits as three separate `limit`s (not atomic): the work a
