@@ -242,6 +242,8 @@ trait Answer: Copy {
     type Transaction;
     /// What an array of answers holds before the store has written it.
     const UNSET: Self;
+    /// Whether the answer keeps the take's status.
+    const STATUSES: bool;
     fn of(taken: Taken) -> Self;
     fn decision(&self) -> Decision;
     fn from_taken(taken: TransactionTaken) -> Self::Transaction;
@@ -254,6 +256,7 @@ trait Answer: Copy {
 impl Answer for Decision {
     type Transaction = TransactionDecision;
     const UNSET: Self = Decision { ok: false, retry_after: None };
+    const STATUSES: bool = false;
     #[inline(always)]
     fn of(taken: Taken) -> Self {
         taken.decision
@@ -280,6 +283,7 @@ impl Answer for Taken {
         decision: Decision { ok: false, retry_after: None },
         status: Status { remaining: 0.0, reset_after: 0.0 },
     };
+    const STATUSES: bool = true;
     #[inline(always)]
     fn of(taken: Taken) -> Self {
         taken
@@ -707,7 +711,7 @@ impl<S: Store> RateLimiter<S> {
             *take = OneTake::of_valid_parts(name, r.key, config, r.count, r.reserve, seed, true);
         }
         let mut answers = [A::UNSET; N];
-        if let Err(e) = self.store.execute_each_of(&takes, &mut answers, A::of) {
+        if let Err(e) = self.store.execute_each_of(&takes, &mut answers, A::of, A::STATUSES) {
             return self.transaction_failed(calls, e).map(A::from_taken);
         }
         let mut results = [Decision::ADMIT; 4];

@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, SECOND, Target};
+use tollgate::{
+    Config, Decision, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, SECOND, Target,
+};
 
 const T0: f64 = 1_700_000_000_000.0;
 
@@ -130,6 +132,12 @@ fn transactions_of_every_size_are_all_or_nothing() {
         // calls).
         let taken = l.transaction_with_status(&calls).unwrap();
         assert!(!taken.decision.ok);
+        // Each call's decision as it alone would be decided, with statuses or without (the
+        // store finds no states again for `transaction`, which keeps no statuses).
+        let alone = |i: usize| d.results[i].ok && d.results[i].retry_after.is_none();
+        assert!((0..n - 1).all(alone), "{n} calls: {:?}", d.results);
+        assert_eq!(d.results[n - 1], Decision { ok: false, retry_after: Some(6_000.0) });
+        assert_eq!(d.results, taken.decision.results, "{n} calls");
         let mut expected = vec![10.0; n];
         expected[n - 1] = 0.0;
         assert_eq!(remaining(&taken), expected, "{n} calls");

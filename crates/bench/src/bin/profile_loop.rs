@@ -1,8 +1,8 @@
 //! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
-//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|two|global|runtime_config|tx|tx1|tx2|limit3|governor|govtwo|govtx|keys|govkeys|keybytes]`.
+//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|two|global|runtime_config|tx|tx1|tx2|txrefused|limit3|governor|govtwo|govtx|keys|govkeys|keybytes]`.
 use std::hint::black_box;
 
-use tollgate::{Config, MemoryStore, RateLimiter, SECOND};
+use tollgate::{Config, MemoryStore, RateLimiter, Request, SECOND, Target};
 use tollgate_bench::{
     GovernorThree, Limit, ManyKeys, TEAM, USER, ns_per_call, ns_per_call_on_two_threads,
     three_limits, tollgate, transaction_calls,
@@ -25,6 +25,19 @@ fn main() {
             ns_per_call(n, |_| {
                 black_box(t.transaction(&transaction_calls()[..k]).unwrap().ok);
             })
+        }
+        // The transaction of three refused: its third limit (one token an hour) is spent
+        // after the first call, so every later call is refused, as under overload.
+        Some("txrefused") => {
+            let spent = Config::token_bucket(1.0, tollgate::HOUR).with_capacity(1.0);
+            let mut refused = 0usize;
+            let per = ns_per_call(n, |_| {
+                let [user, team, _] = transaction_calls();
+                let calls = [user, team, Target::Inline("spent", spent).with(Request::new())];
+                refused += usize::from(!t.transaction(&calls).unwrap().ok);
+            });
+            assert!(refused + 1 >= n, "refused {refused} of {n}");
+            per
         }
         // The transaction's three limits as three separate `limit`s (not atomic): the work a
         // transaction of three cannot do without.

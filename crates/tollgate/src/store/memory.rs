@@ -587,6 +587,7 @@ impl<C: Clock> MemoryStore<C> {
         located: &[Located; N],
         answers: &mut [T; N],
         answer: &impl Fn(Taken) -> T,
+        statuses: bool,
     ) -> Result<bool, StoreError> {
         /// No bucket: the take's state is not stored.
         const NONE: usize = usize::MAX;
@@ -626,19 +627,22 @@ impl<C: Clock> MemoryStore<C> {
         if !ok {
             // Refused: nothing is taken, so a take that alone was granted reports its limit
             // as it stands, as a refused one does (a take of nothing). Deciding is pure: the
-            // take decided again on its unchanged state gives its decision again. (Its state
-            // is found again rather than kept from above: keeping it added about 35
-            // instructions to every admitted transaction of three, the common case, to spare
-            // a refused one three lookups.)
-            for i in 0..N {
-                let (take, at) = (&takes[i], located[i]);
-                let table = guards[guard[i]].as_mut().expect("locked");
-                let state = table.find(at, &take.slot, &self.hasher);
-                let (taken, _) = take.decide(now, state);
-                if taken.decision.ok {
-                    let nothing = OneTake { count: 0.0, reserve: false, ..*take };
-                    let status = nothing.decide(now, state).0.status;
-                    answers[i] = answer(Taken { decision: taken.decision, status });
+            // take decided again on its unchanged state gives its decision again, so a caller
+            // that keeps no statuses has its answers already. (Its state is found again
+            // rather than kept from above: keeping it added about 35 instructions to every
+            // admitted transaction of three, the common case, to spare a refused one three
+            // lookups.)
+            if statuses {
+                for i in 0..N {
+                    let (take, at) = (&takes[i], located[i]);
+                    let table = guards[guard[i]].as_mut().expect("locked");
+                    let state = table.find(at, &take.slot, &self.hasher);
+                    let (taken, _) = take.decide(now, state);
+                    if taken.decision.ok {
+                        let nothing = OneTake { count: 0.0, reserve: false, ..*take };
+                        let status = nothing.decide(now, state).0.status;
+                        answers[i] = answer(Taken { decision: taken.decision, status });
+                    }
                 }
             }
             return Ok(true); // nothing to save
@@ -885,7 +889,7 @@ impl<C: Clock> Store for MemoryStore<C> {
         ) -> Result<(), StoreError> {
             let takes = takes.try_into().expect("N takes");
             let answers = (&mut answers[..N]).try_into().expect("N answers");
-            store.execute_each_of::<N, Taken>(takes, answers, |taken| taken)
+            store.execute_each_of::<N, Taken>(takes, answers, |taken| taken, true)
         }
         match takes.len() {
             0 => Ok(()),
@@ -906,6 +910,7 @@ impl<C: Clock> Store for MemoryStore<C> {
         takes: &[OneTake<'_>; N],
         answers: &mut [T; N],
         answer: impl Fn(Taken) -> T,
+        statuses: bool,
     ) -> Result<(), StoreError> {
         let mut located = [Located { hash: 0, segment: 0 }; N];
         for (at, take) in located.iter_mut().zip(takes) {
@@ -927,11 +932,12 @@ impl<C: Clock> Store for MemoryStore<C> {
             return Ok(());
         }
         // `with_room`, its first attempt inline: through its closure, the attempt was a call.
-        if self.execute_each_distinct(takes, &located, answers, &answer)? {
+        if self.execute_each_distinct(takes, &located, answers, &answer, statuses)? {
             return Ok(());
         }
         self.after_sweep(|| {
-            Ok(self.execute_each_distinct(takes, &located, answers, &answer)?.then_some(()))
+            let done = self.execute_each_distinct(takes, &located, answers, &answer, statuses)?;
+            Ok(done.then_some(()))
         })
     }
 

@@ -115,10 +115,13 @@ pub trait Store {
     }
 
     /// [`Store::execute_each`] of exactly `N` takes, the count known to the compiler, keeping
-    /// what `answer` picks of each take's result (as [`Store::execute_one_then`] does). The
-    /// default calls [`Store::execute_each`]; the memory store unrolls its loops over the
-    /// takes and applies `answer` before a result leaves it, so that what the caller drops
-    /// (the statuses, for `transaction`) is never worked out.
+    /// what `answer` picks of each take's result (as [`Store::execute_one_then`] does).
+    /// `statuses` says whether `answer` keeps the statuses; when it does not, a store may
+    /// hand it results whose statuses were not worked out (not to be read). The default calls
+    /// [`Store::execute_each`]; the memory store unrolls its loops over the takes and applies
+    /// `answer` before a result leaves it, so that what the caller drops (the statuses, for
+    /// `transaction`) is never worked out, and a refused transaction does not find its states
+    /// again for statuses that nobody reads.
     ///
     /// # Errors
     ///
@@ -129,10 +132,12 @@ pub trait Store {
         takes: &[OneTake<'_>; N],
         answers: &mut [T; N],
         answer: impl Fn(Taken) -> T,
+        statuses: bool,
     ) -> Result<(), StoreError>
     where
         Self: Sized,
     {
+        let _ = statuses; // every take's status is worked out here
         let mut taken = [UNSET; N];
         self.execute_each(takes, &mut taken)?;
         for (a, t) in answers.iter_mut().zip(taken) {
