@@ -213,6 +213,11 @@ impl Config {
     pub const fn max_reserved(&self) -> Option<f64> {
         if self.max_reserved.is_finite() { Some(self.max_reserved) } else { None }
     }
+    /// [`Self::max_reserved`] with no bound as infinity, for the algebra: more reserved than
+    /// this is one comparison, never true without a bound.
+    pub(crate) const fn reserved_bound(&self) -> f64 {
+        self.max_reserved
+    }
     /// The number of shards.
     pub const fn shards(&self) -> u16 {
         self.shards

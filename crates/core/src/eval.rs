@@ -114,7 +114,7 @@ pub fn evaluate(
 ) -> Evaluation {
     let state = state.unwrap_or_else(|| fresh_state(shard, alignment, now));
     let next = advance(shard, state, now, count);
-    let over_reserved = shard.max_reserved().is_some_and(|max| -next.value > max);
+    let over_reserved = -next.value > shard.reserved_bound();
     let ok = next.value >= 0.0 || (reserve && !over_reserved);
     let retry_after = (next.value < 0.0).then(|| {
         let (rate, period) = (shard.rate(), shard.period());
