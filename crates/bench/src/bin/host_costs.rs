@@ -28,7 +28,7 @@ fn main() {
             .unwrap_or_else(|_| panic!("usage: host_costs [CALLS]: {a:?} is not a whole number")),
     };
     let word = AtomicU64::new(0);
-    let governor_clock = QuantaClock::default();
+    let quanta = QuantaClock::default();
     println!("ns per operation, {calls} calls each, three rounds");
     println!("round  tollgate clock  wall clock  governor clock  compare-and-swap  swap + store");
     for round in 1..=3 {
@@ -39,7 +39,7 @@ fn main() {
             black_box(SystemClock::wall());
         });
         let governor_clock = ns_per_call(calls, |_| {
-            black_box(governor_clock.now());
+            black_box(quanta.now());
         });
         let cas = ns_per_call(calls, |_| {
             let v = word.load(Ordering::Relaxed);
