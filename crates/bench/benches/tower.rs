@@ -27,7 +27,10 @@ fn ready<F: Future>(future: F) -> F::Output {
 }
 
 fn handler()
--> impl Service<Request<String>, Response = Response<String>, Error = Infallible> + Clone {
+-> impl Service<Request<String>, Response = Response<String>, Error = Infallible, Future: Send>
++ Clone
++ Send
++ 'static {
     tower::service_fn(|_: Request<String>| async {
         Ok::<_, Infallible>(Response::new(String::new()))
     })

@@ -226,6 +226,47 @@ pub fn throughput(threads: usize, duration: Duration, op: impl Fn(usize, usize) 
     total as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Runs `op(task, iteration)` on `tasks` concurrent tasks of `runtime` for `duration`, each
+/// awaiting one operation after another; returns operations per second over all tasks. For
+/// load against a server through an async client: `tasks` requests in flight.
+pub fn async_throughput<F, Fut>(
+    runtime: &tokio::runtime::Runtime,
+    tasks: usize,
+    duration: Duration,
+    op: F,
+) -> f64
+where
+    F: Fn(usize, usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let op = std::sync::Arc::new(op);
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let total: usize = runtime.block_on(async {
+        let workers: Vec<_> = (0..tasks)
+            .map(|t| {
+                let (op, stop) = (std::sync::Arc::clone(&op), std::sync::Arc::clone(&stop));
+                tokio::spawn(async move {
+                    let mut n = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        op(t, n).await;
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        tokio::time::sleep(duration).await;
+        stop.store(true, Ordering::Relaxed);
+        let mut total = 0;
+        for worker in workers {
+            total += worker.await.unwrap();
+        }
+        total
+    });
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
 /// Runs `op` on two threads at once, `iters` times in all; the time per op is wall time over
 /// all ops, so it falls if the threads truly run in parallel.
 pub fn two_threads(iters: u64, op: &(dyn Fn() + Sync)) -> Duration {

@@ -39,11 +39,19 @@ pub struct Slot<'a> {
     pub alignment: f64,
 }
 
-impl Slot<'_> {
+impl<'a> Slot<'a> {
     /// Whether two slots name the same stored state.
     #[inline]
     pub fn same_state(&self, other: &Slot<'_>) -> bool {
         self.shard == other.shard && self.key == other.key && self.name == other.name
+    }
+
+    /// The same slot with its name and key taken from `text`, which is given the name, then
+    /// the key if there is one: for a store that hands a request to another thread with
+    /// copies of its strings (see [`Plan::with_text`]).
+    pub fn with_text<'b>(&self, mut text: impl FnMut(&'a str) -> &'b str) -> Slot<'b> {
+        let name = text(self.name);
+        Slot { name, key: self.key.map(text), ..*self }
     }
 }
 
@@ -147,6 +155,11 @@ impl<'a> OneTake<'a> {
         let e = evaluate(&s.config, state, s.alignment, now, self.count, self.reserve);
         let taken = Taken { decision: e.decision, status: e.status(&s.config, self.count, now) };
         (taken, (e.decision.ok && self.writes).then_some(e.state))
+    }
+
+    /// The same take with its name and key taken from `text` (see [`Slot::with_text`]).
+    pub fn with_text<'b>(&self, text: impl FnMut(&'a str) -> &'b str) -> OneTake<'b> {
+        OneTake { slot: self.slot.with_text(text), ..*self }
     }
 
     /// The same request as a [`Plan`], for stores that serve everything through plans.
@@ -283,6 +296,34 @@ impl<'a> Plan<'a> {
             });
         }
         plan
+    }
+
+    /// The same plan with its names and keys taken from `text`, which is given them slot by
+    /// slot in [`Plan::slots`] order, each slot's name before its key (see
+    /// [`Slot::with_text`]). A store that hands a plan to another thread sends a copy made
+    /// with placeholders and the strings it collected, and puts them back in the same order.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate_core::{Config, Plan, Take, MINUTE};
+    ///
+    /// let mut plan = Plan::new(true);
+    /// let take = Take { name: "send", key: Some("alice"), config: Config::token_bucket(10.0, MINUTE), count: 1.0, reserve: false };
+    /// plan.push(&take, 0, 0).unwrap();
+    /// let mut strings: Vec<String> = Vec::new();
+    /// let shape: Plan<'static> = plan.with_text(|s| { strings.push(s.to_owned()); "" });
+    /// // ... on another thread:
+    /// let mut next = strings.iter();
+    /// let again = shape.with_text(|_| next.next().unwrap().as_str());
+    /// assert_eq!((again.slots()[0].name, again.slots()[0].key), ("send", Some("alice")));
+    /// ```
+    pub fn with_text<'b>(&self, mut text: impl FnMut(&'a str) -> &'b str) -> Plan<'b> {
+        Plan {
+            writes: self.writes,
+            items: self.items.clone(),
+            slots: self.slots.iter().map(|slot| slot.with_text(&mut text)).collect(),
+        }
     }
 
     /// Whether deciding this plan may change states.

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use axum::http::{HeaderName, StatusCode};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
+use tollgate::store::DynAsyncStore;
 use tollgate::tower::fields;
-use tollgate::{Call, Config, Error, RateLimiter, RawConfig, Request, Status, Store, Target};
+use tollgate::{Call, Config, Error, RateLimiter, RawConfig, Request, Status, Target};
 
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -182,8 +183,8 @@ struct ValueBody {
     config: Option<RawConfig>,
 }
 
-/// The store every server runs on, picked at run time from a URL.
-pub type DynStore = Arc<dyn Store + Send + Sync>;
+/// The store every server runs on, picked at run time from a URL; every call is awaited.
+pub type DynStore = Arc<dyn DynAsyncStore>;
 
 /// Runs the operations of the API over a limiter.
 pub struct Engine {
@@ -210,7 +211,7 @@ impl Engine {
 
     /// Answers `op` with the JSON `body`. Nothing is consumed by a request answered with an
     /// error.
-    pub fn run(&self, op: Op, body: &[u8]) -> Answer {
+    pub async fn run(&self, op: Op, body: &[u8]) -> Answer {
         if body.len() > MAX_BODY {
             return Answer::error(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -218,18 +219,33 @@ impl Engine {
             );
         }
         let result = match op {
-            Op::Limit => parse(body).and_then(|b| self.single(b, true)),
-            Op::Check => parse(body).and_then(|b| self.single(b, false)),
-            Op::Transaction => parse(body).and_then(|b| self.transaction(b)),
-            Op::Reset => parse(body).and_then(|b| self.reset(b)),
-            Op::Value => parse(body).and_then(|b| self.value(b)),
+            Op::Limit => match parse(body) {
+                Ok(b) => self.single(b, true).await,
+                Err(answer) => Err(answer),
+            },
+            Op::Check => match parse(body) {
+                Ok(b) => self.single(b, false).await,
+                Err(answer) => Err(answer),
+            },
+            Op::Transaction => match parse(body) {
+                Ok(b) => self.transaction(b).await,
+                Err(answer) => Err(answer),
+            },
+            Op::Reset => match parse(body) {
+                Ok(b) => self.reset(b).await,
+                Err(answer) => Err(answer),
+            },
+            Op::Value => match parse(body) {
+                Ok(b) => self.value(b).await,
+                Err(answer) => Err(answer),
+            },
         };
         result.unwrap_or_else(|answer| answer)
     }
 
     /// `GET /v1/time`: the store's clock.
-    pub fn time(&self) -> Answer {
-        match self.limiter.store().read(&[]) {
+    pub async fn time(&self) -> Answer {
+        match self.limiter.store().read_boxed(&[]).await {
             Ok((now, _)) => Answer::ok(json!({ "now": number(now) })),
             Err(err) => Answer::error(StatusCode::SERVICE_UNAVAILABLE, err.to_string()),
         }
@@ -274,13 +290,13 @@ impl Engine {
         request
     }
 
-    fn single(&self, body: LimitBody<'_>, writes: bool) -> Result<Answer, Answer> {
+    async fn single(&self, body: LimitBody<'_>, writes: bool) -> Result<Answer, Answer> {
         let target = self.target(&body.name, body.config.as_ref())?;
         let request = Self::request(&body);
         let taken = if writes {
-            self.limiter.limit_with_status(target, request)
+            self.limiter.limit_with_status_async(target, request).await
         } else {
-            self.limiter.check_with_status(target, request)
+            self.limiter.check_with_status_async(target, request).await
         };
         let taken = taken.map_err(|e| self.error(e))?;
         let (ok, retry_after) = (taken.decision.ok, taken.decision.retry_after);
@@ -304,7 +320,7 @@ impl Engine {
         Ok(answer)
     }
 
-    fn transaction(&self, body: TransactionBody<'_>) -> Result<Answer, Answer> {
+    async fn transaction(&self, body: TransactionBody<'_>) -> Result<Answer, Answer> {
         if body.limits.is_empty() {
             return Err(Answer::error(
                 StatusCode::BAD_REQUEST,
@@ -318,7 +334,8 @@ impl Engine {
             .collect::<Result<Vec<_>, Answer>>()?;
         let calls: Vec<Call<'_>> =
             body.limits.iter().zip(&targets).map(|(l, (_, t))| t.with(Self::request(l))).collect();
-        let taken = self.limiter.transaction_with_status(&calls).map_err(|e| self.error(e))?;
+        let taken =
+            self.limiter.transaction_with_status_async(&calls).await.map_err(|e| self.error(e))?;
         let t = &taken.decision;
         let mut answer = if !t.ok && body.limits.iter().any(|l| l.throws) {
             let i = tollgate::core::longest_refusal(&t.results).unwrap_or(0);
@@ -334,13 +351,13 @@ impl Engine {
         Ok(answer)
     }
 
-    fn reset(&self, body: ResetBody) -> Result<Answer, Answer> {
+    async fn reset(&self, body: ResetBody) -> Result<Answer, Answer> {
         let target = self.target(&body.name, body.config.as_ref())?;
-        self.limiter.reset(target, body.key.as_deref()).map_err(|e| self.error(e))?;
+        self.limiter.reset_async(target, body.key.as_deref()).await.map_err(|e| self.error(e))?;
         Ok(Answer::ok(json!({})))
     }
 
-    fn value(&self, body: ValueBody) -> Result<Answer, Answer> {
+    async fn value(&self, body: ValueBody) -> Result<Answer, Answer> {
         let target = self.target(&body.name, body.config.as_ref())?;
         let sample = match body.sample_shards {
             None => 1,
@@ -354,7 +371,8 @@ impl Engine {
         };
         let reading = self
             .limiter
-            .value_sampled(target, body.key.as_deref(), sample)
+            .value_sampled_async(target, body.key.as_deref(), sample)
+            .await
             .map_err(|e| self.error(e))?;
         Ok(Answer::ok(json!({
             "value": number(reading.value),

@@ -23,8 +23,6 @@ pub struct App {
     pub tokens: Vec<String>,
     /// Counters for `/metrics`.
     pub metrics: Metrics,
-    /// Whether the store blocks on I/O, so its calls run off the async threads.
-    pub blocking: bool,
 }
 
 /// The one place where answers (including errors) become HTTP responses.
@@ -51,7 +49,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/transaction", post(|s, b| operation(s, Op::Transaction, b)))
         .route("/v1/reset", post(|s, b| operation(s, Op::Reset, b)))
         .route("/v1/value", post(|s, b| operation(s, Op::Value, b)))
-        .route("/v1/time", get(|State(app): State<Arc<App>>| async move { app.engine.time() }))
+        .route(
+            "/v1/time",
+            get(|State(app): State<Arc<App>>| async move { app.engine.time().await }),
+        )
         .route("/v1/config", get(|State(app): State<Arc<App>>| async move { app.engine.config() }));
     // Without tokens there is nothing to check: no middleware on the hot path at all.
     let api = if app.tokens.is_empty() {
@@ -87,13 +88,7 @@ async fn operation(
             format!("request body is over {MAX_BODY} bytes"),
         ),
         Err(rejection) => Answer::error(rejection.status(), rejection.body_text()),
-        Ok(body) if app.blocking => {
-            let engine = Arc::clone(&app.engine);
-            tokio::task::spawn_blocking(move || engine.run(op, &body)).await.unwrap_or_else(|e| {
-                Answer::error(StatusCode::INTERNAL_SERVER_ERROR, format!("request failed: {e}"))
-            })
-        }
-        Ok(body) => app.engine.run(op, &body),
+        Ok(body) => app.engine.run(op, &body).await,
     };
     app.metrics.record(op.name(), answer.outcome, start.elapsed());
     if answer.status.is_server_error() {
@@ -128,15 +123,16 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// How long `/healthz` waits for the store before it says the store does not answer.
+const HEALTH_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
 async fn healthz(State(app): State<Arc<App>>) -> Response {
-    let engine = Arc::clone(&app.engine);
-    let probe = move || engine.limiter().store().read(&[]).map(|_| ());
-    let result = if app.blocking {
-        tokio::task::spawn_blocking(probe)
-            .await
-            .unwrap_or_else(|e| Err(tollgate::StoreError::new(e.to_string())))
-    } else {
-        probe()
+    let probe = app.engine.limiter().store().read_boxed(&[]);
+    let result = match tokio::time::timeout(HEALTH_DEADLINE, probe).await {
+        Ok(read) => read.map(drop),
+        Err(_) => Err(tollgate::StoreError::new(format!(
+            "the store did not answer within {HEALTH_DEADLINE:?}"
+        ))),
     };
     match result {
         Ok(()) => {

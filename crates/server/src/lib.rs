@@ -61,7 +61,9 @@ struct ServeArgs {
     /// The address to listen on (default 127.0.0.1:8787).
     #[arg(long)]
     listen: Option<String>,
-    /// The store: memory or sqlite://PATH (default sqlite://tollgate.db).
+    /// The store: memory, sqlite://PATH[?synchronous=full], redis://HOST:PORT[/DB],
+    /// redis+cluster://HOST:PORT,HOST:PORT or postgres://USER@HOST/DB (default
+    /// sqlite://tollgate.db).
     #[arg(long)]
     store: Option<String>,
     /// Listen on a non-loopback address without tokens, knowing anyone who can reach it can
@@ -139,10 +141,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
 /// # Errors
 ///
 /// The store cannot be opened.
-pub fn app(
+pub async fn app(
     settings: &Settings,
 ) -> anyhow::Result<(Arc<http::App>, Option<Arc<tollgate::store::SqliteStore>>)> {
-    let opened = store::open(&settings.store)?;
+    let opened = store::open(&settings.store).await?;
     let mut builder = RateLimiter::builder(opened.store);
     for (name, config) in &settings.limits {
         builder = builder.define(name.as_str(), *config);
@@ -155,13 +157,12 @@ pub fn app(
         engine: Arc::new(engine),
         tokens: settings.tokens.clone(),
         metrics: metrics::Metrics::default(),
-        blocking: opened.blocking,
     };
     Ok((Arc::new(app), opened.sqlite))
 }
 
 async fn serve_async(settings: Settings) -> anyhow::Result<()> {
-    let (app, sqlite) = app(&settings)?;
+    let (app, sqlite) = app(&settings).await?;
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen))?;

@@ -13,6 +13,8 @@ use crate::engine::{Answer, DynStore, Engine, Op};
 pub struct Simulation {
     engine: Engine,
     clock: ManualClock,
+    /// Runs the engine's calls (on the memory store, each answers at once).
+    runtime: tokio::runtime::Runtime,
 }
 
 impl Simulation {
@@ -24,7 +26,10 @@ impl Simulation {
         for (name, config) in limits {
             builder = builder.define(name.as_str(), *config);
         }
-        Simulation { engine: Engine::new(builder.build(), true), clock }
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime of one thread for the simulation");
+        Simulation { engine: Engine::new(builder.build(), true), clock, runtime }
     }
 
     /// Answers one input line with one output line (without the newline).
@@ -70,7 +75,7 @@ impl Simulation {
         };
         self.clock.set(at);
         let body = serde_json::to_vec(&input).unwrap_or_default();
-        with_status(self.engine.run(op, &body))
+        with_status(self.runtime.block_on(self.engine.run(op, &body)))
     }
 
     /// Reads lines from `input` until it ends, writing one answer line per line to `output`.

@@ -10,10 +10,8 @@ use crate::engine::DynStore;
 
 /// A store opened from a URL, with what the server needs to know about it.
 pub struct Opened {
-    /// The store.
+    /// The store; every call is awaited, none blocks a runtime thread.
     pub store: DynStore,
-    /// Whether its calls block on I/O (run them off the async threads).
-    pub blocking: bool,
     /// The SQLite store, to sweep full states now and then.
     pub sqlite: Option<Arc<SqliteStore>>,
 }
@@ -25,9 +23,9 @@ pub struct Opened {
 /// # Errors
 ///
 /// An unknown scheme, a bad URL, or a file that cannot be opened.
-pub fn open(url: &str) -> anyhow::Result<Opened> {
+pub async fn open(url: &str) -> anyhow::Result<Opened> {
     if url == "memory" || url == "memory://" {
-        return Ok(Opened { store: Arc::new(MemoryStore::new()), blocking: false, sqlite: None });
+        return Ok(Opened { store: Arc::new(MemoryStore::new()), sqlite: None });
     }
     if let Some(rest) = url.strip_prefix("sqlite://") {
         let (path, synchronous) = sqlite_options(rest).with_context(|| format!("store {url:?}"))?;
@@ -37,22 +35,18 @@ pub fn open(url: &str) -> anyhow::Result<Opened> {
                 .open(path)
                 .with_context(|| format!("store {url:?}"))?,
         );
-        return Ok(Opened {
-            store: Arc::clone(&sqlite) as DynStore,
-            blocking: true,
-            sqlite: Some(sqlite),
-        });
+        return Ok(Opened { store: Arc::clone(&sqlite) as DynStore, sqlite: Some(sqlite) });
     }
     if url.starts_with("redis://")
         || url.starts_with("rediss://")
         || url.starts_with("redis+cluster://")
     {
         let redis = RedisStore::open(url).with_context(|| format!("store {url:?}"))?;
-        return Ok(Opened { store: Arc::new(redis), blocking: true, sqlite: None });
+        return Ok(Opened { store: Arc::new(redis), sqlite: None });
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let pg = PgStore::open(url).with_context(|| format!("store {url:?}"))?;
-        return Ok(Opened { store: Arc::new(pg), blocking: true, sqlite: None });
+        let pg = PgStore::open(url).await.with_context(|| format!("store {url:?}"))?;
+        return Ok(Opened { store: Arc::new(pg), sqlite: None });
     }
     bail!(
         "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \

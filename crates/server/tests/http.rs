@@ -24,7 +24,6 @@ fn app_with(store: DynStore, tokens: &[&str], allow_inline: bool) -> axum::Route
         engine: Arc::new(Engine::new(limiter, allow_inline)),
         tokens: tokens.iter().map(|t| t.to_string()).collect(),
         metrics: Metrics::default(),
-        blocking: false,
     }))
 }
 
@@ -386,7 +385,7 @@ async fn a_limit_can_fail_open() {
     .unwrap();
     let settings = file.settings(&Overrides::default(), true).unwrap();
     assert_eq!(settings.fail_open, vec!["search".to_string()]);
-    let (state, _) = tollgate_server::app(&settings).unwrap();
+    let (state, _) = tollgate_server::app(&settings).await.unwrap();
     let app = router(state);
     let r = post(&app, "/v1/limit", r#"{"name":"search","key":"alice"}"#).await;
     assert_eq!((r.status, r.body), (StatusCode::OK, json!({ "ok": true })));

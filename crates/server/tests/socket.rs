@@ -23,8 +23,8 @@ fn settings(store: String) -> Settings {
 
 /// Serves `settings` in this process on a free loopback port.
 fn serve_in_process(settings: &Settings) -> SocketAddr {
-    let (app, _) = tollgate_server::app(settings).unwrap();
     let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (app, _) = runtime.block_on(tollgate_server::app(settings)).unwrap();
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
     let addr = listener.local_addr().unwrap();
     let router = tollgate_server::http::router(app);

@@ -36,26 +36,49 @@ pub enum Error {
 }
 
 /// A store could not load or save states.
+///
+/// Nothing was admitted. Usually nothing was taken either; the exception is a request that
+/// reached the store and whose answer never came back (a reply that timed out, a connection
+/// lost mid-request): it may have run there, and [`StoreError::may_have_taken`] says so, as
+/// does the message. A client that retries such a request may pay twice.
 #[derive(Debug, thiserror::Error)]
 #[error("rate limit store: {message}")]
 pub struct StoreError {
     message: String,
     #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    may_have_taken: bool,
 }
 
 impl StoreError {
-    /// A store error with a message a user can act on.
+    /// A store error with a message a user can act on; nothing was taken.
     pub fn new(message: impl Into<String>) -> Self {
-        StoreError { message: message.into(), source: None }
+        StoreError { message: message.into(), source: None, may_have_taken: false }
     }
 
-    /// A store error caused by `source`.
+    /// A store error caused by `source`; nothing was taken.
     pub fn with_source(
         message: impl Into<String>,
         source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
     ) -> Self {
-        StoreError { message: message.into(), source: Some(source.into()) }
+        StoreError { message: message.into(), source: Some(source.into()), may_have_taken: false }
+    }
+
+    /// The same error for a request that reached the store and may have run there (its
+    /// answer never came back): the message says that tokens may have been taken.
+    #[must_use]
+    pub fn sent(mut self) -> Self {
+        if !self.may_have_taken {
+            self.may_have_taken = true;
+            self.message.push_str(" (the request was sent, so it may have taken its tokens)");
+        }
+        self
+    }
+
+    /// Whether the request may have been applied by the store although no answer came back.
+    /// `false`: the store never saw it, or refused it whole, and nothing was taken.
+    pub fn may_have_taken(&self) -> bool {
+        self.may_have_taken
     }
 
     /// The message, without the source.

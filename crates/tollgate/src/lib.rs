@@ -57,7 +57,7 @@ pub use limiter::{
     Call, Limits, RateLimiter, RateLimiterBuilder, Request, Target, TransactionDecision,
     TransactionTaken, jitter,
 };
-pub use store::{MemoryStore, MemoryStoreBuilder, Store};
+pub use store::{AsyncStore, MemoryStore, MemoryStoreBuilder, Store};
 pub use tollgate_core::{
     Clock, Config, ConfigError, DAY, Decision, HOUR, Kind, MINUTE, ManualClock, RawConfig, Reading,
     SECOND, State, Status, SystemClock, Taken,

@@ -8,12 +8,12 @@ use foldhash::fast::RandomState;
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 use tollgate_core::{
-    Config, Decision, Inline, OneTake, Plan, Reading, Sample, Slot, Status, Take, Taken, alignment,
-    read, splitmix64, unit_interval,
+    Config, Decision, Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Status, Take, Taken,
+    alignment, read, splitmix64, unit_interval,
 };
 
 use crate::Error;
-use crate::store::{MemoryStore, Store};
+use crate::store::{AsyncStore, MemoryStore, Store};
 
 /// A set of limits declared once, in a type of your own, so that a misspelled name does not
 /// compile.
@@ -355,7 +355,7 @@ pub struct RateLimiterBuilder<S> {
     fail_open: Vec<Box<str>>,
 }
 
-impl<S: Store> RateLimiterBuilder<S> {
+impl<S> RateLimiterBuilder<S> {
     /// Defines a named limit, to be used by name ([`Target::Named`]).
     #[must_use]
     pub fn define(mut self, name: impl Into<Box<str>>, config: Config) -> Self {
@@ -420,7 +420,7 @@ impl<S: Store> RateLimiterBuilder<S> {
     }
 }
 
-impl<S: Store> RateLimiter<S> {
+impl<S> RateLimiter<S> {
     /// A limiter over `store` with no names defined (use typed [`Limits`] or inline configs).
     pub fn new(store: S) -> Self {
         Self::builder(store).build()
@@ -439,7 +439,7 @@ impl<S: Store> RateLimiter<S> {
     /// The same limiter (its defined names and seed) over another store: for example the
     /// caller's own database transaction, so that the tokens are spent or given back with
     /// it. Cheap: the definitions are shared, not copied.
-    pub fn on<T: Store>(&self, store: T) -> RateLimiter<T> {
+    pub fn on<T>(&self, store: T) -> RateLimiter<T> {
         RateLimiter { store, setup: Arc::clone(&self.setup) }
     }
 
@@ -469,7 +469,13 @@ impl<S: Store> RateLimiter<S> {
     pub fn defined(&self) -> impl Iterator<Item = (&str, &Config)> {
         self.setup.defined.iter().map(|(name, config)| (&**name, config))
     }
+}
 
+/// The synchronous API: for the in-process memory store, SQLite, and a caller's own SQL
+/// transaction. Each call returns when the store has answered; on the memory store that is
+/// at once, on SQLite after its transaction has committed (on the calling thread: in an
+/// async program use the `*_async` calls, which never block a runtime thread).
+impl<S: Store> RateLimiter<S> {
     /// Takes tokens: `ok` and, when refused or reserved, how long to wait.
     ///
     /// # Errors
@@ -482,7 +488,7 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
-        self.single(true, target.into(), request.into(), |t| t.decision)
+        self.single(&self.store, true, target.into(), request.into(), |t| t.decision)
     }
 
     /// Like [`RateLimiter::limit`], but never takes anything: would it be granted now?
@@ -495,7 +501,7 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
-        self.single(false, target.into(), request.into(), |t| t.decision)
+        self.single(&self.store, false, target.into(), request.into(), |t| t.decision)
     }
 
     /// Like [`RateLimiter::limit`], with what the limit has left afterwards (for the IETF
@@ -522,7 +528,7 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Taken, Error> {
-        self.single(true, target.into(), request.into(), |t| t)
+        self.single(&self.store, true, target.into(), request.into(), |t| t)
     }
 
     /// Like [`RateLimiter::check`], with what the limit has left.
@@ -535,76 +541,7 @@ impl<S: Store> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Taken, Error> {
-        self.single(false, target.into(), request.into(), |t| t)
-    }
-
-    /// [`RateLimiter::limit_with_status`] of a [`Call`], for the tower layer.
-    #[cfg(feature = "tower")]
-    pub(crate) fn limit_call_with_status(&self, call: &Call<'_>) -> Result<Taken, Error> {
-        self.single(true, call.target, call.request, |t| t)
-    }
-
-    /// One take: the common request. Inlined into `limit` and its kin so that, for a typed
-    /// limit, the config is a constant and the decision never goes through memory (returning
-    /// it through a call costs more than deciding it); what is rare lives out of line.
-    ///
-    /// `answer` picks what the caller returns, so that `limit` never builds the status.
-    #[inline(always)]
-    fn single<T>(
-        &self,
-        writes: bool,
-        target: Target<'_>,
-        request: Request<'_>,
-        answer: impl Fn(Taken) -> T,
-    ) -> Result<T, Error> {
-        let config = *self.resolve(&target)?;
-        let name = target.name();
-        let take = request.take(name, config);
-        if config.shards() != 1 {
-            return self.sharded(writes, &take, request.throws).map(&answer);
-        }
-        OneTake::check(&take)?;
-        let one = OneTake::of_valid(&take, self.setup.seed, writes);
-        let throws = request.throws;
-        // A refusal that throws keeps its decision; everything else is answered in the store.
-        let kept = self.store.execute_one_then(&one, |taken: Taken| {
-            if taken.decision.ok || !throws { Ok(answer(taken)) } else { Err(taken.decision) }
-        });
-        match kept {
-            Ok(Ok(answer)) => Ok(answer),
-            Ok(Err(decision)) => Err(refused(name, decision)),
-            Err(e) => self.store_failed(e, name, config).map(&answer),
-        }
-    }
-
-    /// One take from a sharded limit, through a [`Plan`].
-    #[inline(never)]
-    fn sharded(&self, writes: bool, take: &Take<'_>, throws: bool) -> Result<Taken, Error> {
-        let mut plan = Plan::new(writes);
-        plan.push(take, self.setup.seed, self.draw())?;
-        match self.store.execute(&plan) {
-            Ok(outcome) if outcome.ok || !throws => {
-                Ok(Taken { decision: outcome.decision(), status: outcome.statuses[0] })
-            }
-            Ok(outcome) => Err(refused(take.name, outcome.decision())),
-            Err(e) => self.store_failed(e, take.name, take.config),
-        }
-    }
-
-    /// A store error for one take: admitted if its limit fails open, else the error.
-    #[cold]
-    #[inline(never)]
-    fn store_failed(
-        &self,
-        e: crate::StoreError,
-        name: &str,
-        config: Config,
-    ) -> Result<Taken, Error> {
-        if self.fails_open(std::iter::once(name)) {
-            let status = Status { remaining: config.capacity(), reset_after: 0.0 };
-            return Ok(Taken { decision: Decision::ADMIT, status });
-        }
-        Err(e.into())
+        self.single(&self.store, false, target.into(), request.into(), |t| t)
     }
 
     /// Takes tokens from several limits at once, all or nothing: if any is refused (or
@@ -632,7 +569,7 @@ impl<S: Store> RateLimiter<S> {
     /// assert_eq!(t.retry_after, Some(20_000.0)); // the global limit booked one token ahead
     /// ```
     pub fn transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error> {
-        self.transaction_answering::<Decision>(calls)
+        self.transaction_answering::<S, Decision>(&self.store, calls)
     }
 
     /// Like [`RateLimiter::transaction`], with what each limit has left afterwards (for the
@@ -657,31 +594,387 @@ impl<S: Store> RateLimiter<S> {
     /// assert_eq!(t.statuses[1].remaining, 99.0);
     /// ```
     pub fn transaction_with_status(&self, calls: &[Call<'_>]) -> Result<TransactionTaken, Error> {
-        self.transaction_answering::<Taken>(calls)
+        self.transaction_answering::<S, Taken>(&self.store, calls)
+    }
+
+    /// Forgets the state of (name, key) in every shard: the next request starts fresh.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`] for an unknown name; [`Error::Store`] if the store fails.
+    pub fn reset<'a>(&self, target: impl Into<Target<'a>>, key: Option<&str>) -> Result<(), Error> {
+        let (name, shards) = self.to_reset(target.into(), key)?;
+        Ok(self.store.delete(name, key, shards)?)
+    }
+
+    /// The value of (name, key): one shard's stored state, or for a sharded limit the total
+    /// estimated from one sampled shard. See [`RateLimiter::value_sampled`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`] for an unknown name; [`Error::Store`] if the store fails.
+    pub fn value<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        key: Option<&str>,
+    ) -> Result<Reading, Error> {
+        self.value_sampled(target, key, 1)
+    }
+
+    /// The value of (name, key) (SPEC §4, `value`).
+    ///
+    /// For an unsharded limit: its stored state (`capacity` at ts 0 if none) and its config
+    /// with every default filled in (a fixed window's `start` set to its alignment), so a
+    /// client can run [`tollgate_core::evaluate`] itself. For a sharded limit: the total
+    /// estimated from `sample_shards` sampled shards brought to the current time, and the
+    /// fullest sampled shard.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`] for an unknown name; [`Error::Store`] if the store fails.
+    pub fn value_sampled<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        key: Option<&str>,
+        sample_shards: u16,
+    ) -> Result<Reading, Error> {
+        let (config, slots) = self.to_read(target.into(), key, sample_shards)?;
+        let (now, states) = self.store.read(&slots)?;
+        Ok(reading(&config, &slots, now, states))
+    }
+}
+
+/// The async API: for every store, and the one to use in an async program. On a store that
+/// waits on I/O (Redis, PostgreSQL, SQLite) each call awaits it and never blocks the thread
+/// that polls it; on the memory store each answers as its sync twin does, at once.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate::{Config, MemoryStore, RateLimiter, Request, MINUTE};
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let limiter = RateLimiter::new(MemoryStore::new()); // or RedisStore, PgStore, SqliteStore
+/// let send = ("send", Config::token_bucket(10.0, MINUTE).with_capacity(3.0));
+/// for _ in 0..3 {
+///     assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
+/// }
+/// let refused = limiter.limit_async(send, "alice").await.unwrap();
+/// assert!(!refused.ok && refused.retry_after.is_some());
+/// # });
+/// ```
+impl<S: AsyncStore> RateLimiter<S> {
+    /// [`RateLimiter::limit`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit`]. A store whose reply timed out may have taken the
+    /// tokens: its [`Error::Store`] says so (see [`crate::StoreError::may_have_taken`]).
+    pub async fn limit_async<'n, 'k>(
+        &self,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
+    ) -> Result<Decision, Error> {
+        let (target, request) = (target.into(), request.into());
+        if let Some(now) = self.store.immediate() {
+            return self.single(now, true, target, request, |t| t.decision);
+        }
+        self.single_async(true, target, request, |t| t.decision).await
+    }
+
+    /// [`RateLimiter::check`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit`].
+    pub async fn check_async<'n, 'k>(
+        &self,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
+    ) -> Result<Decision, Error> {
+        let (target, request) = (target.into(), request.into());
+        if let Some(now) = self.store.immediate() {
+            return self.single(now, false, target, request, |t| t.decision);
+        }
+        self.single_async(false, target, request, |t| t.decision).await
+    }
+
+    /// [`RateLimiter::limit_with_status`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit_async`].
+    pub async fn limit_with_status_async<'n, 'k>(
+        &self,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
+    ) -> Result<Taken, Error> {
+        let (target, request) = (target.into(), request.into());
+        if let Some(now) = self.store.immediate() {
+            return self.single(now, true, target, request, |t| t);
+        }
+        self.single_async(true, target, request, |t| t).await
+    }
+
+    /// [`RateLimiter::check_with_status`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::limit_async`].
+    pub async fn check_with_status_async<'n, 'k>(
+        &self,
+        target: impl Into<Target<'n>>,
+        request: impl Into<Request<'k>>,
+    ) -> Result<Taken, Error> {
+        let (target, request) = (target.into(), request.into());
+        if let Some(now) = self.store.immediate() {
+            return self.single(now, false, target, request, |t| t);
+        }
+        self.single_async(false, target, request, |t| t).await
+    }
+
+    /// [`RateLimiter::transaction`], awaited: several limits, all or nothing.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::transaction`].
+    pub async fn transaction_async(
+        &self,
+        calls: &[Call<'_>],
+    ) -> Result<TransactionDecision, Error> {
+        if let Some(now) = self.store.immediate() {
+            return self.transaction_answering::<_, Decision>(now, calls);
+        }
+        self.planned_transaction_async(calls).await.map(|t| t.decision)
+    }
+
+    /// [`RateLimiter::transaction_with_status`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::transaction`].
+    pub async fn transaction_with_status_async(
+        &self,
+        calls: &[Call<'_>],
+    ) -> Result<TransactionTaken, Error> {
+        if let Some(now) = self.store.immediate() {
+            return self.transaction_answering::<_, Taken>(now, calls);
+        }
+        self.planned_transaction_async(calls).await
+    }
+
+    /// [`RateLimiter::reset`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::reset`].
+    pub async fn reset_async<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        key: Option<&str>,
+    ) -> Result<(), Error> {
+        let (name, shards) = self.to_reset(target.into(), key)?;
+        Ok(self.store.delete_async(name, key, shards).await?)
+    }
+
+    /// [`RateLimiter::value`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::value`].
+    pub async fn value_async<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        key: Option<&str>,
+    ) -> Result<Reading, Error> {
+        self.value_sampled_async(target, key, 1).await
+    }
+
+    /// [`RateLimiter::value_sampled`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::value`].
+    pub async fn value_sampled_async<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        key: Option<&str>,
+        sample_shards: u16,
+    ) -> Result<Reading, Error> {
+        let (config, slots) = self.to_read(target.into(), key, sample_shards)?;
+        let (now, states) = self.store.read_async(&slots).await?;
+        Ok(reading(&config, &slots, now, states))
+    }
+
+    /// One take through the store's async calls: the one-take request, or a sharded one
+    /// through a [`Plan`].
+    async fn single_async<T>(
+        &self,
+        writes: bool,
+        target: Target<'_>,
+        request: Request<'_>,
+        answer: impl Fn(Taken) -> T,
+    ) -> Result<T, Error> {
+        let config = *self.resolve(&target)?;
+        let name = target.name();
+        let take = request.take(name, config);
+        if config.shards() != 1 {
+            let plan = self.sharded_plan(writes, &take)?;
+            let outcome = self.store.execute_async(&plan).await;
+            return self.sharded_answer(outcome, &take, request.throws).map(answer);
+        }
+        let one = OneTake::new(&take, self.setup.seed, writes)?;
+        match self.store.execute_one_async(&one).await {
+            Ok(taken) if taken.decision.ok || !request.throws => Ok(answer(taken)),
+            Ok(taken) => Err(refused(name, taken.decision)),
+            Err(e) => self.store_failed(e, name, config).map(answer),
+        }
+    }
+
+    /// A transaction through a [`Plan`], awaited.
+    async fn planned_transaction_async(
+        &self,
+        calls: &[Call<'_>],
+    ) -> Result<TransactionTaken, Error> {
+        let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
+        let outcome = self.store.execute_async(&plan).await;
+        self.planned_answer(calls, outcome)
+    }
+}
+
+/// The operations on a given synchronous store, shared by the sync API and the async API's
+/// path for immediate stores ([`AsyncStore::immediate`]), and what both APIs share besides.
+impl<S> RateLimiter<S> {
+    /// [`RateLimiter::limit_with_status`] of a [`Call`] on `store`, for the tower layer.
+    #[cfg(feature = "tower")]
+    pub(crate) fn limit_call_with_status_on<St: Store>(
+        &self,
+        store: &St,
+        call: &Call<'_>,
+    ) -> Result<Taken, Error> {
+        self.single(store, true, call.target, call.request, |t| t)
+    }
+
+    /// [`RateLimiter::transaction_with_status`] on `store`, for the tower layer.
+    #[cfg(feature = "tower")]
+    pub(crate) fn transaction_with_status_on<St: Store>(
+        &self,
+        store: &St,
+        calls: &[Call<'_>],
+    ) -> Result<TransactionTaken, Error> {
+        self.transaction_answering::<St, Taken>(store, calls)
+    }
+
+    /// One take: the common request. Inlined into `limit` and its kin so that, for a typed
+    /// limit, the config is a constant and the decision never goes through memory (returning
+    /// it through a call costs more than deciding it); what is rare lives out of line.
+    ///
+    /// `answer` picks what the caller returns, so that `limit` never builds the status.
+    #[inline(always)]
+    fn single<St: Store, T>(
+        &self,
+        store: &St,
+        writes: bool,
+        target: Target<'_>,
+        request: Request<'_>,
+        answer: impl Fn(Taken) -> T,
+    ) -> Result<T, Error> {
+        let config = *self.resolve(&target)?;
+        let name = target.name();
+        let take = request.take(name, config);
+        if config.shards() != 1 {
+            return self.sharded(store, writes, &take, request.throws).map(&answer);
+        }
+        OneTake::check(&take)?;
+        let one = OneTake::of_valid(&take, self.setup.seed, writes);
+        let throws = request.throws;
+        // A refusal that throws keeps its decision; everything else is answered in the store.
+        let kept = store.execute_one_then(&one, |taken: Taken| {
+            if taken.decision.ok || !throws { Ok(answer(taken)) } else { Err(taken.decision) }
+        });
+        match kept {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(decision)) => Err(refused(name, decision)),
+            Err(e) => self.store_failed(e, name, config).map(&answer),
+        }
+    }
+
+    /// One take from a sharded limit, through a [`Plan`].
+    #[inline(never)]
+    fn sharded<St: Store>(
+        &self,
+        store: &St,
+        writes: bool,
+        take: &Take<'_>,
+        throws: bool,
+    ) -> Result<Taken, Error> {
+        let plan = self.sharded_plan(writes, take)?;
+        self.sharded_answer(store.execute(&plan), take, throws)
+    }
+
+    /// The plan of one take from a sharded limit.
+    fn sharded_plan<'a>(&self, writes: bool, take: &Take<'a>) -> Result<Plan<'a>, Error> {
+        let mut plan = Plan::new(writes);
+        plan.push(take, self.setup.seed, self.draw())?;
+        Ok(plan)
+    }
+
+    /// The answer to one take from a sharded limit, from what the store did with its plan.
+    fn sharded_answer(
+        &self,
+        outcome: Result<Outcome, crate::StoreError>,
+        take: &Take<'_>,
+        throws: bool,
+    ) -> Result<Taken, Error> {
+        match outcome {
+            Ok(outcome) if outcome.ok || !throws => {
+                Ok(Taken { decision: outcome.decision(), status: outcome.statuses[0] })
+            }
+            Ok(outcome) => Err(refused(take.name, outcome.decision())),
+            Err(e) => self.store_failed(e, take.name, take.config),
+        }
+    }
+
+    /// A store error for one take: admitted if its limit fails open, else the error.
+    #[cold]
+    #[inline(never)]
+    fn store_failed(
+        &self,
+        e: crate::StoreError,
+        name: &str,
+        config: Config,
+    ) -> Result<Taken, Error> {
+        if self.fails_open(std::iter::once(name)) {
+            let status = Status { remaining: config.capacity(), reset_after: 0.0 };
+            return Ok(Taken { decision: Decision::ADMIT, status });
+        }
+        Err(e.into())
     }
 
     /// A transaction, keeping `A` of each take.
     #[inline(always)]
-    fn transaction_answering<A: Answer>(
+    fn transaction_answering<St: Store, A: Answer>(
         &self,
+        store: &St,
         calls: &[Call<'_>],
     ) -> Result<A::Transaction, Error> {
         // With the number of calls known to the compiler, the loops over them are unrolled
         // and what is kept per call lives in arrays of exactly that size.
         match calls.len() {
-            0 => self.transaction_of::<0, A>(&[]),
-            1 => self.transaction_of::<1, A>(calls.try_into().expect("1 call")),
-            2 => self.transaction_of::<2, A>(calls.try_into().expect("2 calls")),
-            3 => self.transaction_of::<3, A>(calls.try_into().expect("3 calls")),
-            4 => self.transaction_of::<4, A>(calls.try_into().expect("4 calls")),
-            _ => self.planned_transaction(calls).map(A::from_taken),
+            0 => self.transaction_of::<St, 0, A>(store, &[]),
+            1 => self.transaction_of::<St, 1, A>(store, calls.try_into().expect("1 call")),
+            2 => self.transaction_of::<St, 2, A>(store, calls.try_into().expect("2 calls")),
+            3 => self.transaction_of::<St, 3, A>(store, calls.try_into().expect("3 calls")),
+            4 => self.transaction_of::<St, 4, A>(store, calls.try_into().expect("4 calls")),
+            _ => self.planned_transaction(store, calls).map(A::from_taken),
         }
     }
 
     /// A transaction of `N` calls: of unsharded limits, it goes to the store as one-takes;
     /// with a sharded limit, through a [`Plan`].
-    fn transaction_of<const N: usize, A: Answer>(
+    fn transaction_of<St: Store, const N: usize, A: Answer>(
         &self,
+        store: &St,
         calls: &[Call<'_>; N],
     ) -> Result<A::Transaction, Error> {
         /// What `takes` holds until the loop below has built each take.
@@ -701,7 +994,7 @@ impl<S: Store> RateLimiter<S> {
         for (take, call) in takes.iter_mut().zip(calls) {
             let config = self.resolve(&call.target)?;
             if config.shards() != 1 {
-                return self.planned_transaction(calls).map(A::from_taken);
+                return self.planned_transaction(store, calls).map(A::from_taken);
             }
             // Checked and built from the call's fields, not through a `Take` (see
             // `OneTake::check_parts`).
@@ -711,7 +1004,7 @@ impl<S: Store> RateLimiter<S> {
             *take = OneTake::of_valid_parts(name, r.key, config, r.count, r.reserve, seed, true);
         }
         let mut answers = [A::UNSET; N];
-        if let Err(e) = self.store.execute_each_of(&takes, &mut answers, A::of, A::STATUSES) {
+        if let Err(e) = store.execute_each_of(&takes, &mut answers, A::of, A::STATUSES) {
             return self.transaction_failed(calls, e).map(A::from_taken);
         }
         let mut results = [Decision::ADMIT; 4];
@@ -730,9 +1023,22 @@ impl<S: Store> RateLimiter<S> {
 
     /// A transaction with a sharded limit, through a [`Plan`].
     #[inline(never)]
-    fn planned_transaction(&self, calls: &[Call<'_>]) -> Result<TransactionTaken, Error> {
+    fn planned_transaction<St: Store>(
+        &self,
+        store: &St,
+        calls: &[Call<'_>],
+    ) -> Result<TransactionTaken, Error> {
         let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
-        match self.store.execute(&plan) {
+        self.planned_answer(calls, store.execute(&plan))
+    }
+
+    /// The answer to a transaction, from what the store did with its plan.
+    fn planned_answer(
+        &self,
+        calls: &[Call<'_>],
+        outcome: Result<Outcome, crate::StoreError>,
+    ) -> Result<TransactionTaken, Error> {
+        match outcome {
             Ok(outcome) => {
                 let taken: TransactionTaken = outcome.into();
                 self.check_throws(calls, taken.decision.ok, &taken.decision.results)?;
@@ -799,51 +1105,21 @@ impl<S: Store> RateLimiter<S> {
         Ok(())
     }
 
-    /// Forgets the state of (name, key) in every shard: the next request starts fresh.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::NotDefined`] for an unknown name; [`Error::Store`] if the store fails.
-    pub fn reset<'a>(&self, target: impl Into<Target<'a>>, key: Option<&str>) -> Result<(), Error> {
-        let target = target.into();
-        let config = self.resolve(&target)?;
+    /// What a reset of (target, key) deletes: the name and its number of shards.
+    fn to_reset<'a>(&self, target: Target<'a>, key: Option<&str>) -> Result<(&'a str, u16), Error> {
+        let shards = self.resolve(&target)?.shards();
         tollgate_core::validate_name_key(target.name(), key)?;
-        Ok(self.store.delete(target.name(), key, config.shards())?)
+        Ok((target.name(), shards))
     }
 
-    /// The value of (name, key): one shard's stored state, or for a sharded limit the total
-    /// estimated from one sampled shard. See [`RateLimiter::value_sampled`].
-    ///
-    /// # Errors
-    ///
-    /// [`Error::NotDefined`] for an unknown name; [`Error::Store`] if the store fails.
-    pub fn value<'a>(
+    /// What a reading of (target, key) reads: the config and the sampled slots.
+    fn to_read<'a>(
         &self,
-        target: impl Into<Target<'a>>,
-        key: Option<&str>,
-    ) -> Result<Reading, Error> {
-        self.value_sampled(target, key, 1)
-    }
-
-    /// The value of (name, key) (SPEC §4, `value`).
-    ///
-    /// For an unsharded limit: its stored state (`capacity` at ts 0 if none) and its config
-    /// with every default filled in (a fixed window's `start` set to its alignment), so a
-    /// client can run [`tollgate_core::evaluate`] itself. For a sharded limit: the total
-    /// estimated from `sample_shards` sampled shards brought to the current time, and the
-    /// fullest sampled shard.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::NotDefined`] for an unknown name; [`Error::Store`] if the store fails.
-    pub fn value_sampled<'a>(
-        &self,
-        target: impl Into<Target<'a>>,
-        key: Option<&str>,
+        target: Target<'a>,
+        key: Option<&'a str>,
         sample_shards: u16,
-    ) -> Result<Reading, Error> {
-        let target = target.into();
-        let config = self.resolve(&target)?;
+    ) -> Result<(Config, SmallVec<[Slot<'a>; 4]>), Error> {
+        let config = *self.resolve(&target)?;
         let name = target.name();
         tollgate_core::validate_name_key(name, key)?;
         let per_shard = config.per_shard();
@@ -852,7 +1128,7 @@ impl<S: Store> RateLimiter<S> {
         } else {
             tollgate_core::sample_shards(config.shards(), sample_shards, self.draw())
         };
-        let slots: SmallVec<[Slot<'_>; 4]> = shards
+        let slots = shards
             .iter()
             .map(|&shard| Slot {
                 name,
@@ -862,13 +1138,7 @@ impl<S: Store> RateLimiter<S> {
                 alignment: alignment(&per_shard, self.setup.seed, name, key, shard),
             })
             .collect();
-        let (now, states) = self.store.read(&slots)?;
-        let samples: SmallVec<[Sample; 4]> = slots
-            .iter()
-            .zip(states)
-            .map(|(slot, state)| Sample { shard: slot.shard, state, alignment: slot.alignment })
-            .collect();
-        Ok(read(config, &samples, now))
+        Ok((config, slots))
     }
 
     /// The config of `target`: a typed or inline target carries it (inlined, so that a typed
@@ -908,6 +1178,21 @@ impl<S: Store> RateLimiter<S> {
             None => thread_random(),
         }
     }
+}
+
+/// A reading of the states `read` for `slots` at `now`.
+fn reading(
+    config: &Config,
+    slots: &[Slot<'_>],
+    now: f64,
+    states: Vec<Option<tollgate_core::State>>,
+) -> Reading {
+    let samples: SmallVec<[Sample; 4]> = slots
+        .iter()
+        .zip(states)
+        .map(|(slot, state)| Sample { shard: slot.shard, state, alignment: slot.alignment })
+        .collect();
+    read(config, &samples, now)
 }
 
 pub(crate) fn refused(name: &str, decision: Decision) -> Error {

@@ -57,7 +57,6 @@ use std::pin::Pin;
 use tollgate_core::{Decision, Outcome, Plan, State};
 
 use crate::limiter::{Call, Request, Target, TransactionDecision, TransactionTaken};
-use crate::store::Store;
 use crate::store::sql::{key_columns, saves};
 use crate::{Error, RateLimiter, StoreError};
 
@@ -96,7 +95,7 @@ pub async fn create_table(conn: &mut impl Connection) -> Result<(), StoreError> 
     conn.create_table().await
 }
 
-impl<S: Store + Sync> RateLimiter<S> {
+impl<S: Sync> RateLimiter<S> {
     /// [`RateLimiter::limit`] inside your transaction on `conn` (see [the module](self)):
     /// the tokens are spent if you commit, and back if you roll back.
     ///

@@ -1,28 +1,40 @@
 //! The behaviours every store must show, written once: each function takes a way to make a
-//! store on a given clock. Backends join with one line at the bottom.
+//! limiter on a fresh store and clock, through the sync API or the async one. Backends join
+//! with one line at the bottom: every store through the async API, and those that keep a
+//! sync API (memory, SQLite) through that too.
 
 use std::sync::Arc;
 
+use tokio::runtime::Runtime;
 use tollgate::{
-    Call, Config, Decision, Error, MINUTE, ManualClock, RateLimiter, Request, SECOND, State, Store,
-    Target,
+    AsyncStore, Call, Config, Decision, Error, MINUTE, ManualClock, RateLimiter, Request, SECOND,
+    State, Store, Target,
 };
 
 mod common;
 
+use common::{Api, AsyncApi, SyncApi};
+
 const T0: f64 = 1_700_000_000_000.0;
 
-/// Makes a fresh, empty store whose clock is `clock`.
-trait Backend: Fn(ManualClock) -> Self::Store {
-    type Store: Store + Send + Sync + 'static;
-}
-impl<S: Store + Send + Sync + 'static, F: Fn(ManualClock) -> S> Backend for F {
-    type Store = S;
+/// A limiter through the sync API on the store `make` makes (on `runtime`, which the sync
+/// stores do not use) with its clock.
+fn sync_api<S: Store + Send + Sync + 'static>(
+    make: &impl Fn(&Runtime, ManualClock) -> S,
+) -> (SyncApi<S>, ManualClock) {
+    let clock = ManualClock::new(T0);
+    let store = make(&common::runtime(), clock.clone());
+    (SyncApi(Arc::new(RateLimiter::builder(store).seed(7).build())), clock)
 }
 
-fn setup<B: Backend>(backend: &B) -> (RateLimiter<B::Store>, ManualClock) {
+/// A limiter through the async API on the store `make` makes on a runtime of two threads.
+fn async_api<S: AsyncStore + 'static>(
+    make: &impl Fn(&Runtime, ManualClock) -> S,
+) -> (AsyncApi<S>, ManualClock) {
     let clock = ManualClock::new(T0);
-    (RateLimiter::builder(backend(clock.clone())).seed(7).build(), clock)
+    let runtime = common::runtime();
+    let store = make(&runtime, clock.clone());
+    (AsyncApi { limiter: Arc::new(RateLimiter::builder(store).seed(7).build()), runtime }, clock)
 }
 
 fn tb() -> Target<'static> {
@@ -33,7 +45,7 @@ fn fw() -> Target<'static> {
     Target::Inline("fw", Config::fixed_window(10.0, MINUTE).with_start(T0))
 }
 
-fn state<S: Store>(l: &RateLimiter<S>, t: Target<'_>, key: Option<&str>) -> State {
+fn state(l: &impl Api, t: Target<'_>, key: Option<&str>) -> State {
     let r = l.value(t, key).unwrap();
     State { value: r.value, ts: r.ts }
 }
@@ -42,8 +54,8 @@ const fn refused(retry_after: f64) -> Decision {
     Decision { ok: false, retry_after: Some(retry_after) }
 }
 
-fn token_bucket_spec_numbers(b: &impl Backend) {
-    let (l, clock) = setup(b);
+fn token_bucket_spec_numbers<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, clock) = setup();
     let k = Request::new().key("u");
     assert_eq!(l.limit(tb(), k.count(5.0)).unwrap(), Decision::ADMIT);
     clock.advance(6.0 * SECOND);
@@ -53,8 +65,8 @@ fn token_bucket_spec_numbers(b: &impl Backend) {
     assert_eq!(state(&l, tb(), Some("u")).value, 0.0, "a refusal stores nothing");
 }
 
-fn token_bucket_spec_numbers_reserved(b: &impl Backend) {
-    let (l, clock) = setup(b);
+fn token_bucket_spec_numbers_reserved<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, clock) = setup();
     let k = Request::new().key("u").reserve();
     l.limit(tb(), k.count(5.0)).unwrap();
     clock.advance(6.0 * SECOND);
@@ -66,8 +78,8 @@ fn token_bucket_spec_numbers_reserved(b: &impl Backend) {
     assert_eq!(state(&l, tb(), Some("u")).value, -10.0);
 }
 
-fn fixed_window_spec_numbers(b: &impl Backend) {
-    let (l, clock) = setup(b);
+fn fixed_window_spec_numbers<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, clock) = setup();
     let k = Request::new().key("u");
     l.limit(fw(), k.count(5.0)).unwrap();
     clock.advance(6.0 * SECOND);
@@ -83,8 +95,8 @@ fn fixed_window_spec_numbers(b: &impl Backend) {
     assert_eq!(state(&l, fw(), Some("u")).value, -6.0);
 }
 
-fn capacity_burst(b: &impl Backend) {
-    let (l, clock) = setup(b);
+fn capacity_burst<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, clock) = setup();
     let burst = Target::Inline("burst", Config::token_bucket(10.0, MINUTE).with_capacity(3.0));
     clock.advance(10.0 * MINUTE);
     for _ in 0..3 {
@@ -93,8 +105,8 @@ fn capacity_burst(b: &impl Backend) {
     assert_eq!(l.limit(burst, "u").unwrap(), refused(6_000.0));
 }
 
-fn max_reserved(b: &impl Backend) {
-    let (l, _) = setup(b);
+fn max_reserved<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, _) = setup();
     let t = Target::Inline("mr", Config::token_bucket(10.0, MINUTE).with_max_reserved(5.0));
     let r = Request::new().reserve();
     assert_eq!(l.limit(t, r.count(10.0)).unwrap(), Decision::ADMIT);
@@ -108,8 +120,8 @@ fn max_reserved(b: &impl Backend) {
     assert_eq!(err.to_string(), "Rate limit mr count 16 exceeds 15.");
 }
 
-fn check_does_not_consume(b: &impl Backend) {
-    let (l, _) = setup(b);
+fn check_does_not_consume<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, _) = setup();
     for _ in 0..5 {
         assert_eq!(l.check(tb(), Request::new().count(10.0)).unwrap(), Decision::ADMIT);
     }
@@ -122,8 +134,8 @@ fn check_does_not_consume(b: &impl Backend) {
     assert_eq!(state(&l, tb(), None).value, 6.0);
 }
 
-fn invalid_requests_consume_nothing(b: &impl Backend) {
-    let (l, _) = setup(b);
+fn invalid_requests_consume_nothing<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, _) = setup();
     for bad in [-1.0, f64::NAN, f64::INFINITY, 11.0] {
         assert!(
             matches!(l.limit(tb(), Request::new().count(bad)), Err(Error::Invalid(_))),
@@ -138,8 +150,8 @@ fn invalid_requests_consume_nothing(b: &impl Backend) {
     assert!(err.to_string().starts_with("Rate limit nowhere not defined."), "{err}");
 }
 
-fn throws_turns_refusal_into_error(b: &impl Backend) {
-    let (l, _) = setup(b);
+fn throws_turns_refusal_into_error<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, _) = setup();
     l.limit(tb(), Request::new().count(10.0)).unwrap();
     match l.limit(tb(), Request::new().throws()) {
         Err(Error::RateLimited { name, retry_after }) => {
@@ -155,8 +167,8 @@ fn throws_turns_refusal_into_error(b: &impl Backend) {
     assert!(matches!(l.check(tb(), Request::new().throws()), Err(Error::RateLimited { .. })));
 }
 
-fn reset_forgets(b: &impl Backend) {
-    let (l, _) = setup(b);
+fn reset_forgets<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, _) = setup();
     let sharded = Target::Inline("sh", Config::token_bucket(40.0, MINUTE).with_shards(4));
     for _ in 0..20 {
         l.limit(sharded, "u").unwrap();
@@ -170,8 +182,8 @@ fn reset_forgets(b: &impl Backend) {
     assert_eq!(l.value_sampled(sharded, Some("u"), 4).unwrap().value, 40.0);
 }
 
-fn keys_are_isolated(b: &impl Backend) {
-    let (l, _) = setup(b);
+fn keys_are_isolated<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, _) = setup();
     l.limit(tb(), Request::new().key("a").count(10.0)).unwrap();
     assert!(l.limit(tb(), Request::new().key("b").count(10.0)).unwrap().ok);
     assert!(l.limit(tb(), Request::new().count(10.0)).unwrap().ok, "no key is the global value");
@@ -187,8 +199,8 @@ fn keys_are_isolated(b: &impl Backend) {
     assert!(!l.limit(tb(), "a").unwrap().ok);
 }
 
-fn value_reports_config_and_state(b: &impl Backend) {
-    let (l, clock) = setup(b);
+fn value_reports_config_and_state<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, clock) = setup();
     let fresh = l.value(tb(), Some("new")).unwrap();
     assert_eq!((fresh.value, fresh.ts), (10.0, 0.0));
     assert_eq!(fresh.config.capacity(), 10.0);
@@ -218,8 +230,8 @@ fn value_reports_config_and_state(b: &impl Backend) {
     );
 }
 
-fn transaction_all_or_nothing(b: &impl Backend) {
-    let (l, _) = setup(b);
+fn transaction_all_or_nothing<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, _) = setup();
     // One user's limits: on Redis Cluster the key's hash tag keeps them in one hash slot, as a
     // transaction needs there; elsewhere it is a key like any other.
     let user = Request::new().key("{u}");
@@ -245,8 +257,8 @@ fn transaction_all_or_nothing(b: &impl Backend) {
     );
 }
 
-fn sharded_never_over_admits(b: &impl Backend) {
-    let (l, clock) = setup(b);
+fn sharded_never_over_admits<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, clock) = setup();
     let sharded = Target::Inline("hot", Config::token_bucket(100.0, MINUTE).with_shards(10));
     let mut admitted = 0;
     for _ in 0..300 {
@@ -266,8 +278,8 @@ fn sharded_never_over_admits(b: &impl Backend) {
     assert!(more <= 50, "{more}");
 }
 
-fn status_after_requests(b: &impl Backend) {
-    let (l, clock) = setup(b);
+fn status_after_requests<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, clock) = setup();
     let burst = Target::Inline("burst", Config::token_bucket(10.0, MINUTE).with_capacity(3.0));
     let first = l.limit_with_status(burst, "u").unwrap();
     assert_eq!((first.status.remaining, first.status.reset_after), (2.0, 6_000.0));
@@ -297,59 +309,74 @@ fn status_after_requests(b: &impl Backend) {
     assert_eq!(statuses, [(2.0, 6_000.0), (5.0, 45_000.0)]);
 }
 
-fn concurrent_exactness(b: &impl Backend) {
-    // 64 threads race for a limit of 100, 20 times: exactly 100 admitted each time.
+fn concurrent_exactness<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    // 256 callers (threads, or tasks of a runtime with two threads) race for a limit of 100,
+    // 20 times: exactly 100 admitted each time.
     for round in 0..20 {
-        let (l, _) = setup(b);
-        let l = Arc::new(l);
+        let (l, _) = setup();
         let limit = Target::Inline("race", Config::token_bucket(100.0, MINUTE));
-        let threads: Vec<_> = (0..64)
-            .map(|_| {
-                let l = Arc::clone(&l);
-                std::thread::spawn(move || {
-                    (0..4).filter(|_| l.limit(limit, Request::new()).unwrap().ok).count()
-                })
-            })
-            .collect();
-        let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
-        assert_eq!(admitted, 100, "round {round}");
+        assert_eq!(l.race(limit, 256, 1), 100, "round {round}");
     }
 }
 
 macro_rules! conformance {
-    ($backend:ident, $make:expr) => {
-        conformance!($backend, $make, true);
-    };
-    ($backend:ident, $make:expr, $available:expr) => {
+    // A store with both APIs.
+    ($backend:ident, $make:expr, $available:expr, sync and async) => {
         mod $backend {
-            conformance!(@tests $make, $available; token_bucket_spec_numbers, token_bucket_spec_numbers_reserved,
-                fixed_window_spec_numbers, capacity_burst, max_reserved, check_does_not_consume,
-                invalid_requests_consume_nothing, throws_turns_refusal_into_error, reset_forgets,
-                keys_are_isolated, value_reports_config_and_state, transaction_all_or_nothing,
-                sharded_never_over_admits, status_after_requests, concurrent_exactness);
+            mod sync_api {
+                conformance!(@tests sync_api, $make, $available);
+            }
+            mod async_api {
+                conformance!(@tests async_api, $make, $available);
+            }
         }
     };
-    (@tests $make:expr, $available:expr; $($test:ident),*) => {
-        $(#[test] fn $test() { if $available { super::$test(&$make) } })*
+    // A store with the async API only.
+    ($backend:ident, $make:expr, $available:expr) => {
+        mod $backend {
+            mod async_api {
+                conformance!(@tests async_api, $make, $available);
+            }
+        }
+    };
+    (@tests $api:ident, $make:expr, $available:expr) => {
+        conformance!(@each $api, $make, $available; token_bucket_spec_numbers,
+            token_bucket_spec_numbers_reserved, fixed_window_spec_numbers, capacity_burst,
+            max_reserved, check_does_not_consume, invalid_requests_consume_nothing,
+            throws_turns_refusal_into_error, reset_forgets, keys_are_isolated,
+            value_reports_config_and_state, transaction_all_or_nothing, sharded_never_over_admits,
+            status_after_requests, concurrent_exactness);
+    };
+    (@each $api:ident, $make:expr, $available:expr; $($test:ident),*) => {
+        $(#[test] fn $test() { if $available { crate::$test(&|| crate::$api(&$make)) } })*
     };
 }
 
-conformance!(memory, |clock| tollgate::MemoryStore::with_clock(clock));
-conformance!(memory_two_segments, |clock| tollgate::MemoryStore::builder()
-    .segments(2)
-    .build_with_clock(clock));
+conformance!(memory, |_: &tokio::runtime::Runtime, clock| tollgate::MemoryStore::with_clock(clock), true, sync and async);
+conformance!(
+    memory_two_segments,
+    |_: &tokio::runtime::Runtime, clock| tollgate::MemoryStore::builder().segments(2).build_with_clock(clock),
+    true,
+    sync and async
+);
 
 #[cfg(feature = "sqlite")]
-conformance!(sqlite_in_memory, |clock| {
-    tollgate::store::SqliteStore::builder().open_in_memory_with_clock(clock).unwrap()
-});
+conformance!(
+    sqlite_in_memory,
+    |_: &tokio::runtime::Runtime, clock| {
+        tollgate::store::SqliteStore::builder().open_in_memory_with_clock(clock).unwrap()
+    },
+    true,
+    sync and async
+);
 
 #[cfg(feature = "sqlite")]
-conformance!(sqlite_file, super::on_disk);
+conformance!(sqlite_file, crate::on_disk, true, sync and async);
 
 /// A SQLite store on a file in a directory that goes away with it.
 #[cfg(feature = "sqlite")]
 fn on_disk(
+    _: &Runtime,
     clock: ManualClock,
 ) -> common::Owned<tollgate::store::SqliteStore<ManualClock>, tempfile::TempDir> {
     let dir = tempfile::tempdir().unwrap();
@@ -360,12 +387,13 @@ fn on_disk(
 }
 
 #[cfg(feature = "redis")]
-conformance!(redis, super::on_redis::open, super::on_redis::url().is_some());
+conformance!(redis, crate::on_redis::open, crate::on_redis::url().is_some());
 
 #[cfg(feature = "redis")]
 mod on_redis {
     use std::sync::atomic::{AtomicU64, Ordering};
 
+    use tokio::runtime::Runtime;
     use tollgate::ManualClock;
     use tollgate::store::RedisStore;
 
@@ -392,14 +420,14 @@ mod on_redis {
         RedisStore::builder().prefix(prefix).open_with_clock(url, clock).unwrap()
     }
 
-    pub(crate) fn open(clock: ManualClock) -> RedisStore<ManualClock> {
+    pub(crate) fn open(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
         open_on(&url().expect("checked"), clock)
     }
 
     /// On Redis Cluster, each state placed by its own key: the shards of a limit spread
     /// over the nodes.
     #[cfg(feature = "redis-cluster")]
-    pub(crate) fn open_cluster(clock: ManualClock) -> RedisStore<ManualClock> {
+    pub(crate) fn open_cluster(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
         open_on(&cluster_url().expect("checked"), clock)
     }
 }
@@ -407,15 +435,16 @@ mod on_redis {
 #[cfg(feature = "redis-cluster")]
 conformance!(
     redis_cluster,
-    super::on_redis::open_cluster,
-    super::on_redis::cluster_url().is_some()
+    crate::on_redis::open_cluster,
+    crate::on_redis::cluster_url().is_some()
 );
 
 #[cfg(feature = "postgres")]
-conformance!(postgres, super::on_postgres::open, super::on_postgres::url().is_some());
+conformance!(postgres, crate::on_postgres::open, crate::on_postgres::url().is_some());
 
 #[cfg(feature = "postgres")]
 mod on_postgres {
+    use tokio::runtime::Runtime;
     use tollgate::ManualClock;
     use tollgate::store::PgStore;
 
@@ -426,13 +455,12 @@ mod on_postgres {
     }
 
     /// A store on a table of its own, dropped with it.
-    pub(crate) fn open(clock: ManualClock) -> Owned<PgStore<ManualClock>, DropTable> {
+    pub(crate) fn open(
+        runtime: &Runtime,
+        clock: ManualClock,
+    ) -> Owned<PgStore<ManualClock>, DropTable> {
         let table = DropTable::new(&url().expect("checked"), "tollgate_test");
-        let store = PgStore::builder()
-            .table(&table.table)
-            .connections(16)
-            .open_with_clock(&table.url, clock)
-            .unwrap();
-        Owned { store, resource: table }
+        let store = PgStore::builder().table(&table.table).open_with_clock(&table.url, clock);
+        Owned { store: runtime.block_on(store).unwrap(), resource: table }
     }
 }

@@ -6,16 +6,22 @@
 //! store and kept by another, and the two mean the same.
 //!
 //! The memory store is also compared with itself served through plans only (the trait's
-//! default `execute_one` and `execute_each`), which checks its own fast paths.
+//! default `execute_one` and `execute_each`), which checks its own fast paths. The stores
+//! that wait on I/O are driven through the async API (SQLite through both).
+
+use std::sync::Arc;
 
 use proptest::prelude::*;
+use tokio::runtime::Runtime;
 use tollgate::core::{Outcome, Plan, Slot, State};
 use tollgate::{
-    Call, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, SECOND, Store,
-    StoreError, Target,
+    AsyncStore, Call, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, SECOND,
+    Store, StoreError, Target,
 };
 
 mod common;
+
+use common::{Api, AsyncApi, SyncApi};
 
 const T0: f64 = 1_700_000_000_000.0;
 
@@ -70,7 +76,7 @@ fn op(transactions: bool) -> impl Strategy<Value = Op> {
 }
 
 /// What an operation answered, as text: decisions, statuses, or the error message.
-fn run<S: Store>(l: &RateLimiter<S>, op: &Op) -> String {
+fn run(l: &impl Api, op: &Op) -> String {
     let limits = limits();
     let request = |key: usize, count: f64| {
         let r = Request::new().count(count);
@@ -112,7 +118,7 @@ fn run<S: Store>(l: &RateLimiter<S>, op: &Op) -> String {
 /// Every limit and key as the algebra sees it now: a check of 0 tokens for one shard's worth.
 /// (Unsharded only: a sharded check picks random shards, which the seeded sequence would
 /// have to match call for call; the sharded limits are compared through their decisions.)
-fn states<S: Store>(l: &RateLimiter<S>) -> Vec<String> {
+fn states(l: &impl Api) -> Vec<String> {
     let limits = limits();
     let mut out = Vec::new();
     for limit in &limits[..2] {
@@ -127,13 +133,28 @@ fn states<S: Store>(l: &RateLimiter<S>) -> Vec<String> {
     out
 }
 
-fn compare<S: Store>(
-    other: impl Fn(ManualClock) -> S,
+/// The limiter over `store` through the sync API.
+fn sync_api<S: Store + Send + Sync + 'static>(store: S) -> SyncApi<S> {
+    SyncApi(Arc::new(RateLimiter::builder(store).seed(11).build()))
+}
+
+/// The limiter over the store `make` makes on a runtime of two threads, through the async
+/// API.
+fn async_api<S: AsyncStore + 'static>(make: impl FnOnce(&Runtime) -> S) -> AsyncApi<S> {
+    let runtime = common::runtime();
+    let store = make(&runtime);
+    AsyncApi { limiter: Arc::new(RateLimiter::builder(store).seed(11).build()), runtime }
+}
+
+/// `ops` through the memory store and through the limiter `other` makes on the same clock:
+/// the same answers and the same states after every step.
+fn compare<A: Api>(
+    other: impl FnOnce(ManualClock) -> A,
     ops: &[(f64, Op)],
 ) -> Result<(), TestCaseError> {
     let clock = ManualClock::new(T0);
-    let reference = RateLimiter::builder(MemoryStore::with_clock(clock.clone())).seed(11).build();
-    let candidate = RateLimiter::builder(other(clock.clone())).seed(11).build();
+    let reference = sync_api(MemoryStore::with_clock(clock.clone()));
+    let candidate = other(clock.clone());
     let mut now = T0;
     for (step, (gap, op)) in ops.iter().enumerate() {
         now += gap;
@@ -168,13 +189,13 @@ proptest! {
 
     #[test]
     fn memory_fast_paths_answer_as_plans(ops in traffic()) {
-        compare(|clock| ThroughPlans(MemoryStore::with_clock(clock)), &ops)?;
+        compare(|clock| sync_api(ThroughPlans(MemoryStore::with_clock(clock))), &ops)?;
     }
 
     /// The same with two segments, so that a transaction's states often share one.
     #[test]
     fn memory_fast_paths_answer_as_plans_in_two_segments(ops in traffic()) {
-        compare(|clock| ThroughPlans(MemoryStore::builder().segments(2).build_with_clock(clock)), &ops)?;
+        compare(|clock| sync_api(ThroughPlans(MemoryStore::builder().segments(2).build_with_clock(clock))), &ops)?;
     }
 }
 
@@ -184,7 +205,14 @@ proptest! {
 
     #[test]
     fn sqlite_answers_as_memory(ops in traffic()) {
-        compare(|clock| tollgate::store::SqliteStore::builder().open_in_memory_with_clock(clock).unwrap(), &ops)?;
+        let open = |clock| tollgate::store::SqliteStore::builder().open_in_memory_with_clock(clock).unwrap();
+        compare(|clock| sync_api(open(clock)), &ops)?;
+    }
+
+    #[test]
+    fn sqlite_answers_as_memory_through_the_async_api(ops in traffic()) {
+        let open = |clock| tollgate::store::SqliteStore::builder().open_in_memory_with_clock(clock).unwrap();
+        compare(|clock| async_api(|_| open(clock)), &ops)?;
     }
 }
 
@@ -214,7 +242,7 @@ mod redis {
         #[test]
         fn redis_answers_as_memory(ops in traffic()) {
             let Some(url) = url() else { return Ok(()) };
-            compare(|clock| store(&url, clock), &ops)?;
+            compare(|clock| async_api(|_| store(&url, clock)), &ops)?;
         }
     }
 
@@ -234,7 +262,7 @@ mod redis {
             ) else {
                 return Ok(());
             };
-            compare(|clock| store(&url, clock), &ops)?;
+            compare(|clock| async_api(|_| store(&url, clock)), &ops)?;
         }
     }
 }
@@ -253,10 +281,11 @@ mod postgres {
                 return Ok(());
             };
             let table = DropTable::new(&url, "tollgate_diff");
-            compare(
-                |clock| tollgate::store::PgStore::builder().table(&table.table).connections(1).open_with_clock(&url, clock).unwrap(),
-                &ops,
-            )?;
+            let open = |runtime: &Runtime, clock| {
+                let store = tollgate::store::PgStore::builder().table(&table.table).connections(1);
+                runtime.block_on(store.open_with_clock(&url, clock)).unwrap()
+            };
+            compare(|clock| async_api(|runtime| open(runtime, clock)), &ops)?;
         }
     }
 }

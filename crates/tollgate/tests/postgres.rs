@@ -1,10 +1,14 @@
-//! What the Postgres store adds to the conformance suite: the caller's own transaction.
+//! What the Postgres store adds to the conformance suite: the caller's own transaction
+//! (tokio-postgres), waiting for a slot's lock, and the store opened and used inside a
+//! `#[tokio::main]`-style runtime.
 
 #![cfg(feature = "postgres")]
 
-use postgres::{Client, NoTls};
+use std::time::Duration;
+
+use tokio_postgres::{Client, NoTls};
 use tollgate::store::{PgStore, PgTransaction};
-use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, Target};
+use tollgate::{Config, Error, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, Target};
 
 mod common;
 
@@ -12,91 +16,182 @@ fn url() -> Option<String> {
     common::backend_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test")
 }
 
-#[test]
-fn a_rolled_back_transaction_gives_the_tokens_back() {
+/// The limiter's states in `tx`, in `table`, on `clock`.
+fn in_tx<'t, 'c>(
+    tx: &'t tokio_postgres::Transaction<'c>,
+    table: &str,
+    clock: &ManualClock,
+) -> PgTransaction<'t, tokio_postgres::Transaction<'c>, ManualClock> {
+    PgTransaction::with_table_and_clock(tx, table, clock.clone()).unwrap()
+}
+
+async fn connect(url: &str) -> Client {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await.unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_transaction_gives_the_tokens_back() {
     let Some(url) = url() else { return };
     let guard = common::DropTable::new(&url, "tollgate_tx");
     let table = guard.table.clone();
     let clock = ManualClock::new(1_700_000_000_000.0);
     // Opening a store creates the table.
-    drop(PgStore::builder().table(&table).open_with_clock(&url, clock.clone()).unwrap());
+    drop(PgStore::builder().table(&table).open_with_clock(&url, clock.clone()).await.unwrap());
     let limiter = RateLimiter::new(MemoryStore::new()); // only its definitions are reused
     let limit = Target::Inline("orders", Config::token_bucket(10.0, MINUTE));
-    let mut client = Client::connect(&url, NoTls).unwrap();
-    let value = |client: &mut Client| {
-        let mut tx = client.transaction().unwrap();
-        let store = PgTransaction::with_table_and_clock(&mut tx, &table, clock.clone()).unwrap();
-        limiter.on(store).value(limit, Some("u")).unwrap().value
+    let transaction = Target::Inline("cart", Config::token_bucket(5.0, MINUTE));
+    let mut client = connect(&url).await;
+
+    let tx = client.transaction().await.unwrap();
+    {
+        let in_tx = limiter.on(in_tx(&tx, &table, &clock));
+        let request = Request::new().key("u").count(4.0);
+        assert!(in_tx.limit_async(limit, request).await.unwrap().ok);
+        assert_eq!(in_tx.value_async(limit, Some("u")).await.unwrap().value, 6.0, "visible inside");
+        // A transaction of two limits, in the same caller's transaction.
+        let calls = [limit.with(Request::new().key("u")), transaction.with("u")];
+        assert!(in_tx.transaction_async(&calls).await.unwrap().ok);
+        assert_eq!(in_tx.value_async(limit, Some("u")).await.unwrap().value, 5.0);
+    }
+    tx.rollback().await.unwrap();
+    // Read outside any transaction of the caller's: each statement on its own.
+    let value = async |target| {
+        let store = PgTransaction::with_table_and_clock(&client, &table, clock.clone()).unwrap();
+        limiter.on(store).value_async(target, Some("u")).await.unwrap().value
     };
+    assert_eq!(value(limit).await, 10.0, "rolled back: unchanged");
+    assert_eq!(value(transaction).await, 5.0, "rolled back: unchanged");
 
-    let mut tx = client.transaction().unwrap();
-    {
-        let in_tx = limiter
-            .on(PgTransaction::with_table_and_clock(&mut tx, &table, clock.clone()).unwrap());
-        assert!(in_tx.limit(limit, Request::new().key("u").count(4.0)).unwrap().ok);
-        assert_eq!(in_tx.value(limit, Some("u")).unwrap().value, 6.0, "visible inside");
-    }
-    tx.rollback().unwrap();
-    assert_eq!(value(&mut client), 10.0, "rolled back: unchanged");
-
-    let mut tx = client.transaction().unwrap();
-    {
-        let in_tx = limiter
-            .on(PgTransaction::with_table_and_clock(&mut tx, &table, clock.clone()).unwrap());
-        assert!(in_tx.limit(limit, Request::new().key("u").count(4.0)).unwrap().ok);
-    }
-    tx.commit().unwrap();
-    assert_eq!(value(&mut client), 6.0, "committed: spent");
+    let mut client = connect(&url).await;
+    let tx = client.transaction().await.unwrap();
+    let request = Request::new().key("u").count(4.0);
+    assert!(limiter.on(in_tx(&tx, &table, &clock)).limit_async(limit, request).await.unwrap().ok);
+    tx.commit().await.unwrap();
+    let store = PgTransaction::with_table_and_clock(&client, &table, clock.clone()).unwrap();
+    let spent = limiter.on(store).value_async(limit, Some("u")).await.unwrap().value;
+    assert_eq!(spent, 6.0, "committed: spent");
 }
 
 /// A request waits for the slot's advisory lock, held by a transaction that has taken from
 /// the same limit and not committed yet: it never decides on the state that transaction is
 /// about to replace. (A check writes nothing, so only the lock can make it wait.)
-#[test]
-fn a_request_waits_for_a_transaction_holding_its_slot() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_a_transaction_holding_its_slot() {
     let Some(url) = url() else { return };
     let guard = common::DropTable::new(&url, "tollgate_wait");
     // Short enough to wait out below, long enough for opening the store to wait for another
-    // test opening its own (both create their tables under one advisory lock): 300 ms was
-    // not, once, in CI.
+    // test opening its own (both create their tables under one advisory lock).
     let store = PgStore::builder()
         .table(&guard.table)
-        .timeout(std::time::Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
         .open(&url)
+        .await
         .unwrap();
     let limiter = RateLimiter::new(store);
     let limit = Target::Inline("orders", Config::token_bucket(10.0, 60.0 * MINUTE));
-    let mut client = Client::connect(&url, NoTls).unwrap();
-    let mut tx = client.transaction().unwrap();
-    let in_tx = limiter.on(PgTransaction::with_table_and_clock(
-        &mut tx,
-        &guard.table,
-        tollgate::SystemClock,
-    )
-    .unwrap());
-    assert!(in_tx.limit(limit, Request::new().key("u").count(8.0)).unwrap().ok);
+    let mut client = connect(&url).await;
+    let tx = client.transaction().await.unwrap();
+    let in_tx =
+        limiter
+            .on(PgTransaction::with_table_and_clock(&tx, &guard.table, tollgate::SystemClock)
+                .unwrap());
+    assert!(in_tx.limit_async(limit, Request::new().key("u").count(8.0)).await.unwrap().ok);
 
     // Held: the store's request gives up after its lock timeout (fail closed), rather than
     // granting 8 from the 10 it would read.
-    let waited = limiter.check(limit, Request::new().key("u").count(8.0));
-    assert!(matches!(waited, Err(tollgate::Error::Store(_))), "{waited:?}");
+    let waited = limiter.check_async(limit, Request::new().key("u").count(8.0)).await;
+    assert!(matches!(waited, Err(Error::Store(_))), "{waited:?}");
     drop(in_tx);
-    tx.commit().unwrap();
+    tx.commit().await.unwrap();
     // Released: it sees the committed take.
-    assert!(!limiter.check(limit, Request::new().key("u").count(8.0)).unwrap().ok);
-    assert!(limiter.check(limit, Request::new().key("u").count(2.0)).unwrap().ok);
+    let check = async |count| {
+        limiter.check_async(limit, Request::new().key("u").count(count)).await.unwrap().ok
+    };
+    assert!(!check(8.0).await);
+    assert!(check(2.0).await);
 }
 
 /// In a caller's transaction on a database without the table, the error says how to make it.
-#[test]
-fn a_missing_table_is_an_error_that_says_what_to_do() {
+#[tokio::test]
+async fn a_missing_table_is_an_error_that_says_what_to_do() {
     let Some(url) = url() else { return };
     let guard = common::DropTable::new(&url, "tollgate_missing");
-    let mut client = Client::connect(&url, NoTls).unwrap();
-    let mut tx = client.transaction().unwrap();
+    let mut client = connect(&url).await;
+    let tx = client.transaction().await.unwrap();
     let store =
-        PgTransaction::with_table_and_clock(&mut tx, &guard.table, tollgate::SystemClock).unwrap();
+        PgTransaction::with_table_and_clock(&tx, &guard.table, tollgate::SystemClock).unwrap();
     let limit = Target::Inline("orders", Config::token_bucket(10.0, MINUTE));
-    let err = RateLimiter::new(store).limit(limit, "u").unwrap_err();
+    let err = RateLimiter::new(store).limit_async(limit, "u").await.unwrap_err();
     assert!(err.to_string().contains("opening a PgStore"), "{err}");
+}
+
+/// The store opened and used inside a multi-threaded runtime, as `#[tokio::main]` makes
+/// (the sync `postgres` crate this store was built on before panicked here: it starts a
+/// runtime of its own), with many requests in flight at once, every one answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opened_and_used_inside_a_runtime() {
+    let Some(url) = url() else { return };
+    let guard = common::DropTable::new(&url, "tollgate_in_runtime");
+    let store = PgStore::builder().table(&guard.table).open(&url).await.unwrap();
+    let limiter = std::sync::Arc::new(RateLimiter::new(store));
+    // 1,000 a day: nothing flows back during the test.
+    let limit = Target::Inline("main", Config::token_bucket(1_000.0, tollgate::DAY));
+    let tasks: Vec<_> = (0..200)
+        .map(|i| {
+            let limiter = std::sync::Arc::clone(&limiter);
+            tokio::spawn(async move {
+                let key = format!("user{}", i % 20);
+                limiter.limit_async(limit, key.as_str()).await.unwrap().ok
+            })
+        })
+        .collect();
+    for task in tasks {
+        assert!(task.await.unwrap());
+    }
+    let left = limiter.value_async(limit, Some("user0")).await.unwrap().value;
+    // (A day's rate flows back a few thousandths of a token while the test runs.)
+    assert!((990.0..990.01).contains(&left), "10 taken from user0: {left}");
+}
+
+/// A statement that the database refuses (its arithmetic overflows a float) fails alone:
+/// the grouped statement it was in goes again one take at a time, and the others are
+/// answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_whose_arithmetic_fails_fails_alone() {
+    let Some(url) = url() else { return };
+    let guard = common::DropTable::new(&url, "tollgate_overflow");
+    let clock = ManualClock::new(1_700_000_000_000.0);
+    let store = PgStore::builder()
+        .table(&guard.table)
+        .connections(1)
+        .open_with_clock(&url, clock.clone())
+        .await
+        .unwrap();
+    let limiter = std::sync::Arc::new(RateLimiter::new(store));
+    let huge = Target::Inline("huge", Config::token_bucket(1e300, 1.0));
+    let normal = Target::Inline("normal", Config::token_bucket(100.0, MINUTE));
+    // A state of the huge limit; 11 days later its refill, 1e9 ms x 1e300, overflows.
+    assert!(limiter.limit_async(huge, Request::new().count(1e299)).await.unwrap().ok);
+    clock.advance(1e9);
+    // Many at once on one connection: they wait for it, and go together.
+    let tasks: Vec<_> = (0..30)
+        .map(|i| {
+            let limiter = std::sync::Arc::clone(&limiter);
+            tokio::spawn(async move {
+                let target = if i == 15 { huge } else { normal };
+                (i, limiter.limit_async(target, Request::new()).await)
+            })
+        })
+        .collect();
+    for task in tasks {
+        let (i, result) = task.await.unwrap();
+        if i == 15 {
+            assert!(matches!(result, Err(Error::Store(_))), "{result:?}");
+        } else {
+            assert!(result.unwrap().ok, "take {i}");
+        }
+    }
+    assert_eq!(limiter.value_async(normal, None).await.unwrap().value, 71.0, "29 taken, once each");
 }

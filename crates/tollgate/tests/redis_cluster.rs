@@ -17,6 +17,19 @@ use tollgate::{
 
 mod common;
 
+use common::{Api, AsyncApi};
+
+/// The limiter on `store` through the async API, on a runtime of two threads.
+fn on(
+    store: RedisStore<impl tollgate::Clock>,
+    seed: u64,
+) -> AsyncApi<RedisStore<impl tollgate::Clock>> {
+    AsyncApi {
+        limiter: Arc::new(RateLimiter::builder(store).seed(seed).build()),
+        runtime: common::runtime(),
+    }
+}
+
 const T0: f64 = 1_700_000_000_000.0;
 
 fn url() -> Option<String> {
@@ -42,8 +55,7 @@ fn nodes(url: &str) -> Vec<String> {
 fn shards_of_a_hot_limit_spread_over_the_nodes() {
     let Some(url) = url() else { return };
     let prefix = prefix();
-    let store = RedisStore::builder().prefix(&prefix).open(&url).unwrap();
-    let limiter = RateLimiter::new(store);
+    let limiter = on(RedisStore::builder().prefix(&prefix).open(&url).unwrap(), 0);
     let hot = Target::Inline("hot", Config::token_bucket(1_000.0, MINUTE).with_shards(12));
     for _ in 0..200 {
         assert!(limiter.limit(hot, Request::new()).unwrap().ok);
@@ -64,7 +76,7 @@ fn shards_of_a_hot_limit_spread_over_the_nodes() {
 #[test]
 fn a_transaction_over_several_hash_slots_is_refused_and_takes_nothing() {
     let Some(url) = url() else { return };
-    let limiter = RateLimiter::new(RedisStore::builder().prefix(prefix()).open(&url).unwrap());
+    let limiter = on(RedisStore::builder().prefix(prefix()).open(&url).unwrap(), 0);
     // Without a common hash tag, three limits' states are (all but surely) in several slots.
     let [a, b, c] = ["a", "b", "c"].map(|n| Target::Inline(n, Config::token_bucket(5.0, MINUTE)));
     let err = limiter
@@ -88,7 +100,7 @@ fn a_transaction_over_several_hash_slots_is_refused_and_takes_nothing() {
 fn a_store_prefix_with_a_hash_tag_allows_every_transaction() {
     let Some(url) = url() else { return };
     let tagged = format!("{{{}}}", prefix());
-    let limiter = RateLimiter::new(RedisStore::builder().prefix(tagged).open(&url).unwrap());
+    let limiter = on(RedisStore::builder().prefix(tagged).open(&url).unwrap(), 0);
     let [a, b, c] = ["a", "b", "c"].map(|n| Target::Inline(n, Config::token_bucket(5.0, MINUTE)));
     let t = limiter
         .transaction(&[a.with(Request::new()), b.with("x"), c.with(Request::new().count(5.0))])
@@ -106,7 +118,7 @@ fn takes_across_nodes_answer_as_memory() {
     let clock = ManualClock::new(T0);
     let memory = RateLimiter::builder(MemoryStore::with_clock(clock.clone())).seed(3).build();
     let store = RedisStore::builder().prefix(prefix()).open_with_clock(&url, clock.clone());
-    let cluster = RateLimiter::builder(store.unwrap()).seed(3).build();
+    let cluster = on(store.unwrap(), 3);
     let hot = Target::Inline("hot", Config::token_bucket(10.0, MINUTE).with_shards(5));
     let windows = Target::Inline(
         "windows",
@@ -135,33 +147,41 @@ fn takes_across_nodes_answer_as_memory() {
     }
 }
 
-/// Many threads race for a hot limit whose shards are on several nodes, with counts that
+/// Many tasks race for a hot limit whose shards are on several nodes, with counts that
 /// often need two shards together: never more than the limit is admitted.
 #[test]
 fn racing_takes_across_nodes_never_over_admit() {
     let Some(url) = url() else { return };
+    let runtime = common::runtime();
     for round in 0..5 {
-        let store = RedisStore::builder().prefix(prefix()).connections(16).open(&url).unwrap();
+        let store = RedisStore::builder().prefix(prefix()).open(&url).unwrap();
         let limiter = Arc::new(RateLimiter::new(store));
         // 100 tokens a day: nothing refills during the race.
         let hot =
             Target::Inline("hot", Config::token_bucket(100.0, 24.0 * 60.0 * MINUTE).with_shards(8));
-        let threads: Vec<_> = (0..32u64)
-            .map(|t| {
-                let limiter = Arc::clone(&limiter);
-                std::thread::spawn(move || {
-                    let mut admitted = 0.0;
-                    for i in 0..12u64 {
-                        let count = (1 + (t + i) % 4) as f64;
-                        if limiter.limit(hot, Request::new().count(count)).unwrap().ok {
-                            admitted += count;
+        let admitted: f64 = runtime.block_on(async {
+            let tasks: Vec<_> = (0..32u64)
+                .map(|t| {
+                    let limiter = Arc::clone(&limiter);
+                    tokio::spawn(async move {
+                        let mut admitted = 0.0;
+                        for i in 0..12u64 {
+                            let count = (1 + (t + i) % 4) as f64;
+                            let request = Request::new().count(count);
+                            if limiter.limit_async(hot, request).await.unwrap().ok {
+                                admitted += count;
+                            }
                         }
-                    }
-                    admitted
+                        admitted
+                    })
                 })
-            })
-            .collect();
-        let admitted: f64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+                .collect();
+            let mut admitted = 0.0;
+            for task in tasks {
+                admitted += task.await.unwrap();
+            }
+            admitted
+        });
         assert!(admitted <= 100.0, "round {round}: {admitted} tokens admitted of 100");
         assert!(admitted >= 50.0, "round {round}: only {admitted} of 100: shards unusable?");
     }

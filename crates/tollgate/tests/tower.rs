@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use http::{Request, Response, StatusCode};
 use tollgate::store::Unavailable;
-use tollgate::tower::{Key, LimitSpec, MissingKey, RateLimitLayer, TrustedProxies};
-use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, SECOND, Store};
+use tollgate::tower::{Key, LimitSpec, MissingKey, RateLimitLayer, ResponseBody, TrustedProxies};
+use tollgate::{AsyncStore, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, SECOND};
 use tower::{Layer, Service, ServiceExt};
 
 type Limiter = RateLimiter<MemoryStore<ManualClock>>;
@@ -26,19 +26,23 @@ fn send() -> LimitSpec {
 }
 
 /// The app behind the layer: answers 200 "ok".
-fn app<S: Store + 'static>(
+fn app<S: AsyncStore + 'static>(
     layer: &RateLimitLayer<S>,
-) -> impl Service<Request<String>, Response = Response<String>, Error = Infallible> + Clone {
+) -> impl Service<Request<String>, Response = Response<ResponseBody<String>>, Error = Infallible> + Clone
+{
     layer.layer(tower::service_fn(|_req: Request<String>| async {
         Ok::<_, Infallible>(Response::new(String::from("ok")))
     }))
 }
 
-async fn call<S: Store + 'static>(
+/// `request` through the layer to the app; the response with its body read.
+async fn call<S: AsyncStore + 'static>(
     layer: &RateLimitLayer<S>,
     request: Request<String>,
 ) -> Response<String> {
-    app(layer).oneshot(request).await.unwrap()
+    let (parts, body) = app(layer).oneshot(request).await.unwrap().into_parts();
+    let bytes = http_body_util::BodyExt::collect(body).await.unwrap().to_bytes();
+    Response::from_parts(parts, String::from_utf8(bytes.to_vec()).unwrap())
 }
 
 fn get() -> Request<String> {

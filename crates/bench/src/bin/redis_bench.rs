@@ -1,15 +1,15 @@
 //! tollgate's Redis store against the plainest Redis operation through the same client:
-//! `limit` (one EVALSHA of the request's script) vs `INCR`, with 1 and 32 requests in
-//! flight, in one run. Loopback only; each measurement is bounded by time.
+//! `limit_async` (one EVALSHA of the request's script) vs `INCR`, both on redis-rs's async
+//! multiplexed connections, with 1 and 32 requests in flight (tasks of a runtime with two
+//! threads), in one run. Loopback only; each measurement is bounded by time.
 //!
 //! `cargo run --release -p tollgate-bench --bin redis_bench [SECONDS] [ROUNDS] [CONNECTIONS]`
-//! (default 5 s, 1 round, the store's default of 8 connections), against `TOLLGATE_REDIS_URL`
+//! (default 5 s, 1 round, the store's default connections), against `TOLLGATE_REDIS_URL`
 //! (default redis://127.0.0.1:6379). With several rounds the two sides alternate (INCR,
 //! limit, limit, INCR, ...), each round prints its ratio, and the median follows.
 //!
-//! INCR gets a connection per thread. tollgate's store keeps its own (a user's choice, here
-//! the default unless given): with more requests in flight than connections, the waiting
-//! ones go to Redis together, one script for all, in the next round trip.
+//! INCR goes out on one multiplexed connection shared by every task, as a hand-written app
+//! would send it; the store keeps its own (pipelined the same way).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +17,7 @@ use std::time::Duration;
 use tollgate::store::RedisStore;
 use tollgate::{RateLimiter, Request};
 use tollgate_bench::{
-    Limit, alternate, counter_key, delete_counters, keys, loopback_url, throughput,
+    Limit, alternate, async_throughput, counter_key, delete_counters, keys, loopback_url,
 };
 
 fn main() {
@@ -30,26 +30,34 @@ fn main() {
     let keys = Arc::new(keys(10_000));
     println!("| in flight | INCR ops/s | tollgate limit ops/s | ratio |");
     println!("|---:|---:|---:|---:|");
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     for in_flight in [1, 32] {
-        let conns: Vec<_> = (0..in_flight)
-            .map(|_| parking_lot::Mutex::new(client.get_connection().unwrap()))
-            .collect();
+        let conn = runtime.block_on(client.get_multiplexed_async_connection()).unwrap();
         let incr = || {
-            throughput(in_flight, duration, |t, n| {
-                let key = counter_key(&keys[(t * 7919 + n) % keys.len()]);
-                let _: i64 = redis::cmd("INCR").arg(key).query(&mut *conns[t].lock()).unwrap();
+            let (conn, keys) = (conn.clone(), Arc::clone(&keys));
+            async_throughput(&runtime, in_flight, duration, move |t, n| {
+                let (mut conn, key) =
+                    (conn.clone(), counter_key(&keys[(t * 7919 + n) % keys.len()]));
+                async move {
+                    let _: i64 = redis::cmd("INCR").arg(key).query_async(&mut conn).await.unwrap();
+                }
             })
         };
         let mut store = RedisStore::builder().prefix("tollgate-bench:");
         if let Some(connections) = connections {
             store = store.connections(connections);
         }
-        let store = store.open(&url).unwrap();
-        let limiter = RateLimiter::new(store);
+        let limiter = Arc::new(RateLimiter::new(store.open(&url).unwrap()));
         let limit = || {
-            throughput(in_flight, duration, |t, n| {
-                let key = &keys[(t * 7919 + n) % keys.len()];
-                assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
+            let (limiter, keys) = (Arc::clone(&limiter), Arc::clone(&keys));
+            async_throughput(&runtime, in_flight, duration, move |t, n| {
+                let (limiter, keys) = (Arc::clone(&limiter), Arc::clone(&keys));
+                async move {
+                    let key = &keys[(t * 7919 + n) % keys.len()];
+                    let decision = limiter.limit_async(Limit::PerUser, Request::new().key(key));
+                    assert!(decision.await.unwrap().ok);
+                }
             })
         };
         let median = alternate(rounds, incr, limit, |incr, limit| {

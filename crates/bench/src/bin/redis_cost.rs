@@ -1,5 +1,5 @@
 //! Where a request's time goes with one request in flight: for `INCR`, an empty script, and
-//! tollgate's `limit` on the Redis store, the wall time per request and the CPU time per
+//! tollgate's `limit_async` on the Redis store (driven by a runtime of one thread), the wall time per request and the CPU time per
 //! request of this client and of the Redis server (user and system, from `/proc`), with
 //! Redis's own time per call from `INFO commandstats`.
 //!
@@ -70,6 +70,8 @@ fn main() {
     let packed = [7u8; 59]; // as long as the store's one argument
     let limiter =
         RateLimiter::new(RedisStore::builder().prefix("tollgate-bench:").open(&url).unwrap());
+    // The store's connection lives on this runtime; each call is driven on this thread.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let mut sides = [
         Side {
             name: "INCR",
@@ -92,7 +94,8 @@ fn main() {
             command: "evalsha",
             op: Box::new(|n| {
                 let key = &keys[n % keys.len()];
-                assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
+                let decision = limiter.limit_async(Limit::PerUser, Request::new().key(key));
+                assert!(runtime.block_on(decision).unwrap().ok);
             }),
         },
     ];

@@ -1,27 +1,30 @@
 //! tollgate's SQL stores against the plainest write of the same database through the same
 //! client, in one run; every measurement bounded by time, loopback only.
 //!
-//! - PostgreSQL: `limit` vs a prepared one-row `UPDATE ... SET n = n + 1` (autocommit), with 1 and 16
-//!   connections, against `TOLLGATE_POSTGRES_URL` (default postgres://postgres@127.0.0.1/test).
-//! - SQLite: `limit` vs a one-row upsert in its own transaction, one connection, on files in a
-//!   temporary directory with the same settings (WAL, synchronous=NORMAL).
+//! - PostgreSQL: `limit_async` vs a prepared one-row `UPDATE ... SET n = n + 1` (autocommit),
+//!   both on tokio-postgres, with 1 and 16 requests in flight (tasks of a runtime with two
+//!   threads), against `TOLLGATE_POSTGRES_URL` (default postgres://postgres@127.0.0.1/test).
+//!   The UPDATE goes out on as many connections as requests in flight, up to 4, round robin
+//!   (pipelined on each); the store keeps its own (`CONNECTIONS`, default 4), whose one-takes
+//!   that wait go together, one statement and one commit for all.
+//! - SQLite: `limit` (sync, on the calling thread) vs a one-row upsert in its own
+//!   transaction, one thread; then `limit_async` with 32 requests in flight, which the
+//!   store's writer thread commits together. Files in a temporary directory, the same
+//!   settings (WAL, synchronous=NORMAL).
 //!
 //! `cargo run --release -p tollgate-bench --bin sql_bench [SECONDS] [postgres|sqlite] [ROUNDS] [CONNECTIONS]`
 //! (default 5 s, both, 1 round; one alone keeps the other's disk traffic out of its figure).
-//! The UPDATE gets a connection per thread; tollgate's store keeps its own pool: one
-//! connection with one thread, and with 16 threads `CONNECTIONS` (default: the store's
-//! default of 8), so that with more requests in flight than connections the waiting ones go
-//! to the database together, one statement and one commit for all, in the next round trip.
-//! With several rounds, PostgreSQL's two sides alternate (UPDATE, limit, limit, UPDATE, ...)
-//! at each connection count, each round prints its ratio, and the median follows: on this
-//! shared machine a slow spell then falls on both sides of a ratio alike.
+//! With several rounds the two sides alternate (plain, limit, limit, plain, ...), each round
+//! prints its ratio, and the median follows: on this shared machine a slow spell then falls
+//! on both sides of a ratio alike.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tollgate::store::{PgStore, SqliteStore};
 use tollgate::{RateLimiter, Request};
-use tollgate_bench::{Limit, alternate, keys, loopback_url, throughput};
+use tollgate_bench::{Limit, alternate, async_throughput, keys, loopback_url, throughput};
 
 fn main() {
     let secs: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
@@ -43,65 +46,85 @@ fn main() {
 }
 
 fn postgres(url: &str, duration: Duration, keys: &[String], rounds: usize, pool: Option<usize>) {
-    let mut setup = postgres::Client::connect(url, postgres::NoTls).unwrap();
-    setup
-        .batch_execute(
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let connect = || async {
+        let (client, connection) =
+            tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        client
+    };
+    let setup = runtime.block_on(connect());
+    runtime
+        .block_on(setup.batch_execute(
             "DROP TABLE IF EXISTS tollgate_bench_counter;
              CREATE TABLE tollgate_bench_counter (id int PRIMARY KEY, n bigint NOT NULL);
              INSERT INTO tollgate_bench_counter SELECT g, 0 FROM generate_series(0, 9999) g;
              DROP TABLE IF EXISTS tollgate_bench_state;",
-        )
+        ))
         .unwrap();
-    for connections in [1, 16] {
+    let keys: Arc<[String]> = keys.into();
+    for in_flight in [1, 16] {
         // Each connection prepares the UPDATE once, as a careful app would (a statement sent
         // as text is prepared again on every call, a round trip of its own); tollgate's store
         // prepares its statements once per connection too.
-        let clients: Vec<_> = (0..connections)
-            .map(|_| {
-                let mut client = postgres::Client::connect(url, postgres::NoTls).unwrap();
+        let clients: Arc<Vec<_>> = Arc::new(runtime.block_on(async {
+            let mut clients = Vec::new();
+            for _ in 0..in_flight.min(4) {
+                let client = connect().await;
                 let update = client
                     .prepare("UPDATE tollgate_bench_counter SET n = n + 1 WHERE id = $1")
+                    .await
                     .unwrap();
-                Mutex::new((client, update))
-            })
-            .collect();
+                clients.push((client, update));
+            }
+            clients
+        }));
         let update = || {
-            throughput(connections, duration, |t, n| {
-                let id = ((t * 7919 + n) % keys.len()) as i32;
-                let (client, update) = &mut *clients[t].lock();
-                client.execute(&*update, &[&id]).unwrap();
+            let (clients, n_keys) = (Arc::clone(&clients), keys.len());
+            async_throughput(&runtime, in_flight, duration, move |t, n| {
+                let clients = Arc::clone(&clients);
+                async move {
+                    let id = ((t * 7919 + n) % n_keys) as i32;
+                    let (client, update) = &clients[(t + n) % clients.len()];
+                    client.execute(update, &[&id]).await.unwrap();
+                }
             })
         };
         let mut store = PgStore::builder().table("tollgate_bench_state");
-        if connections == 1 {
+        if in_flight == 1 {
             store = store.connections(1);
         } else if let Some(pool) = pool {
             store = store.connections(pool);
         }
-        let store = store.open(url).unwrap();
-        let limiter = RateLimiter::new(store);
+        let limiter = Arc::new(RateLimiter::new(runtime.block_on(store.open(url)).unwrap()));
         let limit = || {
-            throughput(connections, duration, |t, n| {
-                let key = &keys[(t * 7919 + n) % keys.len()];
-                assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
+            let (limiter, keys) = (Arc::clone(&limiter), Arc::clone(&keys));
+            async_throughput(&runtime, in_flight, duration, move |t, n| {
+                let (limiter, keys) = (Arc::clone(&limiter), Arc::clone(&keys));
+                async move {
+                    let key = &keys[(t * 7919 + n) % keys.len()];
+                    let decision = limiter.limit_async(Limit::PerUser, Request::new().key(key));
+                    assert!(decision.await.unwrap().ok);
+                }
             })
         };
         let median = alternate(rounds, update, limit, |update, limit| {
             println!(
-                "| PostgreSQL, {connections} | {update:.0} | {limit:.0} | {:.2}x |",
+                "| PostgreSQL, {in_flight} in flight | {update:.0} | {limit:.0} | {:.2}x |",
                 limit / update
             );
         });
         if rounds > 1 {
-            println!("| PostgreSQL, {connections}: median of {rounds} | | | {median:.3}x |");
+            println!("| PostgreSQL, {in_flight}: median of {rounds} | | | {median:.3}x |");
         }
     }
-    setup
-        .batch_execute(
+    runtime
+        .block_on(setup.batch_execute(
             "DROP TABLE tollgate_bench_counter; DROP TABLE tollgate_bench_state;
              DROP FUNCTION IF EXISTS tollgate_bench_state_takes;
              DROP FUNCTION IF EXISTS tollgate_bench_state_take;",
-        )
+        ))
         .unwrap();
 }
 
@@ -131,10 +154,35 @@ fn sqlite(duration: Duration, keys: &[String], rounds: usize) {
             assert!(limiter.limit(Limit::PerUser, Request::new().key(key)).unwrap().ok);
         })
     };
-    let median = alternate(rounds, upsert, limit, |upsert, limit| {
-        println!("| SQLite, 1 | {upsert:.0} | {limit:.0} | {:.2}x |", limit / upsert);
+    let median = alternate(rounds, &upsert, limit, |upsert, limit| {
+        println!("| SQLite, 1 thread, sync | {upsert:.0} | {limit:.0} | {:.2}x |", limit / upsert);
     });
     if rounds > 1 {
-        println!("| SQLite, 1: median of {rounds} | | | {median:.3}x |");
+        println!("| SQLite, 1 thread, sync: median of {rounds} | | | {median:.3}x |");
+    }
+    // The async calls: 32 in flight, committed together by the store's writer thread.
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let limiter = Arc::new(limiter);
+    let keys: Arc<[String]> = keys.into();
+    let limit_async = || {
+        let (limiter, keys) = (Arc::clone(&limiter), Arc::clone(&keys));
+        async_throughput(&runtime, 32, duration, move |t, n| {
+            let (limiter, keys) = (Arc::clone(&limiter), Arc::clone(&keys));
+            async move {
+                let key = &keys[(t * 7919 + n) % keys.len()];
+                let decision = limiter.limit_async(Limit::PerUser, Request::new().key(key));
+                assert!(decision.await.unwrap().ok);
+            }
+        })
+    };
+    let median = alternate(rounds, &upsert, limit_async, |upsert, limit| {
+        println!(
+            "| SQLite, 32 in flight, async | {upsert:.0} | {limit:.0} | {:.2}x |",
+            limit / upsert
+        );
+    });
+    if rounds > 1 {
+        println!("| SQLite, 32 in flight, async: median of {rounds} | | | {median:.3}x |");
     }
 }

@@ -866,6 +866,10 @@ fn expiry_now(now_ms: f64) -> u32 {
     (now_ms * 0.001) as u32
 }
 
+super::immediate_async_store! {
+    impl[C: Clock] for MemoryStore<C>;
+}
+
 impl<C: Clock> Store for MemoryStore<C> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         if plan.slots().len() == 1 {

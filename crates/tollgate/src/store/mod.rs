@@ -40,11 +40,7 @@
 #![cfg_attr(not(feature = "postgres"), doc = "[`PgTransaction`]: ../index.html#features")]
 #![cfg_attr(not(feature = "redis"), doc = "[`RedisStore`]: ../index.html#features")]
 
-#[cfg(any(feature = "redis", feature = "postgres"))]
-mod group;
 mod memory;
-#[cfg(any(feature = "redis", feature = "postgres"))]
-mod pool;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]
@@ -58,6 +54,10 @@ mod redis;
 pub(crate) mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+#[cfg(all(test, any(feature = "redis", feature = "postgres")))]
+mod testing;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod ticket;
 
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "postgres")]
@@ -66,6 +66,9 @@ pub use postgres::{PgStore, PgStoreBuilder, PgTransaction};
 pub use redis::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous, create_schema};
+
+use std::future::Future;
+use std::pin::Pin;
 
 use tollgate_core::{OneTake, Outcome, Plan, Slot, State, Taken};
 
@@ -180,6 +183,255 @@ pub trait Store {
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError>;
 }
 
+/// Loads and saves limit states atomically per request, awaited: the seam of every store
+/// that waits on a network or a disk (Redis, PostgreSQL, SQLite), and of the memory store
+/// too, so that one async API (`RateLimiter::limit_async` and its kin) serves them all.
+///
+/// The methods are those of [`Store`] without its in-process fast paths: a round trip to a
+/// server costs far more than the bookkeeping those save. A store that answers in-process
+/// without waiting (the memory store) names its synchronous form as
+/// [`AsyncStore::Immediate`] and returns it from [`AsyncStore::immediate`]; the limiter's
+/// async calls then answer through that at once, on the calling thread, exactly as its sync
+/// calls do, and never build a future for the store.
+///
+/// The futures are `Send`, so they can be awaited in any task of a multi-threaded runtime
+/// (axum handlers, tonic services). Implementations must never block the thread that polls
+/// them: I/O is awaited, or done on a thread of the store's own.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let limiter = RateLimiter::new(MemoryStore::new()); // every store has the async API
+/// let send = ("send", Config::token_bucket(10.0, MINUTE));
+/// assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
+/// # });
+/// ```
+pub trait AsyncStore: Send + Sync {
+    /// This store's synchronous form, when it answers without waiting; [`Never`] when it
+    /// waits on I/O.
+    type Immediate: Store;
+
+    /// The store as its synchronous form, if it answers in-process without waiting: the
+    /// limiter's async calls then run the sync path through it. `None` (the default) for a
+    /// store that waits on I/O.
+    fn immediate(&self) -> Option<&Self::Immediate> {
+        None
+    }
+
+    /// Loads the plan's slots, decides at the store's current time, and saves the changed
+    /// states, atomically (as [`Store::execute`]).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be loaded or saved; nothing is admitted, unless
+    /// the error says that the request may have been applied (a reply that timed out).
+    fn execute_async(
+        &self,
+        plan: &Plan<'_>,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send;
+
+    /// One take from an unsharded limit, atomically (as [`Store::execute_one`]). The default
+    /// executes [`OneTake::to_plan`]; a store may serve this common request directly.
+    ///
+    /// # Errors
+    ///
+    /// As for [`AsyncStore::execute_async`].
+    fn execute_one_async(
+        &self,
+        take: &OneTake<'_>,
+    ) -> impl Future<Output = Result<Taken, StoreError>> + Send {
+        async move {
+            let outcome = self.execute_async(&take.to_plan()).await?;
+            Ok(Taken { decision: outcome.decision(), status: outcome.statuses[0] })
+        }
+    }
+
+    /// Reads the states of `slots` without changing them; returns the store's time too.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be read.
+    fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> impl Future<Output = Result<(f64, Vec<Option<State>>), StoreError>> + Send;
+
+    /// Deletes the states of every shard of (name, key).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be deleted.
+    fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// A boxed future of a store call, for [`DynAsyncStore`].
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// [`AsyncStore`] in a form that can be a trait object: every [`AsyncStore`] is one, and an
+/// `Arc<dyn DynAsyncStore>` is an [`AsyncStore`] again, for a store picked at run time (the
+/// server opens one from a URL). Each call boxes its future: one allocation, nothing beside
+/// a round trip.
+pub trait DynAsyncStore: Send + Sync {
+    /// [`AsyncStore::execute_async`], boxed.
+    fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome>;
+    /// [`AsyncStore::execute_one_async`], boxed.
+    fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken>;
+    /// [`AsyncStore::read_async`], boxed.
+    fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)>;
+    /// [`AsyncStore::delete_async`], boxed.
+    fn delete_boxed<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        shards: u16,
+    ) -> BoxFuture<'a, ()>;
+}
+
+impl<S: AsyncStore> DynAsyncStore for S {
+    fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        Box::pin(AsyncStore::execute_async(self, plan))
+    }
+    fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(AsyncStore::execute_one_async(self, take))
+    }
+    fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        Box::pin(AsyncStore::read_async(self, slots))
+    }
+    fn delete_boxed<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        shards: u16,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(AsyncStore::delete_async(self, name, key, shards))
+    }
+}
+
+impl AsyncStore for dyn DynAsyncStore + '_ {
+    type Immediate = Never;
+    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        self.execute_boxed(plan).await
+    }
+    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        self.execute_one_boxed(take).await
+    }
+    async fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        self.read_boxed(slots).await
+    }
+    async fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> Result<(), StoreError> {
+        self.delete_boxed(name, key, shards).await
+    }
+}
+
+impl<S: AsyncStore + ?Sized> AsyncStore for std::sync::Arc<S> {
+    type Immediate = S::Immediate;
+    #[inline(always)]
+    fn immediate(&self) -> Option<&S::Immediate> {
+        (**self).immediate()
+    }
+    fn execute_async(
+        &self,
+        plan: &Plan<'_>,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
+        (**self).execute_async(plan)
+    }
+    fn execute_one_async(
+        &self,
+        take: &OneTake<'_>,
+    ) -> impl Future<Output = Result<Taken, StoreError>> + Send {
+        (**self).execute_one_async(take)
+    }
+    fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> impl Future<Output = Result<(f64, Vec<Option<State>>), StoreError>> + Send {
+        (**self).read_async(slots)
+    }
+    fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).delete_async(name, key, shards)
+    }
+}
+
+/// The [`AsyncStore::Immediate`] of a store that waits on I/O: there is no value of it.
+#[derive(Debug, Clone, Copy)]
+pub enum Never {}
+
+impl Store for Never {
+    fn execute(&self, _: &Plan<'_>) -> Result<Outcome, StoreError> {
+        match *self {}
+    }
+    fn read(&self, _: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        match *self {}
+    }
+    fn delete(&self, _: &str, _: Option<&str>, _: u16) -> Result<(), StoreError> {
+        match *self {}
+    }
+}
+
+/// A store that answers in-process, as an [`AsyncStore`]: its async calls answer at once,
+/// through its sync ones, and the limiter's async calls take its sync path directly.
+macro_rules! immediate_async_store {
+    ($(impl$([$($generics:tt)*])? for $store:ty;)*) => {$(
+        impl$(<$($generics)*>)? $crate::store::AsyncStore for $store {
+            type Immediate = Self;
+            #[inline(always)]
+            fn immediate(&self) -> Option<&Self> {
+                Some(self)
+            }
+            fn execute_async(
+                &self,
+                plan: &tollgate_core::Plan<'_>,
+            ) -> impl std::future::Future<Output = Result<tollgate_core::Outcome, $crate::StoreError>> + Send {
+                std::future::ready($crate::store::Store::execute(self, plan))
+            }
+            fn execute_one_async(
+                &self,
+                take: &tollgate_core::OneTake<'_>,
+            ) -> impl std::future::Future<Output = Result<tollgate_core::Taken, $crate::StoreError>> + Send {
+                std::future::ready($crate::store::Store::execute_one(self, take))
+            }
+            fn read_async(
+                &self,
+                slots: &[tollgate_core::Slot<'_>],
+            ) -> impl std::future::Future<
+                Output = Result<(f64, Vec<Option<tollgate_core::State>>), $crate::StoreError>,
+            > + Send {
+                std::future::ready($crate::store::Store::read(self, slots))
+            }
+            fn delete_async(
+                &self,
+                name: &str,
+                key: Option<&str>,
+                shards: u16,
+            ) -> impl std::future::Future<Output = Result<(), $crate::StoreError>> + Send {
+                std::future::ready($crate::store::Store::delete(self, name, key, shards))
+            }
+        }
+    )*};
+}
+pub(crate) use immediate_async_store;
+
 /// A store that always fails, like one whose server is down: for testing how an app (or a
 /// middleware) behaves when the limiter cannot decide. Every call is a [`StoreError`] with
 /// the given message.
@@ -219,6 +471,10 @@ impl Store for Unavailable {
     }
 }
 
+immediate_async_store! {
+    impl for Unavailable;
+}
+
 impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         (**self).execute(plan)
@@ -237,6 +493,11 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         (**self).delete(name, key, shards)
     }
 }
+
+/// What a store's one-take function or script answers for a take: the time it used,
+/// whether it wrote, and the state it loaded (from which `tollgate-core` decides).
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) type OneAnswer = (f64, bool, Option<State>);
 
 /// What an array of [`Taken`]s holds before a store has written it.
 const UNSET: Taken = Taken {

@@ -1,17 +1,24 @@
-//! States in PostgreSQL: correct under READ COMMITTED, on the database's clock.
+//! States in PostgreSQL, on tokio-postgres: correct under READ COMMITTED, on the database's
+//! clock, and never blocking a thread.
 
-use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use postgres::{Client, GenericClient, NoTls, Statement, ToStatement};
+use futures_util::future::try_join_all;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, GenericClient, NoTls, Row, Statement};
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
-use super::Store;
-use super::group::{Group, OneAnswer, fail_all};
-use super::pool::Pool;
 use super::sql::{
     LOCK_CLASS, MAX_TABLE, PG_LOCK, PgSql, key_columns, lock_id, lock_ids, saves, valid_table,
 };
+use super::ticket::{Claim, OwnedPlan, OwnedSlots, Ticket, ticket};
+use super::{AsyncStore, Never, OneAnswer};
 use crate::StoreError;
 
 /// Options for a [`PgStore`].
@@ -27,7 +34,7 @@ impl Default for PgStoreBuilder {
         PgStoreBuilder {
             table: "tollgate_state".into(),
             timeout: Duration::from_secs(2),
-            connections: 8,
+            connections: 4,
         }
     }
 }
@@ -41,21 +48,21 @@ impl PgStoreBuilder {
         self
     }
 
-    /// How long to wait to connect, and for a statement, before failing (closed); default 2 s.
-    /// A request that waits for a grouped statement (see [`PgStoreBuilder::connections`])
-    /// fails after twice this: one statement of others, then its own; if it was never sent,
-    /// nothing was taken.
+    /// How long to wait to connect, and for a statement, before failing (closed); default
+    /// 2 s. A request that finds no connection free for as long (all busy with slow
+    /// statements) is withdrawn, never sent; one whose statement timed out may have run,
+    /// and its error says so ([`StoreError::may_have_taken`]).
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
-    /// How many connections to keep (default 8); a request holds one for its transaction.
-    /// A one-take request (the common `limit`) that finds every connection busy waits for
-    /// the next statement, which carries up to 64 waiting requests in one transaction
-    /// (group commit: one round trip and one commit for all of them; each request is still
-    /// taken on its own, in arrival order, and answered only once that transaction has
+    /// How many connections to keep (default 4), each driven by a task of the store's own.
+    /// A connection runs one statement at a time; the one-take requests (the common `limit`)
+    /// that wait meanwhile go together in its next statement, up to 64 of them in one
+    /// transaction (group commit: one round trip and one commit for all; each request is
+    /// still taken on its own, in arrival order, and answered only once that transaction has
     /// committed).
     #[must_use]
     pub fn connections(mut self, connections: usize) -> Self {
@@ -63,14 +70,15 @@ impl PgStoreBuilder {
         self
     }
 
-    /// Connects to `url` (`postgres://user@host/db`), creates the table if it is missing, and
-    /// uses the database's clock.
+    /// Connects to `url` (`postgres://user@host/db`), creates the table if it is missing,
+    /// and uses the database's clock. Call it inside a Tokio runtime: the store's tasks and
+    /// connections run on it.
     ///
     /// # Errors
     ///
     /// A bad URL or table name, or a database that cannot be reached.
-    pub fn open(self, url: &str) -> Result<PgStore, StoreError> {
-        self.build(url, None)
+    pub async fn open(self, url: &str) -> Result<PgStore, StoreError> {
+        self.build(url, None).await
     }
 
     /// The same, on `clock` instead of the database's: for tests that set the time.
@@ -78,111 +86,67 @@ impl PgStoreBuilder {
     /// # Errors
     ///
     /// As for [`PgStoreBuilder::open`].
-    pub fn open_with_clock<C: Clock>(self, url: &str, clock: C) -> Result<PgStore<C>, StoreError> {
-        self.build(url, Some(clock))
+    pub async fn open_with_clock<C: Clock>(
+        self,
+        url: &str,
+        clock: C,
+    ) -> Result<PgStore<C>, StoreError> {
+        self.build(url, Some(clock)).await
     }
 
-    fn build<C>(self, url: &str, clock: Option<C>) -> Result<PgStore<C>, StoreError> {
+    async fn build<C: Clock>(self, url: &str, clock: Option<C>) -> Result<PgStore<C>, StoreError> {
         if !valid_table(&self.table) {
             return Err(StoreError::new(format!(
                 "postgres: table name {:?}: use letters, digits and _, at most {MAX_TABLE}",
                 self.table
             )));
         }
-        let mut config: postgres::Config = url
+        let mut config: tokio_postgres::Config = url
             .parse()
             .map_err(|e| StoreError::with_source(format!("postgres: {url:?}: {e}"), e))?;
         config.connect_timeout(self.timeout);
-        let sql = PgSql::new(&self.table);
-        let store = PgStore {
+        let shared = Arc::new(Shared {
             config,
-            connections: Pool::new(self.connections),
-            group: Group::new(self.connections, MOST_PER_STATEMENT),
+            sql: PgSql::new(&self.table),
             timeout: self.timeout,
-            sql,
             clock,
-        };
-        store.with_conn(|conn| create_table(&mut conn.client, &store.sql))?;
-        Ok(store)
-    }
-}
-
-fn create_table(client: &mut Client, sql: &PgSql) -> Result<(), postgres::Error> {
-    // Serialized, so that servers starting together do not race on CREATE TABLE (or on
-    // replacing the function, which fails when two do it at once).
-    let mut tx = client.transaction()?;
-    tx.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&LOCK_CLASS])?;
-    tx.batch_execute(&sql.create)?;
-    tx.batch_execute(&sql.drop_old)?;
-    tx.batch_execute(&sql.create_take)?;
-    tx.batch_execute(&sql.create_takes)?;
-    tx.commit()
-}
-
-/// A pooled connection and its statements, prepared on first use: a statement given as text
-/// is prepared by the server on every call, a round trip of its own.
-struct PgConn {
-    client: Client,
-    prepared: Option<Prepared>,
-}
-
-struct Prepared {
-    statements: Statements<Statement>,
-    take: Statement,
-    takes: Statement,
-}
-
-impl PgConn {
-    fn prepared(&mut self, sql: &PgSql) -> Result<(&mut Client, &Prepared), postgres::Error> {
-        if self.prepared.is_none() {
-            let c = &mut self.client;
-            let statements = text(sql).map(|q| c.prepare(q))?;
-            let (take, takes) = (c.prepare(&sql.take)?, c.prepare(&sql.takes)?);
-            self.prepared = Some(Prepared { statements, take, takes });
+            jobs: Mutex::new(VecDeque::new()),
+            ready: Notify::new(),
+            closed: AtomicBool::new(false),
+        });
+        create_table(&shared).await?;
+        for _ in 0..self.connections {
+            tokio::spawn(work(Arc::clone(&shared), None));
         }
-        Ok((&mut self.client, self.prepared.as_ref().expect("prepared above")))
+        Ok(PgStore { shared })
     }
 }
 
-/// The statements a request runs: as text in a caller's transaction ([`PgTransaction`]), or
-/// prepared once per pooled connection ([`PgStore`]).
-struct Statements<S> {
-    lock: S,
-    load: S,
-    upsert: S,
-    delete: S,
-    delete_all: S,
-}
-
-impl<S> Statements<S> {
-    /// Each statement through `f`, in order.
-    fn map<'s, T, E>(
-        &'s self,
-        mut f: impl FnMut(&'s S) -> Result<T, E>,
-    ) -> Result<Statements<T>, E> {
-        Ok(Statements {
-            lock: f(&self.lock)?,
-            load: f(&self.load)?,
-            upsert: f(&self.upsert)?,
-            delete: f(&self.delete)?,
-            delete_all: f(&self.delete_all)?,
-        })
-    }
-
-    /// The same statements, borrowed.
-    fn by_ref(&self) -> Statements<&S> {
-        self.map(Ok::<_, std::convert::Infallible>).unwrap_or_else(|never| match never {})
-    }
-}
-
-/// `sql`'s statements as text.
-fn text(sql: &PgSql) -> Statements<&str> {
-    Statements {
-        lock: PG_LOCK,
-        load: &sql.load,
-        upsert: &sql.upsert,
-        delete: &sql.delete,
-        delete_all: &sql.delete_all,
+/// Creates the table and its functions if they are missing, on a connection of its own
+/// (the workers' connections prepare statements that name the functions).
+async fn create_table<C>(shared: &Shared<C>) -> Result<(), StoreError> {
+    let create = async {
+        let (client, connection) = shared.config.connect(NoTls).await?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let sql = &shared.sql;
+        // Serialized, so that servers starting together do not race on CREATE TABLE (or on
+        // replacing the function, which fails when two do it at once).
+        client
+            .batch_execute(&format!(
+                "BEGIN; SELECT pg_advisory_xact_lock({LOCK_CLASS}, 0); {}; {}; {}; {}; COMMIT",
+                sql.create, sql.drop_old, sql.create_take, sql.create_takes
+            ))
+            .await
+    };
+    match tokio::time::timeout(shared.timeout * 2, create).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(pg_error("cannot create the table", e)),
+        Err(_) => Err(StoreError::new(format!(
+            "postgres: cannot connect: no answer within {:?}",
+            shared.timeout * 2
+        ))),
     }
 }
 
@@ -192,9 +156,15 @@ fn text(sql: &PgSql) -> Statements<&str> {
 /// read-modify-write is racy there, so the request first takes a transaction-scoped advisory
 /// lock on each of its (name, key, shard) slots, in ascending order (no deadlock between
 /// tollgate requests), which serializes every request that touches a slot, even one whose
-/// row does not exist yet; then it reads the states and the database's clock in one query,
-/// decides, and writes. A database that cannot be reached or times out is a [`StoreError`];
-/// nothing is admitted, and the next request connects again.
+/// row does not exist yet; then it reads the states and the database's clock, decides, and
+/// writes. The common request (one take from an unsharded limit) is one statement: the
+/// table's `take` function, prepared once per connection, does all of that in one round
+/// trip, and waiting ones go together through `takes` (see [`PgStoreBuilder::connections`]).
+///
+/// The store keeps a few connections (tokio-postgres), each driven by a task of its own on
+/// the runtime that opened it; callers hand it their requests and await the answers, so no
+/// thread of the runtime ever waits on the database. A database that cannot be reached or
+/// times out is a [`StoreError`]; nothing is admitted, and the connection is made again.
 ///
 /// To spend tokens inside a transaction of your own, use [`PgTransaction`].
 ///
@@ -204,18 +174,16 @@ fn text(sql: &PgSql) -> Statements<&str> {
 /// use tollgate::store::PgStore;
 /// use tollgate::{Config, RateLimiter, MINUTE};
 ///
-/// let limiter = RateLimiter::new(PgStore::open("postgres://postgres@127.0.0.1/app").unwrap());
-/// assert!(limiter.limit(("send", Config::token_bucket(10.0, MINUTE)), "alice").unwrap().ok);
+/// #[tokio::main]
+/// async fn main() {
+///     let store = PgStore::open("postgres://postgres@127.0.0.1/app").await.unwrap();
+///     let limiter = RateLimiter::new(store);
+///     let send = ("send", Config::token_bucket(10.0, MINUTE));
+///     assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
+/// }
 /// ```
 pub struct PgStore<C = tollgate_core::SystemClock> {
-    config: postgres::Config,
-    connections: Pool<PgConn>,
-    /// One-takes, sent together when every connection is busy.
-    group: Group<OneRow, OneAnswer>,
-    timeout: Duration,
-    sql: PgSql,
-    /// `None`: the database's clock.
-    clock: Option<C>,
+    shared: Arc<Shared<C>>,
 }
 
 impl PgStore {
@@ -224,8 +192,8 @@ impl PgStore {
     /// # Errors
     ///
     /// As for [`PgStoreBuilder::open`].
-    pub fn open(url: &str) -> Result<Self, StoreError> {
-        PgStoreBuilder::default().open(url)
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        PgStoreBuilder::default().open(url).await
     }
 
     /// Options: table, timeout, connections.
@@ -234,14 +202,335 @@ impl PgStore {
     }
 }
 
+impl<C> Drop for PgStore<C> {
+    fn drop(&mut self) {
+        // The workers end, and with them their connections.
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.ready.notify_waiters();
+    }
+}
+
+/// What the store and its workers share.
+struct Shared<C> {
+    config: tokio_postgres::Config,
+    sql: PgSql,
+    timeout: Duration,
+    /// `None`: the database's clock.
+    clock: Option<C>,
+    /// Requests waiting for a worker, first come first.
+    jobs: Mutex<VecDeque<Job>>,
+    /// Wakes a worker when a request arrives.
+    ready: Notify,
+    /// Set when the store is dropped: the workers end.
+    closed: AtomicBool,
+}
+
+/// A request for a worker.
+enum Job {
+    One(OneRow, Ticket<OneAnswer>),
+    Plan(Box<OwnedPlan>, Option<f64>, Ticket<Outcome>),
+    Read(OwnedSlots, Option<f64>, Ticket<(f64, Vec<Option<State>>)>),
+    Delete(String, Option<String>, u16, Ticket<()>),
+}
+
+impl Job {
+    /// Takes the request to run (see [`Ticket::take`]).
+    fn take(&self) -> bool {
+        match self {
+            Job::One(_, t) => t.take(),
+            Job::Plan(_, _, t) => t.take(),
+            Job::Read(_, _, t) => t.take(),
+            Job::Delete(_, _, _, t) => t.take(),
+        }
+    }
+}
+
 /// The most one-takes a grouped statement carries.
 const MOST_PER_STATEMENT: usize = 64;
+
+impl<C> Shared<C> {
+    fn push(&self, job: Job) {
+        self.jobs.lock().push_back(job);
+        self.ready.notify_one();
+    }
+
+    /// The next requests a worker runs together: one request, or up to
+    /// [`MOST_PER_STATEMENT`] one-takes in a row; those whose callers have gone are skipped.
+    fn next_batch(&self) -> Option<Batch> {
+        let mut jobs = self.jobs.lock();
+        let first = loop {
+            let job = jobs.pop_front()?;
+            if job.take() {
+                break job;
+            }
+        };
+        let Job::One(row, ticket) = first else { return Some(Batch::Other(first)) };
+        let mut ones = vec![(row, ticket)];
+        while ones.len() < MOST_PER_STATEMENT && matches!(jobs.front(), Some(Job::One(..))) {
+            if let Some(job @ Job::One(..)) = jobs.pop_front()
+                && job.take()
+                && let Job::One(row, ticket) = job
+            {
+                ones.push((row, ticket));
+            }
+        }
+        Some(Batch::Ones(ones))
+    }
+}
+
+/// What a worker runs at once.
+enum Batch {
+    Ones(Vec<(OneRow, Ticket<OneAnswer>)>),
+    Other(Job),
+}
+
+/// A statement of the store's: prepared on a store connection, or as text with its
+/// parameters' types inside a caller's transaction. One round trip either way.
+#[derive(Clone, Copy)]
+enum Stmt<'a> {
+    Prepared(&'a Statement),
+    Text(&'a str, &'a [Type]),
+}
+
+/// Runs `stmt` with `params` on `client`.
+async fn query<G: GenericClient + Sync>(
+    client: &G,
+    stmt: Stmt<'_>,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, tokio_postgres::Error> {
+    match stmt {
+        Stmt::Prepared(statement) => client.query(statement, params).await,
+        Stmt::Text(sql, types) => {
+            let typed: Vec<(&(dyn ToSql + Sync), Type)> =
+                params.iter().zip(types).map(|(p, t)| (*p, t.clone())).collect();
+            client.query_typed(sql, &typed).await
+        }
+    }
+}
+
+/// The statements a request runs.
+struct Stmts<'a> {
+    take: Stmt<'a>,
+    lock: Stmt<'a>,
+    load: Stmt<'a>,
+    upsert: Stmt<'a>,
+    delete: Stmt<'a>,
+    delete_all: Stmt<'a>,
+}
+
+/// The parameter types of `take` (see `take_params`), of the lock, of `load`, of `upsert`
+/// and of the deletes, for statements sent as text.
+const TAKE_TYPES: [Type; 15] = [
+    Type::INT4,
+    Type::TEXT,
+    Type::BOOL,
+    Type::TEXT,
+    Type::INT4,
+    Type::INT4,
+    Type::FLOAT8,
+    Type::FLOAT8,
+    Type::FLOAT8,
+    Type::FLOAT8,
+    Type::FLOAT8,
+    Type::FLOAT8,
+    Type::BOOL,
+    Type::BOOL,
+    Type::FLOAT8,
+];
+const LOCK_TYPES: [Type; 2] = [Type::INT4, Type::INT4];
+const LOAD_TYPES: [Type; 4] =
+    [Type::TEXT_ARRAY, Type::BOOL_ARRAY, Type::TEXT_ARRAY, Type::INT4_ARRAY];
+const UPSERT_TYPES: [Type; 6] =
+    [Type::TEXT, Type::BOOL, Type::TEXT, Type::INT4, Type::FLOAT8, Type::FLOAT8];
+const DELETE_TYPES: [Type; 4] = [Type::TEXT, Type::BOOL, Type::TEXT, Type::INT4];
+
+/// `sql`'s statements as text.
+fn text(sql: &PgSql) -> Stmts<'_> {
+    Stmts {
+        take: Stmt::Text(&sql.take, &TAKE_TYPES),
+        lock: Stmt::Text(PG_LOCK, &LOCK_TYPES),
+        load: Stmt::Text(&sql.load, &LOAD_TYPES),
+        upsert: Stmt::Text(&sql.upsert, &UPSERT_TYPES),
+        delete: Stmt::Text(&sql.delete, &DELETE_TYPES),
+        delete_all: Stmt::Text(&sql.delete_all, &DELETE_TYPES),
+    }
+}
+
+/// A connection of a worker, with its statements prepared.
+struct Conn {
+    client: Client,
+    takes: Statement,
+    prepared: [Statement; 6],
+}
+
+impl Conn {
+    async fn open<C>(shared: &Shared<C>) -> Result<Conn, StoreError> {
+        let connect = async {
+            let (client, connection) = shared.config.connect(NoTls).await?;
+            tokio::spawn(async move {
+                // Ends when the client is dropped, or the connection fails.
+                let _ = connection.await;
+            });
+            let ms = shared.timeout.as_millis();
+            client
+                .batch_execute(&format!("SET statement_timeout = {ms}; SET lock_timeout = {ms}"))
+                .await?;
+            let sql = &shared.sql;
+            let prepared = [
+                client.prepare(&sql.take).await?,
+                client.prepare(PG_LOCK).await?,
+                client.prepare(&sql.load).await?,
+                client.prepare(&sql.upsert).await?,
+                client.prepare(&sql.delete).await?,
+                client.prepare(&sql.delete_all).await?,
+            ];
+            let takes = client.prepare(&sql.takes).await?;
+            Ok::<_, tokio_postgres::Error>(Conn { client, takes, prepared })
+        };
+        match tokio::time::timeout(shared.timeout * 2, connect).await {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(pg_error("cannot connect", e)),
+            Err(_) => Err(StoreError::new(format!(
+                "postgres: cannot connect: no answer within {:?}",
+                shared.timeout * 2
+            ))),
+        }
+    }
+
+    fn stmts(&self) -> Stmts<'_> {
+        let [take, lock, load, upsert, delete, delete_all] = &self.prepared;
+        let p = Stmt::Prepared;
+        Stmts {
+            take: p(take),
+            lock: p(lock),
+            load: p(load),
+            upsert: p(upsert),
+            delete: p(delete),
+            delete_all: p(delete_all),
+        }
+    }
+}
+
+/// A worker: runs requests on its connection, one batch at a time, until the store is
+/// dropped. A connection that fails is dropped and made again for the next batch.
+async fn work<C: Clock>(shared: Arc<Shared<C>>, mut conn: Option<Conn>) {
+    loop {
+        let batch = loop {
+            if shared.closed.load(Ordering::Acquire) {
+                return;
+            }
+            if let Some(batch) = shared.next_batch() {
+                break batch;
+            }
+            shared.ready.notified().await;
+        };
+        if conn.is_none() {
+            match Conn::open(&shared).await {
+                Ok(c) => conn = Some(c),
+                Err(e) => {
+                    batch.fail(&e);
+                    continue;
+                }
+            }
+        }
+        let c = conn.as_ref().expect("connected above");
+        if !batch.run(c, shared.timeout).await {
+            conn = None;
+        }
+        // Others may be waiting, and a notification wakes only one worker.
+        if !shared.jobs.lock().is_empty() {
+            shared.ready.notify_one();
+        }
+    }
+}
+
+impl Batch {
+    /// Fails every request of the batch, none of which was sent.
+    fn fail(self, error: &StoreError) {
+        let e = || StoreError::new(error.message().to_owned());
+        match self {
+            Batch::Ones(ones) => ones.into_iter().for_each(|(_, t)| t.answer(Err(e()))),
+            Batch::Other(Job::One(_, t)) => t.answer(Err(e())),
+            Batch::Other(Job::Plan(_, _, t)) => t.answer(Err(e())),
+            Batch::Other(Job::Read(_, _, t)) => t.answer(Err(e())),
+            Batch::Other(Job::Delete(_, _, _, t)) => t.answer(Err(e())),
+        }
+    }
+
+    /// Runs the batch on `conn` and answers each request. `false` if the connection failed
+    /// or a statement timed out, so that it is made again.
+    async fn run(self, conn: &Conn, timeout: Duration) -> bool {
+        let stmts = conn.stmts();
+        match self {
+            Batch::Ones(ones) => {
+                let rows: Vec<&OneRow> = ones.iter().map(|(row, _)| row).collect();
+                let (answers, healthy) = send_ones(conn, &rows, timeout).await;
+                for ((_, ticket), answer) in ones.into_iter().zip(answers) {
+                    ticket.answer(answer);
+                }
+                healthy
+            }
+            Batch::Other(Job::One(row, ticket)) => {
+                let (mut answers, healthy) = send_ones(conn, &[&row], timeout).await;
+                ticket.answer(answers.pop().unwrap_or_else(|| Err(StoreError::new("no answer"))));
+                healthy
+            }
+            Batch::Other(Job::Plan(plan, now, ticket)) => {
+                let plan = plan.plan();
+                let request = in_own_transaction(&conn.client, &stmts, &plan, now);
+                let (result, healthy) = bounded(timeout, plan.writes(), request).await;
+                ticket.answer(result);
+                healthy
+            }
+            Batch::Other(Job::Read(slots, now, ticket)) => {
+                let slots = slots.slots();
+                let request = load(&conn.client, &stmts, &slots, now, false);
+                let (result, healthy) = bounded(timeout, false, request).await;
+                ticket.answer(result);
+                healthy
+            }
+            Batch::Other(Job::Delete(name, key, shards, ticket)) => {
+                let request = delete_all(&conn.client, &stmts, &name, key.as_deref(), shards);
+                let (result, healthy) = bounded(timeout, true, request).await;
+                ticket.answer(result);
+                healthy
+            }
+        }
+    }
+}
+
+/// `request` within `timeout`, and whether the connection is still good afterwards (not
+/// after a timeout or a lost connection; an error answered by the database leaves it good).
+/// A request that `writes` and may have reached the database before its connection failed
+/// or it timed out may have run: its error says so.
+async fn bounded<T>(
+    timeout: Duration,
+    writes: bool,
+    request: impl Future<Output = Result<T, tokio_postgres::Error>>,
+) -> (Result<T, StoreError>, bool) {
+    match tokio::time::timeout(timeout, request).await {
+        Ok(Ok(answer)) => (Ok(answer), true),
+        Ok(Err(e)) => {
+            let lost = e.is_closed();
+            let error = pg_error("request failed", e);
+            (Err(if lost && writes { error.sent() } else { error }), !lost)
+        }
+        Err(_) => (Err(timed_out(timeout, writes)), false),
+    }
+}
+
+fn timed_out(timeout: Duration, writes: bool) -> StoreError {
+    let error = StoreError::new(format!("postgres: no answer within {timeout:?}"));
+    if writes { error.sent() } else { error }
+}
 
 /// One take from one unsharded limit, as the parameters of the table's `take` function.
 struct OneRow {
     lock: i32,
     name: String,
-    key: Option<String>,
+    has_key: bool,
+    /// The key, `""` when there is none.
+    key: String,
     shard: i32,
     kind: i32,
     rate: f64,
@@ -260,10 +549,12 @@ impl OneRow {
     fn new(take: &OneTake<'_>, now: Option<f64>) -> Self {
         let slot = &take.slot;
         let c = &slot.config;
+        let (has_key, key) = key_columns(slot.key);
         OneRow {
             lock: lock_id(slot.name, slot.key, slot.shard),
             name: slot.name.to_owned(),
-            key: slot.key.map(str::to_owned),
+            has_key,
+            key: key.to_owned(),
             shard: i32::from(slot.shard),
             kind: match c.kind() {
                 Kind::TokenBucket => 0,
@@ -280,11 +571,32 @@ impl OneRow {
             now,
         }
     }
+
+    /// The row as the `take` function's parameters, in order (`take_params`).
+    fn params(&self) -> [&(dyn ToSql + Sync); 15] {
+        [
+            &self.lock,
+            &self.name,
+            &self.has_key,
+            &self.key,
+            &self.shard,
+            &self.kind,
+            &self.rate,
+            &self.period,
+            &self.cap,
+            &self.max_reserved,
+            &self.alignment,
+            &self.count,
+            &self.reserve,
+            &self.writes,
+            &self.now,
+        ]
+    }
 }
 
 /// Reads an answer of the `take` function (a row of `takes`): an array of the time it used,
 /// whether it wrote (1 or 0), and the state it read (value and ts, or two NULLs).
-fn answer(row: &postgres::Row) -> Result<OneAnswer, StoreError> {
+fn answer(row: &Row) -> Result<OneAnswer, StoreError> {
     let garbage = || StoreError::new("postgres: the take function answered garbage");
     let array: Vec<Option<f64>> = row.try_get(0).map_err(|_| garbage())?;
     let [Some(now), Some(wrote), value, ts] = array[..] else { return Err(garbage()) };
@@ -300,247 +612,114 @@ fn answer(row: &postgres::Row) -> Result<OneAnswer, StoreError> {
     }
 }
 
-impl<C> PgStore<C> {
-    /// Runs one-takes in one statement: the `take` function for one, `takes` for several;
-    /// answers each.
-    fn send_ones(&self, rows: &[&OneRow]) -> Vec<Result<OneAnswer, StoreError>> {
-        let answers = self.with_conn(|conn| {
-            let (client, prepared) = conn.prepared(&self.sql)?;
-            if let [r] = rows {
-                let (has_key, key) = key_columns(r.key.as_deref());
-                let row = client.query_one(
-                    &prepared.take,
-                    &[
-                        &r.lock,
-                        &r.name,
-                        &has_key,
-                        &key,
-                        &r.shard,
-                        &r.kind,
-                        &r.rate,
-                        &r.period,
-                        &r.cap,
-                        &r.max_reserved,
-                        &r.alignment,
-                        &r.count,
-                        &r.reserve,
-                        &r.writes,
-                        &r.now,
-                    ],
-                )?;
-                return Ok(Some(vec![answer(&row)]));
+/// Runs one-takes in one statement on `conn`: the `take` function for one, `takes` for
+/// several; answers each, and whether the connection is still good.
+async fn send_ones(
+    conn: &Conn,
+    rows: &[&OneRow],
+    timeout: Duration,
+) -> (Vec<Result<OneAnswer, StoreError>>, bool) {
+    let any_writes = rows.iter().any(|r| r.writes);
+    if let [row] = rows {
+        let params = row.params();
+        let request = conn.client.query_one(&conn.prepared[0], &params);
+        let (result, healthy) = bounded(timeout, any_writes, request).await;
+        return (vec![result.and_then(|row| answer(&row))], healthy);
+    }
+    let column = |f: fn(&OneRow) -> f64| rows.iter().map(|r| f(r)).collect::<Vec<f64>>();
+    let flags = |f: fn(&OneRow) -> bool| rows.iter().map(|r| f(r)).collect::<Vec<bool>>();
+    let ints = |f: fn(&OneRow) -> i32| rows.iter().map(|r| f(r)).collect::<Vec<i32>>();
+    let names: Vec<&str> = rows.iter().map(|r| r.name.as_str()).collect();
+    let keys: Vec<&str> = rows.iter().map(|r| r.key.as_str()).collect();
+    let max_reserved: Vec<Option<f64>> = rows.iter().map(|r| r.max_reserved).collect();
+    let now: Vec<Option<f64>> = rows.iter().map(|r| r.now).collect();
+    let (locks, has_keys, shards, kinds) =
+        (ints(|r| r.lock), flags(|r| r.has_key), ints(|r| r.shard), ints(|r| r.kind));
+    let (rates, periods, caps) = (column(|r| r.rate), column(|r| r.period), column(|r| r.cap));
+    let (alignments, counts) = (column(|r| r.alignment), column(|r| r.count));
+    let (reserves, writes) = (flags(|r| r.reserve), flags(|r| r.writes));
+    let params: [&(dyn ToSql + Sync); 15] = [
+        &locks,
+        &names,
+        &has_keys,
+        &keys,
+        &shards,
+        &kinds,
+        &rates,
+        &periods,
+        &caps,
+        &max_reserved,
+        &alignments,
+        &counts,
+        &reserves,
+        &writes,
+        &now,
+    ];
+    match tokio::time::timeout(timeout, conn.client.query(&conn.takes, &params)).await {
+        Ok(Ok(found)) if found.len() == rows.len() => (found.iter().map(answer).collect(), true),
+        Ok(Ok(found)) => {
+            let error =
+                StoreError::new(format!("postgres: {} rows for {} takes", found.len(), rows.len()));
+            (fail_all(rows.len(), &error), true)
+        }
+        // One take's arithmetic failed (a float out of range: a data exception), so the
+        // statement was rolled back whole and nothing was taken: each goes again alone, so
+        // that only that one fails.
+        Ok(Err(e)) if e.code().is_some_and(|c| c.code().starts_with("22")) => {
+            let mut answers = Vec::with_capacity(rows.len());
+            let mut healthy = true;
+            for row in rows {
+                let params = row.params();
+                let request = conn.client.query_one(&conn.prepared[0], &params);
+                let (result, good) = bounded(timeout, row.writes, request).await;
+                healthy &= good;
+                answers.push(result.and_then(|row| answer(&row)));
             }
-            let column = |f: fn(&OneRow) -> f64| rows.iter().map(|r| f(r)).collect::<Vec<f64>>();
-            let flags = |f: fn(&OneRow) -> bool| rows.iter().map(|r| f(r)).collect::<Vec<bool>>();
-            let ints = |f: fn(&OneRow) -> i32| rows.iter().map(|r| f(r)).collect::<Vec<i32>>();
-            let names: Vec<&str> = rows.iter().map(|r| r.name.as_str()).collect();
-            let keys: Vec<&str> = rows.iter().map(|r| key_columns(r.key.as_deref()).1).collect();
-            let max_reserved: Vec<Option<f64>> = rows.iter().map(|r| r.max_reserved).collect();
-            let now: Vec<Option<f64>> = rows.iter().map(|r| r.now).collect();
-            let found = match client.query(
-                &prepared.takes,
-                &[
-                    &ints(|r| r.lock),
-                    &names,
-                    &flags(|r| r.key.is_some()),
-                    &keys,
-                    &ints(|r| r.shard),
-                    &ints(|r| r.kind),
-                    &column(|r| r.rate),
-                    &column(|r| r.period),
-                    &column(|r| r.cap),
-                    &max_reserved,
-                    &column(|r| r.alignment),
-                    &column(|r| r.count),
-                    &flags(|r| r.reserve),
-                    &flags(|r| r.writes),
-                    &now,
-                ],
-            ) {
-                Ok(found) => found,
-                // One take's arithmetic failed (a float out of range: a data exception), so
-                // the statement was rolled back whole and nothing was taken: each goes again
-                // alone, below, so that only that one fails.
-                Err(e) if e.code().is_some_and(|c| c.code().starts_with("22")) => {
-                    return Ok(None);
-                }
-                Err(e) => return Err(e),
-            };
-            Ok(Some(found.iter().map(answer).collect::<Vec<_>>()))
-        });
-        let answers = match answers {
-            Ok(None) => return rows.iter().flat_map(|r| self.send_ones(&[r])).collect(),
-            Ok(Some(answers)) => Ok(answers),
-            Err(e) => Err(e),
-        };
-        match answers {
-            Ok(answers) if answers.len() == rows.len() => answers,
-            Ok(answers) => fail_all(
-                rows.len(),
-                StoreError::new(format!(
-                    "postgres: {} rows for {} takes",
-                    answers.len(),
-                    rows.len()
-                )),
-            ),
-            Err(e) => fail_all(rows.len(), e),
+            (answers, healthy)
         }
-    }
-}
-
-impl<C> PgStore<C> {
-    fn with_conn<T>(
-        &self,
-        f: impl FnOnce(&mut PgConn) -> Result<T, postgres::Error>,
-    ) -> Result<T, StoreError> {
-        let connect = || {
-            let mut client =
-                self.config.connect(NoTls).map_err(|e| pg_error("cannot connect", e))?;
-            let ms = self.timeout.as_millis();
-            client
-                .batch_execute(&format!("SET statement_timeout = {ms}; SET lock_timeout = {ms}"))
-                .map_err(|e| pg_error("cannot set timeouts", e))?;
-            Ok(PgConn { client, prepared: None })
-        };
-        self.connections.run(connect, f, |e| pg_error("request failed", e))
-    }
-}
-
-impl<C: Clock> Store for PgStore<C> {
-    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        let now = self.clock.as_ref().map(Clock::now);
-        self.with_conn(|conn| {
-            let (client, prepared) = conn.prepared(&self.sql)?;
-            let mut tx = client.transaction()?;
-            let outcome = execute_in(&mut tx, &prepared.statements.by_ref(), plan, now)?;
-            tx.commit()?;
-            Ok(outcome)
-        })
-    }
-
-    /// The common request in one statement (see the `take` function of the table), alone
-    /// or grouped with others that wait (see [`PgStoreBuilder::connections`]).
-    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        let row = OneRow::new(take, self.clock.as_ref().map(Clock::now));
-        let (db_now, wrote, state) =
-            self.group.run(row, 2 * self.timeout, |rows| self.send_ones(rows))?;
-        // As for a plan: the answer is tollgate-core's, on what the function read.
-        let (taken, new) = take.decide(db_now, state);
-        if wrote != new.is_some() {
-            return Err(StoreError::new(
-                "postgres: the database and tollgate-core disagree on this request; this is a bug",
-            ));
+        Ok(Err(e)) => {
+            let lost = e.is_closed();
+            let error = pg_error("request failed", e);
+            let error = if lost && any_writes { error.sent() } else { error };
+            (fail_all(rows.len(), &error), !lost)
         }
-        Ok(taken)
+        Err(_) => (fail_all(rows.len(), &timed_out(timeout, any_writes)), false),
     }
+}
 
-    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        let now = self.clock.as_ref().map(Clock::now);
-        self.with_conn(|conn| {
-            let (client, prepared) = conn.prepared(&self.sql)?;
-            load(client, &prepared.statements.by_ref(), slots, now)
+/// The answers of a statement of `n` requests that failed as a whole.
+fn fail_all<A>(n: usize, error: &StoreError) -> Vec<Result<A, StoreError>> {
+    (0..n)
+        .map(|_| {
+            let e = StoreError::new(error.message().to_owned());
+            Err(if error.may_have_taken() { e.sent() } else { e })
         })
-    }
-
-    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-        self.with_conn(|conn| {
-            let (client, prepared) = conn.prepared(&self.sql)?;
-            delete_all(client, &prepared.statements.by_ref(), name, key, shards)
-        })
-    }
+        .collect()
 }
 
-/// The limiter inside a transaction of your own: the tokens are spent if you commit and
-/// given back if you roll back. The table must exist (open a [`PgStore`] once, or create it
-/// as that does). The slots' locks are held until your transaction ends: take several
-/// limits in one `transaction` (locked in ascending order) rather than one after another,
-/// or your transaction may deadlock with a request that locks them all (PostgreSQL then
-/// fails one of the two with an error; nothing is admitted by it).
-///
-/// # Examples
-///
-/// ```no_run
-/// use tollgate::store::{PgStore, PgTransaction};
-/// use tollgate::{Config, RateLimiter, MINUTE};
-///
-/// let url = "postgres://postgres@127.0.0.1/app";
-/// let limiter = RateLimiter::new(PgStore::open(url).unwrap());
-/// let mut client = postgres::Client::connect(url, postgres::NoTls).unwrap();
-/// let mut tx = client.transaction().unwrap();
-/// let orders = ("orders", Config::token_bucket(1.0, MINUTE));
-/// let ok = limiter.on(PgTransaction::new(&mut tx)).limit(orders, "alice").unwrap().ok;
-/// if ok {
-///     tx.execute("INSERT INTO orders (item) VALUES ('book')", &[]).unwrap();
-///     tx.commit().unwrap(); // the token is spent together with the order
-/// } // dropped without commit: rolled back, the token is back
-/// ```
-pub struct PgTransaction<'t, 'c, C = tollgate_core::SystemClock> {
-    tx: RefCell<&'t mut postgres::Transaction<'c>>,
-    sql: PgSql,
-    clock: Option<C>,
-}
-
-impl<'t, 'c> PgTransaction<'t, 'c> {
-    /// The limiter's states in `tx`, in the default table, on the database's clock.
-    pub fn new(tx: &'t mut postgres::Transaction<'c>) -> Self {
-        PgTransaction { tx: RefCell::new(tx), sql: PgSql::new("tollgate_state"), clock: None }
-    }
-}
-
-impl<'t, 'c, C: Clock> PgTransaction<'t, 'c, C> {
-    /// The same, in `table`, on `clock`: for tests.
-    ///
-    /// # Errors
-    ///
-    /// A table name other than letters, digits and `_`.
-    pub fn with_table_and_clock(
-        tx: &'t mut postgres::Transaction<'c>,
-        table: &str,
-        clock: C,
-    ) -> Result<Self, StoreError> {
-        if !valid_table(table) {
-            return Err(StoreError::new(format!(
-                "postgres: table name {table:?}: use letters, digits and _, at most {MAX_TABLE}"
-            )));
-        }
-        Ok(PgTransaction { tx: RefCell::new(tx), sql: PgSql::new(table), clock: Some(clock) })
-    }
-}
-
-impl<C: Clock> Store for PgTransaction<'_, '_, C> {
-    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        let now = self.clock.as_ref().map(Clock::now);
-        execute_in(&mut **self.tx.borrow_mut(), &text(&self.sql), plan, now)
-            .map_err(|e| pg_error("request failed", e))
-    }
-
-    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        let now = self.clock.as_ref().map(Clock::now);
-        load(&mut **self.tx.borrow_mut(), &text(&self.sql), slots, now)
-            .map_err(|e| pg_error("read failed", e))
-    }
-
-    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-        delete_all(&mut **self.tx.borrow_mut(), &text(&self.sql), name, key, shards)
-            .map_err(|e| pg_error("delete failed", e))
-    }
-}
-
-/// Locks the slots (ascending), then loads their states and the time in one query.
-fn load<S: ToStatement + ?Sized>(
-    client: &mut impl GenericClient,
-    sql: &Statements<&S>,
+/// Loads the states of `slots` and the time in one query (after taking their locks, in
+/// ascending order, when `lock`: all sent at once, run in order).
+async fn load<G: GenericClient + Sync>(
+    client: &G,
+    stmts: &Stmts<'_>,
     slots: &[Slot<'_>],
     now: Option<f64>,
-) -> Result<(f64, Vec<Option<State>>), postgres::Error> {
-    for id in &lock_ids(slots) {
-        client.execute(sql.lock, &[&LOCK_CLASS, id])?;
-    }
+    lock: bool,
+) -> Result<(f64, Vec<Option<State>>), tokio_postgres::Error> {
+    let ids = if lock { lock_ids(slots) } else { Vec::new() };
+    let locks = ids.iter().map(|id| async move {
+        let params: [&(dyn ToSql + Sync); 2] = [&LOCK_CLASS, id];
+        query(client, stmts.lock, &params).await
+    });
     let names: Vec<&str> = slots.iter().map(|s| s.name).collect();
     let has_keys: Vec<bool> = slots.iter().map(|s| s.key.is_some()).collect();
     let keys: Vec<&str> = slots.iter().map(|s| s.key.unwrap_or("")).collect();
     let shards: Vec<i32> = slots.iter().map(|s| i32::from(s.shard)).collect();
-    let rows = client.query(sql.load, &[&names, &has_keys, &keys, &shards])?;
+    let params: [&(dyn ToSql + Sync); 4] = [&names, &has_keys, &keys, &shards];
+    let rows = query(client, stmts.load, &params);
+    let (locked, rows) = futures_util::future::join(try_join_all(locks), rows).await;
+    locked?;
+    let rows = rows?;
     let mut db_now = now.unwrap_or(0.0);
     let mut states = vec![None; slots.len()];
     for row in rows {
@@ -556,63 +735,282 @@ fn load<S: ToStatement + ?Sized>(
     }
     if now.is_none() && slots.is_empty() {
         db_now = client
-            .query_one("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8", &[])?
+            .query_one("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8", &[])
+            .await?
             .get(0);
     }
     Ok((db_now, states))
 }
 
 /// One request within a transaction already begun: lock, load, decide, write what changed.
-fn execute_in<S: ToStatement + ?Sized>(
-    client: &mut impl GenericClient,
-    sql: &Statements<&S>,
+async fn execute_in<G: GenericClient + Sync>(
+    client: &G,
+    stmts: &Stmts<'_>,
     plan: &Plan<'_>,
     now: Option<f64>,
-) -> Result<Outcome, postgres::Error> {
-    let (now, mut states) = load(client, sql, plan.slots(), now)?;
+) -> Result<Outcome, tokio_postgres::Error> {
+    let (now, mut states) = load(client, stmts, plan.slots(), now, true).await?;
     let outcome = plan.decide(now, &mut states);
-    for (slot, state) in saves(plan, &states, &outcome, now) {
+    let writes = saves(plan, &states, &outcome, now).map(|(slot, state)| async move {
         let ((has_key, key), shard) = (key_columns(slot.key), i32::from(slot.shard));
         match state {
-            Some(s) => client
-                .execute(sql.upsert, &[&slot.name, &has_key, &key, &shard, &s.value, &s.ts])?,
-            None => client.execute(sql.delete, &[&slot.name, &has_key, &key, &shard])?,
-        };
-    }
+            Some(s) => {
+                query(client, stmts.upsert, &[&slot.name, &has_key, &key, &shard, &s.value, &s.ts])
+                    .await
+            }
+            None => query(client, stmts.delete, &[&slot.name, &has_key, &key, &shard]).await,
+        }
+    });
+    try_join_all(writes).await?;
     Ok(outcome)
 }
 
-fn delete_all<S: ToStatement + ?Sized>(
-    client: &mut impl GenericClient,
-    sql: &Statements<&S>,
+/// One request in a transaction of its own on a store connection: `BEGIN` goes with the
+/// locks and the read, `COMMIT` with the writes, so two round trips in all.
+async fn in_own_transaction(
+    client: &Client,
+    stmts: &Stmts<'_>,
+    plan: &Plan<'_>,
+    now: Option<f64>,
+) -> Result<Outcome, tokio_postgres::Error> {
+    let (begun, loaded) = futures_util::future::join(
+        client.batch_execute("BEGIN"),
+        load(client, stmts, plan.slots(), now, true),
+    )
+    .await;
+    let result = async {
+        begun?;
+        let (now, mut states) = loaded?;
+        let outcome = plan.decide(now, &mut states);
+        let writes = saves(plan, &states, &outcome, now).map(|(slot, state)| async move {
+            let ((has_key, key), shard) = (key_columns(slot.key), i32::from(slot.shard));
+            match state {
+                Some(s) => {
+                    let params: [&(dyn ToSql + Sync); 6] =
+                        [&slot.name, &has_key, &key, &shard, &s.value, &s.ts];
+                    query(client, stmts.upsert, &params).await
+                }
+                None => query(client, stmts.delete, &[&slot.name, &has_key, &key, &shard]).await,
+            }
+        });
+        let (written, committed) =
+            futures_util::future::join(try_join_all(writes), client.batch_execute("COMMIT")).await;
+        // A write that failed aborted the transaction, which COMMIT then rolled back.
+        written?;
+        committed?;
+        Ok(outcome)
+    }
+    .await;
+    if result.is_err() && !client.is_closed() {
+        let _ = client.batch_execute("ROLLBACK").await;
+    }
+    result
+}
+
+async fn delete_all<G: GenericClient + Sync>(
+    client: &G,
+    stmts: &Stmts<'_>,
     name: &str,
     key: Option<&str>,
     shards: u16,
-) -> Result<(), postgres::Error> {
+) -> Result<(), tokio_postgres::Error> {
     let (has_key, key) = key_columns(key);
-    client.execute(sql.delete_all, &[&name, &has_key, &key, &i32::from(shards)])?;
+    query(client, stmts.delete_all, &[&name, &has_key, &key, &i32::from(shards)]).await?;
     Ok(())
 }
 
-fn pg_error(what: &str, e: postgres::Error) -> StoreError {
-    // In a caller's transaction ([`PgTransaction`]) the table may never have been made.
-    let hint = if e.code() == Some(&postgres::error::SqlState::UNDEFINED_TABLE) {
+fn pg_error(what: &str, e: tokio_postgres::Error) -> StoreError {
+    // In a caller's transaction ([`PgTransaction`]) the table (and the functions beside it)
+    // may never have been made.
+    use tokio_postgres::error::SqlState;
+    let missing = [SqlState::UNDEFINED_TABLE, SqlState::UNDEFINED_FUNCTION];
+    let hint = if e.code().is_some_and(|code| missing.contains(code)) {
         "; create tollgate's table once by opening a PgStore on this database"
     } else {
         ""
     };
-    StoreError::with_source(format!("postgres: {what}: {e}{hint}"), e)
+    let detail = match e.as_db_error() {
+        Some(db) => format!("{}: {}", db.severity(), db.message()),
+        None => e.to_string(),
+    };
+    StoreError::with_source(format!("postgres: {what}: {detail}{hint}"), e)
+}
+
+impl<C: Clock> PgStore<C> {
+    /// Hands `job` to a worker and awaits its answer.
+    async fn submit<T>(&self, job: impl FnOnce(Ticket<T>) -> Job) -> Result<T, StoreError> {
+        let (ticket, claim): (Ticket<T>, Claim<T>) = ticket();
+        self.shared.push(job(ticket));
+        claim.answer(Some(self.shared.timeout), "postgres").await
+    }
+
+    fn now(&self) -> Option<f64> {
+        self.shared.clock.as_ref().map(Clock::now)
+    }
+}
+
+impl<C: Clock> AsyncStore for PgStore<C> {
+    type Immediate = Never;
+
+    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        let (plan, now) = (Box::new(OwnedPlan::new(plan)), self.now());
+        self.submit(|ticket| Job::Plan(plan, now, ticket)).await
+    }
+
+    /// The common request in one statement (see the `take` function of the table), alone
+    /// or grouped with others that wait (see [`PgStoreBuilder::connections`]).
+    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        let row = OneRow::new(take, self.now());
+        let answer = self.submit(|ticket| Job::One(row, ticket)).await?;
+        decided(take, answer)
+    }
+
+    async fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        let (slots, now) = (OwnedSlots::new(slots), self.now());
+        self.submit(|ticket| Job::Read(slots, now, ticket)).await
+    }
+
+    async fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> Result<(), StoreError> {
+        let (name, key) = (name.to_owned(), key.map(str::to_owned));
+        self.submit(|ticket| Job::Delete(name, key, shards, ticket)).await
+    }
+}
+
+/// The answer to `take` from what the `take` function read and did: tollgate-core's, on the
+/// same state and time, as for a plan.
+fn decided(take: &OneTake<'_>, (db_now, wrote, state): OneAnswer) -> Result<Taken, StoreError> {
+    let (taken, new) = take.decide(db_now, state);
+    if wrote != new.is_some() {
+        return Err(StoreError::new(
+            "postgres: the database and tollgate-core disagree on this request; this is a bug",
+        ));
+    }
+    Ok(taken)
+}
+
+/// The limiter inside a transaction of your own (tokio-postgres): the tokens are spent if
+/// you commit and given back if you roll back. The table must exist (open a [`PgStore`]
+/// once, or create it as that does). The slots' locks are held until your transaction ends:
+/// take several limits in one `transaction_async` (locked in ascending order) rather than
+/// one after another, or your transaction may deadlock with a request that locks them all
+/// (PostgreSQL then fails one of the two with an error; nothing is admitted by it).
+///
+/// Works on anything tokio-postgres calls a [`GenericClient`]: a `Transaction` (the usual
+/// case) or a `Client` (each statement then commits alone: use that only for tests). Each
+/// request is one round trip for a one-take (the table's `take` function), two for a
+/// transaction or a sharded limit.
+///
+/// # Examples
+///
+/// ```no_run
+/// use tollgate::store::{PgStore, PgTransaction};
+/// use tollgate::{Config, RateLimiter, MINUTE};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let url = "postgres://postgres@127.0.0.1/app";
+/// let limiter = RateLimiter::new(PgStore::open(url).await?);
+/// let (mut client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+/// tokio::spawn(connection);
+/// let tx = client.transaction().await?;
+/// let orders = ("orders", Config::token_bucket(1.0, MINUTE));
+/// if limiter.on(PgTransaction::new(&tx)).limit_async(orders, "alice").await?.ok {
+///     tx.execute("INSERT INTO orders (item) VALUES ('book')", &[]).await?;
+///     tx.commit().await?; // the token is spent together with the order
+/// } // dropped without commit: rolled back, the token is back
+/// # Ok(())
+/// # }
+/// ```
+pub struct PgTransaction<'t, T, C = tollgate_core::SystemClock> {
+    client: &'t T,
+    sql: PgSql,
+    clock: Option<C>,
+}
+
+impl<'t, T: GenericClient + Sync> PgTransaction<'t, T> {
+    /// The limiter's states in `client`'s transaction, in the default table, on the
+    /// database's clock.
+    pub fn new(client: &'t T) -> Self {
+        PgTransaction { client, sql: PgSql::new("tollgate_state"), clock: None }
+    }
+}
+
+impl<'t, T: GenericClient + Sync, C: Clock> PgTransaction<'t, T, C> {
+    /// The same, in `table`, on `clock`: for tests.
+    ///
+    /// # Errors
+    ///
+    /// A table name other than letters, digits and `_`.
+    pub fn with_table_and_clock(client: &'t T, table: &str, clock: C) -> Result<Self, StoreError> {
+        if !valid_table(table) {
+            return Err(StoreError::new(format!(
+                "postgres: table name {table:?}: use letters, digits and _, at most {MAX_TABLE}"
+            )));
+        }
+        Ok(PgTransaction { client, sql: PgSql::new(table), clock: Some(clock) })
+    }
+
+    fn now(&self) -> Option<f64> {
+        self.clock.as_ref().map(Clock::now)
+    }
+}
+
+impl<T: GenericClient + Sync, C: Clock> AsyncStore for PgTransaction<'_, T, C> {
+    type Immediate = Never;
+
+    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        execute_in(self.client, &text(&self.sql), plan, self.now())
+            .await
+            .map_err(|e| pg_error("request failed", e))
+    }
+
+    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        let row = OneRow::new(take, self.now());
+        let rows = query(self.client, text(&self.sql).take, &row.params())
+            .await
+            .map_err(|e| pg_error("request failed", e))?;
+        let found = rows.first().ok_or_else(|| StoreError::new("postgres: no answer"))?;
+        decided(take, answer(found)?)
+    }
+
+    async fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        load(self.client, &text(&self.sql), slots, self.now(), true)
+            .await
+            .map_err(|e| pg_error("read failed", e))
+    }
+
+    async fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> Result<(), StoreError> {
+        delete_all(self.client, &text(&self.sql), name, key, shards)
+            .await
+            .map_err(|e| pg_error("delete failed", e))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn table_names_are_checked() {
+    #[tokio::test]
+    async fn table_names_are_checked() {
         let err = PgStore::builder()
             .table("x; DROP TABLE y")
             .open("postgres://127.0.0.1:1/x")
+            .await
             .err()
             .unwrap();
         assert!(err.to_string().contains("use letters, digits and _"), "{err}");
@@ -626,21 +1024,29 @@ mod group_tests {
     use tollgate_core::{Config, MINUTE, ManualClock, Take};
 
     use super::*;
-    use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory, writing};
+    use crate::store::backend_url;
     use crate::store::sql::take_params;
+    use crate::store::testing::{T0, grouped_takes_answer_as_memory, writing};
 
     fn url() -> Option<String> {
         backend_url("TOLLGATE_POSTGRES_URL")
     }
 
-    /// `takes` in one statement, at `now`.
-    fn send_group(
-        store: &PgStore<ManualClock>,
-        takes: &[OneTake<'_>],
-        now: f64,
-    ) -> Vec<Result<OneAnswer, StoreError>> {
-        let rows: Vec<OneRow> = takes.iter().map(|o| OneRow::new(o, Some(now))).collect();
-        store.send_ones(&rows.iter().collect::<Vec<_>>())
+    /// Runs `sql` on the database of `url`, on a connection and a runtime of their own (on
+    /// a thread of its own, so that a `Drop` can call it from inside a runtime).
+    fn batch(url: &str, sql: &str) -> Result<(), tokio_postgres::Error> {
+        let (url, sql) = (url.to_owned(), sql.to_owned());
+        std::thread::spawn(move || {
+            let runtime =
+                tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(async {
+                let (client, connection) = tokio_postgres::connect(&url, NoTls).await?;
+                tokio::spawn(connection);
+                client.batch_execute(&sql).await
+            })
+        })
+        .join()
+        .unwrap()
     }
 
     /// A store on a table of its own, which is dropped with its functions however the test
@@ -652,116 +1058,111 @@ mod group_tests {
     }
 
     impl OnTable {
-        fn open(url: &str, test: &str, clock: &ManualClock) -> Self {
+        async fn open(url: &str, test: &str, clock: &ManualClock) -> Self {
             let table = format!("tollgate_{test}_{}", std::process::id());
-            let store = PgStore::builder().table(&table).open_with_clock(url, clock.clone());
+            let store = PgStore::builder().table(&table).open_with_clock(url, clock.clone()).await;
             OnTable { store: store.unwrap(), url: url.to_owned(), table }
-        }
-    }
-
-    impl OnTable {
-        /// Runs `sql` on the table's database, on a connection of its own.
-        fn batch(&self, sql: &str) -> Result<(), postgres::Error> {
-            postgres::Client::connect(&self.url, NoTls)?.batch_execute(sql)
         }
     }
 
     impl Drop for OnTable {
         fn drop(&mut self) {
-            let _ = self.batch(&format!(
-                "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
-                 DROP FUNCTION IF EXISTS {0}_take",
-                self.table
-            ));
+            let _ = batch(
+                &self.url,
+                &format!(
+                    "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
+                     DROP FUNCTION IF EXISTS {0}_take",
+                    self.table
+                ),
+            );
         }
     }
 
-    #[test]
-    fn grouped_takes_answer_as_memory_one_after_the_other() {
+    /// `takes` in one statement on `conn`, at `now`.
+    async fn send_group(
+        conn: &Conn,
+        takes: &[OneTake<'_>],
+        now: f64,
+    ) -> Vec<Result<OneAnswer, StoreError>> {
+        let rows: Vec<OneRow> = takes.iter().map(|o| OneRow::new(o, Some(now))).collect();
+        let rows: Vec<&OneRow> = rows.iter().collect();
+        send_ones(conn, &rows, Duration::from_secs(5)).await.0
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn grouped_takes_answer_as_memory_one_after_the_other() {
         let Some(url) = url() else { return };
         let clock = ManualClock::new(T0);
-        let on = OnTable::open(&url, "group", &clock);
-        let store = &on.store;
-        grouped_takes_answer_as_memory(&clock, store, |ones| {
-            send_group(store, ones, clock.now()).into_iter().map(Result::unwrap).collect()
-        });
+        let on = OnTable::open(&url, "group", &clock).await;
+        let conn = Conn::open(&on.store.shared).await.unwrap();
+        grouped_takes_answer_as_memory(&clock, &on.store, async |ones: &[OneTake<'_>]| {
+            let answers = send_group(&conn, ones, clock.now()).await;
+            answers.into_iter().map(Result::unwrap).collect()
+        })
+        .await;
     }
 
     /// A table whose functions an earlier version made (answering rows, which `CREATE OR
     /// REPLACE` cannot change) gets this version's functions when a store opens on it.
-    #[test]
-    fn functions_of_an_earlier_version_are_replaced() {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn functions_of_an_earlier_version_are_replaced() {
         let Some(url) = url() else { return };
         let clock = ManualClock::new(T0);
-        let on = OnTable::open(&url, "earlier", &clock);
+        let on = OnTable::open(&url, "earlier", &clock).await;
         let table = &on.table;
-        on.batch(&format!(
-            "DROP FUNCTION {table}_take; DROP FUNCTION {table}_takes;
-             CREATE FUNCTION {table}_take({take}, OUT o_now float8, OUT o_wrote bool,
-               OUT o_value float8, OUT o_ts float8)
-               LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8';
-             CREATE FUNCTION {table}_takes({takes}, OUT o_now float8, OUT o_wrote bool,
-               OUT o_value float8, OUT o_ts float8) RETURNS SETOF record
-               LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8'",
-            take = take_params(false, false),
-            takes = take_params(false, true),
-        ))
+        batch(
+            &url,
+            &format!(
+                "DROP FUNCTION {table}_take; DROP FUNCTION {table}_takes;
+                 CREATE FUNCTION {table}_take({take}, OUT o_now float8, OUT o_wrote bool,
+                   OUT o_value float8, OUT o_ts float8)
+                   LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8';
+                 CREATE FUNCTION {table}_takes({takes}, OUT o_now float8, OUT o_wrote bool,
+                   OUT o_value float8, OUT o_ts float8) RETURNS SETOF record
+                   LANGUAGE sql AS 'SELECT 0::float8, false, NULL::float8, NULL::float8'",
+                take = take_params(false, false),
+                takes = take_params(false, true),
+            ),
+        )
         .unwrap();
-        let store = PgStore::builder().table(table).open_with_clock(&url, clock.clone()).unwrap();
+        let store =
+            PgStore::builder().table(table).open_with_clock(&url, clock.clone()).await.unwrap();
         let config = Config::token_bucket(10.0, MINUTE);
         let take = Take { name: "n", key: Some("k"), config, count: 4.0, reserve: false };
         for left in [6.0, 2.0] {
-            let taken = store.execute_one(&writing(&take)).unwrap();
+            let taken = store.execute_one_async(&writing(&take)).await.unwrap();
             assert_eq!(taken.status.remaining, left);
         }
-        let answers = send_group(&store, &[writing(&take), writing(&take)], clock.now());
+        let conn = Conn::open(&store.shared).await.unwrap();
+        let answers = send_group(&conn, &[writing(&take), writing(&take)], clock.now()).await;
         let wrote: Vec<bool> = answers.iter().map(|a| a.as_ref().unwrap().1).collect();
         assert_eq!(wrote, [false, false], "2 left: both refused");
     }
 
     /// A `take` function that answers something else than its array fails the request.
-    #[test]
-    fn a_garbled_answer_is_an_error() {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_garbled_answer_is_an_error() {
         let Some(url) = url() else { return };
         let clock = ManualClock::new(T0);
-        let on = OnTable::open(&url, "garbled", &clock);
+        let on = OnTable::open(&url, "garbled", &clock).await;
         let table = &on.table;
         let config = Config::token_bucket(10.0, MINUTE);
         let take = Take { name: "n", key: Some("k"), config, count: 1.0, reserve: false };
         for garbage in ["ARRAY[1, 2]", "ARRAY[1, 2, 3, NULL]", "ARRAY[NULL, 1, NULL, NULL]"] {
-            on.batch(&format!(
-                "DROP FUNCTION {table}_take; CREATE FUNCTION {table}_take({args})
-                   RETURNS float8[] LANGUAGE sql AS 'SELECT {garbage}::float8[]'",
-                args = take_params(false, false),
-            ))
+            batch(
+                &url,
+                &format!(
+                    "DROP FUNCTION {table}_take; CREATE FUNCTION {table}_take({args})
+                       RETURNS float8[] LANGUAGE sql AS 'SELECT {garbage}::float8[]'",
+                    args = take_params(false, false),
+                ),
+            )
             .unwrap();
-            let err = on.store.execute_one(&writing(&take)).unwrap_err();
+            // A fresh connection prepares the replaced function.
+            let conn = Conn::open(&on.store.shared).await.unwrap();
+            let answer = send_group(&conn, &[writing(&take)], clock.now()).await.pop().unwrap();
+            let err = answer.and_then(|a| decided(&writing(&take), a)).unwrap_err();
             assert!(err.to_string().contains("garbage"), "{garbage}: {err}");
         }
-    }
-
-    /// A take whose arithmetic fails in PostgreSQL (a refill that overflows a float8) fails
-    /// alone: the group goes again one take at a time, and the others are taken once.
-    #[test]
-    fn a_take_whose_arithmetic_fails_fails_alone() {
-        let Some(url) = url() else { return };
-        let clock = ManualClock::new(T0);
-        let on = OnTable::open(&url, "overflow", &clock);
-        let store = &on.store;
-        let huge = Config::token_bucket(1e300, 1.0);
-        let normal = Config::token_bucket(10.0, MINUTE);
-        let take =
-            |name, config, count| Take { name, key: Some("k"), config, count, reserve: false };
-        // A state of the huge limit; 11 days later its refill, 1e9 ms x 1e300, overflows.
-        assert!(store.execute_one(&writing(&take("huge", huge, 1e299))).unwrap().decision.ok);
-        clock.advance(1e9);
-        let takes =
-            [take("normal", normal, 1.0), take("huge", huge, 1.0), take("normal", normal, 2.0)];
-        let answers = send_group(store, &takes.each_ref().map(writing), clock.now());
-        assert!(answers[1].is_err(), "{:?}", answers[1]);
-        assert!(answers[0].as_ref().unwrap().1 && answers[2].as_ref().unwrap().1, "both wrote");
-        let slot = [writing(&takes[0]).slot];
-        let now = clock.now();
-        assert_eq!(store.read(&slot).unwrap().1, [Some(State { value: 7.0, ts: now })]);
     }
 }

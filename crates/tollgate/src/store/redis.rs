@@ -1,16 +1,20 @@
 //! States in Redis: one server-side script per request, on the Redis clock.
 
 use std::fmt::Write as _;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use redis::{Client, Script, Value};
+use parking_lot::Mutex;
+use redis::aio::MultiplexedConnection;
+#[cfg(feature = "redis-cluster")]
+use redis::cluster_async::ClusterConnection;
+use redis::{Client, IntoConnectionInfo, Script, Value};
 #[cfg(feature = "redis-cluster")]
 use tollgate_core::Split;
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
-use super::Store;
-use super::group::{Group, OneAnswer, fail_all};
-use super::pool::Pool;
+use super::{AsyncStore, Never, OneAnswer};
 use crate::StoreError;
 
 /// Lua: `now`, the request's time in ms: `ARGV[1]` (a test's own time) or Redis `TIME`.
@@ -234,39 +238,6 @@ local answer = struct.pack('<d', now) .. wrote .. (raw or '')
 const SCRIPT_ONE: &str =
     concat!("local key, args, time = KEYS[1], ARGV[1], nil\n", lua_one!(), "return answer\n");
 
-/// The most one-takes a grouped round trip carries: at about 4 us of Redis time each (the
-/// script's share per take in a group of 32), a full trip holds Redis for about 0.3 ms.
-const MOST_PER_TRIP: usize = 64;
-
-/// Several one-takes sent together (see [`Group`]): the same as [`SCRIPT_ONE`] for each
-/// (KEYS\[i\], ARGV\[i\]) in turn, one Redis `TIME` for all, all in one atomic run; answers
-/// the list of their answers. A state named twice is read again after its first take, so
-/// the takes answer as if sent one after the other. A take that fails (its key holds
-/// something else than a state) fails alone, before it writes: its answer is
-/// [`SCRIPT_ERROR`] and the reason. Not used for one take alone: the loop and the list
-/// cost about 2 us more a call than [`SCRIPT_ONE`].
-const SCRIPT_GROUP: &str = concat!(
-    "local time\nlocal function one(key, args)\n",
-    lua_one!(),
-    r#"
-return answer
-end
-local answers = {}
-for i = 1, #KEYS do
-  local ok, answer = pcall(one, KEYS[i], ARGV[i])
-  if not ok then
-    answer = 'script error: ' .. (type(answer) == 'table' and tostring(answer.err) or tostring(answer))
-  end
-  answers[i] = answer
-end
-return answers
-"#
-);
-
-/// How an answer of [`SCRIPT_GROUP`] for a take that failed begins (its ninth byte, `r`,
-/// is never that of a take's answer, `0` or `1`).
-const SCRIPT_ERROR: &[u8] = b"script error: ";
-
 /// Gives a take back to one state (Redis Cluster, when the second shard of a take across two
 /// nodes refused): if the state is still exactly what the take wrote, the state it replaced
 /// is restored; if another request changed it since, the amount is added back at the
@@ -324,10 +295,14 @@ impl Default for RedisStoreBuilder {
         RedisStoreBuilder {
             prefix: "tollgate:".into(),
             timeout: Duration::from_secs(1),
-            connections: 8,
+            connections: DEFAULT_CONNECTIONS,
         }
     }
 }
+
+/// Multiplexed connections kept by default: each carries any number of requests at once
+/// (pipelined), and a second lets two runtime threads drive replies at the same time.
+const DEFAULT_CONNECTIONS: usize = 2;
 
 impl RedisStoreBuilder {
     /// A prefix for every key (default `tollgate:`), to share a Redis with other data. On
@@ -339,22 +314,20 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// How long to wait to connect, send or receive before failing (closed) with a
-    /// [`StoreError`]; default 1 s. A request that waits for a grouped round trip (see
-    /// [`RedisStoreBuilder::connections`]) fails after twice this: one round trip of others,
-    /// then its own; if it was never sent, nothing was taken.
+    /// How long to wait to connect, and for a reply, before failing (closed) with a
+    /// [`StoreError`]; default 1 s. A request whose reply timed out was sent and may have
+    /// run: its error says so ([`StoreError::may_have_taken`]), and its connection is made
+    /// again.
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
-    /// How many connections to keep (default 8); a request holds one for its round trip.
-    /// On one Redis, a one-take request (the common `limit`) that finds every connection
-    /// busy waits for the next round trip, which carries up to 64 waiting requests in one
-    /// script run (group commit: fewer round trips and far less Redis time per request under
-    /// load; each request is still taken on its own, in arrival order, atomically). On Redis
-    /// Cluster, each is a connection to every node, and requests are not grouped.
+    /// How many multiplexed connections to keep to one Redis (default 2). Each carries
+    /// every request sent on it at once, pipelined: a request never waits for a free
+    /// connection, only for its reply. On Redis Cluster the cluster client keeps one
+    /// connection per node and this is not used.
     #[must_use]
     pub fn connections(mut self, connections: usize) -> Self {
         self.connections = connections.max(1);
@@ -363,9 +336,12 @@ impl RedisStoreBuilder {
 
     /// A store on the Redis at `url`, on Redis's own clock: `redis://HOST:PORT/DB`, or
     /// `redis+cluster://HOST:PORT,HOST:PORT,…` for Redis Cluster (feature `redis-cluster`;
-    /// the nodes to start from, optionally after `USER:PASSWORD@`). Nothing is connected until
-    /// the first request, and a lost connection is made again by the next one, so the store
-    /// recovers by itself when the server comes back.
+    /// the nodes to start from, optionally after `USER:PASSWORD@`).
+    ///
+    /// Nothing is connected here, so a store can be opened anywhere, inside an async runtime
+    /// or not. The first request connects, on the Tokio runtime it runs on (the connections'
+    /// tasks live there), and a connection that fails is made again by the next request, so
+    /// the store recovers by itself when the server comes back.
     ///
     /// # Errors
     ///
@@ -388,25 +364,33 @@ impl RedisStoreBuilder {
     }
 
     fn build<C>(self, url: &str, clock: Option<C>) -> Result<RedisStore<C>, StoreError> {
+        let bad_url =
+            |e: redis::RedisError| StoreError::with_source(format!("redis: {url:?}: {e}"), e);
         let server = match url.strip_prefix("redis+cluster://") {
-            Some(nodes) => cluster(nodes, self.timeout)
-                .map_err(|e| StoreError::with_source(format!("redis: {url:?}: {e}"), e))?,
-            None => Server::One(
-                Client::open(url)
-                    .map_err(|e| StoreError::with_source(format!("redis: {url:?}: {e}"), e))?,
-            ),
+            Some(nodes) => cluster(nodes, self.timeout).map_err(bad_url)?,
+            None => {
+                let info = url.into_connection_info().map_err(bad_url)?;
+                // Each request is one small write: send it at once, not after an ACK.
+                let info =
+                    info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
+                let config = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(Some(self.timeout));
+                Server::One {
+                    client: Client::open(info).map_err(bad_url)?,
+                    config,
+                    connections: (0..self.connections).map(|_| Connection::default()).collect(),
+                    next: AtomicUsize::new(0),
+                }
+            }
         };
         Ok(RedisStore {
             server,
-            connections: Pool::new(self.connections),
-            group: Group::new(self.connections, MOST_PER_TRIP),
             script: Script::new(SCRIPT),
             one: Script::new(SCRIPT_ONE),
-            one_group: Script::new(SCRIPT_GROUP),
             #[cfg(feature = "redis-cluster")]
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
-            timeout: self.timeout,
             clock,
         })
     }
@@ -435,11 +419,12 @@ fn cluster(nodes: &str, timeout: Duration) -> redis::RedisResult<Server> {
     let client = redis::cluster::ClusterClient::builder(urls)
         .connection_timeout(timeout)
         .response_timeout(timeout)
+        .tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
         // Few retries: a request that may have run is not run many times over (a repeat can
         // only take twice, never admit more), and a dead node fails the request in time.
         .retries(2)
         .build()?;
-    Ok(Server::Cluster(client))
+    Ok(Server::Cluster { client, connection: Connection::default() })
 }
 
 #[cfg(not(feature = "redis-cluster"))]
@@ -452,24 +437,76 @@ fn cluster(_: &str, _: Duration) -> redis::RedisResult<Server> {
 
 /// Where the states are: one Redis, or a Redis Cluster.
 enum Server {
-    One(Client),
+    One {
+        client: Client,
+        config: redis::AsyncConnectionConfig,
+        connections: Box<[Connection<MultiplexedConnection>]>,
+        /// The connection the next request goes out on, round robin.
+        next: AtomicUsize,
+    },
     #[cfg(feature = "redis-cluster")]
-    Cluster(redis::cluster::ClusterClient),
+    Cluster { client: redis::cluster::ClusterClient, connection: Connection<ClusterConnection> },
 }
 
-/// A connection to one Redis, or to the nodes of a cluster.
-type Conn = Box<dyn redis::ConnectionLike + Send>;
+/// One multiplexed connection, made on first use and made again after it failed.
+struct Connection<T> {
+    /// The connection and its generation (how many were made before it).
+    current: Mutex<(Option<T>, u64)>,
+    /// Held while connecting, so that many requests that find no connection make one.
+    connecting: tokio::sync::Mutex<()>,
+}
+
+impl<T> Default for Connection<T> {
+    fn default() -> Self {
+        Connection { current: Mutex::new((None, 0)), connecting: tokio::sync::Mutex::new(()) }
+    }
+}
+
+impl<T: Clone> Connection<T> {
+    /// The connection (a cheap handle to it) and its generation, connecting with `connect`
+    /// if there is none.
+    async fn get<F>(&self, connect: impl FnOnce() -> F) -> Result<(T, u64), StoreError>
+    where
+        F: Future<Output = redis::RedisResult<T>>,
+    {
+        if let (Some(conn), generation) = &*self.current.lock() {
+            return Ok((conn.clone(), *generation));
+        }
+        let _connecting = self.connecting.lock().await;
+        if let (Some(conn), generation) = &*self.current.lock() {
+            return Ok((conn.clone(), *generation));
+        }
+        let conn = connect().await.map_err(|e| redis_error("cannot connect", e))?;
+        let mut current = self.current.lock();
+        current.0 = Some(conn.clone());
+        current.1 += 1;
+        Ok((conn, current.1))
+    }
+
+    /// Drops the connection of `generation` after it failed (not a newer one), so that the
+    /// next request connects afresh.
+    fn failed(&self, generation: u64) {
+        let mut current = self.current.lock();
+        if current.1 == generation {
+            current.0 = None;
+        }
+    }
+}
 
 /// States in Redis or Redis Cluster (SPEC §5): the distributed engine, for many app servers.
 ///
 /// Each request is one `EVALSHA` of a script that runs the whole request (every limit, all
-/// or nothing) on the server with Redis `TIME` (reloaded by itself after a `NOSCRIPT`);
-/// under load, concurrent one-take requests share a round trip and a script run (see
-/// [`RedisStoreBuilder::connections`]). A
-/// state is two packed doubles under `<prefix><name>:<key>:<shard>` (lengths keep names
-/// and keys from running into each other), set to expire when it is full again, so storage
-/// follows active limits. A Redis that cannot be reached, times out or answers garbage is a
-/// [`StoreError`]: nothing is admitted.
+/// or nothing) on the server with Redis `TIME` (loaded again by itself after a `NOSCRIPT`),
+/// sent on one of a few multiplexed connections (redis-rs's async client): many concurrent
+/// requests share each connection, pipelined, and no request ever blocks a thread. A state
+/// is two packed doubles under `<prefix><name>:<key>:<shard>` (lengths keep names and keys
+/// from running into each other), set to expire when it is full again, so storage follows
+/// active limits. A Redis that cannot be reached, times out or answers garbage is a
+/// [`StoreError`]: nothing is admitted; a reply that timed out may have run, and the error
+/// says so.
+///
+/// The store is an [`AsyncStore`](super::AsyncStore): use the limiter's `*_async` calls,
+/// inside a Tokio runtime (the connections' tasks run on the runtime that made them).
 ///
 /// # Redis Cluster
 ///
@@ -495,22 +532,20 @@ type Conn = Box<dyn redis::ConnectionLike + Send>;
 /// use tollgate::store::RedisStore;
 /// use tollgate::{Config, RateLimiter, MINUTE};
 ///
-/// let limiter = RateLimiter::new(RedisStore::open("redis://127.0.0.1:6379").unwrap());
-/// let send = ("send", Config::token_bucket(10.0, MINUTE));
-/// assert!(limiter.limit(send, "alice").unwrap().ok);
+/// #[tokio::main]
+/// async fn main() {
+///     let limiter = RateLimiter::new(RedisStore::open("redis://127.0.0.1:6379").unwrap());
+///     let send = ("send", Config::token_bucket(10.0, MINUTE));
+///     assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
+/// }
 /// ```
 pub struct RedisStore<C = tollgate_core::SystemClock> {
     server: Server,
-    connections: Pool<Conn>,
-    /// One-takes on one Redis, sent together when every connection is busy.
-    group: Group<(String, Vec<u8>), Value>,
     script: Script,
     one: Script,
-    one_group: Script,
     #[cfg(feature = "redis-cluster")]
     give_back: Script,
     prefix: String,
-    timeout: Duration,
     /// `None`: Redis `TIME`.
     clock: Option<C>,
 }
@@ -541,6 +576,14 @@ struct Ran {
     states: Vec<Option<State>>,
 }
 
+/// What a command is, for the errors of its round trip: whether it may have changed a state
+/// when its reply never came back.
+#[derive(Clone, Copy, PartialEq)]
+enum Writes {
+    Yes,
+    No,
+}
+
 impl<C: Clock> RedisStore<C> {
     /// The key of a state. Lengths first, so `("a:b", "c")` and `("a", "b:c")` differ, and
     /// `n` (no key) differs from `k0:` (the empty key).
@@ -559,61 +602,51 @@ impl<C: Clock> RedisStore<C> {
     }
 
     fn is_cluster(&self) -> bool {
-        !matches!(self.server, Server::One(_))
+        !matches!(self.server, Server::One { .. })
     }
 
-    fn with_connection<T>(
+    /// Runs `request` on a connection (a cheap handle to a multiplexed one). A failure of
+    /// the connection (not an error answered by Redis) drops it, so the next request
+    /// connects afresh; if `writes` and the request may have reached Redis, the error says
+    /// that it may have run.
+    async fn on_connection<T, F>(
         &self,
-        f: impl FnOnce(&mut Conn) -> redis::RedisResult<T>,
-    ) -> Result<T, StoreError> {
-        let connect = || -> Result<Conn, StoreError> {
-            match &self.server {
-                Server::One(client) => {
-                    let conn = client
-                        .get_connection_with_timeout(self.timeout)
-                        .map_err(|e| redis_error("cannot connect", e))?;
-                    conn.set_read_timeout(Some(self.timeout))
-                        .map_err(|e| redis_error("cannot set a timeout", e))?;
-                    conn.set_write_timeout(Some(self.timeout))
-                        .map_err(|e| redis_error("cannot set a timeout", e))?;
-                    Ok(Box::new(conn))
-                }
-                #[cfg(feature = "redis-cluster")]
-                Server::Cluster(client) => Ok(Box::new(
-                    client.get_connection().map_err(|e| redis_error("cannot connect", e))?,
-                )),
+        writes: Writes,
+        request: impl FnOnce(AnyConnection) -> F,
+    ) -> Result<T, StoreError>
+    where
+        F: Future<Output = redis::RedisResult<T>>,
+    {
+        match &self.server {
+            Server::One { client, config, connections, next } => {
+                let i = next.fetch_add(1, Ordering::Relaxed) % connections.len();
+                let connect = || client.get_multiplexed_async_connection_with_config(config);
+                run_on(&connections[i], connect, |c| request(AnyConnection::One(c)), writes).await
             }
-        };
-        self.connections.run(connect, f, |e| redis_error("request failed", e))
+            #[cfg(feature = "redis-cluster")]
+            Server::Cluster { client, connection } => {
+                let connect = || client.get_async_connection();
+                run_on(connection, connect, |c| request(AnyConnection::Cluster(c)), writes).await
+            }
+        }
     }
 
     fn now_arg(&self) -> String {
         self.clock.as_ref().map(|c| format!("{:?}", c.now())).unwrap_or_default()
     }
 
-    /// Sends one-takes (`(key, one_args)`) in one round trip: [`SCRIPT_ONE`] for one,
-    /// [`SCRIPT_GROUP`] for several; answers each with its reply (see [`unpack_one`]).
-    fn send_ones(&self, requests: &[&(String, Vec<u8>)]) -> Vec<Result<Value, StoreError>> {
-        let script = if requests.len() == 1 { &self.one } else { &self.one_group };
-        let mut invocation = script.prepare_invoke();
-        for (key, args) in requests {
-            invocation.key(key).arg(args.as_slice());
-        }
-        let reply = self.with_connection(|conn| invocation.invoke::<Value>(&mut **conn));
-        let replies = match reply {
-            Ok(reply) if requests.len() == 1 => return vec![Ok(reply)],
-            Ok(Value::Array(replies)) if replies.len() == requests.len() => Ok(replies),
-            Ok(_) => Err(garbage(&format!("not {} answers", requests.len()))),
-            Err(e) => Err(e),
-        };
-        match replies {
-            Ok(replies) => replies.into_iter().map(Ok).collect(),
-            Err(e) => fail_all(requests.len(), e),
-        }
+    /// Sends one one-take (`key`, [`one_args`]) and answers its reply (see [`unpack_one`]).
+    async fn send_one(&self, key: &str, args: &[u8]) -> Result<Value, StoreError> {
+        let mut invocation = self.one.prepare_invoke();
+        invocation.key(key).arg(args);
+        self.on_connection(Writes::Yes, |mut conn| async move {
+            invocation.invoke_async::<Value>(&mut conn).await
+        })
+        .await
     }
 
     /// Runs the script for `plan`, whose slots are stored under `keys`, in one round trip.
-    fn run(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Ran, StoreError> {
+    async fn run(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Ran, StoreError> {
         let slots = plan.slots();
         let mut invocation = self.script.prepare_invoke();
         for key in keys {
@@ -640,7 +673,12 @@ impl<C: Clock> RedisStore<C> {
                 .arg(t.a + 1)
                 .arg(t.b.map_or(0, |b| b + 1));
         }
-        let reply: Vec<Value> = self.with_connection(|conn| invocation.invoke(&mut **conn))?;
+        let writes = if plan.writes() { Writes::Yes } else { Writes::No };
+        let reply: Vec<Value> =
+            self.on_connection(writes, |mut conn| async move {
+                invocation.invoke_async(&mut conn).await
+            })
+            .await?;
         if reply.len() != 2 + slots.len() {
             return Err(garbage(&format!("{} values for {} slots", reply.len(), slots.len())));
         }
@@ -665,24 +703,32 @@ impl<C: Clock> RedisStore<C> {
     }
 
     /// Reads the states under `keys` and the time: one pipeline on one Redis, one command
-    /// per key on a cluster (the keys may be on different nodes).
-    fn read_keys(&self, keys: &[String]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        let reply: Vec<Value> = if self.is_cluster() {
-            self.with_connection(|conn| {
-                let mut reply = vec![redis::cmd("TIME").query(&mut **conn)?];
-                for key in keys {
-                    reply.push(redis::cmd("GET").arg(key).query(&mut **conn)?);
+    /// per key on a cluster (the keys may be on different nodes), all sent at once.
+    async fn read_keys(&self, keys: &[String]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        let reply: Vec<Value> = self
+            .on_connection(Writes::No, |mut conn| async move {
+                if let AnyConnection::One(_) = conn {
+                    let mut pipe = redis::pipe();
+                    pipe.cmd("TIME");
+                    for key in keys {
+                        pipe.cmd("GET").arg(key);
+                    }
+                    return pipe.query_async(&mut conn).await;
+                }
+                let time = redis::cmd("TIME");
+                let gets: Vec<redis::Cmd> =
+                    keys.iter().map(|key| redis::cmd("GET").arg(key).clone()).collect();
+                let mut reply = vec![time.query_async::<Value>(&mut conn.clone()).await?];
+                let each = gets.iter().map(|get| {
+                    let mut conn = conn.clone();
+                    async move { get.query_async::<Value>(&mut conn).await }
+                });
+                for value in futures_util::future::join_all(each).await {
+                    reply.push(value?);
                 }
                 Ok(reply)
-            })?
-        } else {
-            let mut pipe = redis::pipe();
-            pipe.cmd("TIME");
-            for key in keys {
-                pipe.cmd("GET").arg(key);
-            }
-            self.with_connection(|conn| pipe.query(&mut **conn))?
-        };
+            })
+            .await?;
         let time = match reply.first() {
             Some(Value::Array(t)) if t.len() == 2 => {
                 let secs = parse_num(&t[0]).ok_or_else(|| garbage("TIME"))?;
@@ -697,45 +743,110 @@ impl<C: Clock> RedisStore<C> {
     }
 }
 
+/// Runs `request` on the connection of `slot`, made with `connect` if there is none (see
+/// [`RedisStore::on_connection`]).
+async fn run_on<K: Clone, T, G, F>(
+    slot: &Connection<K>,
+    connect: impl FnOnce() -> G,
+    request: impl FnOnce(K) -> F,
+    writes: Writes,
+) -> Result<T, StoreError>
+where
+    G: Future<Output = redis::RedisResult<K>>,
+    F: Future<Output = redis::RedisResult<T>>,
+{
+    let (conn, generation) = slot.get(connect).await?;
+    request(conn).await.map_err(|e| {
+        let broken = e.is_io_error()
+            || e.is_timeout()
+            || e.is_connection_dropped()
+            || e.is_unrecoverable_error();
+        if broken {
+            slot.failed(generation);
+        }
+        let error = redis_error("request failed", e);
+        if broken && writes == Writes::Yes { error.sent() } else { error }
+    })
+}
+
+/// A handle to a connection of either kind, for commands that run on both.
+#[derive(Clone)]
+enum AnyConnection {
+    One(MultiplexedConnection),
+    #[cfg(feature = "redis-cluster")]
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for AnyConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            AnyConnection::One(conn) => conn.req_packed_command(cmd),
+            #[cfg(feature = "redis-cluster")]
+            AnyConnection::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            AnyConnection::One(conn) => conn.req_packed_commands(cmd, offset, count),
+            #[cfg(feature = "redis-cluster")]
+            AnyConnection::Cluster(conn) => conn.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            AnyConnection::One(conn) => conn.get_db(),
+            #[cfg(feature = "redis-cluster")]
+            AnyConnection::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
+
 #[cfg(feature = "redis-cluster")]
 impl<C: Clock> RedisStore<C> {
     /// A request whose states are in several hash slots of a cluster: a sharded take runs in
     /// steps (see [`RedisStore`]); anything else is refused with an error.
-    fn execute_split(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Outcome, StoreError> {
+    async fn execute_split(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Outcome, StoreError> {
         let n = plan.slots().len();
         // Only one take over two shards splits: refuse anything else before any round trip.
         if n != 2 || plan.takes().nth(1).is_some() {
             return Err(cross_slot(plan, keys));
         }
-        let (now, states) = self.read_keys(keys)?;
+        let (now, states) = self.read_keys(keys).await?;
         let Some(split) = plan.split(now, &states) else {
             return Err(cross_slot(plan, keys));
         };
         match &split {
             Split::Done(outcome) => Ok(outcome.clone()),
             Split::One { slot, plan } => {
-                let ran = self.run(plan, std::slice::from_ref(&keys[*slot]))?;
+                let ran = self.run(plan, std::slice::from_ref(&keys[*slot])).await?;
                 Ok(split.outcome(n, &[ran.outcome]))
             }
             Split::Both { slots: [a, b], plans: [pa, pb] } => {
-                let first = self.run(pa, std::slice::from_ref(&keys[*a]))?;
+                let first = self.run(pa, std::slice::from_ref(&keys[*a])).await?;
                 if !first.outcome.ok {
                     return Ok(split.outcome(n, &[first.outcome]));
                 }
-                let second = self.run(pb, std::slice::from_ref(&keys[*b]));
+                let second = self.run(pb, std::slice::from_ref(&keys[*b])).await;
                 if let Ok(second) = &second
                     && second.outcome.ok
                 {
                     return Ok(split.outcome(n, &[first.outcome, second.outcome.clone()]));
                 }
-                self.give_back(pa, &keys[*a], &first)?;
+                self.give_back(pa, &keys[*a], &first).await?;
                 Ok(split.outcome(n, &[first.outcome, second?.outcome]))
             }
         }
     }
 
     /// Gives back what `ran` took from the one slot of `plan` (see [`GIVE_BACK`]).
-    fn give_back(&self, plan: &Plan<'_>, key: &str, ran: &Ran) -> Result<(), StoreError> {
+    async fn give_back(&self, plan: &Plan<'_>, key: &str, ran: &Ran) -> Result<(), StoreError> {
         let slot = &plan.slots()[0];
         let amount = plan.takes().next().map_or(0.0, |t| t.count);
         let written = ran.states[0].map(pack_state).unwrap_or_default();
@@ -751,7 +862,11 @@ impl<C: Clock> RedisStore<C> {
             .arg(num(c.period()))
             .arg(num(c.capacity()))
             .arg(num(amount));
-        self.with_connection(|conn| invocation.invoke::<i64>(&mut **conn)).map(drop)
+        self.on_connection(Writes::Yes, |mut conn| async move {
+            invocation.invoke_async::<i64>(&mut conn).await
+        })
+        .await
+        .map(drop)
     }
 }
 
@@ -827,9 +942,6 @@ fn unpack_one(reply: &Value) -> Result<OneAnswer, StoreError> {
     let Value::BulkString(reply) = reply else {
         return Err(garbage("not a string for one slot"));
     };
-    if reply.starts_with(SCRIPT_ERROR) {
-        return Err(StoreError::new(format!("redis: {}", String::from_utf8_lossy(reply))));
-    }
     let (wrote, state) = match reply.get(8..) {
         Some([b'0', state @ ..]) => (false, state),
         Some([b'1', state @ ..]) => (true, state),
@@ -907,31 +1019,27 @@ fn garbage(what: &str) -> StoreError {
     StoreError::new(format!("redis: unexpected answer: {what}"))
 }
 
-impl<C: Clock> Store for RedisStore<C> {
-    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+impl<C: Clock> AsyncStore for RedisStore<C> {
+    type Immediate = Never;
+
+    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         let keys: Vec<String> =
             plan.slots().iter().map(|s| self.key(s.name, s.key, s.shard)).collect();
         #[cfg(feature = "redis-cluster")]
         if self.is_cluster() {
             let first = hash_slot(keys[0].as_bytes());
             if keys[1..].iter().any(|k| hash_slot(k.as_bytes()) != first) {
-                return self.execute_split(plan, &keys);
+                return self.execute_split(plan, &keys).await;
             }
         }
-        self.run(plan, &keys).map(|ran| ran.outcome)
+        self.run(plan, &keys).await.map(|ran| ran.outcome)
     }
 
-    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
         let slot = &take.slot;
         let now = self.clock.as_ref().map_or(f64::NAN, Clock::now);
-        let request = (self.key(slot.name, slot.key, slot.shard), one_args(take, now));
-        let reply = if self.is_cluster() {
-            // The states of concurrent requests are on different nodes: one at a time.
-            self.send_ones(&[&request]).pop().unwrap_or_else(|| Err(garbage("no answer")))?
-        } else {
-            // A request may wait for one round trip of others before its own.
-            self.group.run(request, 2 * self.timeout, |requests| self.send_ones(requests))?
-        };
+        let key = self.key(slot.name, slot.key, slot.shard);
+        let reply = self.send_one(&key, &one_args(take, now)).await?;
         let (now, wrote, loaded) = unpack_one(&reply)?;
         // As for a plan: the answer is tollgate-core's, on what the script loaded.
         let (taken, new) = take.decide(now, loaded);
@@ -941,20 +1049,33 @@ impl<C: Clock> Store for RedisStore<C> {
         Ok(taken)
     }
 
-    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+    async fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
         let keys: Vec<String> = slots.iter().map(|s| self.key(s.name, s.key, s.shard)).collect();
-        self.read_keys(&keys)
+        self.read_keys(&keys).await
     }
 
-    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+    async fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> Result<(), StoreError> {
         let keys: Vec<String> = (0..shards).map(|shard| self.key(name, key, shard)).collect();
-        if self.is_cluster() {
+        self.on_connection(Writes::Yes, |conn| async move {
+            if let AnyConnection::One(mut conn) = conn {
+                return redis::cmd("DEL").arg(&keys).query_async::<()>(&mut conn).await;
+            }
             // One command per key: a cluster refuses a DEL over several hash slots.
-            return self.with_connection(|conn| {
-                keys.iter().try_for_each(|k| redis::cmd("DEL").arg(k).query::<()>(&mut **conn))
+            let each = keys.iter().map(|k| {
+                let mut conn = conn.clone();
+                async move { redis::cmd("DEL").arg(k).query_async::<()>(&mut conn).await }
             });
-        }
-        self.with_connection(|conn| redis::cmd("DEL").arg(&keys).query::<()>(&mut **conn))
+            futures_util::future::try_join_all(each).await.map(drop)
+        })
+        .await
     }
 }
 
@@ -1013,11 +1134,11 @@ mod give_back_tests {
     use super::*;
 
     fn cluster_url() -> Option<String> {
-        crate::store::group::testing::backend_url("TOLLGATE_REDIS_CLUSTER_URL")
+        crate::store::backend_url("TOLLGATE_REDIS_CLUSTER_URL")
     }
 
-    #[test]
-    fn restores_exactly_or_adds_back() {
+    #[tokio::test]
+    async fn restores_exactly_or_adds_back() {
         let Some(url) = cluster_url() else { return };
         const T0: f64 = 1_700_000_000_000.0;
         let clock = ManualClock::new(T0);
@@ -1032,26 +1153,26 @@ mod give_back_tests {
         };
         let key = store.key("t", Some("k"), 0);
         let keys = std::slice::from_ref(&key);
-        let value = || store.read_keys(keys).unwrap().1[0].map(|s| s.value);
+        let value = async || store.read_keys(keys).await.unwrap().1[0].map(|s| s.value);
 
         // Nothing touched the state since the take: the state before it comes back.
         let four = plan(4.0);
-        let ran = store.run(&four, keys).unwrap();
-        assert_eq!(value(), Some(6.0));
-        store.give_back(&four, &key, &ran).unwrap();
-        assert_eq!(value(), None, "there was no state before the take");
-        store.run(&plan(1.0), keys).unwrap();
-        let ran = store.run(&four, keys).unwrap();
-        store.give_back(&four, &key, &ran).unwrap();
-        assert_eq!(value(), Some(9.0), "the state before the take, exactly");
+        let ran = store.run(&four, keys).await.unwrap();
+        assert_eq!(value().await, Some(6.0));
+        store.give_back(&four, &key, &ran).await.unwrap();
+        assert_eq!(value().await, None, "there was no state before the take");
+        store.run(&plan(1.0), keys).await.unwrap();
+        let ran = store.run(&four, keys).await.unwrap();
+        store.give_back(&four, &key, &ran).await.unwrap();
+        assert_eq!(value().await, Some(9.0), "the state before the take, exactly");
 
         // Another take came between: the amount is added back, up to capacity.
-        let ran = store.run(&four, keys).unwrap();
-        store.run(&plan(2.0), keys).unwrap();
-        assert_eq!(value(), Some(3.0));
-        store.give_back(&four, &key, &ran).unwrap();
-        assert_eq!(value(), Some(7.0));
-        store.delete("t", Some("k"), 1).unwrap();
+        let ran = store.run(&four, keys).await.unwrap();
+        store.run(&plan(2.0), keys).await.unwrap();
+        assert_eq!(value().await, Some(3.0));
+        store.give_back(&four, &key, &ran).await.unwrap();
+        assert_eq!(value().await, Some(7.0));
+        store.delete_async("t", Some("k"), 1).await.unwrap();
     }
 }
 
@@ -1062,24 +1183,10 @@ mod on_redis_tests {
     use tollgate_core::{Config, MINUTE, ManualClock, SECOND, Take};
 
     use super::*;
-    use crate::store::group::testing::{T0, backend_url, grouped_takes_answer_as_memory, writing};
+    use crate::store::testing::{T0, writing};
 
     fn url() -> Option<String> {
-        backend_url("TOLLGATE_REDIS_URL")
-    }
-
-    /// `takes` in one round trip, at the clock's time: each answer as [`unpack_one`] reads it.
-    fn send_group(
-        redis: &RedisStore<ManualClock>,
-        takes: &[OneTake<'_>],
-        now: f64,
-    ) -> Vec<Result<OneAnswer, StoreError>> {
-        let requests: Vec<(String, Vec<u8>)> = takes
-            .iter()
-            .map(|o| (redis.key(o.slot.name, o.slot.key, o.slot.shard), one_args(o, now)))
-            .collect();
-        let replies = redis.send_ones(&requests.iter().collect::<Vec<_>>());
-        replies.into_iter().map(|r| unpack_one(&r?)).collect()
+        crate::store::backend_url("TOLLGATE_REDIS_URL")
     }
 
     fn open(url: &str, clock: &ManualClock, test: &str) -> RedisStore<ManualClock> {
@@ -1087,20 +1194,10 @@ mod on_redis_tests {
         RedisStore::builder().prefix(prefix).open_with_clock(url, clock.clone()).unwrap()
     }
 
-    #[test]
-    fn grouped_takes_answer_as_memory_one_after_the_other() {
-        let Some(url) = url() else { return };
-        let clock = ManualClock::new(T0);
-        let redis = open(&url, &clock, "group");
-        grouped_takes_answer_as_memory(&clock, &redis, |ones| {
-            send_group(&redis, ones, clock.now()).into_iter().map(Result::unwrap).collect()
-        });
-    }
-
-    /// A key that holds something else than a state fails its own take, alone or in a
-    /// group; the group's other takes are answered and saved.
-    #[test]
-    fn a_foreign_value_fails_only_its_own_take() {
+    /// A key that holds something else than a state fails its take with an error; others
+    /// go on.
+    #[tokio::test]
+    async fn a_foreign_value_fails_its_own_take() {
         let Some(url) = url() else { return };
         let clock = ManualClock::new(T0);
         let redis = open(&url, &clock, "foreign");
@@ -1110,23 +1207,20 @@ mod on_redis_tests {
         let bad_key = redis.key("t", Some("bad"), 0);
         let _: () = redis::cmd("SET").arg(&bad_key).arg("x").query(&mut conn).unwrap();
         let (bad, good) = (take("bad"), take("good"));
-        assert!(redis.execute_one(&writing(&bad)).is_err(), "alone");
-        let group = [writing(&good), writing(&bad), writing(&good)];
-        let answers = send_group(&redis, &group, clock.now());
-        let error = answers[1].as_ref().unwrap_err().message().to_owned();
-        assert!(error.starts_with("redis: script error: "), "{error}");
-        assert_eq!(answers[0].as_ref().unwrap().2, None);
-        assert_eq!(answers[2].as_ref().unwrap().2, Some(State { value: 9.0, ts: T0 }));
+        let err = redis.execute_one_async(&writing(&bad)).await.unwrap_err();
+        assert!(err.message().starts_with("redis: "), "{err}");
+        assert!(!err.may_have_taken(), "Redis answered: nothing was taken");
+        assert!(redis.execute_one_async(&writing(&good)).await.unwrap().decision.ok);
         let slot = [writing(&good).slot];
-        assert_eq!(redis.read(&slot).unwrap().1, [Some(State { value: 8.0, ts: T0 })]);
-        redis.delete("t", Some("good"), 1).unwrap();
-        redis.delete("t", Some("bad"), 1).unwrap();
+        assert_eq!(redis.read_async(&slot).await.unwrap().1, [Some(State { value: 9.0, ts: T0 })]);
+        redis.delete_async("t", Some("good"), 1).await.unwrap();
+        redis.delete_async("t", Some("bad"), 1).await.unwrap();
     }
 
-    /// A state expires exactly when it would be full again (rounded up to the ms), alone,
-    /// grouped and in a transaction; one left full is deleted.
-    #[test]
-    fn states_expire_when_full_again() {
+    /// A state expires exactly when it would be full again (rounded up to the ms), alone and
+    /// in a transaction; one left full is deleted.
+    #[tokio::test]
+    async fn states_expire_when_full_again() {
         let Some(url) = url() else { return };
         let clock = ManualClock::new(T0);
         let redis = open(&url, &clock, "expiry");
@@ -1138,36 +1232,28 @@ mod on_redis_tests {
         let window = Config::fixed_window(10.0, MINUTE).with_start(T0 - 15.0 * SECOND);
         let take =
             |name, key, config, count| Take { name, key: Some(key), config, count, reserve: false };
-        let one = |t: &Take<'_>| redis.execute_one(&writing(t)).unwrap();
+        let one = async |t: &Take<'_>| redis.execute_one_async(&writing(t)).await.unwrap();
 
         // 4 of 10 a minute taken: full again in 4 x 6 s.
-        assert!(one(&take("tb", "alone", bucket, 4.0)).decision.ok);
+        assert!(one(&take("tb", "alone", bucket, 4.0)).await.decision.ok);
         assert!((23_000..=24_000).contains(&pttl("tb", "alone")));
         // A window that began 15 s ago: full again when the next one begins, in 45 s.
-        assert!(one(&take("fw", "alone", window, 3.0)).decision.ok);
+        assert!(one(&take("fw", "alone", window, 3.0)).await.decision.ok);
         assert!((44_000..=45_000).contains(&pttl("fw", "alone")));
         // Taking nothing leaves a new state full: nothing is stored (-2: no such key).
-        assert!(one(&take("tb", "nothing", bucket, 0.0)).decision.ok);
+        assert!(one(&take("tb", "nothing", bucket, 0.0)).await.decision.ok);
         assert_eq!(pttl("tb", "nothing"), -2);
-
-        // Grouped: 1, then 2 more of the same state: full again in 3 x 6 s.
-        let (a, b) = (take("tb", "grouped", bucket, 1.0), take("tb", "grouped", bucket, 2.0));
-        let answers = send_group(&redis, &[writing(&a), writing(&b)], clock.now());
-        assert!(answers.iter().all(|r| r.as_ref().unwrap().1), "both wrote");
-        assert!((17_000..=18_000).contains(&pttl("tb", "grouped")));
 
         // A transaction (the general script): 5 of the bucket, 1 of the window.
         let mut plan = Plan::new(true);
         plan.push(&take("tb", "tx", bucket, 5.0), 0, 0).unwrap();
         plan.push(&take("fw", "tx", window, 1.0), 0, 0).unwrap();
-        assert!(redis.execute(&plan).unwrap().ok);
+        assert!(redis.execute_async(&plan).await.unwrap().ok);
         assert!((29_000..=30_000).contains(&pttl("tb", "tx")));
         assert!((44_000..=45_000).contains(&pttl("fw", "tx")));
 
-        for (name, key) in
-            [("tb", "alone"), ("fw", "alone"), ("tb", "grouped"), ("tb", "tx"), ("fw", "tx")]
-        {
-            redis.delete(name, Some(key), 1).unwrap();
+        for (name, key) in [("tb", "alone"), ("fw", "alone"), ("tb", "tx"), ("fw", "tx")] {
+            redis.delete_async(name, Some(key), 1).await.unwrap();
         }
     }
 }

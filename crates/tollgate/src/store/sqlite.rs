@@ -1,17 +1,19 @@
 //! States in a SQLite database: the server's embedded default, and apps that run on SQLite.
 
 use std::path::Path;
+use std::sync::{Arc, OnceLock, mpsc};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
-use tollgate_core::{Clock, Config, Kind, Outcome, Plan, Slot, State, SystemClock};
+use tollgate_core::{Clock, Config, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken};
 
-use super::Store;
 use super::sql::{
     SQLITE_DELETE, SQLITE_DELETE_ALL, SQLITE_SCHEMA, SQLITE_SELECT, SQLITE_UPSERT, key_columns,
     saves,
 };
+use super::ticket::{OwnedOne, OwnedPlan, OwnedSlots, Ticket, ticket};
+use super::{AsyncStore, Never, Store};
 use crate::StoreError;
 
 /// How SQLite makes a commit durable; see [`SqliteStoreBuilder::synchronous`].
@@ -113,7 +115,10 @@ impl SqliteStoreBuilder {
         conn.execute_batch(&format!("PRAGMA synchronous = {sync};"))
             .map_err(|e| sql_error("cannot set synchronous", e))?;
         create_schema(&conn)?;
-        Ok(SqliteStore { conn: Mutex::new(conn), clock })
+        Ok(SqliteStore {
+            shared: Arc::new(Shared { conn: Mutex::new(conn), clock }),
+            writer: OnceLock::new(),
+        })
     }
 }
 
@@ -136,6 +141,17 @@ pub fn create_schema(conn: &Connection) -> Result<(), StoreError> {
 /// A state that a request leaves full is deleted; [`SqliteStore::sweep`] deletes those that
 /// have refilled since.
 ///
+/// Two ways in, one database connection:
+///
+/// - the sync API (`limit`, ...) runs each request on the calling thread, which waits for
+///   the disk: for programs without an async runtime;
+/// - the async API (`limit_async`, ...) hands each request to the store's writer thread
+///   (started on first use) and awaits the answer, so no runtime thread ever waits on the
+///   disk. The writer runs the requests that wait for it together in one transaction (group
+///   commit: one commit for all of them, each still decided on its own, in arrival order),
+///   and answers each only once that transaction has committed, so an acknowledged request
+///   is as durable as with the sync API.
+///
 /// # Examples
 ///
 /// ```
@@ -146,8 +162,18 @@ pub fn create_schema(conn: &Connection) -> Result<(), StoreError> {
 /// let limiter = RateLimiter::new(SqliteStore::open(dir.path().join("limits.db")).unwrap());
 /// let send = ("send", Config::token_bucket(10.0, MINUTE));
 /// assert!(limiter.limit(send, "alice").unwrap().ok);
+/// # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+/// assert!(limiter.limit_async(send, "alice").await.unwrap().ok); // in an async program
+/// # });
 /// ```
 pub struct SqliteStore<C: Clock = SystemClock> {
+    shared: Arc<Shared<C>>,
+    /// The writer thread of the async API, once started.
+    writer: OnceLock<mpsc::Sender<Job>>,
+}
+
+/// What the store and its writer thread share.
+struct Shared<C> {
     conn: Mutex<Connection>,
     clock: C,
 }
@@ -172,12 +198,15 @@ impl<C: Clock> SqliteStore<C> {
     /// Deletes the states of `name` that are full at the store's time: they carry no
     /// information. Returns how many. A server runs this now and then for its limits.
     ///
+    /// Runs on the calling thread and waits for the disk (a background job of the server
+    /// runs it off the async threads).
+    ///
     /// # Errors
     ///
     /// The statement fails.
     pub fn sweep(&self, name: &str, config: &Config) -> Result<usize, StoreError> {
         let shard = config.per_shard();
-        let now = self.clock.now();
+        let now = self.shared.clock.now();
         // The states that evaluate to capacity now (SPEC §2 with count 0).
         let sql = match shard.kind() {
             Kind::TokenBucket => {
@@ -189,31 +218,165 @@ impl<C: Clock> SqliteStore<C> {
                  AND value + ?3 * CAST((?2 - ts) / ?4 AS INTEGER) >= ?5"
             }
         };
-        let conn = self.conn.lock();
+        let conn = self.shared.conn.lock();
         conn.execute(sql, params![name, now, shard.rate(), shard.period(), shard.capacity()])
             .map_err(|e| sql_error("sweep failed", e))
     }
 
     /// Runs `run` in a `BEGIN IMMEDIATE` transaction, committed if it succeeds and rolled
-    /// back if not. `BEGIN` and `COMMIT` are cached statements, not parsed again per request.
+    /// back if not.
     fn immediate<T>(
         &self,
         run: impl FnOnce(&Connection, f64) -> rusqlite::Result<T>,
     ) -> Result<T, StoreError> {
-        let conn = self.conn.lock();
-        let cached = |sql: &str| conn.prepare_cached(sql).and_then(|mut s| s.execute([]));
-        cached("BEGIN IMMEDIATE").map_err(|e| sql_error("cannot begin", e))?;
-        // Read the clock once the write lock is held, so times go in commit order.
-        let now = self.clock.now();
-        let result = run(&conn, now).and_then(|result| cached("COMMIT").map(|_| result));
-        result.map_err(|e| {
-            // Whatever failed, nothing of this request stays; without a transaction still
-            // open (COMMIT failed after ending it) there is nothing to roll back.
-            if !conn.is_autocommit() {
-                let _ = conn.execute_batch("ROLLBACK");
+        let conn = self.shared.conn.lock();
+        in_transaction(&conn, &self.shared.clock, run)
+    }
+
+    /// Hands `job` to the writer thread (started on first use) and awaits its answer.
+    async fn submit<T>(&self, job: impl FnOnce(Ticket<T>) -> Job) -> Result<T, StoreError> {
+        let (ticket, claim) = ticket();
+        let jobs = self.writer.get_or_init(|| {
+            let (tx, rx) = mpsc::channel();
+            let shared = Arc::clone(&self.shared);
+            std::thread::Builder::new()
+                .name("tollgate-sqlite".into())
+                .spawn(move || write(&shared, &rx))
+                .expect("cannot start the SQLite store's writer thread");
+            tx
+        });
+        if jobs.send(job(ticket)).is_err() {
+            return Err(StoreError::new("sqlite: the writer thread has stopped"));
+        }
+        // The writer never drops a request it has not run; a long wait is a long queue.
+        claim.answer(None, "sqlite").await
+    }
+}
+
+/// Runs `run` in a `BEGIN IMMEDIATE` transaction of `conn`, on the clock read once the write
+/// lock is held (so times go in commit order); committed if it succeeds, rolled back if
+/// not. `BEGIN` and `COMMIT` are cached statements, not parsed again per request.
+fn in_transaction<T, C: Clock>(
+    conn: &Connection,
+    clock: &C,
+    run: impl FnOnce(&Connection, f64) -> rusqlite::Result<T>,
+) -> Result<T, StoreError> {
+    let cached = |sql: &str| conn.prepare_cached(sql).and_then(|mut s| s.execute([]));
+    cached("BEGIN IMMEDIATE").map_err(|e| sql_error("cannot begin", e))?;
+    let now = clock.now();
+    let result = run(conn, now).and_then(|result| cached("COMMIT").map(|_| result));
+    result.map_err(|e| {
+        // Whatever failed, nothing of this request stays; without a transaction still
+        // open (COMMIT failed after ending it) there is nothing to roll back.
+        if !conn.is_autocommit() {
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+        sql_error("request failed", e)
+    })
+}
+
+/// A request for the writer thread, with copies of what it names.
+enum Job {
+    One(OwnedOne, Ticket<Taken>),
+    Plan(Box<OwnedPlan>, Ticket<Outcome>),
+    Read(OwnedSlots, Ticket<(f64, Vec<Option<State>>)>),
+    Delete(Box<str>, Option<Box<str>>, u16, Ticket<()>),
+}
+
+/// The most requests the writer runs in one transaction.
+const MOST_PER_COMMIT: usize = 256;
+
+impl Job {
+    fn take(&self) -> bool {
+        match self {
+            Job::One(_, t) => t.take(),
+            Job::Plan(_, t) => t.take(),
+            Job::Read(_, t) => t.take(),
+            Job::Delete(_, _, _, t) => t.take(),
+        }
+    }
+
+    /// Runs the request within the transaction already begun; what it answers.
+    fn run(&self, conn: &Connection, now: f64) -> rusqlite::Result<Answer> {
+        Ok(match self {
+            Job::One(one, _) => {
+                let outcome = execute_on(conn, &one.take().to_plan(), now)?;
+                Answer::One(Taken { decision: outcome.decision(), status: outcome.statuses[0] })
             }
-            sql_error("request failed", e)
+            Job::Plan(plan, _) => Answer::Plan(execute_on(conn, &plan.plan(), now)?),
+            Job::Read(slots, _) => Answer::Read(now, load(conn, &slots.slots())?),
+            Job::Delete(name, key, shards, _) => {
+                delete_all(conn, name, key.as_deref(), *shards)?;
+                Answer::Delete
+            }
         })
+    }
+
+    /// Sends the caller its answer (a mismatch cannot happen: each job answers its kind).
+    fn answer(self, answer: Result<Answer, StoreError>) {
+        match (self, answer) {
+            (Job::One(_, t), Ok(Answer::One(a))) => t.answer(Ok(a)),
+            (Job::Plan(_, t), Ok(Answer::Plan(a))) => t.answer(Ok(a)),
+            (Job::Read(_, t), Ok(Answer::Read(now, states))) => t.answer(Ok((now, states))),
+            (Job::Delete(_, _, _, t), Ok(Answer::Delete)) => t.answer(Ok(())),
+            (job, answer) => {
+                let e = match answer {
+                    Err(e) => e,
+                    Ok(_) => {
+                        StoreError::new("sqlite: a request got another's answer; this is a bug")
+                    }
+                };
+                match job {
+                    Job::One(_, t) => t.answer(Err(e)),
+                    Job::Plan(_, t) => t.answer(Err(e)),
+                    Job::Read(_, t) => t.answer(Err(e)),
+                    Job::Delete(_, _, _, t) => t.answer(Err(e)),
+                }
+            }
+        }
+    }
+}
+
+/// What a [`Job`] answers.
+enum Answer {
+    One(Taken),
+    Plan(Outcome),
+    Read(f64, Vec<Option<State>>),
+    Delete,
+}
+
+/// The writer thread: takes the requests that wait (up to [`MOST_PER_COMMIT`]), runs them
+/// in one transaction, commits, answers each; until the store is dropped. If the
+/// transaction fails as a whole (a request failed, or the commit), nothing of it stays, and
+/// each of its requests runs again in a transaction of its own, so that one request's
+/// failure is its own.
+fn write<C: Clock>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job>) {
+    while let Ok(first) = jobs.recv() {
+        let mut batch: Vec<Job> = std::iter::once(first)
+            .chain(std::iter::from_fn(|| jobs.try_recv().ok()).take(MOST_PER_COMMIT - 1))
+            .filter(Job::take)
+            .collect();
+        if batch.is_empty() {
+            continue;
+        }
+        let conn = shared.conn.lock();
+        let together = in_transaction(&conn, &shared.clock, |conn, now| {
+            batch.iter().map(|job| job.run(conn, now)).collect::<rusqlite::Result<Vec<_>>>()
+        });
+        match together {
+            Ok(answers) => {
+                for (job, answer) in batch.drain(..).zip(answers) {
+                    job.answer(Ok(answer));
+                }
+            }
+            Err(_) => {
+                for job in batch.drain(..) {
+                    let answer =
+                        in_transaction(&conn, &shared.clock, |conn, now| job.run(conn, now));
+                    job.answer(answer);
+                }
+            }
+        }
     }
 }
 
@@ -223,14 +386,46 @@ impl<C: Clock> Store for SqliteStore<C> {
     }
 
     fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        let conn = self.conn.lock();
-        let now = self.clock.now();
+        let conn = self.shared.conn.lock();
+        let now = self.shared.clock.now();
         let states = load(&conn, slots).map_err(|e| sql_error("read failed", e))?;
         Ok((now, states))
     }
 
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
         self.immediate(|conn, _| delete_all(conn, name, key, shards))
+    }
+}
+
+impl<C: Clock> AsyncStore for SqliteStore<C> {
+    type Immediate = Never;
+
+    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        let plan = Box::new(OwnedPlan::new(plan));
+        self.submit(|ticket| Job::Plan(plan, ticket)).await
+    }
+
+    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        let one = OwnedOne::new(take);
+        self.submit(|ticket| Job::One(one, ticket)).await
+    }
+
+    async fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        let slots = OwnedSlots::new(slots);
+        self.submit(|ticket| Job::Read(slots, ticket)).await
+    }
+
+    async fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> Result<(), StoreError> {
+        let (name, key) = (name.into(), key.map(Into::into));
+        self.submit(|ticket| Job::Delete(name, key, shards, ticket)).await
     }
 }
 

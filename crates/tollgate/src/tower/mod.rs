@@ -32,11 +32,13 @@
 
 mod key;
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -45,8 +47,8 @@ pub use key::{Key, MissingKey, TrustedProxies};
 
 use crate::core::Inline;
 use crate::limiter::{Call, RateLimiter, Target};
-use crate::store::Store;
-use crate::{Config, Error, Limits, Status};
+use crate::store::AsyncStore;
+use crate::{Config, Error, Limits, Status, Taken};
 
 type CountFn = dyn Fn(&http::request::Parts) -> f64 + Send + Sync;
 
@@ -155,7 +157,7 @@ impl<S> Clone for RateLimitLayer<S> {
     }
 }
 
-impl<S: Store> RateLimitLayer<S> {
+impl<S> RateLimitLayer<S> {
     /// A layer taking `spec` for each request.
     pub fn new(limiter: Arc<RateLimiter<S>>, spec: LimitSpec) -> Self {
         let spec = spec.with_policy(&limiter);
@@ -174,7 +176,7 @@ impl<S: Store> RateLimitLayer<S> {
 impl LimitSpec {
     /// Computes the policy member once; a name the limiter does not define has none (its
     /// requests are answered with an error anyway).
-    fn with_policy<S: Store>(mut self, limiter: &RateLimiter<S>) -> Self {
+    fn with_policy<S>(mut self, limiter: &RateLimiter<S>) -> Self {
         let config = self.config.or_else(|| limiter.defined_config(&self.name));
         self.policy = config.map(|config| {
             (fields::policy_member(&self.name, &config).into(), sf_string(&self.name).len())
@@ -212,112 +214,175 @@ impl<S, Inner: Clone> Clone for RateLimit<S, Inner> {
 enum Verdict {
     /// Pass it on; add these header values to the response.
     Pass(Option<(HeaderValue, HeaderValue)>),
-    /// Answer at once with this response.
-    Answer(StatusCode, Option<HeaderValue>, Option<(HeaderValue, HeaderValue)>, String),
+    /// Answer at once: refused (with its wait), or an error, with the header fields.
+    Answer(Refusal, Option<(HeaderValue, HeaderValue)>),
 }
 
-impl<S: Store, Inner> RateLimit<S, Inner> {
-    fn decide(&self, parts: &http::request::Parts) -> Verdict {
-        // Resolve every spec's key and count first: a missing key or bad count takes nothing.
-        let mut keys: Inline<_> = Inline::new();
-        for spec in self.specs.iter() {
-            let key = match spec.key.of(parts) {
-                Ok(key) => key,
-                Err(missing) => match spec.missing_key {
-                    MissingKey::Reject => {
-                        let body = error_body(&format!("Rate limit {}: {}.", spec.name, missing.0));
-                        return Verdict::Answer(StatusCode::BAD_REQUEST, None, None, body);
-                    }
-                    MissingKey::Shared => None,
-                    MissingKey::Skip => continue,
-                },
+/// Why a request is answered by the layer instead of the service.
+enum Refusal {
+    /// Refused by a limit: retry after this many ms.
+    Limited { name: Arc<str>, retry_after: f64 },
+    /// An error (400 for a bad request, 500 for the app's setup, 503 for the store).
+    Error(StatusCode, String),
+}
+
+/// One limit of a request: its spec, key and count.
+type Taking<'p> = (&'p LimitSpec, Option<Cow<'p, str>>, f64);
+
+/// What the limiter answered for a request: granted, the longest wait, per limit its
+/// decision and status.
+type Decided = (bool, Option<f64>, Inline<crate::Decision>, Inline<Status>);
+
+/// Every spec's key and count for a request; a missing key that refuses the request is its
+/// verdict, taken before anything is taken.
+fn gather<'p>(
+    specs: &'p [LimitSpec],
+    parts: &'p http::request::Parts,
+) -> Result<Inline<Taking<'p>>, Verdict> {
+    let mut keys: Inline<_> = Inline::new();
+    for spec in specs {
+        let key = match spec.key.of(parts) {
+            Ok(key) => key,
+            Err(missing) => match spec.missing_key {
+                MissingKey::Reject => {
+                    let message = format!("Rate limit {}: {}.", spec.name, missing.0);
+                    return Err(Verdict::Answer(
+                        Refusal::Error(StatusCode::BAD_REQUEST, message),
+                        None,
+                    ));
+                }
+                MissingKey::Shared => None,
+                MissingKey::Skip => continue,
+            },
+        };
+        let count = spec.count.as_ref().map_or(1.0, |count| count(parts));
+        keys.push((spec, key, count));
+    }
+    Ok(keys)
+}
+
+/// The limiter's calls for `keys`.
+fn calls<'a>(keys: &'a [Taking<'_>]) -> Inline<Call<'a>> {
+    keys.iter()
+        .map(|(spec, key, count)| {
+            let mut request = crate::Request::new().count(*count);
+            if let Some(key) = key {
+                request = request.key(key);
+            }
+            spec.target().with(request)
+        })
+        .collect()
+}
+
+fn one_decided(t: Taken) -> Decided {
+    (
+        t.decision.ok,
+        t.decision.retry_after,
+        Inline::from_elem(t.decision, 1),
+        Inline::from_elem(t.status, 1),
+    )
+}
+
+fn all_decided(t: crate::TransactionTaken) -> Decided {
+    let d = t.decision;
+    (d.ok, d.retry_after, d.results, t.statuses)
+}
+
+/// The verdict on a request whose limits `keys` answered `outcome`.
+fn verdict(keys: &[Taking<'_>], outcome: Result<Decided, Error>) -> Verdict {
+    match outcome {
+        Ok((ok, retry_after, results, statuses)) => {
+            let headers = headers(keys.iter().map(|k| k.0), &statuses);
+            if ok {
+                return Verdict::Pass(headers);
+            }
+            let (spec, wait) = match crate::core::longest_refusal(&results) {
+                Some(i) => (keys[i].0, results[i].retry_after.unwrap_or(0.0)),
+                None => (keys[0].0, retry_after.unwrap_or(0.0)),
             };
-            let count = spec.count.as_ref().map_or(1.0, |count| count(parts));
-            keys.push((spec, key, count));
+            Verdict::Answer(
+                Refusal::Limited { name: Arc::clone(&spec.name), retry_after: wait },
+                headers,
+            )
         }
+        Err(Error::Store(_)) if keys.iter().all(|k| k.0.fail_open) => Verdict::Pass(None),
+        Err(Error::Store(err)) => {
+            Verdict::Answer(Refusal::Error(StatusCode::SERVICE_UNAVAILABLE, err.to_string()), None)
+        }
+        // A name the limiter does not know is a setup error of the app, not the client's.
+        Err(err @ Error::NotDefined { .. }) => Verdict::Answer(
+            Refusal::Error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()),
+            None,
+        ),
+        Err(err) => Verdict::Answer(Refusal::Error(StatusCode::BAD_REQUEST, err.to_string()), None),
+    }
+}
+
+impl<S: AsyncStore> RateLimit<S, ()> {
+    /// The verdict on a request, on a store that answers at once (see
+    /// [`AsyncStore::immediate`]), or `None` for a store that must be awaited.
+    fn decide_now(
+        limiter: &RateLimiter<S>,
+        specs: &[LimitSpec],
+        parts: &http::request::Parts,
+    ) -> Option<Verdict> {
+        let store = limiter.store().immediate()?;
+        let keys = match gather(specs, parts) {
+            Ok(keys) => keys,
+            Err(verdict) => return Some(verdict),
+        };
+        if keys.is_empty() {
+            return Some(Verdict::Pass(None));
+        }
+        let calls = calls(&keys);
+        let outcome = match calls.as_slice() {
+            [call] => limiter.limit_call_with_status_on(store, call).map(one_decided),
+            _ => limiter.transaction_with_status_on(store, &calls).map(all_decided),
+        };
+        Some(verdict(&keys, outcome))
+    }
+
+    /// The verdict on a request, awaiting the store.
+    async fn decide(
+        limiter: &RateLimiter<S>,
+        specs: &[LimitSpec],
+        parts: &http::request::Parts,
+    ) -> Verdict {
+        let keys = match gather(specs, parts) {
+            Ok(keys) => keys,
+            Err(verdict) => return verdict,
+        };
         if keys.is_empty() {
             return Verdict::Pass(None);
         }
-        let calls: Inline<Call<'_>> = keys
-            .iter()
-            .map(|(spec, key, count)| {
-                let mut request = crate::Request::new().count(*count);
-                if let Some(key) = key {
-                    request = request.key(key);
-                }
-                spec.target().with(request)
-            })
-            .collect();
-        let outcome = if let [call] = calls.as_slice() {
-            self.limiter.limit_call_with_status(call).map(|t| {
-                let (results, statuses) =
-                    (Inline::from_elem(t.decision, 1), Inline::from_elem(t.status, 1));
-                (t.decision.ok, t.decision.retry_after, results, statuses)
-            })
-        } else {
-            self.limiter.transaction_with_status(&calls).map(|t| {
-                let d = t.decision;
-                (d.ok, d.retry_after, d.results, t.statuses)
-            })
+        let calls = calls(&keys);
+        let outcome = match calls.as_slice() {
+            [call] => {
+                limiter.limit_with_status_async(call.target, call.request).await.map(one_decided)
+            }
+            _ => limiter.transaction_with_status_async(&calls).await.map(all_decided),
         };
-        match outcome {
-            Ok((ok, retry_after, results, statuses)) => {
-                let headers = self.headers(keys.iter().map(|k| k.0), &statuses);
-                if ok {
-                    return Verdict::Pass(headers);
-                }
-                let (spec, wait) = match crate::core::longest_refusal(&results) {
-                    Some(i) => (keys[i].0, results[i].retry_after.unwrap_or(0.0)),
-                    None => (keys[0].0, retry_after.unwrap_or(0.0)),
-                };
-                let body = serde_json::json!({ "kind": "RateLimited", "name": &*spec.name, "retryAfter": wait }).to_string();
-                Verdict::Answer(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    Some(retry_after_header(wait)),
-                    headers,
-                    body,
-                )
-            }
-            Err(Error::Store(_)) if keys.iter().all(|k| k.0.fail_open) => Verdict::Pass(None),
-            Err(Error::Store(err)) => Verdict::Answer(
-                StatusCode::SERVICE_UNAVAILABLE,
-                None,
-                None,
-                error_body(&err.to_string()),
-            ),
-            Err(err @ Error::NotDefined { .. }) => {
-                // A name the limiter does not know is a setup error of the app, not the client's.
-                Verdict::Answer(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    None,
-                    None,
-                    error_body(&err.to_string()),
-                )
-            }
-            Err(err) => {
-                Verdict::Answer(StatusCode::BAD_REQUEST, None, None, error_body(&err.to_string()))
-            }
-        }
+        verdict(&keys, outcome)
     }
+}
 
-    fn headers<'s>(
-        &self,
-        specs: impl Iterator<Item = &'s LimitSpec>,
-        statuses: &[Status],
-    ) -> Option<(HeaderValue, HeaderValue)> {
-        use std::fmt::Write as _;
-        let mut policy = String::with_capacity(64);
-        let mut current = String::with_capacity(64);
-        for (spec, status) in specs.zip(statuses) {
-            let sep = if policy.is_empty() { "" } else { ", " };
-            let (member, name_len) = spec.policy.as_ref()?;
-            let _ = write!(policy, "{sep}{member}");
-            current.push_str(sep);
-            fields::write_status_member(&mut current, &member[..*name_len], status);
-        }
-        // From a String, the value takes the buffer over: no copy.
-        Some((HeaderValue::try_from(policy).ok()?, HeaderValue::try_from(current).ok()?))
+/// The header field values for the limits of a request: `RateLimit-Policy`, `RateLimit`.
+fn headers<'s>(
+    specs: impl Iterator<Item = &'s LimitSpec>,
+    statuses: &[Status],
+) -> Option<(HeaderValue, HeaderValue)> {
+    use std::fmt::Write as _;
+    let mut policy = String::with_capacity(64);
+    let mut current = String::with_capacity(64);
+    for (spec, status) in specs.zip(statuses) {
+        let sep = if policy.is_empty() { "" } else { ", " };
+        let (member, name_len) = spec.policy.as_ref()?;
+        let _ = write!(policy, "{sep}{member}");
+        current.push_str(sep);
+        fields::write_status_member(&mut current, &member[..*name_len], status);
     }
+    // From a String, the value takes the buffer over: no copy.
+    Some((HeaderValue::try_from(policy).ok()?, HeaderValue::try_from(current).ok()?))
 }
 
 /// The IETF RateLimit header fields, formatted as the layer does, for servers that write
@@ -389,13 +454,15 @@ fn error_body(message: &str) -> String {
 
 impl<S, Inner, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, Inner>
 where
-    S: Store,
-    Inner: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: From<String>,
+    S: AsyncStore + 'static,
+    Inner: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    Inner::Future: Send,
+    ReqBody: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = Inner::Error;
-    type Future = ResponseFuture<Inner::Future, ResBody>;
+    type Future = ResponseFuture<Inner::Future, ResBody, Inner::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -403,26 +470,113 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let (parts, body) = request.into_parts();
-        match self.decide(&parts) {
-            Verdict::Pass(headers) => ResponseFuture {
-                state: State::Inner {
+        // The memory store answers at once: decided here, with no future of its own.
+        if let Some(verdict) = RateLimit::<S, ()>::decide_now(&self.limiter, &self.specs, &parts) {
+            let state = match verdict {
+                Verdict::Pass(headers) => State::Inner {
                     future: self.inner.call(Request::from_parts(parts, body)),
                     headers,
                 },
-            },
-            Verdict::Answer(status, retry_after, headers, body) => {
-                let mut response = Response::new(ResBody::from(body));
-                *response.status_mut() = status;
-                let h = response.headers_mut();
-                h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-                if let Some(retry_after) = retry_after {
-                    h.insert(http::header::RETRY_AFTER, retry_after);
+                Verdict::Answer(refusal, headers) => {
+                    State::Ready { response: Some(answer(&parts, refusal, headers)) }
                 }
-                insert_rate_limit_headers(h, headers);
-                ResponseFuture { state: State::Ready { response: Some(response) } }
+            };
+            return ResponseFuture { state };
+        }
+        // A store to await: the service that was made ready goes into the future, and a
+        // clone of it stays for the next request (tower's rule for services that wait).
+        let fresh = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, fresh);
+        let (limiter, specs) = (Arc::clone(&self.limiter), Arc::clone(&self.specs));
+        let future = async move {
+            match RateLimit::<S, ()>::decide(&limiter, &specs, &parts).await {
+                Verdict::Pass(headers) => {
+                    let mut response = inner.call(Request::from_parts(parts, body)).await?;
+                    insert_rate_limit_headers(response.headers_mut(), headers);
+                    Ok(response.map(ResponseBody::inner))
+                }
+                Verdict::Answer(refusal, headers) => Ok(answer(&parts, refusal, headers)),
             }
+        };
+        ResponseFuture { state: State::Deciding { future: Box::pin(future) } }
+    }
+}
+
+/// The layer's own answer to a request: for HTTP, `429` with `Retry-After` and a JSON body
+/// (or the error's status and `{"error": ...}`); for gRPC (`content-type: application/grpc`),
+/// a trailers-only response whose `grpc-status` says the same (`RESOURCE_EXHAUSTED` when
+/// refused, `UNAVAILABLE` when the store fails, `INVALID_ARGUMENT`, `INTERNAL`).
+fn answer<B>(
+    parts: &http::request::Parts,
+    refusal: Refusal,
+    headers: Option<(HeaderValue, HeaderValue)>,
+) -> Response<ResponseBody<B>> {
+    let grpc = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+    let (status, retry_after, message, body) = match refusal {
+        Refusal::Limited { name, retry_after } => {
+            let body = serde_json::json!({ "kind": "RateLimited", "name": &*name, "retryAfter": retry_after })
+                .to_string();
+            let message = format!(
+                "Rate limit {name} exceeded; retry after {} ms.",
+                crate::core::fmt_number(retry_after.ceil())
+            );
+            (StatusCode::TOO_MANY_REQUESTS, Some(retry_after_header(retry_after)), message, body)
+        }
+        Refusal::Error(status, message) => {
+            let body = error_body(&message);
+            (status, None, message, body)
+        }
+    };
+    let mut response = Response::new(ResponseBody::full(if grpc { String::new() } else { body }));
+    if !grpc {
+        *response.status_mut() = status;
+    }
+    let h = response.headers_mut();
+    if grpc {
+        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        h.insert(GRPC_STATUS, HeaderValue::from(grpc_code(status)));
+        if let Ok(message) = HeaderValue::try_from(grpc_message(&message)) {
+            h.insert(GRPC_MESSAGE, message);
+        }
+    } else {
+        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    }
+    if let Some(retry_after) = retry_after {
+        h.insert(http::header::RETRY_AFTER, retry_after);
+    }
+    insert_rate_limit_headers(response.headers_mut(), headers);
+    response
+}
+
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+
+/// The gRPC status code of the layer's answer with HTTP status `status`.
+fn grpc_code(status: StatusCode) -> u16 {
+    match status {
+        StatusCode::TOO_MANY_REQUESTS => 8,    // RESOURCE_EXHAUSTED
+        StatusCode::SERVICE_UNAVAILABLE => 14, // UNAVAILABLE
+        StatusCode::BAD_REQUEST => 3,          // INVALID_ARGUMENT
+        _ => 13,                               // INTERNAL
+    }
+}
+
+/// A `grpc-message`: percent-encoded, as the gRPC protocol asks for every byte outside
+/// printable ASCII and for `%`.
+fn grpc_message(message: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(message.len());
+    for &b in message.as_bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
         }
     }
+    out
 }
 
 fn insert_rate_limit_headers(h: &mut http::HeaderMap, headers: Option<(HeaderValue, HeaderValue)>) {
@@ -432,39 +586,106 @@ fn insert_rate_limit_headers(h: &mut http::HeaderMap, headers: Option<(HeaderVal
     }
 }
 
+/// The future of a store that must be awaited: the decision, then the inner service.
+type Deciding<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+
+pin_project_lite::pin_project! {
+    /// The body of a [`RateLimit`] response: the inner service's, or the layer's own answer
+    /// (a JSON body for HTTP, an empty one for gRPC). Any body the service's own would do
+    /// for axum, hyper or tonic does.
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: BodyKind<B>,
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = BodyKindProj]
+    enum BodyKind<B> {
+        Inner { #[pin] body: B },
+        Full { bytes: Option<Bytes> },
+    }
+}
+
+impl<B> ResponseBody<B> {
+    fn inner(body: B) -> Self {
+        ResponseBody { kind: BodyKind::Inner { body } }
+    }
+
+    fn full(text: String) -> Self {
+        let bytes = (!text.is_empty()).then(|| Bytes::from(text));
+        ResponseBody { kind: BodyKind::Full { bytes } }
+    }
+}
+
+impl<B: http_body::Body<Data = Bytes>> http_body::Body for ResponseBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, B::Error>>> {
+        match self.project().kind.project() {
+            BodyKindProj::Inner { body } => body.poll_frame(cx),
+            BodyKindProj::Full { bytes } => {
+                Poll::Ready(bytes.take().map(|b| Ok(http_body::Frame::data(b))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            BodyKind::Inner { body } => body.is_end_stream(),
+            BodyKind::Full { bytes } => bytes.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match &self.kind {
+            BodyKind::Inner { body } => body.size_hint(),
+            BodyKind::Full { bytes } => {
+                http_body::SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+        }
+    }
+}
+
 pin_project_lite::pin_project! {
     /// The future of [`RateLimit`]: the inner service's, with the header fields added, or a
-    /// ready refusal.
-    pub struct ResponseFuture<F, B> {
+    /// ready refusal; on a store that must be awaited, the decision and then either.
+    pub struct ResponseFuture<F, B, E> {
         #[pin]
-        state: State<F, B>,
+        state: State<F, B, E>,
     }
 }
 
 pin_project_lite::pin_project! {
     #[project = StateProj]
-    enum State<F, B> {
+    enum State<F, B, E> {
         Inner { #[pin] future: F, headers: Option<(HeaderValue, HeaderValue)> },
-        Ready { response: Option<Response<B>> },
+        Ready { response: Option<Response<ResponseBody<B>>> },
+        Deciding { future: Deciding<B, E> },
     }
 }
 
-impl<F, B, E> Future for ResponseFuture<F, B>
+impl<F, B, E> Future for ResponseFuture<F, B, E>
 where
     F: Future<Output = Result<Response<B>, E>>,
 {
-    type Output = Result<Response<B>, E>;
+    type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().state.project() {
             StateProj::Inner { future, headers } => {
                 let mut response = std::task::ready!(future.poll(cx))?;
                 insert_rate_limit_headers(response.headers_mut(), headers.take());
-                Poll::Ready(Ok(response))
+                Poll::Ready(Ok(response.map(ResponseBody::inner)))
             }
             StateProj::Ready { response } => {
                 Poll::Ready(Ok(response.take().expect("ResponseFuture polled after completion")))
             }
+            StateProj::Deciding { future } => future.as_mut().poll(cx),
         }
     }
 }
