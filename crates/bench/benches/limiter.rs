@@ -9,7 +9,7 @@ use std::time::Duration;
 use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::Request;
 use tollgate_bench::{
-    GovernorThree, Limit, ManyKeys, USER, governor_direct, governor_keyed, tollgate,
+    GovernorThree, Limit, ManyKeys, USER, governor_direct, governor_keyed, ready, tollgate,
     transaction_calls, two_threads,
 };
 
@@ -89,9 +89,28 @@ fn transaction_of_three(c: &mut Criterion) {
     g.finish();
 }
 
+fn async_on_memory(c: &mut Criterion) {
+    // The memory store through the async API against the sync one: each future polled once
+    // with a no-op waker (it is ready at once), so no runtime's cost is in the figure.
+    let t = tollgate();
+    let mut g = c.benchmark_group("async_one_key");
+    g.bench_function("sync", |b| b.iter(|| t.limit(Limit::PerUser, black_box(USER)).unwrap()));
+    g.bench_function("async", |b| {
+        b.iter(|| ready(t.limit_async(Limit::PerUser, black_box(USER))).unwrap())
+    });
+    g.finish();
+    let mut g = c.benchmark_group("async_transaction_of_three");
+    g.bench_function("sync", |b| b.iter(|| t.transaction(&transaction_calls()).unwrap().ok));
+    g.bench_function("async", |b| {
+        b.iter(|| ready(t.transaction_async(&transaction_calls())).unwrap().ok)
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
-    targets = one_key_one_thread, global_one_thread, many_keys, one_key_two_threads, transaction_of_three
+    targets = one_key_one_thread, global_one_thread, many_keys, one_key_two_threads, transaction_of_three,
+        async_on_memory
 }
 criterion_main!(benches);

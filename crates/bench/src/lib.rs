@@ -1,6 +1,8 @@
 //! What the benchmarks of tollgate share: the scenarios, built the same way for tollgate and
 //! for governor, so the criterion bench and the memory report measure the same thing.
 
+pub mod proxy;
+
 use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::sync::Barrier;
@@ -224,6 +226,21 @@ pub fn throughput(threads: usize, duration: Duration, op: impl Fn(usize, usize) 
         workers.into_iter().map(|w| w.join().unwrap()).sum()
     });
     total as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The output of `future`, which must be ready at once (the memory store's async calls
+/// are): polled once with a no-op waker, so no runtime's cost is in the figure.
+///
+/// # Panics
+///
+/// If the future is not ready on its first poll.
+#[inline(always)]
+pub fn ready<F: std::future::Future>(future: F) -> F::Output {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::pin!(future).poll(&mut cx) {
+        std::task::Poll::Ready(output) => output,
+        std::task::Poll::Pending => panic!("the memory store's async calls are ready at once"),
+    }
 }
 
 /// Runs `op(task, iteration)` on `tasks` concurrent tasks of `runtime` for `duration`, each

@@ -1,5 +1,5 @@
 //! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
-//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|two|global|runtime_config|tx|tx1|tx2|txrefused|limit3|governor|govtwo|govtx|keys|govkeys|keybytes]`.
+//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|one_async|two|global|runtime_config|tx|tx_async|tx1|tx2|txrefused|limit3|governor|govtwo|govtx|keys|govkeys|keybytes]`.
 use std::hint::black_box;
 
 use tollgate::{Config, MemoryStore, RateLimiter, Request, SECOND, Target};
@@ -80,6 +80,16 @@ fn main() {
                 let _ = black_box(gov.check_key(black_box(&key)).is_ok());
             })
         }
+        // The one-key `limit` and the transaction of three through the async API, each
+        // future polled once (on the memory store it is ready at once).
+        Some("one_async") => ns_per_call(n, |_| {
+            let _ =
+                black_box(tollgate_bench::ready(t.limit_async(Limit::PerUser, black_box(USER))));
+        }),
+        Some("tx_async") => ns_per_call(n, |_| {
+            let calls = transaction_calls();
+            black_box(tollgate_bench::ready(t.transaction_async(&calls)).unwrap().ok);
+        }),
         // The typed unkeyed `limit`.
         Some("global") => ns_per_call(n, |_| {
             let _ = black_box(t.limit(Limit::Global, tollgate::Request::new()));

@@ -56,7 +56,7 @@ pub(crate) mod sql;
 mod sqlite;
 #[cfg(all(test, any(feature = "redis", feature = "postgres")))]
 mod testing;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "redis"))]
 mod ticket;
 
 pub use memory::{MemoryStore, MemoryStoreBuilder};

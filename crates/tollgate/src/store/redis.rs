@@ -2,18 +2,23 @@
 
 use std::fmt::Write as _;
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use parking_lot::Mutex;
 use redis::aio::MultiplexedConnection;
 #[cfg(feature = "redis-cluster")]
 use redis::cluster_async::ClusterConnection;
 use redis::{Client, IntoConnectionInfo, Script, Value};
+use tokio::sync::mpsc;
 #[cfg(feature = "redis-cluster")]
 use tollgate_core::Split;
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
+use super::ticket::{Ticket, ticket};
 use super::{AsyncStore, Never, OneAnswer};
 use crate::StoreError;
 
@@ -238,6 +243,40 @@ local answer = struct.pack('<d', now) .. wrote .. (raw or '')
 const SCRIPT_ONE: &str =
     concat!("local key, args, time = KEYS[1], ARGV[1], nil\n", lua_one!(), "return answer\n");
 
+/// The most one-takes a grouped round trip carries by default: at about 4 us of Redis time
+/// each (the script's share per take in a group of 32), a full trip holds Redis for about
+/// 0.3 ms.
+const MOST_PER_TRIP: usize = 64;
+
+/// Several one-takes sent together (see [`RedisStoreBuilder::group`]): the same as
+/// [`SCRIPT_ONE`] for each (KEYS\[i\], ARGV\[i\]) in turn, one Redis `TIME` for all, all
+/// in one atomic run; answers the list of their answers. A state named twice is read again
+/// after its first take, so the takes answer as if sent one after the other. A take that
+/// fails (its key holds something else than a state) fails alone, before it writes: its
+/// answer is [`SCRIPT_ERROR`] and the reason. Not used for one take alone: the loop and the
+/// list cost about 2 us more a call than [`SCRIPT_ONE`].
+const SCRIPT_GROUP: &str = concat!(
+    "local time\nlocal function one(key, args)\n",
+    lua_one!(),
+    r#"
+return answer
+end
+local answers = {}
+for i = 1, #KEYS do
+  local ok, answer = pcall(one, KEYS[i], ARGV[i])
+  if not ok then
+    answer = 'script error: ' .. (type(answer) == 'table' and tostring(answer.err) or tostring(answer))
+  end
+  answers[i] = answer
+end
+return answers
+"#
+);
+
+/// How an answer of [`SCRIPT_GROUP`] for a take that failed begins (its ninth byte, `r`,
+/// is never that of a take's answer, `0` or `1`).
+const SCRIPT_ERROR: &[u8] = b"script error: ";
+
 /// Gives a take back to one state (Redis Cluster, when the second shard of a take across two
 /// nodes refused): if the state is still exactly what the take wrote, the state it replaced
 /// is restored; if another request changed it since, the amount is added back at the
@@ -288,6 +327,7 @@ pub struct RedisStoreBuilder {
     prefix: String,
     timeout: Duration,
     connections: usize,
+    group: usize,
 }
 
 impl Default for RedisStoreBuilder {
@@ -296,6 +336,7 @@ impl Default for RedisStoreBuilder {
             prefix: "tollgate:".into(),
             timeout: Duration::from_secs(1),
             connections: DEFAULT_CONNECTIONS,
+            group: MOST_PER_TRIP,
         }
     }
 }
@@ -303,6 +344,13 @@ impl Default for RedisStoreBuilder {
 /// Multiplexed connections kept by default: each carries any number of requests at once
 /// (pipelined), and a second lets two runtime threads drive replies at the same time.
 const DEFAULT_CONNECTIONS: usize = 2;
+
+/// Grouped round trips on their way at once, per connection. Fewer make larger groups (less
+/// Redis time per take: a script call costs about 10 us beside its takes' 5-7 us each) but
+/// leave fewer requests in flight when Redis is far; four kept an axum app at or above a
+/// hand-written pipelined INCR behind 0.5 ms of latency at 64 connections, where two fell
+/// to 1.00x (BENCHMARKS.md, "Async stores under load").
+const TRIPS_PER_CONNECTION: usize = 4;
 
 impl RedisStoreBuilder {
     /// A prefix for every key (default `tollgate:`), to share a Redis with other data. On
@@ -331,6 +379,19 @@ impl RedisStoreBuilder {
     #[must_use]
     pub fn connections(mut self, connections: usize) -> Self {
         self.connections = connections.max(1);
+        self
+    }
+
+    /// How many one-take requests (the common `limit`) one round trip may carry, on one
+    /// Redis (default 64). A request that comes while the store's round trips are all on
+    /// their way (four per connection) waits for the next, which carries it with the others
+    /// that came meanwhile in one script run (group commit: each request still taken on its
+    /// own, in arrival order, atomically; far less Redis time per request under load). `1`
+    /// sends each request alone as soon as it comes, pipelined. On Redis Cluster requests are
+    /// not grouped.
+    #[must_use]
+    pub fn group(mut self, most: usize) -> Self {
+        self.group = most.max(1);
         self
     }
 
@@ -384,14 +445,22 @@ impl RedisStoreBuilder {
                 }
             }
         };
-        Ok(RedisStore {
+        let trips = TRIPS_PER_CONNECTION * self.connections;
+        let inner = Inner {
             server,
             script: Script::new(SCRIPT),
             one: Script::new(SCRIPT_ONE),
+            one_group: Script::new(SCRIPT_GROUP),
             #[cfg(feature = "redis-cluster")]
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
             clock,
+        };
+        Ok(RedisStore {
+            inner: Arc::new(inner),
+            grouper: Mutex::new(None),
+            group: self.group,
+            trips,
         })
     }
 }
@@ -540,14 +609,34 @@ impl<T: Clone> Connection<T> {
 /// }
 /// ```
 pub struct RedisStore<C = tollgate_core::SystemClock> {
+    inner: Arc<Inner<C>>,
+    /// Where one-takes go to be grouped (see [`RedisStoreBuilder::group`]): the queue of the
+    /// store's sender task, started on first use (and again if its runtime has gone).
+    grouper: Mutex<Option<mpsc::UnboundedSender<Grouped>>>,
+    /// The most one-takes a round trip carries; 1: none are grouped.
+    group: usize,
+    /// The most grouped round trips on their way at once.
+    trips: usize,
+}
+
+/// What the store and its sender task share.
+struct Inner<C> {
     server: Server,
     script: Script,
     one: Script,
+    one_group: Script,
     #[cfg(feature = "redis-cluster")]
     give_back: Script,
     prefix: String,
     /// `None`: Redis `TIME`.
     clock: Option<C>,
+}
+
+/// A one-take waiting to be sent with others: its key, its [`one_args`], its caller.
+struct Grouped {
+    key: String,
+    args: Vec<u8>,
+    ticket: Ticket<Value>,
 }
 
 impl RedisStore {
@@ -584,7 +673,7 @@ enum Writes {
     No,
 }
 
-impl<C: Clock> RedisStore<C> {
+impl<C: Clock> Inner<C> {
     /// The key of a state. Lengths first, so `("a:b", "c")` and `("a", "b:c")` differ, and
     /// `n` (no key) differs from `k0:` (the empty key).
     fn key(&self, name: &str, key: Option<&str>, shard: u16) -> String {
@@ -601,6 +690,7 @@ impl<C: Clock> RedisStore<C> {
         k
     }
 
+    #[cfg(feature = "redis-cluster")]
     fn is_cluster(&self) -> bool {
         !matches!(self.server, Server::One { .. })
     }
@@ -635,14 +725,34 @@ impl<C: Clock> RedisStore<C> {
         self.clock.as_ref().map(|c| format!("{:?}", c.now())).unwrap_or_default()
     }
 
-    /// Sends one one-take (`key`, [`one_args`]) and answers its reply (see [`unpack_one`]).
-    async fn send_one(&self, key: &str, args: &[u8]) -> Result<Value, StoreError> {
-        let mut invocation = self.one.prepare_invoke();
-        invocation.key(key).arg(args);
-        self.on_connection(Writes::Yes, |mut conn| async move {
-            invocation.invoke_async::<Value>(&mut conn).await
-        })
-        .await
+    /// Sends one-takes (`key`, [`one_args`]) in one round trip: [`SCRIPT_ONE`] for one,
+    /// [`SCRIPT_GROUP`] for several; answers each with its reply (see [`unpack_one`]).
+    async fn send_ones(&self, requests: &[(&str, &[u8])]) -> Vec<Result<Value, StoreError>> {
+        let script = if requests.len() == 1 { &self.one } else { &self.one_group };
+        let mut invocation = script.prepare_invoke();
+        for (key, args) in requests {
+            invocation.key(*key).arg(*args);
+        }
+        let reply = self
+            .on_connection(Writes::Yes, |mut conn| async move {
+                invocation.invoke_async::<Value>(&mut conn).await
+            })
+            .await;
+        let replies = match reply {
+            Ok(reply) if requests.len() == 1 => return vec![Ok(reply)],
+            Ok(Value::Array(replies)) if replies.len() == requests.len() => Ok(replies),
+            Ok(_) => Err(garbage(&format!("not {} answers", requests.len()))),
+            Err(e) => Err(e),
+        };
+        match replies {
+            Ok(replies) => replies.into_iter().map(Ok).collect(),
+            Err(e) => (0..requests.len())
+                .map(|_| {
+                    let error = StoreError::new(e.message().to_owned());
+                    Err(if e.may_have_taken() { error.sent() } else { error })
+                })
+                .collect(),
+        }
     }
 
     /// Runs the script for `plan`, whose slots are stored under `keys`, in one round trip.
@@ -706,27 +816,30 @@ impl<C: Clock> RedisStore<C> {
     /// per key on a cluster (the keys may be on different nodes), all sent at once.
     async fn read_keys(&self, keys: &[String]) -> Result<(f64, Vec<Option<State>>), StoreError> {
         let reply: Vec<Value> = self
-            .on_connection(Writes::No, |mut conn| async move {
-                if let AnyConnection::One(_) = conn {
-                    let mut pipe = redis::pipe();
-                    pipe.cmd("TIME");
-                    for key in keys {
-                        pipe.cmd("GET").arg(key);
+            .on_connection(Writes::No, |conn| async move {
+                match conn {
+                    AnyConnection::One(mut conn) => {
+                        let mut pipe = redis::pipe();
+                        pipe.cmd("TIME");
+                        for key in keys {
+                            pipe.cmd("GET").arg(key);
+                        }
+                        pipe.query_async(&mut conn).await
                     }
-                    return pipe.query_async(&mut conn).await;
+                    #[cfg(feature = "redis-cluster")]
+                    AnyConnection::Cluster(conn) => {
+                        let time = redis::cmd("TIME");
+                        let mut reply = vec![time.query_async::<Value>(&mut conn.clone()).await?];
+                        let each = keys.iter().map(|key| {
+                            let mut conn = conn.clone();
+                            async move { redis::cmd("GET").arg(key).query_async(&mut conn).await }
+                        });
+                        for value in futures_util::future::join_all(each).await {
+                            reply.push(value?);
+                        }
+                        Ok(reply)
+                    }
                 }
-                let time = redis::cmd("TIME");
-                let gets: Vec<redis::Cmd> =
-                    keys.iter().map(|key| redis::cmd("GET").arg(key).clone()).collect();
-                let mut reply = vec![time.query_async::<Value>(&mut conn.clone()).await?];
-                let each = gets.iter().map(|get| {
-                    let mut conn = conn.clone();
-                    async move { get.query_async::<Value>(&mut conn).await }
-                });
-                for value in futures_util::future::join_all(each).await {
-                    reply.push(value?);
-                }
-                Ok(reply)
             })
             .await?;
         let time = match reply.first() {
@@ -809,7 +922,7 @@ impl redis::aio::ConnectionLike for AnyConnection {
 }
 
 #[cfg(feature = "redis-cluster")]
-impl<C: Clock> RedisStore<C> {
+impl<C: Clock> Inner<C> {
     /// A request whose states are in several hash slots of a cluster: a sharded take runs in
     /// steps (see [`RedisStore`]); anything else is refused with an error.
     async fn execute_split(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Outcome, StoreError> {
@@ -942,6 +1055,9 @@ fn unpack_one(reply: &Value) -> Result<OneAnswer, StoreError> {
     let Value::BulkString(reply) = reply else {
         return Err(garbage("not a string for one slot"));
     };
+    if reply.starts_with(SCRIPT_ERROR) {
+        return Err(StoreError::new(format!("redis: {}", String::from_utf8_lossy(reply))));
+    }
     let (wrote, state) = match reply.get(8..) {
         Some([b'0', state @ ..]) => (false, state),
         Some([b'1', state @ ..]) => (true, state),
@@ -1019,27 +1135,107 @@ fn garbage(what: &str) -> StoreError {
     StoreError::new(format!("redis: unexpected answer: {what}"))
 }
 
+impl<C: Clock> RedisStore<C> {
+    /// Sends a one-take: grouped with others by the store's sender task, or alone at once
+    /// (no grouping, or a cluster).
+    async fn send_one(&self, key: String, args: Vec<u8>) -> Result<Value, StoreError> {
+        #[cfg(feature = "redis-cluster")]
+        let alone = self.group == 1 || self.inner.is_cluster();
+        #[cfg(not(feature = "redis-cluster"))]
+        let alone = self.group == 1;
+        if alone {
+            let mut replies = self.inner.send_ones(&[(&key, &args)]).await;
+            return replies.pop().unwrap_or_else(|| Err(garbage("no answer")));
+        }
+        let (ticket, claim) = ticket();
+        let sent = {
+            let mut grouper = self.grouper.lock();
+            let queue = match &*grouper {
+                Some(queue) if !queue.is_closed() => queue,
+                _ => {
+                    let (queue, jobs) = mpsc::unbounded_channel();
+                    let (inner, most, trips) = (Arc::clone(&self.inner), self.group, self.trips);
+                    tokio::spawn(send_groups(inner, jobs, most, trips));
+                    grouper.insert(queue)
+                }
+            };
+            queue.send(Grouped { key, args, ticket })
+        };
+        if sent.is_err() {
+            return Err(StoreError::new("redis: the store's sender task has stopped"));
+        }
+        // The sender bounds each round trip by the store's timeout.
+        claim.answer(None, "redis").await
+    }
+}
+
+/// The store's sender task: takes the one-takes that wait (up to `most`) as one round trip,
+/// with at most `trips` on their way at once; answers each. Ends when the store is dropped,
+/// after the trips on their way.
+async fn send_groups<C: Clock>(
+    inner: Arc<Inner<C>>,
+    mut jobs: mpsc::UnboundedReceiver<Grouped>,
+    most: usize,
+    trips: usize,
+) {
+    let mut on_their_way = FuturesUnordered::new();
+    loop {
+        let next = if on_their_way.len() < trips {
+            futures_util::future::Either::Left(jobs.recv())
+        } else {
+            futures_util::future::Either::Right(std::future::pending())
+        };
+        tokio::select! {
+            biased;
+            Some(()) = on_their_way.next(), if !on_their_way.is_empty() => {}
+            job = next => {
+                let Some(first) = job else { break };
+                let batch: Vec<Grouped> = std::iter::once(first)
+                    .chain(std::iter::from_fn(|| jobs.try_recv().ok()))
+                    .take(most)
+                    .filter(|job| job.ticket.take())
+                    .collect();
+                if !batch.is_empty() {
+                    on_their_way.push(trip(&inner, batch));
+                }
+            }
+        }
+    }
+    while on_their_way.next().await.is_some() {}
+}
+
+/// One grouped round trip: sends `batch`, answers each of it.
+async fn trip<C: Clock>(inner: &Inner<C>, batch: Vec<Grouped>) {
+    let requests: Vec<(&str, &[u8])> =
+        batch.iter().map(|g| (g.key.as_str(), g.args.as_slice())).collect();
+    let replies = inner.send_ones(&requests).await;
+    for (grouped, reply) in batch.into_iter().zip(replies) {
+        grouped.ticket.answer(reply);
+    }
+}
+
 impl<C: Clock> AsyncStore for RedisStore<C> {
     type Immediate = Never;
 
     async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        let inner = &self.inner;
         let keys: Vec<String> =
-            plan.slots().iter().map(|s| self.key(s.name, s.key, s.shard)).collect();
+            plan.slots().iter().map(|s| inner.key(s.name, s.key, s.shard)).collect();
         #[cfg(feature = "redis-cluster")]
-        if self.is_cluster() {
+        if inner.is_cluster() {
             let first = hash_slot(keys[0].as_bytes());
             if keys[1..].iter().any(|k| hash_slot(k.as_bytes()) != first) {
-                return self.execute_split(plan, &keys).await;
+                return inner.execute_split(plan, &keys).await;
             }
         }
-        self.run(plan, &keys).await.map(|ran| ran.outcome)
+        inner.run(plan, &keys).await.map(|ran| ran.outcome)
     }
 
     async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
         let slot = &take.slot;
-        let now = self.clock.as_ref().map_or(f64::NAN, Clock::now);
-        let key = self.key(slot.name, slot.key, slot.shard);
-        let reply = self.send_one(&key, &one_args(take, now)).await?;
+        let now = self.inner.clock.as_ref().map_or(f64::NAN, Clock::now);
+        let key = self.inner.key(slot.name, slot.key, slot.shard);
+        let reply = self.send_one(key, one_args(take, now)).await?;
         let (now, wrote, loaded) = unpack_one(&reply)?;
         // As for a plan: the answer is tollgate-core's, on what the script loaded.
         let (taken, new) = take.decide(now, loaded);
@@ -1053,8 +1249,9 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         &self,
         slots: &[Slot<'_>],
     ) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        let keys: Vec<String> = slots.iter().map(|s| self.key(s.name, s.key, s.shard)).collect();
-        self.read_keys(&keys).await
+        let keys: Vec<String> =
+            slots.iter().map(|s| self.inner.key(s.name, s.key, s.shard)).collect();
+        self.inner.read_keys(&keys).await
     }
 
     async fn delete_async(
@@ -1063,19 +1260,28 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         key: Option<&str>,
         shards: u16,
     ) -> Result<(), StoreError> {
-        let keys: Vec<String> = (0..shards).map(|shard| self.key(name, key, shard)).collect();
-        self.on_connection(Writes::Yes, |conn| async move {
-            if let AnyConnection::One(mut conn) = conn {
-                return redis::cmd("DEL").arg(&keys).query_async::<()>(&mut conn).await;
-            }
-            // One command per key: a cluster refuses a DEL over several hash slots.
-            let each = keys.iter().map(|k| {
-                let mut conn = conn.clone();
-                async move { redis::cmd("DEL").arg(k).query_async::<()>(&mut conn).await }
-            });
-            futures_util::future::try_join_all(each).await.map(drop)
-        })
-        .await
+        let keys: Vec<String> = (0..shards).map(|shard| self.inner.key(name, key, shard)).collect();
+        self.inner
+            .on_connection(Writes::Yes, |conn| async move {
+                match conn {
+                    AnyConnection::One(mut conn) => {
+                        redis::cmd("DEL").arg(&keys).query_async::<()>(&mut conn).await
+                    }
+                    // One command per key: a cluster refuses a DEL over several hash slots.
+                    #[cfg(feature = "redis-cluster")]
+                    AnyConnection::Cluster(conn) => {
+                        let each =
+                            keys.iter().map(|k| {
+                                let mut conn = conn.clone();
+                                async move {
+                                    redis::cmd("DEL").arg(k).query_async::<()>(&mut conn).await
+                                }
+                            });
+                        futures_util::future::try_join_all(each).await.map(drop)
+                    }
+                }
+            })
+            .await
     }
 }
 
@@ -1088,9 +1294,9 @@ mod tests {
     #[test]
     fn keys_do_not_run_into_each_other() {
         let s = RedisStore::open("redis://127.0.0.1:1").unwrap();
-        assert_eq!(s.key("send", Some("alice"), 3), "tollgate:4:send:k5:alice:3");
-        assert_ne!(s.key("a:b", Some("c"), 0), s.key("a", Some("b:c"), 0));
-        assert_ne!(s.key("a", None, 0), s.key("a", Some(""), 0));
+        assert_eq!(s.inner.key("send", Some("alice"), 3), "tollgate:4:send:k5:alice:3");
+        assert_ne!(s.inner.key("a:b", Some("c"), 0), s.inner.key("a", Some("b:c"), 0));
+        assert_ne!(s.inner.key("a", None, 0), s.inner.key("a", Some(""), 0));
         assert_eq!(num(60_000.0), "60000.0");
         assert_eq!(num(0.1), "0.1");
     }
@@ -1151,26 +1357,26 @@ mod give_back_tests {
             plan.push(&take, 0, 0).unwrap();
             plan
         };
-        let key = store.key("t", Some("k"), 0);
+        let key = store.inner.key("t", Some("k"), 0);
         let keys = std::slice::from_ref(&key);
-        let value = async || store.read_keys(keys).await.unwrap().1[0].map(|s| s.value);
+        let value = async || store.inner.read_keys(keys).await.unwrap().1[0].map(|s| s.value);
 
         // Nothing touched the state since the take: the state before it comes back.
         let four = plan(4.0);
-        let ran = store.run(&four, keys).await.unwrap();
+        let ran = store.inner.run(&four, keys).await.unwrap();
         assert_eq!(value().await, Some(6.0));
-        store.give_back(&four, &key, &ran).await.unwrap();
+        store.inner.give_back(&four, &key, &ran).await.unwrap();
         assert_eq!(value().await, None, "there was no state before the take");
-        store.run(&plan(1.0), keys).await.unwrap();
-        let ran = store.run(&four, keys).await.unwrap();
-        store.give_back(&four, &key, &ran).await.unwrap();
+        store.inner.run(&plan(1.0), keys).await.unwrap();
+        let ran = store.inner.run(&four, keys).await.unwrap();
+        store.inner.give_back(&four, &key, &ran).await.unwrap();
         assert_eq!(value().await, Some(9.0), "the state before the take, exactly");
 
         // Another take came between: the amount is added back, up to capacity.
-        let ran = store.run(&four, keys).await.unwrap();
-        store.run(&plan(2.0), keys).await.unwrap();
+        let ran = store.inner.run(&four, keys).await.unwrap();
+        store.inner.run(&plan(2.0), keys).await.unwrap();
         assert_eq!(value().await, Some(3.0));
-        store.give_back(&four, &key, &ran).await.unwrap();
+        store.inner.give_back(&four, &key, &ran).await.unwrap();
         assert_eq!(value().await, Some(7.0));
         store.delete_async("t", Some("k"), 1).await.unwrap();
     }
@@ -1183,10 +1389,63 @@ mod on_redis_tests {
     use tollgate_core::{Config, MINUTE, ManualClock, SECOND, Take};
 
     use super::*;
-    use crate::store::testing::{T0, writing};
+    use crate::store::testing::{T0, grouped_takes_answer_as_memory, writing};
 
     fn url() -> Option<String> {
         crate::store::backend_url("TOLLGATE_REDIS_URL")
+    }
+
+    /// `takes` in one round trip, at `now`: each answer as [`unpack_one`] reads it.
+    async fn send_group(
+        redis: &RedisStore<ManualClock>,
+        takes: &[OneTake<'_>],
+        now: f64,
+    ) -> Vec<Result<OneAnswer, StoreError>> {
+        let requests: Vec<(String, Vec<u8>)> = takes
+            .iter()
+            .map(|o| (redis.inner.key(o.slot.name, o.slot.key, o.slot.shard), one_args(o, now)))
+            .collect();
+        let requests: Vec<(&str, &[u8])> =
+            requests.iter().map(|(k, a)| (k.as_str(), a.as_slice())).collect();
+        let replies = redis.inner.send_ones(&requests).await;
+        replies.into_iter().map(|r| unpack_one(&r?)).collect()
+    }
+
+    #[tokio::test]
+    async fn grouped_takes_answer_as_memory_one_after_the_other() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let redis = open(&url, &clock, "group");
+        grouped_takes_answer_as_memory(&clock, &redis, async |ones: &[OneTake<'_>]| {
+            let answers = send_group(&redis, ones, clock.now()).await;
+            answers.into_iter().map(Result::unwrap).collect()
+        })
+        .await;
+    }
+
+    /// A key that holds something else than a state fails its own take in a group; the
+    /// group's other takes are answered and saved.
+    #[tokio::test]
+    async fn a_foreign_value_fails_only_its_own_take_in_a_group() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let redis = open(&url, &clock, "foreign-group");
+        let mut conn = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
+        let config = Config::token_bucket(10.0, MINUTE);
+        let take = |key| Take { name: "t", key: Some(key), config, count: 1.0, reserve: false };
+        let bad_key = redis.inner.key("t", Some("bad"), 0);
+        let _: () = redis::cmd("SET").arg(&bad_key).arg("x").query(&mut conn).unwrap();
+        let (bad, good) = (take("bad"), take("good"));
+        let group = [writing(&good), writing(&bad), writing(&good)];
+        let answers = send_group(&redis, &group, clock.now()).await;
+        let error = answers[1].as_ref().unwrap_err().message().to_owned();
+        assert!(error.starts_with("redis: script error: "), "{error}");
+        assert_eq!(answers[0].as_ref().unwrap().2, None);
+        assert_eq!(answers[2].as_ref().unwrap().2, Some(State { value: 9.0, ts: T0 }));
+        let slot = [writing(&good).slot];
+        assert_eq!(redis.read_async(&slot).await.unwrap().1, [Some(State { value: 8.0, ts: T0 })]);
+        redis.delete_async("t", Some("good"), 1).await.unwrap();
+        redis.delete_async("t", Some("bad"), 1).await.unwrap();
     }
 
     fn open(url: &str, clock: &ManualClock, test: &str) -> RedisStore<ManualClock> {
@@ -1204,7 +1463,7 @@ mod on_redis_tests {
         let mut conn = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
         let config = Config::token_bucket(10.0, MINUTE);
         let take = |key| Take { name: "t", key: Some(key), config, count: 1.0, reserve: false };
-        let bad_key = redis.key("t", Some("bad"), 0);
+        let bad_key = redis.inner.key("t", Some("bad"), 0);
         let _: () = redis::cmd("SET").arg(&bad_key).arg("x").query(&mut conn).unwrap();
         let (bad, good) = (take("bad"), take("good"));
         let err = redis.execute_one_async(&writing(&bad)).await.unwrap_err();
@@ -1226,7 +1485,7 @@ mod on_redis_tests {
         let redis = open(&url, &clock, "expiry");
         let mut conn = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
         let mut pttl = |name: &str, key: &str| -> i64 {
-            redis::cmd("PTTL").arg(redis.key(name, Some(key), 0)).query(&mut conn).unwrap()
+            redis::cmd("PTTL").arg(redis.inner.key(name, Some(key), 0)).query(&mut conn).unwrap()
         };
         let bucket = Config::token_bucket(10.0, MINUTE);
         let window = Config::fixed_window(10.0, MINUTE).with_start(T0 - 15.0 * SECOND);

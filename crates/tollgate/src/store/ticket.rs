@@ -8,7 +8,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
-use tollgate_core::{OneTake, Plan, Slot};
+#[cfg(feature = "sqlite")]
+use tollgate_core::OneTake;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use tollgate_core::{Plan, Slot};
 
 use crate::StoreError;
 
@@ -96,11 +99,13 @@ impl<T> Claim<T> {
 }
 
 /// A plan with copies of the names and keys it borrows.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) struct OwnedPlan {
     text: Vec<Box<str>>,
     shape: Plan<'static>,
 }
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl OwnedPlan {
     pub(crate) fn new(plan: &Plan<'_>) -> Self {
         let mut text = Vec::new();
@@ -119,11 +124,13 @@ impl OwnedPlan {
 }
 
 /// Slots with copies of the names and keys they borrow.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) struct OwnedSlots {
     text: Vec<Box<str>>,
     shape: Vec<Slot<'static>>,
 }
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl OwnedSlots {
     pub(crate) fn new(slots: &[Slot<'_>]) -> Self {
         let mut text = Vec::new();
@@ -144,12 +151,14 @@ impl OwnedSlots {
 }
 
 /// A one-take with copies of the name and key it borrows.
+#[cfg(feature = "sqlite")]
 pub(crate) struct OwnedOne {
     name: Box<str>,
     key: Option<Box<str>>,
     shape: OneTake<'static>,
 }
 
+#[cfg(feature = "sqlite")]
 impl OwnedOne {
     pub(crate) fn new(take: &OneTake<'_>) -> Self {
         let (name, key) = (take.slot.name.into(), take.slot.key.map(Into::into));
@@ -169,10 +178,12 @@ impl OwnedOne {
 
 #[cfg(test)]
 mod tests {
-    use tollgate_core::{Config, MINUTE, Take};
+    #[cfg(all(feature = "sqlite", feature = "postgres"))]
+    use tollgate_core::{Config, MINUTE, OneTake, Plan, Slot, Take};
 
     use super::*;
 
+    #[cfg(all(feature = "sqlite", feature = "postgres"))]
     #[test]
     fn copies_give_back_the_same_requests() {
         let config = Config::token_bucket(10.0, MINUTE).with_shards(4);

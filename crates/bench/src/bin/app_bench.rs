@@ -1,0 +1,473 @@
+//! An axum app rate limited by tollgate's `RateLimitLayer` against the same app with a
+//! hand-written async limit on the same client crate, under wrk, with the store on loopback
+//! and behind a proxy that delays every chunk by a fixed time each way (a store "a network
+//! away"). Loopback only; every run bounded in time.
+//!
+//! ```text
+//! cargo run --release -p tollgate-bench --bin app_bench -- redis|postgres [SECONDS] [ROUNDS] [GROUP]
+//! cargo run --release -p tollgate-bench --bin app_bench -- server OLD NEW [SECONDS] [ROUNDS]
+//! ```
+//!
+//! - `redis`: tollgate's layer on `RedisStore` against a fixed window by hand: `INCR` and
+//!   `PEXPIRE` in one pipeline on one multiplexed redis-rs connection (`TOLLGATE_REDIS_URL`,
+//!   default redis://127.0.0.1:6379). `GROUP` sets the store's `group` (default: the store's
+//!   default, 64; 1 sends every request alone).
+//! - `postgres`: tollgate's layer on `PgStore` against a one-row `UPDATE ... RETURNING` by
+//!   hand on tokio-postgres, prepared once, on as many connections as the store keeps (4),
+//!   round robin (`TOLLGATE_POSTGRES_URL`, default postgres://postgres@127.0.0.1/test).
+//! - `server`: two `tollgate` binaries (say, one built before a change and one after) serving
+//!   `POST /v1/limit` on the memory store, SQLite, and Redis behind the proxy.
+//!
+//! Each app runs in this process on a Tokio runtime of two threads (as `#[tokio::main]` on
+//! this project's two-core machines) and answers `GET /` with `ok` when the limit grants; every
+//! request is granted (a limit of a billion a second, keyed by the user header that wrk's
+//! script cycles over 10,000 users), so the figure is the cost of the admit path. wrk runs
+//! with 2 threads, at 64 and 256 connections, with 0 and 0.5 ms of one-way delay; the two
+//! sides of each pair alternate which goes first, round by round, and the median ratio of the
+//! rounds is printed after them. A side that answered anything but 200 is reported.
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use tollgate::store::{PgStore, RedisStore};
+use tollgate::tower::{Key, LimitSpec, RateLimitLayer};
+use tollgate::{AsyncStore, Config, RateLimiter, SECOND};
+use tollgate_bench::loopback_url;
+use tollgate_bench::proxy::Proxy;
+
+/// Every request is granted.
+const GENEROUS: Config = Config::fixed_window(1e9, SECOND);
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let number = |i: usize, default: u64| -> u64 {
+        args.get(i).map_or(default, |a| a.parse().unwrap_or_else(|_| panic!("{a:?}: a number")))
+    };
+    match args.first().map(String::as_str) {
+        Some("redis") => apps(Backend::Redis, number(1, 5), number(2, 3) as usize, number(3, 64)),
+        Some("postgres") => apps(Backend::Postgres, number(1, 5), number(2, 3) as usize, 0),
+        Some("server") if args.len() >= 3 => {
+            servers(&args[1], &args[2], number(3, 5), number(4, 3) as usize);
+        }
+        _ => {
+            eprintln!("usage: app_bench redis|postgres [SECONDS] [ROUNDS] [GROUP]");
+            eprintln!("       app_bench server OLD_TOLLGATE NEW_TOLLGATE [SECONDS] [ROUNDS]");
+            std::process::exit(2);
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Backend {
+    Redis,
+    Postgres,
+}
+
+/// One wrk run: requests per second, 99th percentile latency, answers other than 2xx, and
+/// the CPU time per request of this process (the app and the proxy) and of the store's
+/// server, in microseconds (when its process is known).
+#[derive(Clone, Copy)]
+struct Run {
+    rps: f64,
+    p99_ms: f64,
+    not_ok: u64,
+    app_us: f64,
+    store_us: f64,
+}
+
+/// User and system CPU time of a process so far, in microseconds (Linux `/proc`).
+fn cpu_us(pid: &str) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return f64::NAN };
+    // After the command's name, in parentheses: fields 14 (utime) and 15 (stime) of proc(5).
+    let fields: Vec<&str> =
+        stat.rsplit_once(')').map_or(vec![], |s| s.1.split_whitespace().collect());
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(f64::NAN);
+    (ticks(11) + ticks(12)) * 1e6 / 100.0 // USER_HZ is 100 on Linux
+}
+
+/// The process id of the server on `port` of this machine, if `ss` can tell.
+fn pid_on_port(port: u16) -> Option<String> {
+    let out = Command::new("ss").args(["-Hltnp", &format!("sport = :{port}")]).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start = text.find("pid=")? + 4;
+    Some(text[start..].chars().take_while(char::is_ascii_digit).collect())
+}
+
+/// Runs wrk against `url` with `connections` for `secs`, with a script that sends `body`
+/// (a POST with a JSON body with `%s` for the key) or a GET with the key in `x-user`.
+fn wrk(url: &str, connections: usize, secs: u64, body: Option<&str>, store: Option<&str>) -> Run {
+    let script = std::env::temp_dir().join(format!("app_bench_{}.lua", std::process::id()));
+    let request = match body {
+        Some(body) => format!(
+            "local template = '{body}'\nrequest = function()\n  counter = counter + 1\n  \
+             local body = string.format(template, 'user-' .. (counter % 10000))\n  \
+             return wrk.format('POST', nil, {{['Content-Type'] = 'application/json'}}, body)\nend\n"
+        ),
+        None => "request = function()\n  counter = counter + 1\n  \
+                 return wrk.format('GET', nil, {['x-user'] = 'user-' .. (counter % 10000)}, nil)\nend\n"
+            .to_owned(),
+    };
+    std::fs::write(&script, format!("counter = 0\n{request}")).unwrap();
+    let (app0, store0) = (cpu_us("self"), store.map_or(f64::NAN, cpu_us));
+    let output = Command::new("wrk")
+        .args(["-t2", &format!("-c{connections}"), &format!("-d{secs}s"), "--latency", "-s"])
+        .arg(&script)
+        .arg(url)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("wrk (Debian: apt-get install wrk)");
+    let text = String::from_utf8_lossy(&output.stdout);
+    let field = |prefix: &str| {
+        text.lines().find_map(|l| l.trim().strip_prefix(prefix).map(|rest| rest.trim().to_owned()))
+    };
+    let rps = field("Requests/sec:").and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    let p99_ms = field("99%").map_or(f64::NAN, |v| duration_ms(&v));
+    let not_ok = field("Non-2xx or 3xx responses:").and_then(|v| v.parse().ok()).unwrap_or(0)
+        + field("Socket errors:").map_or(0, |v| {
+            v.split(',')
+                .filter_map(|part| part.split_whitespace().last()?.parse::<u64>().ok())
+                .sum()
+        });
+    let requests = rps * secs as f64;
+    let app_us = (cpu_us("self") - app0) / requests;
+    let store_us = store.map_or(f64::NAN, |pid| (cpu_us(pid) - store0) / requests);
+    Run { rps, p99_ms, not_ok, app_us, store_us }
+}
+
+/// A wrk latency (`1.23ms`, `845.00us`, `1.02s`) in ms.
+fn duration_ms(text: &str) -> f64 {
+    let split = text.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.parse().unwrap_or(f64::NAN);
+    match unit {
+        "us" => number / 1_000.0,
+        "ms" => number,
+        "s" => number * 1_000.0,
+        "m" => number * 60_000.0,
+        _ => f64::NAN,
+    }
+}
+
+/// Serves `app` on a free loopback port of `runtime`; its URL.
+fn serve(runtime: &tokio::runtime::Runtime, app: Router) -> String {
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    runtime.spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/")
+}
+
+/// The app: `GET /` answers `ok`.
+fn app() -> Router {
+    Router::new().route("/", axum::routing::get(|| async { "ok" }))
+}
+
+/// The app behind tollgate's layer on `store`.
+fn with_tollgate<S: AsyncStore + 'static>(store: S) -> Router {
+    let spec = LimitSpec::new(("perUser", GENEROUS)).key(Key::header("x-user"));
+    app().layer(RateLimitLayer::new(Arc::new(RateLimiter::new(store)), spec))
+}
+
+/// What the hand-written limits share: the limit, and where a request's user is.
+fn user(request: &Request) -> String {
+    request.headers().get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
+}
+
+/// A fixed window by hand on Redis: `INCR` the user's counter of this second and set it to
+/// expire (`PEXPIRE ... NX`, so only the window's first request sets it), one pipeline on one
+/// multiplexed connection; refuse over the limit.
+async fn redis_window(
+    State(conn): State<redis::aio::MultiplexedConnection>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let window = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let key = format!("hand:{}:{window}", user(&request));
+    let mut conn = conn;
+    let counted: redis::RedisResult<(i64,)> = redis::pipe()
+        .cmd("INCR")
+        .arg(&key)
+        .cmd("PEXPIRE")
+        .arg(&key)
+        .arg(1_000)
+        .arg("NX")
+        .ignore()
+        .query_async(&mut conn)
+        .await;
+    match counted {
+        Ok((n,)) if n as f64 <= GENEROUS.rate() => next.run(request).await,
+        Ok(_) => StatusCode::TOO_MANY_REQUESTS.into_response(),
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
+
+/// A counter by hand on PostgreSQL: one prepared `UPDATE ... RETURNING` of the user's row,
+/// on the next of a few connections (each pipelines what it is given).
+async fn postgres_counter(
+    State(clients): State<Arc<Vec<(tokio_postgres::Client, tokio_postgres::Statement)>>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let i = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % clients.len();
+    let (client, update) = &clients[i];
+    let user = user(&request);
+    match client.query_opt(update, &[&user]).await {
+        Ok(Some(row)) if (row.get::<_, i64>(0) as f64) <= 1e18 => next.run(request).await,
+        Ok(_) => StatusCode::TOO_MANY_REQUESTS.into_response(),
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// The store's address, and a URL that reaches it through `proxy` (or directly).
+fn through(url: &str, proxy: Option<&Proxy>) -> String {
+    match proxy {
+        None => url.to_owned(),
+        Some(proxy) => {
+            let (scheme, rest) = url.split_once("://").expect("a URL");
+            let (auth, rest) = rest.rsplit_once('@').map_or(("", rest), |(a, r)| (a, r));
+            let path = rest.find('/').map_or("", |i| &rest[i..]);
+            let auth = if auth.is_empty() { String::new() } else { format!("{auth}@") };
+            format!("{scheme}://{auth}{}{path}", proxy.addr)
+        }
+    }
+}
+
+/// The loopback address of a store URL (`scheme://[auth@]host:port[/...]`).
+fn address(url: &str, default_port: u16) -> SocketAddr {
+    let rest = url.split_once("://").expect("a URL").1;
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    let host_port = rest.split('/').next().unwrap_or(rest);
+    let with_port = if host_port.contains(':') {
+        host_port.to_owned()
+    } else {
+        format!("{host_port}:{default_port}")
+    };
+    let with_port = with_port.replace("localhost", "127.0.0.1");
+    with_port.parse().unwrap_or_else(|_| panic!("{url}: a loopback IP address and port"))
+}
+
+fn apps(backend: Backend, secs: u64, rounds: usize, group: u64) {
+    let runtime = runtime();
+    let (var, default, port, name) = match backend {
+        Backend::Redis => ("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379", 6379, "Redis"),
+        Backend::Postgres => {
+            ("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test", 5432, "PostgreSQL")
+        }
+    };
+    let url = loopback_url(var, default);
+    let delayed = Proxy::start(address(&url, port), Duration::from_micros(500));
+    // Redis is one process; PostgreSQL's work is done by a backend process per connection.
+    let store_pid = (backend == Backend::Redis).then(|| pid_on_port(address(&url, port).port()));
+    let store_pid = store_pid.flatten();
+    let store_pid = store_pid.as_deref();
+    let server =
+        if store_pid.is_some() { format!(" + of the {name} server") } else { String::new() };
+    println!(
+        "{name}: requests per second (p99 latency, CPU time a request of the app and proxy{server}), \
+         wrk -t2, {secs} s a run, {rounds} rounds"
+    );
+    println!();
+    println!("| one-way delay | connections | round | hand-written | tollgate layer | ratio |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (delay, proxy) in [("0", None), ("0.5 ms", Some(&delayed))] {
+        let store_url = through(&url, proxy);
+        let (hand, tollgate) = match backend {
+            Backend::Redis => {
+                let client = redis::Client::open(store_url.as_str()).unwrap();
+                let conn = runtime.block_on(client.get_multiplexed_async_connection()).unwrap();
+                let hand = app().layer(middleware::from_fn_with_state(conn, redis_window));
+                let prefix = format!("tollgate-app-bench:{}:", std::process::id());
+                let store = RedisStore::builder().prefix(prefix).group(group as usize);
+                let store = store.open(&store_url).unwrap();
+                (serve(&runtime, hand), serve(&runtime, with_tollgate(store)))
+            }
+            Backend::Postgres => {
+                let clients = runtime.block_on(postgres_hand(&store_url));
+                let hand = app().layer(middleware::from_fn_with_state(clients, postgres_counter));
+                let store = runtime
+                    .block_on(PgStore::builder().table("tollgate_app_bench").open(&store_url));
+                (serve(&runtime, hand), serve(&runtime, with_tollgate(store.unwrap())))
+            }
+        };
+        for connections in [64, 256] {
+            // A warm-up of each, so that connections and statements are made before timing.
+            wrk(&hand, connections, 1, None, None);
+            wrk(&tollgate, connections, 1, None, None);
+            let mut ratios = Vec::new();
+            for round in 0..rounds {
+                let (h, t) = if round % 2 == 0 {
+                    let h = wrk(&hand, connections, secs, None, store_pid);
+                    (h, wrk(&tollgate, connections, secs, None, store_pid))
+                } else {
+                    let t = wrk(&tollgate, connections, secs, None, store_pid);
+                    (wrk(&hand, connections, secs, None, store_pid), t)
+                };
+                ratios.push(t.rps / h.rps);
+                println!(
+                    "| {delay} | {connections} | {} | {} | {} | {:.2}x |",
+                    round + 1,
+                    shown(h),
+                    shown(t),
+                    t.rps / h.rps
+                );
+            }
+            ratios.sort_by(f64::total_cmp);
+            println!(
+                "| {delay} | {connections} | median | | | **{:.2}x** |",
+                ratios[ratios.len() / 2]
+            );
+        }
+    }
+    if backend == Backend::Postgres {
+        runtime.block_on(async {
+            let (client, connection) =
+                tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+            tokio::spawn(connection);
+            client
+                .batch_execute(
+                    "DROP TABLE IF EXISTS tollgate_app_bench_counter; \
+                     DROP TABLE IF EXISTS tollgate_app_bench; \
+                     DROP FUNCTION IF EXISTS tollgate_app_bench_take; \
+                     DROP FUNCTION IF EXISTS tollgate_app_bench_takes;",
+                )
+                .await
+                .unwrap();
+        });
+    }
+}
+
+fn shown(run: Run) -> String {
+    let failed = if run.not_ok > 0 { format!(", {} not 200", run.not_ok) } else { String::new() };
+    let cpu = if run.store_us.is_nan() {
+        format!("{:.0} us", run.app_us)
+    } else {
+        format!("{:.0}+{:.0} us", run.app_us, run.store_us)
+    };
+    format!("{:.0} ({:.1} ms, {cpu}{failed})", run.rps, run.p99_ms)
+}
+
+/// The hand-written side's table (a row per user, made up front) and its connections, as
+/// many as the store keeps, each with the `UPDATE` prepared.
+async fn postgres_hand(url: &str) -> Arc<Vec<(tokio_postgres::Client, tokio_postgres::Statement)>> {
+    let mut clients = Vec::new();
+    for i in 0..4 {
+        let (client, connection) =
+            tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        if i == 0 {
+            client
+                .batch_execute(
+                    "DROP TABLE IF EXISTS tollgate_app_bench_counter;
+                     CREATE TABLE tollgate_app_bench_counter (name text PRIMARY KEY, n bigint NOT NULL);
+                     INSERT INTO tollgate_app_bench_counter
+                       SELECT 'user-' || g, 0 FROM generate_series(0, 9999) g;",
+                )
+                .await
+                .unwrap();
+        }
+        let update = client
+            .prepare("UPDATE tollgate_app_bench_counter SET n = n + 1 WHERE name = $1 RETURNING n")
+            .await
+            .unwrap();
+        clients.push((client, update));
+    }
+    Arc::new(clients)
+}
+
+/// Two `tollgate serve` binaries on the same stores, `POST /v1/limit` with a key per
+/// request, 256 connections: the memory store, a SQLite file, and Redis behind the proxy
+/// with 0.5 ms each way.
+fn servers(old: &str, new: &str, secs: u64, rounds: usize) {
+    // Each server runs in a directory of its own: the binaries' paths must not be relative.
+    let path = |p: &str| {
+        std::fs::canonicalize(p).unwrap_or_else(|e| panic!("{p}: {e}")).display().to_string()
+    };
+    let (old, new) = (&path(old), &path(new));
+    let redis = loopback_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379");
+    let delayed = Proxy::start(address(&redis, 6379), Duration::from_micros(500));
+    let work = tempfile::tempdir().unwrap();
+    let config = work.path().join("tollgate.toml");
+    std::fs::write(
+        &config,
+        "[limits.bench]\nkind = \"fixed window\"\nrate = 1000000000\nperiod = 1000\n",
+    )
+    .unwrap();
+    let body = r#"{"name":"bench","key":"%s"}"#;
+    println!(
+        "tollgate serve, POST /v1/limit: requests per second (p99 latency), wrk -t2 -c256, {secs} s a run"
+    );
+    println!();
+    println!("| store | round | old | new | new / old |");
+    println!("|---|---:|---:|---:|---:|");
+    let stores = [
+        ("memory", "memory".to_owned()),
+        ("SQLite", "sqlite://bench.db".to_owned()),
+        ("Redis, 0.5 ms each way", through(&redis, Some(&delayed))),
+    ];
+    for (name, store) in stores {
+        let start = |binary: &str, dir: &str| {
+            let dir = work.path().join(dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut child = Command::new(binary)
+                .args(["serve", "--listen", "127.0.0.1:0", "--store", &store, "--config"])
+                .arg(&config)
+                .current_dir(&dir)
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("{binary}: {e}"));
+            let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+            let addr = line.trim().strip_prefix("tollgate listening on ").expect("the banner");
+            // Keep reading its banner, so that it never blocks on a full pipe.
+            std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+            (child, format!("{addr}/v1/limit"))
+        };
+        let (mut old_server, old_url) = start(old, "old");
+        let (mut new_server, new_url) = start(new, "new");
+        wrk(&old_url, 256, 1, Some(body), None);
+        wrk(&new_url, 256, 1, Some(body), None);
+        let mut ratios = Vec::new();
+        for round in 0..rounds {
+            let (o, n) = if round % 2 == 0 {
+                let o = wrk(&old_url, 256, secs, Some(body), None);
+                (o, wrk(&new_url, 256, secs, Some(body), None))
+            } else {
+                let n = wrk(&new_url, 256, secs, Some(body), None);
+                (wrk(&old_url, 256, secs, Some(body), None), n)
+            };
+            ratios.push(n.rps / o.rps);
+            println!(
+                "| {name} | {} | {} | {} | {:.2}x |",
+                round + 1,
+                shown(o),
+                shown(n),
+                n.rps / o.rps
+            );
+        }
+        ratios.sort_by(f64::total_cmp);
+        println!("| {name} | median | | | **{:.2}x** |", ratios[ratios.len() / 2]);
+        for server in [&mut old_server, &mut new_server] {
+            let _ = server.kill();
+            let _ = server.wait();
+        }
+    }
+}
