@@ -30,18 +30,37 @@
 //! Declare limits in a type of your own with [`Limits`] so that names are checked by the
 //! compiler; see [`Limits`] and [`RateLimiter`].
 //!
+//! # Sync and async
+//!
+//! Every call has an async twin (`limit_async`, `transaction_async`, ...) that works on every
+//! store and never blocks the thread that polls it: use those in an async program. The
+//! stores that wait on a network (Redis, PostgreSQL) have only those, and run on Tokio. The
+//! sync calls are for the stores that work without a runtime: the memory store (which never
+//! waits: its async calls answer at once, through the same code) and SQLite (which waits for
+//! the disk on the calling thread; its async calls go to a writer thread of its own).
+//!
+//! ```
+//! use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+//!
+//! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+//! let limiter = RateLimiter::new(MemoryStore::new());
+//! let send = ("send", Config::token_bucket(10.0, MINUTE));
+//! assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
+//! # });
+//! ```
+//!
 //! # Features
 //!
 //! The memory store is always built; everything else is a Cargo feature, none on by default:
 //!
 //! | feature | adds |
 //! |---|---|
-//! | `sqlite` | `store::SqliteStore` and `store::SqliteTransaction`: states in a SQLite file (bundled SQLite) |
-//! | `postgres` | `store::PgStore` and `store::PgTransaction`: states in PostgreSQL |
-//! | `redis` | `store::RedisStore`: states in Redis, one server-side script per request |
+//! | `sqlite` | `store::SqliteStore` and `store::SqliteTransaction`: states in a SQLite file (bundled SQLite); async calls through a writer thread |
+//! | `postgres` | `store::PgStore` and `store::PgTransaction`: states in PostgreSQL, on tokio-postgres (async) |
+//! | `redis` | `store::RedisStore`: states in Redis, one server-side script per request, on redis-rs (async) |
 //! | `redis-cluster` | `redis+cluster://` URLs for `store::RedisStore` |
 //! | `sqlx-postgres`, `sqlx-sqlite` | the `sqlx` module: limits inside your own sqlx transaction |
-//! | `tower` | the `tower` module: a rate limit layer for tower and axum services |
+//! | `tower` | the `tower` module: a rate limit layer for tower, axum and tonic services |
 //! | `axum` | `tower`, and keys from axum's `ConnectInfo` peer address |
 
 mod error;

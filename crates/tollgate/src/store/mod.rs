@@ -6,24 +6,34 @@
 //! states that the [`Outcome`] marks changed, all within one atomic unit. Because deciding
 //! is a pure function of (states, time), a store that loses a race may simply run it again.
 //!
+//! The seam has two forms: [`Store`], called on the caller's thread (the memory store,
+//! SQLite, a caller's own SQLite transaction), and [`AsyncStore`], awaited (every store;
+//! Redis and PostgreSQL only this one). A store that answers in-process names its sync form
+//! as [`AsyncStore::Immediate`], so that the async API takes the sync path on it.
+//!
 //! # How each store does it
 //!
 //! - **Memory** ([`MemoryStore`]): the slots' segments are locked in a fixed order, so a
-//!   transaction over several limits is atomic and cannot deadlock.
+//!   transaction over several limits is atomic and cannot deadlock. It never waits: its
+//!   async calls answer at once.
 //! - **SQLite** ([`SqliteStore`], feature `sqlite`): `BEGIN IMMEDIATE` takes the write lock
 //!   up front (no upgrade deadlock), a `SELECT` per slot, `decide`, an upsert (or a delete,
-//!   when full) per changed slot, `COMMIT`. [`SqliteTransaction`] runs the same inside the
-//!   caller's own transaction.
-//! - **PostgreSQL** ([`PgStore`], feature `postgres`): within its own transaction or the
-//!   caller's ([`PgTransaction`]), transaction-scoped advisory locks on the slots, in
-//!   ascending order, serialize every request touching a slot (even before its row exists),
-//!   which is correct under READ COMMITTED; one query then reads the states and the
-//!   database's time (`clock_timestamp()`); `decide`; upserts or deletes.
-//! - **Redis** ([`RedisStore`], feature `redis`): a Lua script receives the plan (slots,
-//!   per-shard configs, counts, reserve flags and the shard choices already made), loads the
-//!   states, decides with `TIME` and writes, all in one round trip; it answers with what it
-//!   loaded and the time it used, and `tollgate-core` computes the answer from those. Keys
-//!   expire when they are full again.
+//!   when full) per changed slot, `COMMIT`. Sync calls run on the caller's thread; async
+//!   calls go to a writer thread that commits the requests waiting for it together.
+//!   [`SqliteTransaction`] runs the same inside the caller's own transaction.
+//! - **PostgreSQL** ([`PgStore`], feature `postgres`, on tokio-postgres): within its own
+//!   transaction or the caller's ([`PgTransaction`]), transaction-scoped advisory locks on
+//!   the slots, in ascending order, serialize every request touching a slot (even before its
+//!   row exists), which is correct under READ COMMITTED; one query then reads the states and
+//!   the database's time (`clock_timestamp()`); `decide`; upserts or deletes. A one-take is
+//!   one statement (the table's `take` function), and those that wait for a connection go
+//!   together in one (`takes`).
+//! - **Redis** ([`RedisStore`], feature `redis`, on redis-rs's multiplexed connections): a
+//!   Lua script receives the plan (slots, per-shard configs, counts, reserve flags and the
+//!   shard choices already made), loads the states, decides with `TIME` and writes, all in
+//!   one round trip; it answers with what it loaded and the time it used, and
+//!   `tollgate-core` computes the answer from those. Keys expire when they are full again.
+//!   One-takes that wait for a round trip go together in one script run.
 //! - **Redis Cluster** (the same [`RedisStore`] on a `redis+cluster://` URL, feature
 //!   `redis-cluster`): as Redis when a request's states share a hash slot; a sharded take
 //!   whose two shards are on different nodes runs as atomic one-shard steps
