@@ -57,6 +57,8 @@ struct ServerSection {
     store: Option<String>,
     tokens: Option<Vec<String>>,
     allow_inline_config: Option<bool>,
+    allow_config_override: Option<bool>,
+    max_keys: Option<usize>,
 }
 
 /// Everything `tollgate serve` runs with.
@@ -68,8 +70,12 @@ pub struct Settings {
     pub store: String,
     /// Accepted bearer tokens; empty: no authentication.
     pub tokens: Vec<String>,
-    /// Whether requests may carry their own config.
+    /// Whether requests may carry their own config for names the server does not define.
     pub allow_inline_config: bool,
+    /// Whether requests may carry their own config for names the server defines.
+    pub allow_config_override: bool,
+    /// The most live states of the memory store (none: no bound but memory itself).
+    pub max_keys: Option<usize>,
     /// The named limits.
     pub limits: Vec<(String, Config)>,
     /// The named limits that fail open (`failOpen = true`).
@@ -156,6 +162,8 @@ impl FileConfig {
             store,
             tokens,
             allow_inline_config: self.server.allow_inline_config.unwrap_or(true),
+            allow_config_override: self.server.allow_config_override.unwrap_or(false),
+            max_keys: self.server.max_keys,
             limits: self.limits(examples)?,
             fail_open: self
                 .limits

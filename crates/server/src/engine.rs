@@ -186,22 +186,39 @@ struct ValueBody {
 /// The store every server runs on, picked at run time from a URL; every call is awaited.
 pub type DynStore = Arc<dyn DynAsyncStore>;
 
+/// What a request may carry besides the name of a limit the server defines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Permissions {
+    /// A config of its own for a name the server does not define (`allowInlineConfig`).
+    pub inline_config: bool,
+    /// A config of its own for a name the server defines (`allowConfigOverride`): without
+    /// it, a defined limit's config belongs to the server, and any client could lift it.
+    pub config_override: bool,
+}
+
+impl Default for Permissions {
+    fn default() -> Self {
+        Permissions { inline_config: true, config_override: false }
+    }
+}
+
 /// Runs the operations of the API over a limiter.
 pub struct Engine {
     limiter: RateLimiter<DynStore>,
-    allow_inline_config: bool,
+    permissions: Permissions,
     /// `RateLimit-Policy` members of the defined limits, made once.
     policies: std::collections::HashMap<String, String>,
 }
 
 impl Engine {
-    /// An engine over `limiter`; `allow_inline_config` as the config file's `[server]` says.
-    pub fn new(limiter: RateLimiter<DynStore>, allow_inline_config: bool) -> Self {
+    /// An engine over `limiter`, with what requests may carry as the config file's
+    /// `[server]` says.
+    pub fn new(limiter: RateLimiter<DynStore>, permissions: Permissions) -> Self {
         let policies = limiter
             .defined()
             .map(|(name, config)| (name.to_owned(), fields::policy_member(name, config)))
             .collect();
-        Engine { limiter, allow_inline_config, policies }
+        Engine { limiter, permissions, policies }
     }
 
     /// The limiter.
@@ -258,15 +275,15 @@ impl Engine {
     }
 
     fn target<'a>(&self, name: &'a str, config: Option<&RawConfig>) -> Result<Target<'a>, Answer> {
+        let defined = self.limiter.defined_config(name).is_some();
         match config {
-            None => {
-                if self.limiter.defined_config(name).is_some() {
-                    Ok(Target::Named(name))
-                } else {
-                    Err(not_defined(name))
-                }
-            }
-            Some(_) if !self.allow_inline_config => Err(Answer::error(
+            None if defined => Ok(Target::Named(name)),
+            None => Err(not_defined(name)),
+            Some(_) if defined && !self.permissions.config_override => Err(Answer::error(
+                StatusCode::BAD_REQUEST,
+                format!("Rate limit {name} is defined by the server; send no config for it."),
+            )),
+            Some(_) if !defined && !self.permissions.inline_config => Err(Answer::error(
                 StatusCode::BAD_REQUEST,
                 "inline configs are not allowed on this server (allowInlineConfig = false); \
                  use a limit defined in its config file",
@@ -351,9 +368,16 @@ impl Engine {
         Ok(answer)
     }
 
+    /// Forgets every shard's state of (name, key), whatever config made them (SPEC §6): a
+    /// name that only ever came with inline configs, or whose shards changed, is reset too.
+    /// A config in the body is not needed; if there is one, it must be valid.
     async fn reset(&self, body: ResetBody) -> Result<Answer, Answer> {
-        let target = self.target(&body.name, body.config.as_ref())?;
-        self.limiter.reset_async(target, body.key.as_deref()).await.map_err(|e| self.error(e))?;
+        if let Some(raw) = &body.config {
+            Config::try_from(raw)
+                .map_err(|e| Answer::error(StatusCode::BAD_REQUEST, e.to_string()))?;
+        }
+        let key = body.key.as_deref();
+        self.limiter.forget_async(&body.name, key).await.map_err(|e| self.error(e))?;
         Ok(Answer::ok(json!({})))
     }
 
@@ -447,7 +471,8 @@ fn not_defined(name: &str) -> Answer {
     )
 }
 
-/// Parses a body, naming the field of any error: `count: invalid type: string "x", expected f64`.
+/// Parses a body, naming the field of any error: `count: invalid type: string "x", expected f64`;
+/// anything after the body's JSON value is an error too.
 ///
 /// The plain parser runs first; only a body that fails is parsed again, tracking the path, to
 /// word the error.
@@ -456,7 +481,7 @@ fn parse<'b, T: Deserialize<'b>>(body: &'b [u8]) -> Result<T, Answer> {
         return Ok(value);
     }
     let mut de = serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize::<_, T>(&mut de).map_err(|err| {
+    let parsed = serde_path_to_error::deserialize::<_, T>(&mut de).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
         let message = if inner.to_string().starts_with("number out of range") {
@@ -473,7 +498,12 @@ fn parse<'b, T: Deserialize<'b>>(body: &'b [u8]) -> Result<T, Answer> {
             format!("{path}: {inner}")
         };
         Answer::error(StatusCode::BAD_REQUEST, message)
-    })
+    })?;
+    // The plain parse failed, so something is wrong; if not the value itself, what follows
+    // it: a body with anything after its JSON value is malformed (SPEC §6), and nothing of
+    // it is run.
+    de.end().map_err(|e| Answer::error(StatusCode::BAD_REQUEST, format!("malformed JSON: {e}")))?;
+    Ok(parsed)
 }
 
 /// The name of the last object key that starts before (line, column) of `body`: the field a

@@ -23,6 +23,8 @@ pub struct App {
     pub tokens: Vec<String>,
     /// Counters for `/metrics`.
     pub metrics: Metrics,
+    /// The memory store, if that is the store: its live states are a metric.
+    pub memory: Option<Arc<tollgate::MemoryStore>>,
 }
 
 /// The one place where answers (including errors) become HTTP responses.
@@ -148,7 +150,8 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
 }
 
 fn metrics(app: &App) -> Response {
-    let mut response = app.metrics.render(app.engine.limiter().failed_open()).into_response();
+    let live = app.memory.as_ref().map(|m| m.len());
+    let mut response = app.metrics.render(app.engine.limiter().failed_open(), live).into_response();
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));

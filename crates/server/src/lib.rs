@@ -141,10 +141,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
 /// # Errors
 ///
 /// The store cannot be opened.
-pub async fn app(
-    settings: &Settings,
-) -> anyhow::Result<(Arc<http::App>, Option<Arc<tollgate::store::SqliteStore>>)> {
-    let opened = store::open(&settings.store).await?;
+pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)> {
+    let opened = store::open(&settings.store, settings.max_keys).await?;
     let mut builder = RateLimiter::builder(opened.store);
     for (name, config) in &settings.limits {
         builder = builder.define(name.as_str(), *config);
@@ -152,42 +150,85 @@ pub async fn app(
     for name in &settings.fail_open {
         builder = builder.fail_open(name.as_str());
     }
-    let engine = Engine::new(builder.build(), settings.allow_inline_config);
+    let permissions = engine::Permissions {
+        inline_config: settings.allow_inline_config,
+        config_override: settings.allow_config_override,
+    };
+    let engine = Engine::new(builder.build(), permissions);
     let app = http::App {
         engine: Arc::new(engine),
         tokens: settings.tokens.clone(),
         metrics: metrics::Metrics::default(),
+        memory: opened.memory.clone(),
     };
-    Ok((Arc::new(app), opened.sqlite))
+    let sweeps =
+        Sweeps { sqlite: opened.sqlite, memory: opened.memory, limits: settings.limits.clone() };
+    Ok((Arc::new(app), sweeps))
+}
+
+/// The stores whose full states the server deletes now and then (Redis expires them by
+/// itself; PostgreSQL's stay until a request leaves them full).
+pub struct Sweeps {
+    sqlite: Option<Arc<tollgate::store::SqliteStore>>,
+    memory: Option<Arc<tollgate::MemoryStore>>,
+    limits: Vec<(String, tollgate::Config)>,
+}
+
+/// How often the memory store is swept of full states: soon enough that memory goes back
+/// within seconds of a flood of keys refilling. (A segment is swept on its own too, each
+/// time it has doubled in size.)
+const MEMORY_SWEEP: Duration = Duration::from_secs(10);
+
+/// How often the SQLite store is swept: a sweep reads the whole table.
+const SQLITE_SWEEP: Duration = Duration::from_secs(60);
+
+impl Sweeps {
+    /// Sweeps the stores on their schedules, off the runtime's threads, until the process
+    /// ends.
+    pub fn start(self) {
+        if let Some(memory) = self.memory {
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(MEMORY_SWEEP);
+                loop {
+                    every.tick().await;
+                    let memory = Arc::clone(&memory);
+                    let swept = tokio::task::spawn_blocking(move || memory.sweep()).await;
+                    tracing::debug!(swept = swept.unwrap_or(0), "dropped full states");
+                }
+            });
+        }
+        if let Some(sqlite) = self.sqlite {
+            let limits = self.limits;
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(SQLITE_SWEEP);
+                loop {
+                    every.tick().await;
+                    let (sqlite, limits) = (Arc::clone(&sqlite), limits.clone());
+                    let swept = tokio::task::spawn_blocking(move || {
+                        // Every state with its time to be full; then, by name, the states an
+                        // earlier version wrote without it.
+                        let full = sqlite.sweep_full().unwrap_or(0);
+                        let named: usize =
+                            limits.iter().map(|(name, c)| sqlite.sweep(name, c).unwrap_or(0)).sum();
+                        full + named
+                    })
+                    .await;
+                    tracing::debug!(swept = swept.unwrap_or(0), "deleted full states");
+                }
+            });
+        }
+    }
 }
 
 async fn serve_async(settings: Settings) -> anyhow::Result<()> {
-    let (app, sqlite) = app(&settings).await?;
+    let (app, sweeps) = app(&settings).await?;
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen))?;
     let addr: SocketAddr = listener.local_addr()?;
     print_banner(&settings, addr);
-    if let Some(sqlite) = sqlite {
-        // Full states carry no information: delete them now and then.
-        let limits = settings.limits.clone();
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(Duration::from_secs(60));
-            loop {
-                every.tick().await;
-                let (sqlite, limits) = (Arc::clone(&sqlite), limits.clone());
-                let swept = tokio::task::spawn_blocking(move || {
-                    limits
-                        .iter()
-                        .map(|(name, config)| sqlite.sweep(name, config).unwrap_or(0))
-                        .sum::<usize>()
-                })
-                .await
-                .unwrap_or(0);
-                tracing::debug!(swept, "deleted full states");
-            }
-        });
-    }
+    // Full states carry no information: delete them now and then.
+    sweeps.start();
     // Answers are small and each one is a single write: send it at once rather than let
     // Nagle's algorithm hold it back waiting for an ACK.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {

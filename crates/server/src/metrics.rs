@@ -48,8 +48,9 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition; `failed_open` is the limiter's count of requests
-    /// granted because the store failed and their limits fail open.
-    pub fn render(&self, failed_open: u64) -> String {
+    /// granted because the store failed and their limits fail open, `live_states` the
+    /// memory store's number of states (none for other stores).
+    pub fn render(&self, failed_open: u64, live_states: Option<usize>) -> String {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut out = String::new();
         out.push_str("# HELP tollgate_requests_total Requests by operation and outcome.\n");
@@ -80,6 +81,14 @@ impl Metrics {
         );
         out.push_str("# TYPE tollgate_failed_open_total counter\n");
         let _ = writeln!(out, "tollgate_failed_open_total {failed_open}");
+        if let Some(live) = live_states {
+            out.push_str(
+                "# HELP tollgate_live_states States the memory store holds (a full state is \
+                 dropped, so this follows active keys).\n",
+            );
+            out.push_str("# TYPE tollgate_live_states gauge\n");
+            let _ = writeln!(out, "tollgate_live_states {live}");
+        }
         out.push_str("# HELP tollgate_request_duration_seconds Time to answer, by operation.\n");
         out.push_str("# TYPE tollgate_request_duration_seconds histogram\n");
         for (op, h) in OPS.iter().zip(&self.latency) {
@@ -116,7 +125,7 @@ mod tests {
         m.record("limit", "ok", Duration::from_micros(300));
         m.record("limit", "refused", Duration::from_millis(2));
         m.record("weird", "ok", Duration::ZERO);
-        let text = m.render(3);
+        let text = m.render(3, Some(42));
         for line in [
             "tollgate_requests_total{op=\"limit\",outcome=\"ok\"} 1",
             "tollgate_requests_total{op=\"limit\",outcome=\"refused\"} 1",

@@ -7,7 +7,7 @@ use axum::http::StatusCode;
 use serde_json::{Value, json};
 use tollgate::{Config, ManualClock, MemoryStore, RateLimiter};
 
-use crate::engine::{Answer, DynStore, Engine, Op};
+use crate::engine::{Answer, DynStore, Engine, Op, Permissions};
 
 /// A simulation: the memory store on a manual clock, every random choice seeded.
 pub struct Simulation {
@@ -29,7 +29,10 @@ impl Simulation {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .expect("a runtime of one thread for the simulation");
-        Simulation { engine: Engine::new(builder.build(), true), clock, runtime }
+        // The server's defaults: inline configs for names the config does not define, and
+        // the defined names' configs as the file says.
+        let engine = Engine::new(builder.build(), Permissions::default());
+        Simulation { engine, clock, runtime }
     }
 
     /// Answers one input line with one output line (without the newline).

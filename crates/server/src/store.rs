@@ -14,18 +14,29 @@ pub struct Opened {
     pub store: DynStore,
     /// The SQLite store, to sweep full states now and then.
     pub sqlite: Option<Arc<SqliteStore>>,
+    /// The memory store, to sweep full states now and then and count its live states.
+    pub memory: Option<Arc<MemoryStore>>,
 }
 
-/// Opens `memory`, `sqlite://PATH[?synchronous=full]` (`sqlite://tollgate.db` is relative to
+/// Opens `memory` (bounded to `max_keys` live states if given), `sqlite://PATH[?synchronous=full]` (`sqlite://tollgate.db` is relative to
 /// the working directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB`,
 /// `redis+cluster://HOST:PORT,HOST:PORT` or `postgres://USER@HOST/DB`.
 ///
 /// # Errors
 ///
 /// An unknown scheme, a bad URL, or a file that cannot be opened.
-pub async fn open(url: &str) -> anyhow::Result<Opened> {
+pub async fn open(url: &str, max_keys: Option<usize>) -> anyhow::Result<Opened> {
     if url == "memory" || url == "memory://" {
-        return Ok(Opened { store: Arc::new(MemoryStore::new()), sqlite: None });
+        let mut builder = MemoryStore::builder();
+        if let Some(max) = max_keys {
+            builder = builder.max_keys(max);
+        }
+        let memory = Arc::new(builder.build());
+        return Ok(Opened {
+            store: Arc::clone(&memory) as DynStore,
+            sqlite: None,
+            memory: Some(memory),
+        });
     }
     if let Some(rest) = url.strip_prefix("sqlite://") {
         let (path, synchronous) = sqlite_options(rest).with_context(|| format!("store {url:?}"))?;
@@ -35,18 +46,22 @@ pub async fn open(url: &str) -> anyhow::Result<Opened> {
                 .open(path)
                 .with_context(|| format!("store {url:?}"))?,
         );
-        return Ok(Opened { store: Arc::clone(&sqlite) as DynStore, sqlite: Some(sqlite) });
+        return Ok(Opened {
+            store: Arc::clone(&sqlite) as DynStore,
+            sqlite: Some(sqlite),
+            memory: None,
+        });
     }
     if url.starts_with("redis://")
         || url.starts_with("rediss://")
         || url.starts_with("redis+cluster://")
     {
         let redis = RedisStore::open(url).with_context(|| format!("store {url:?}"))?;
-        return Ok(Opened { store: Arc::new(redis), sqlite: None });
+        return Ok(Opened { store: Arc::new(redis), sqlite: None, memory: None });
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         let pg = PgStore::open(url).await.with_context(|| format!("store {url:?}"))?;
-        return Ok(Opened { store: Arc::new(pg), sqlite: None });
+        return Ok(Opened { store: Arc::new(pg), sqlite: None, memory: None });
     }
     bail!(
         "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \

@@ -8,28 +8,29 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tollgate::store::Unavailable;
 use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter};
-use tollgate_server::engine::{DynStore, Engine};
+use tollgate_server::engine::{DynStore, Engine, Permissions};
 use tollgate_server::http::{App, router};
 use tollgate_server::metrics::Metrics;
 use tower::ServiceExt;
 
 const T0: f64 = 1_700_000_000_000.0;
 
-fn app_with(store: DynStore, tokens: &[&str], allow_inline: bool) -> axum::Router {
+fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> axum::Router {
     let limiter = RateLimiter::builder(store)
         .define("example", Config::token_bucket(10.0, MINUTE).with_capacity(3.0))
         .define("small", Config::token_bucket(3.0, MINUTE))
         .build();
     router(Arc::new(App {
-        engine: Arc::new(Engine::new(limiter, allow_inline)),
+        engine: Arc::new(Engine::new(limiter, permissions)),
         tokens: tokens.iter().map(|t| t.to_string()).collect(),
         metrics: Metrics::default(),
+        memory: None,
     }))
 }
 
 fn app() -> (axum::Router, ManualClock) {
     let clock = ManualClock::new(T0);
-    (app_with(Arc::new(MemoryStore::with_clock(clock.clone())), &[], true), clock)
+    (app_with(Arc::new(MemoryStore::with_clock(clock.clone())), &[], Permissions::default()), clock)
 }
 
 struct Reply {
@@ -255,7 +256,89 @@ async fn undefined_names_are_404() {
             "Rate limit nope not defined. Define it in a [limits.nope] table of the server's config file, or send a config with the request."
         )
     );
-    assert_eq!(post(&app, "/v1/reset", r#"{"name":"nope"}"#).await.status, StatusCode::NOT_FOUND);
+    // A reset needs no config (SPEC §6): there is nothing to forget, and that is no error.
+    let r = post(&app, "/v1/reset", r#"{"name":"nope"}"#).await;
+    assert_eq!((r.status, r.body), (StatusCode::OK, json!({})));
+}
+
+/// A body with anything after its JSON value is malformed: 400, and nothing is taken.
+/// (Before, such a body failed the first parse and passed the second, which words errors,
+/// and was served.)
+#[tokio::test]
+async fn trailing_data_after_the_body_is_400_and_takes_nothing() {
+    let (app, _) = app();
+    let bodies = [
+        (r#"{"name":"example","key":"k"} garbage"#, "/v1/limit"),
+        (r#"{"name":"example","key":"k"}{"name":"example","key":"k"}"#, "/v1/limit"),
+        (r#"{"name":"example","key":"k"} 1"#, "/v1/check"),
+        (r#"{"limits":[{"name":"example","key":"k"}]} x"#, "/v1/transaction"),
+        (r#"{"name":"example","key":"k"} ]"#, "/v1/reset"),
+        (r#"{"name":"example","key":"k"} {}"#, "/v1/value"),
+    ];
+    for (body, path) in bodies {
+        let r = post(&app, path, body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path} {body}: {}", r.body);
+        let error = r.body["error"].as_str().unwrap();
+        assert!(error.starts_with("malformed JSON: trailing characters"), "{body}: {error}");
+    }
+    let v = post(&app, "/v1/value", r#"{"name":"example","key":"k"}"#).await;
+    assert_eq!(v.body["value"], json!(3), "nothing was taken");
+    // Whitespace after the value is fine.
+    let r = post(&app, "/v1/limit", "{\"name\":\"example\",\"key\":\"k\"} \n\t ").await;
+    assert_eq!(r.body, json!({ "ok": true }));
+}
+
+/// A name the server defines keeps the server's config: a request that brings its own is
+/// refused (it could lift the limit), unless `allowConfigOverride` says otherwise.
+#[tokio::test]
+async fn a_defined_limit_cannot_be_lifted_by_a_request() {
+    let (app, _) = app();
+    let config = r#"{"kind":"token bucket","rate":1000000,"period":1000}"#;
+    let lifted = format!(r#"{{"name":"small","key":"k","count":100,"config":{config}}}"#);
+    let lifted = lifted.as_str();
+    let read = format!(r#"{{"name":"small","key":"k","config":{config}}}"#);
+    for (path, body) in [("/v1/limit", lifted), ("/v1/check", lifted), ("/v1/value", &read)] {
+        let r = post(&app, path, body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path}");
+        assert_eq!(
+            r.body["error"],
+            json!("Rate limit small is defined by the server; send no config for it.")
+        );
+    }
+    let tx = format!(r#"{{"limits":[{{"name":"example","key":"k"}},{lifted}]}}"#);
+    assert_eq!(post(&app, "/v1/transaction", tx).await.status, StatusCode::BAD_REQUEST);
+    let v = post(&app, "/v1/value", r#"{"name":"small","key":"k"}"#).await;
+    assert_eq!(v.body["value"], json!(3), "nothing was taken");
+    let v = post(&app, "/v1/value", r#"{"name":"example","key":"k"}"#).await;
+    assert_eq!(v.body["value"], json!(3), "nothing was taken by the refused transaction");
+
+    let open = Permissions { inline_config: true, config_override: true };
+    let app = app_with(Arc::new(MemoryStore::with_clock(ManualClock::new(T0))), &[], open);
+    assert_eq!(post(&app, "/v1/limit", lifted).await.body, json!({ "ok": true }));
+}
+
+/// A reset forgets every shard's state of (name, key), whatever config made them: a name
+/// that only ever came with inline configs, sharded, and a defined name whose states were
+/// made with more shards than its config has now.
+#[tokio::test]
+async fn reset_forgets_every_shard_whatever_config_made_them() {
+    let (app, _) = app();
+    let sharded = r#"{"kind":"token bucket","rate":40,"period":60000,"shards":8}"#;
+    for _ in 0..30 {
+        let body = format!(r#"{{"name":"inline","key":"k","config":{sharded}}}"#);
+        assert_eq!(post(&app, "/v1/limit", body).await.status, StatusCode::OK);
+    }
+    let value = |app: axum::Router| async move {
+        let body = format!(r#"{{"name":"inline","key":"k","sampleShards":8,"config":{sharded}}}"#);
+        post(&app, "/v1/value", body).await.body["value"].as_f64().unwrap()
+    };
+    assert!(value(app.clone()).await < 11.0, "30 of 40 taken");
+    let r = post(&app, "/v1/reset", r#"{"name":"inline","key":"k"}"#).await;
+    assert_eq!((r.status, r.body), (StatusCode::OK, json!({})));
+    assert_eq!(value(app.clone()).await, 40.0, "every shard forgotten");
+    // A config in a reset is not needed, but a bad one is still an error.
+    let bad = r#"{"name":"inline","config":{"kind":"token bucket","rate":0,"period":1}}"#;
+    assert_eq!(post(&app, "/v1/reset", bad).await.status, StatusCode::BAD_REQUEST);
 }
 
 #[tokio::test]
@@ -275,7 +358,8 @@ async fn big_bodies_wrong_methods_and_paths() {
 
 #[tokio::test]
 async fn inline_configs_can_be_forbidden() {
-    let app = app_with(Arc::new(MemoryStore::new()), &[], false);
+    let no_inline = Permissions { inline_config: false, config_override: false };
+    let app = app_with(Arc::new(MemoryStore::new()), &[], no_inline);
     let r = post(
         &app,
         "/v1/limit",
@@ -289,7 +373,7 @@ async fn inline_configs_can_be_forbidden() {
 
 #[tokio::test]
 async fn tokens_guard_the_api_but_not_health() {
-    let app = app_with(Arc::new(MemoryStore::new()), &["s3cret", "other"], true);
+    let app = app_with(Arc::new(MemoryStore::new()), &["s3cret", "other"], Permissions::default());
     let with = |token: Option<&str>| {
         let mut r = Request::post("/v1/limit");
         if let Some(t) = token {
@@ -309,7 +393,8 @@ async fn tokens_guard_the_api_but_not_health() {
 
 #[tokio::test]
 async fn a_failing_store_is_503() {
-    let app = app_with(Arc::new(Unavailable::new("connection refused")), &[], true);
+    let app =
+        app_with(Arc::new(Unavailable::new("connection refused")), &[], Permissions::default());
     for path in ["/v1/limit", "/v1/check", "/v1/value", "/v1/reset"] {
         let r = post(&app, path, r#"{"name":"example"}"#).await;
         assert_eq!(

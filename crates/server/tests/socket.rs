@@ -16,6 +16,8 @@ fn settings(store: String) -> Settings {
         store,
         tokens: Vec::new(),
         allow_inline_config: true,
+        allow_config_override: false,
+        max_keys: None,
         limits: vec![("race".into(), Config::token_bucket(100.0, DAY))],
         fail_open: Vec::new(),
     }

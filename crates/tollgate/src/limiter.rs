@@ -597,7 +597,8 @@ impl<S: Store> RateLimiter<S> {
         self.transaction_answering::<S, Taken>(&self.store, calls)
     }
 
-    /// Forgets the state of (name, key) in every shard: the next request starts fresh.
+    /// Forgets the state of (name, key) in every shard of its config: the next request
+    /// starts fresh.
     ///
     /// # Errors
     ///
@@ -605,6 +606,20 @@ impl<S: Store> RateLimiter<S> {
     pub fn reset<'a>(&self, target: impl Into<Target<'a>>, key: Option<&str>) -> Result<(), Error> {
         let (name, shards) = self.to_reset(target.into(), key)?;
         Ok(self.store.delete(name, key, shards)?)
+    }
+
+    /// Forgets the state of (name, key) in every shard there can be (1024), whatever config
+    /// made them: needs no config, and works for a name that is not defined (a server's
+    /// `reset` of a limit its clients sent inline configs for, or one whose shards changed).
+    /// More work than [`RateLimiter::reset`] for the stores that delete shard by shard
+    /// (memory, Redis): a lookup or a key per shard.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a name or key out of bounds; [`Error::Store`] if the store fails.
+    pub fn forget(&self, name: &str, key: Option<&str>) -> Result<(), Error> {
+        tollgate_core::validate_name_key(name, key)?;
+        Ok(self.store.delete(name, key, tollgate_core::MAX_SHARDS)?)
     }
 
     /// The value of (name, key): one shard's stored state, or for a sharded limit the total
@@ -775,6 +790,16 @@ impl<S: AsyncStore> RateLimiter<S> {
     ) -> Result<(), Error> {
         let (name, shards) = self.to_reset(target.into(), key)?;
         Ok(self.store.delete_async(name, key, shards).await?)
+    }
+
+    /// [`RateLimiter::forget`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::forget`].
+    pub async fn forget_async(&self, name: &str, key: Option<&str>) -> Result<(), Error> {
+        tollgate_core::validate_name_key(name, key)?;
+        Ok(self.store.delete_async(name, key, tollgate_core::MAX_SHARDS).await?)
     }
 
     /// [`RateLimiter::value`], awaited.

@@ -179,7 +179,8 @@ fn sqlx_error(what: &str, e: sqlx::Error) -> StoreError {
 /// Saves what a decided plan changed on `conn`: an upsert per new state, a delete per state
 /// that is full again (see [`saves`]). A macro, as the two databases' query types differ.
 macro_rules! save {
-    ($conn:expr, $plan:expr, $states:expr, $outcome:expr, $now:expr, $upsert:expr, $delete:expr) => {
+    // `full_at`: whether the upsert also takes when the state is full again (SQLite's does).
+    ($conn:expr, $plan:expr, $states:expr, $outcome:expr, $now:expr, $upsert:expr, $delete:expr, $full_at:expr) => {
         for (slot, state) in saves($plan, &$states, &$outcome, $now) {
             let ((has_key, key), shard) = (key_columns(slot.key), i32::from(slot.shard));
             let query = sqlx::query(if state.is_some() { $upsert } else { $delete })
@@ -188,6 +189,9 @@ macro_rules! save {
                 .bind(key)
                 .bind(shard);
             match state {
+                Some(s) if $full_at => {
+                    query.bind(s.value).bind(s.ts).bind(tollgate_core::full_at(&slot.config, s))
+                }
                 Some(s) => query.bind(s.value).bind(s.ts),
                 None => query,
             }
@@ -302,7 +306,7 @@ mod postgres {
             }
         }
         let outcome = plan.decide(now, &mut states);
-        save!(conn, plan, states, outcome, now, sql.upsert.as_str(), sql.delete.as_str());
+        save!(conn, plan, states, outcome, now, sql.upsert.as_str(), sql.delete.as_str(), false);
         Ok(outcome)
     }
 
@@ -357,7 +361,10 @@ mod sqlite {
     use tollgate_core::{Clock, SystemClock};
 
     use super::*;
-    use crate::store::sql::{SQLITE_DELETE, SQLITE_SCHEMA, SQLITE_SELECT, SQLITE_UPSERT};
+    use crate::store::sql::{
+        SQLITE_ADD_FULL_AT, SQLITE_DELETE, SQLITE_HAS_FULL_AT, SQLITE_SCHEMA, SQLITE_SELECT,
+        SQLITE_UPSERT,
+    };
 
     impl sealed::Sealed for SqliteConnection {}
 
@@ -372,6 +379,18 @@ mod sqlite {
                     .execute(&mut *self)
                     .await
                     .map_err(|e| sqlx_error("cannot create the table", e))?;
+                // A table of an earlier version gets the column that sweeps use.
+                let has_full_at = sqlx::query(SQLITE_HAS_FULL_AT)
+                    .fetch_optional(&mut *self)
+                    .await
+                    .map_err(|e| sqlx_error("cannot read the table's columns", e))?
+                    .is_some();
+                if !has_full_at {
+                    sqlx::raw_sql(SQLITE_ADD_FULL_AT)
+                        .execute(&mut *self)
+                        .await
+                        .map_err(|e| sqlx_error("cannot add full_at to the table", e))?;
+                }
                 Ok(())
             })
         }
@@ -396,7 +415,7 @@ mod sqlite {
         }
         let now = SystemClock.now();
         let outcome = plan.decide(now, &mut states);
-        save!(conn, plan, states, outcome, now, SQLITE_UPSERT, SQLITE_DELETE);
+        save!(conn, plan, states, outcome, now, SQLITE_UPSERT, SQLITE_DELETE, true);
         Ok(outcome)
     }
 }

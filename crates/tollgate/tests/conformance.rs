@@ -182,6 +182,25 @@ fn reset_forgets<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
     assert_eq!(l.value_sampled(sharded, Some("u"), 4).unwrap().value, 40.0);
 }
 
+fn forget_needs_no_config_and_takes_every_shard<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, _) = setup();
+    // States made with 8 shards; the limit's config now has 2, whose reset clears only
+    // shards 0 and 1. Forgetting by name alone clears them all.
+    let eight = Target::Inline("f", Config::token_bucket(80.0, MINUTE).with_shards(8));
+    let two = Target::Inline("f", Config::token_bucket(80.0, MINUTE).with_shards(2));
+    let user = Request::new().key("{u}");
+    for _ in 0..40 {
+        assert!(l.limit(eight, user).unwrap().ok);
+    }
+    l.limit(tb(), user.count(10.0)).unwrap();
+    l.reset(two, Some("{u}")).unwrap();
+    assert!(l.value_sampled(eight, Some("{u}"), 8).unwrap().value < 80.0, "shards 2-7 kept");
+    l.forget("f", Some("{u}")).unwrap();
+    assert_eq!(l.value_sampled(eight, Some("{u}"), 8).unwrap().value, 80.0);
+    assert_eq!(state(&l, tb(), Some("{u}")).value, 0.0, "other names keep their states");
+    assert!(matches!(l.forget("", None), Err(Error::Invalid(_))));
+}
+
 fn keys_are_isolated<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
     let (l, _) = setup();
     l.limit(tb(), Request::new().key("a").count(10.0)).unwrap();
@@ -343,7 +362,8 @@ macro_rules! conformance {
         conformance!(@each $api, $make, $available; token_bucket_spec_numbers,
             token_bucket_spec_numbers_reserved, fixed_window_spec_numbers, capacity_burst,
             max_reserved, check_does_not_consume, invalid_requests_consume_nothing,
-            throws_turns_refusal_into_error, reset_forgets, keys_are_isolated,
+            throws_turns_refusal_into_error, reset_forgets,
+            forget_needs_no_config_and_takes_every_shard, keys_are_isolated,
             value_reports_config_and_state, transaction_all_or_nothing, sharded_never_over_admits,
             status_after_requests, concurrent_exactness);
     };

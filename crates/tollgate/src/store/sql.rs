@@ -12,8 +12,11 @@
 
 use tollgate_core::{Outcome, Plan, Slot, State, full_at};
 
-/// SQLite's table, created if missing. Exactly two numbers per (name, key, shard); `has_key`
-/// tells no key from the empty key without relying on NULL in a primary key.
+/// SQLite's table, created if missing. Two numbers per (name, key, shard), and when the state
+/// is full again (`full_at`, ms), so that a sweep can drop the states that carry no
+/// information whatever config made them; `has_key` tells no key from the empty key without
+/// relying on NULL in a primary key. (A table of an earlier version gets `full_at` from
+/// [`SQLITE_ADD_FULL_AT`]; its rows keep NULL there until they are written again.)
 pub(crate) const SQLITE_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS tollgate_state (
     name    TEXT    NOT NULL,
@@ -22,17 +25,30 @@ CREATE TABLE IF NOT EXISTS tollgate_state (
     shard   INTEGER NOT NULL,
     value   REAL    NOT NULL,
     ts      REAL    NOT NULL,
+    full_at REAL,
     PRIMARY KEY (name, has_key, key, shard)
 ) WITHOUT ROWID;
 ";
 
+/// Adds `full_at` to a table made by an earlier version (run when it is missing).
+pub(crate) const SQLITE_ADD_FULL_AT: &str = "ALTER TABLE tollgate_state ADD COLUMN full_at REAL";
+
+/// Whether `tollgate_state` has the `full_at` column: one row (of `pragma_table_info`) if so.
+pub(crate) const SQLITE_HAS_FULL_AT: &str =
+    "SELECT 1 FROM pragma_table_info('tollgate_state') WHERE name = 'full_at'";
+
+/// SQLite: drops every state that is full again by ?1 (ms): whatever its config, it carries
+/// no information.
+pub(crate) const SQLITE_SWEEP: &str = "DELETE FROM tollgate_state WHERE full_at <= ?1";
+
 /// SQLite: one slot's state.
 pub(crate) const SQLITE_SELECT: &str = "SELECT value, ts FROM tollgate_state \
     WHERE name = ?1 AND has_key = ?2 AND key = ?3 AND shard = ?4";
-/// SQLite: saves one slot's state.
-pub(crate) const SQLITE_UPSERT: &str = "INSERT INTO tollgate_state (name, has_key, key, shard, value, ts) \
-    VALUES (?1, ?2, ?3, ?4, ?5, ?6) \
-    ON CONFLICT (name, has_key, key, shard) DO UPDATE SET value = excluded.value, ts = excluded.ts";
+/// SQLite: saves one slot's state, and when it is full again (?7).
+pub(crate) const SQLITE_UPSERT: &str = "INSERT INTO tollgate_state (name, has_key, key, shard, value, ts, full_at) \
+    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) \
+    ON CONFLICT (name, has_key, key, shard) DO UPDATE SET value = excluded.value, ts = excluded.ts, \
+    full_at = excluded.full_at";
 /// SQLite: deletes one slot's state (it is full again).
 pub(crate) const SQLITE_DELETE: &str =
     "DELETE FROM tollgate_state WHERE name = ?1 AND has_key = ?2 AND key = ?3 AND shard = ?4";

@@ -78,6 +78,7 @@ pub(crate) trait Api: Send + Sync + 'static {
     fn transaction(&self, calls: &[Call<'_>]) -> Result<TransactionDecision, Error>;
     fn transaction_with_status(&self, calls: &[Call<'_>]) -> Result<TransactionTaken, Error>;
     fn reset<'a>(&self, t: impl Into<Target<'a>>, key: Option<&str>) -> Result<(), Error>;
+    fn forget(&self, name: &str, key: Option<&str>) -> Result<(), Error>;
     fn value_sampled<'a>(
         &self,
         t: impl Into<Target<'a>>,
@@ -133,6 +134,9 @@ impl<S: Store + Send + Sync + 'static> Api for SyncApi<S> {
     }
     fn reset<'a>(&self, t: impl Into<Target<'a>>, key: Option<&str>) -> Result<(), Error> {
         self.0.reset(t, key)
+    }
+    fn forget(&self, name: &str, key: Option<&str>) -> Result<(), Error> {
+        self.0.forget(name, key)
     }
     fn value_sampled<'a>(
         &self,
@@ -207,6 +211,9 @@ impl<S: AsyncStore + 'static> Api for AsyncApi<S> {
     }
     fn reset<'a>(&self, t: impl Into<Target<'a>>, key: Option<&str>) -> Result<(), Error> {
         self.on(self.limiter.reset_async(t.into(), key))
+    }
+    fn forget(&self, name: &str, key: Option<&str>) -> Result<(), Error> {
+        self.on(self.limiter.forget_async(name, key))
     }
     fn value_sampled<'a>(
         &self,

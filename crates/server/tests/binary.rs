@@ -1,0 +1,193 @@
+//! The shipped binary, as a user runs it, on every store URL: `tollgate serve` in a process
+//! of its own on a free loopback port, driven over HTTP. Start, take, refuse, reset, value,
+//! SIGTERM, restart; and `kill -9` with a store that outlives the process, which must keep
+//! what it acknowledged. (The PostgreSQL store once panicked at start here, inside the
+//! server's runtime, while the tests that built the app in-process passed.)
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// A backend's URL for a test, as the library's suites read it.
+fn backend(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+            panic!("{var} is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it")
+        }
+        _ => {
+            eprintln!("skipped the binary's {var} store: set {var} to run it");
+            None
+        }
+    }
+}
+
+/// A running `tollgate serve`.
+struct Server {
+    child: Child,
+    base: String,
+    agent: ureq::Agent,
+}
+
+impl Server {
+    /// Starts the binary on `store` with `config` (in `dir`), on a port the system picks,
+    /// and waits for its banner and `/healthz`.
+    fn start(store: &str, config: &std::path::Path, dir: &std::path::Path) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["serve", "--store", store, "--listen", "127.0.0.1:0", "--config"])
+            .arg(config)
+            .current_dir(dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut banner = String::new();
+        out.read_line(&mut banner).unwrap();
+        let base = match banner.trim().strip_prefix("tollgate listening on ") {
+            Some(base) => base.to_owned(),
+            None => {
+                let _ = child.kill();
+                panic!("{store}: no banner, the server did not start: {banner:?}");
+            }
+        };
+        // The rest of the banner, so that it never blocks on a full pipe.
+        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+        let agent: ureq::Agent =
+            ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let health = agent.get(&format!("{base}/healthz")).call();
+            if health.is_ok_and(|r| r.status() == 200) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{store}: /healthz did not answer 200");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Server { child, base, agent }
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let mut r = self.agent.post(&format!("{}{path}", self.base)).send_json(body).unwrap();
+        (r.status().as_u16(), r.body_mut().read_json().unwrap_or(Value::Null))
+    }
+
+    fn value(&self, name: &str) -> f64 {
+        let (status, body) = self.post("/v1/value", &json!({ "name": name, "key": "k" }));
+        assert_eq!(status, 200, "{body}");
+        body["value"].as_f64().unwrap()
+    }
+
+    /// SIGTERM: a graceful stop, which must end with exit code 0.
+    fn terminate(mut self) {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "graceful shutdown exits 0: {status}");
+                return;
+            }
+            assert!(Instant::now() < deadline, "SIGTERM did not stop the server");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `kill -9`: nothing more is flushed.
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+/// The whole life of a server on `store`: a limit of 3 a day (named for this run, so that
+/// runs never meet on a shared Redis or PostgreSQL), taken, refused, read, reset; stopped
+/// with SIGTERM and started again; and, if the store outlives the process (`durable`),
+/// killed with `kill -9` after an acknowledged take, which the next process still sees.
+fn a_servers_life(store: &str, label: &str, durable: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let name = format!("bin{label}{}", std::process::id());
+    let config = dir.path().join("tollgate.toml");
+    let limit = format!("[limits.{name}]\nkind = \"token bucket\"\nrate = 3\nperiod = \"1d\"\n");
+    std::fs::write(&config, limit).unwrap();
+    let take = |count: u32| json!({ "name": name, "key": "k", "count": count });
+
+    let server = Server::start(store, &config, dir.path());
+    for _ in 0..3 {
+        assert_eq!(server.post("/v1/limit", &take(1)), (200, json!({ "ok": true })), "{store}");
+    }
+    let (status, refused) = server.post("/v1/limit", &take(1));
+    assert_eq!((status, &refused["ok"]), (200, &json!(false)), "{store}: {refused}");
+    let wait = refused["retryAfter"].as_f64().unwrap();
+    assert!((28_000_000.0..=28_800_000.0).contains(&wait), "{store}: a third of a day: {wait}");
+    let (status, thrown) =
+        server.post("/v1/limit", &json!({ "name": name, "key": "k", "throws": true }));
+    assert_eq!((status, &thrown["kind"]), (429, &json!("RateLimited")), "{store}: {thrown}");
+    assert!(server.value(&name) < 0.01, "{store}: all taken");
+    assert_eq!(server.post("/v1/reset", &json!({ "name": name, "key": "k" })), (200, json!({})));
+    assert_eq!(server.value(&name), 3.0, "{store}: reset");
+    assert_eq!(server.post("/v1/limit", &take(2)), (200, json!({ "ok": true })), "{store}");
+    server.terminate();
+
+    let server = Server::start(store, &config, dir.path());
+    let left = server.value(&name);
+    if durable {
+        assert!((1.0..1.01).contains(&left), "{store}: kept over a restart: {left}");
+    } else {
+        assert_eq!(left, 3.0, "{store}: the memory store starts empty");
+    }
+    if durable {
+        assert_eq!(server.post("/v1/limit", &take(1)), (200, json!({ "ok": true })));
+        server.kill();
+        let server = Server::start(store, &config, dir.path());
+        let left = server.value(&name);
+        assert!(left < 0.01, "{store}: an acknowledged take survives kill -9: {left}");
+        // Leave nothing behind on a shared store.
+        assert_eq!(server.post("/v1/reset", &json!({ "name": name, "key": "k" })).0, 200);
+        server.terminate();
+    } else {
+        server.terminate();
+    }
+}
+
+#[test]
+fn memory() {
+    a_servers_life("memory", "memory", false);
+}
+
+#[test]
+fn sqlite_file() {
+    a_servers_life("sqlite://state.db", "sqlite", true);
+}
+
+#[test]
+fn redis() {
+    let Some(url) = backend("TOLLGATE_REDIS_URL") else { return };
+    a_servers_life(&url, "redis", true);
+}
+
+#[test]
+fn redis_cluster() {
+    let Some(url) = backend("TOLLGATE_REDIS_CLUSTER_URL") else { return };
+    a_servers_life(&url, "cluster", true);
+}
+
+#[test]
+fn postgres() {
+    let Some(url) = backend("TOLLGATE_POSTGRES_URL") else { return };
+    a_servers_life(&url, "postgres", true);
+}
+
+/// A store that cannot be opened is an error at start that names it, not a panic.
+#[test]
+fn a_store_that_cannot_be_opened_is_a_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--store", "postgres://nobody@127.0.0.1:1/x"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("postgres://nobody@127.0.0.1:1/x") && !err.contains("panicked"), "{err}");
+}
