@@ -690,11 +690,7 @@ impl<S: AsyncStore> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
-        let (target, request) = (target.into(), request.into());
-        if let Some(now) = self.store.immediate() {
-            return self.single(now, true, target, request, |t| t.decision);
-        }
-        self.single_async(true, target, request, |t| t.decision).await
+        self.one_async(true, target.into(), request.into(), |t| t.decision).await
     }
 
     /// [`RateLimiter::check`], awaited.
@@ -707,11 +703,7 @@ impl<S: AsyncStore> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Decision, Error> {
-        let (target, request) = (target.into(), request.into());
-        if let Some(now) = self.store.immediate() {
-            return self.single(now, false, target, request, |t| t.decision);
-        }
-        self.single_async(false, target, request, |t| t.decision).await
+        self.one_async(false, target.into(), request.into(), |t| t.decision).await
     }
 
     /// [`RateLimiter::limit_with_status`], awaited.
@@ -724,11 +716,7 @@ impl<S: AsyncStore> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Taken, Error> {
-        let (target, request) = (target.into(), request.into());
-        if let Some(now) = self.store.immediate() {
-            return self.single(now, true, target, request, |t| t);
-        }
-        self.single_async(true, target, request, |t| t).await
+        self.one_async(true, target.into(), request.into(), |t| t).await
     }
 
     /// [`RateLimiter::check_with_status`], awaited.
@@ -741,11 +729,7 @@ impl<S: AsyncStore> RateLimiter<S> {
         target: impl Into<Target<'n>>,
         request: impl Into<Request<'k>>,
     ) -> Result<Taken, Error> {
-        let (target, request) = (target.into(), request.into());
-        if let Some(now) = self.store.immediate() {
-            return self.single(now, false, target, request, |t| t);
-        }
-        self.single_async(false, target, request, |t| t).await
+        self.one_async(false, target.into(), request.into(), |t| t).await
     }
 
     /// [`RateLimiter::transaction`], awaited: several limits, all or nothing.
@@ -829,6 +813,21 @@ impl<S: AsyncStore> RateLimiter<S> {
         let (config, slots) = self.to_read(target.into(), key, sample_shards)?;
         let (now, states) = self.store.read_async(&slots).await?;
         Ok(reading(&config, &slots, now, states))
+    }
+
+    /// One take: on a store that answers at once, its sync path; else awaited.
+    #[inline(always)]
+    async fn one_async<T>(
+        &self,
+        writes: bool,
+        target: Target<'_>,
+        request: Request<'_>,
+        answer: impl Fn(Taken) -> T,
+    ) -> Result<T, Error> {
+        if let Some(now) = self.store.immediate() {
+            return self.single(now, writes, target, request, answer);
+        }
+        self.single_async(writes, target, request, answer).await
     }
 
     /// One take through the store's async calls: the one-take request, or a sharded one
