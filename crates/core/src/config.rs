@@ -16,6 +16,20 @@ pub const DAY: f64 = 24.0 * HOUR;
 /// The most shards a limit may be split over.
 pub const MAX_SHARDS: u16 = 1024;
 
+/// The shortest period, in ms: a microsecond. A shorter window is narrower than the spacing
+/// of the clock's own numbers (about 0.24 us at today's ms since the epoch), and its
+/// arithmetic breaks (a window that starts after `now`).
+pub const MIN_PERIOD: f64 = 0.001;
+
+/// The most of any amount of a config or request: the longest period (ms, about 31,700
+/// years), the largest rate, capacity, `maxReserved`, count and `|start|`. Within these
+/// bounds (and a rate of at least [`MIN_RATE`]) every number the algebra computes is
+/// finite: no wait, value or time overflows (the longest wait is about 2e39 ms).
+pub const MAX_AMOUNT: f64 = 1e15;
+
+/// The smallest rate: a billionth of a token per period.
+pub const MIN_RATE: f64 = 1e-9;
+
 /// How tokens come back to a limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kind {
@@ -101,18 +115,36 @@ impl std::fmt::Debug for Config {
     }
 }
 
-const fn positive(x: f64) -> bool {
-    x.is_finite() && x > 0.0
+/// A rate: finite, in [`MIN_RATE`]..=[`MAX_AMOUNT`].
+const fn rate_ok(x: f64) -> bool {
+    x.is_finite() && x >= MIN_RATE && x <= MAX_AMOUNT
 }
 
-const fn non_negative(x: f64) -> bool {
-    x.is_finite() && x >= 0.0
+/// A period: finite, in [`MIN_PERIOD`]..=[`MAX_AMOUNT`] ms.
+const fn period_ok(x: f64) -> bool {
+    x.is_finite() && x >= MIN_PERIOD && x <= MAX_AMOUNT
 }
+
+/// An amount: finite, >= 0, at most [`MAX_AMOUNT`].
+const fn amount_ok(x: f64) -> bool {
+    x.is_finite() && x >= 0.0 && x <= MAX_AMOUNT
+}
+
+/// A window alignment: finite, within [`MAX_AMOUNT`] of the epoch.
+const fn start_ok(x: f64) -> bool {
+    x.is_finite() && x >= -MAX_AMOUNT && x <= MAX_AMOUNT
+}
+
+/// What the rules of each field say, for messages and panics.
+const RATE_RULE: &str = "must be finite, at least 1e-9 and at most 1e15";
+const PERIOD_BOUNDS: &str = "must be finite, at least 0.001 (a microsecond) and at most 1e15 ms";
+const CAPACITY_RULE: &str = "must be finite, >= 0 and at most 1e15";
+const START_RULE: &str = "must be finite and within 1e15 ms of the epoch";
 
 impl Config {
     const fn new(kind: Kind, rate: f64, period: f64) -> Self {
-        assert!(positive(rate), "rate must be finite and > 0");
-        assert!(positive(period), "period must be finite and > 0");
+        assert!(rate_ok(rate), "rate must be finite, at least 1e-9 and at most 1e15");
+        assert!(period_ok(period), "period must be finite, at least 0.001 and at most 1e15 ms");
         Config {
             kind,
             rate,
@@ -150,7 +182,7 @@ impl Config {
     /// If `capacity` is not finite and >= 0.
     #[must_use]
     pub const fn with_capacity(mut self, capacity: f64) -> Self {
-        assert!(non_negative(capacity), "capacity must be finite and >= 0");
+        assert!(amount_ok(capacity), "capacity must be finite, >= 0 and at most 1e15");
         self.capacity = capacity;
         self
     }
@@ -162,7 +194,7 @@ impl Config {
     /// If `max_reserved` is not finite and >= 0.
     #[must_use]
     pub const fn with_max_reserved(mut self, max_reserved: f64) -> Self {
-        assert!(non_negative(max_reserved), "maxReserved must be finite and >= 0");
+        assert!(amount_ok(max_reserved), "maxReserved must be finite, >= 0 and at most 1e15");
         self.max_reserved = max_reserved;
         self
     }
@@ -187,7 +219,7 @@ impl Config {
     /// If `start` is not finite, or the config is a token bucket.
     #[must_use]
     pub const fn with_start(mut self, start: f64) -> Self {
-        assert!(start.is_finite(), "start must be finite");
+        assert!(start_ok(start), "start must be finite and within 1e15 ms of the epoch");
         assert!(matches!(self.kind, Kind::FixedWindow), "start applies to fixed windows only");
         self.start = start;
         self
@@ -344,7 +376,7 @@ fn parse_duration(text: &str) -> Option<f64> {
 ///
 /// let raw: RawConfig = serde_json::from_str(r#"{ "kind": "token bucket", "rate": -1, "period": 1000 }"#).unwrap();
 /// let err = Config::try_from(raw).unwrap_err();
-/// assert_eq!(err.to_string(), "invalid config: rate is -1; it must be finite and > 0");
+/// assert_eq!(err.to_string(), "invalid config: rate is -1; it must be finite, at least 1e-9 and at most 1e15");
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -412,17 +444,15 @@ impl TryFrom<&RawConfig> for Config {
         let check = |field: &'static str, value: f64, ok: bool, rule: &'static str| {
             if ok { Ok(value) } else { Err(ConfigError::new(field, fmt_number(value), rule)) }
         };
-        let rate = check("rate", raw.rate, positive(raw.rate), "must be finite and > 0")?;
+        let rate = check("rate", raw.rate, rate_ok(raw.rate), RATE_RULE)?;
         let period = raw.period.millis()?;
-        let period = check("period", period, positive(period), "must be finite and > 0")?;
+        let period = check("period", period, period_ok(period), PERIOD_BOUNDS)?;
         let mut config = Config::new(kind, rate, period);
         if let Some(capacity) = raw.capacity {
-            config.capacity =
-                check("capacity", capacity, non_negative(capacity), "must be finite and >= 0")?;
+            config.capacity = check("capacity", capacity, amount_ok(capacity), CAPACITY_RULE)?;
         }
         if let Some(max) = raw.max_reserved {
-            config.max_reserved =
-                check("maxReserved", max, non_negative(max), "must be finite and >= 0")?;
+            config.max_reserved = check("maxReserved", max, amount_ok(max), CAPACITY_RULE)?;
         }
         if let Some(shards) = raw.shards {
             let ok = shards.fract() == 0.0 && (1.0..=f64::from(MAX_SHARDS)).contains(&shards);
@@ -436,7 +466,7 @@ impl TryFrom<&RawConfig> for Config {
                     "applies to fixed windows only",
                 ));
             }
-            config.start = check("start", start, start.is_finite(), "must be finite")?;
+            config.start = check("start", start, start_ok(start), START_RULE)?;
         }
         Ok(config)
     }
@@ -468,7 +498,13 @@ fn serialize_some_number<S: serde::Serializer>(
 
 /// Formats a number in its shortest form: `3`, `2.5`, `-1`, `NaN`, `inf`.
 pub fn fmt_number(x: f64) -> String {
-    format!("{x}")
+    // As JavaScript prints numbers: plain, unless very large or very small, where the plain
+    // form would run to hundreds of digits (5e-324).
+    if x != 0.0 && x.is_finite() && !(1e-6..1e21).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
 }
 
 /// A config that breaks the rules of SPEC §1, naming the field and the value.
@@ -550,19 +586,19 @@ mod tests {
             ),
             (
                 r#"{"kind":"token bucket","rate":0,"period":1}"#,
-                "invalid config: rate is 0; it must be finite and > 0",
+                "invalid config: rate is 0; it must be finite, at least 1e-9 and at most 1e15",
             ),
             (
                 r#"{"kind":"token bucket","rate":1,"period":-5}"#,
-                "invalid config: period is -5; it must be finite and > 0",
+                "invalid config: period is -5; it must be finite, at least 0.001 (a microsecond) and at most 1e15 ms",
             ),
             (
                 r#"{"kind":"token bucket","rate":1,"period":1,"capacity":-0.5}"#,
-                "invalid config: capacity is -0.5; it must be finite and >= 0",
+                "invalid config: capacity is -0.5; it must be finite, >= 0 and at most 1e15",
             ),
             (
                 r#"{"kind":"token bucket","rate":1,"period":1,"maxReserved":-1}"#,
-                "invalid config: maxReserved is -1; it must be finite and >= 0",
+                "invalid config: maxReserved is -1; it must be finite, >= 0 and at most 1e15",
             ),
             (
                 r#"{"kind":"token bucket","rate":1,"period":1,"shards":2.5}"#,
@@ -587,6 +623,38 @@ mod tests {
         );
     }
 
+    /// Configs whose numbers are valid floats but would overflow the algebra (a window
+    /// narrower than the clock's spacing, a wait past any float) are refused, naming the
+    /// field; the bounds themselves are accepted.
+    #[test]
+    fn out_of_range_configs_are_refused() {
+        let refused = [
+            (r#"{"kind":"fixed window","rate":1,"period":5e-324}"#, "period is 5e-324"),
+            (r#"{"kind":"token bucket","rate":1,"period":1.7e308}"#, "period is 1.7e308"),
+            (r#"{"kind":"token bucket","rate":1e16,"period":1}"#, "rate is 10000000000000000"),
+            (r#"{"kind":"token bucket","rate":1e-300,"period":1e15}"#, "rate is 1e-300"),
+            (r#"{"kind":"token bucket","rate":1e-10,"period":1}"#, "rate is 1e-10"),
+            (
+                r#"{"kind":"token bucket","rate":1,"period":1,"capacity":1e16}"#,
+                "capacity is 10000000000000000",
+            ),
+            (r#"{"kind":"fixed window","rate":1,"period":1,"start":1e300}"#, "start is 1e300"),
+        ];
+        for (json, want) in refused {
+            let err = parse(json).unwrap_err();
+            assert!(err.starts_with(&format!("invalid config: {want}; it must")), "{json}: {err}");
+        }
+        let bounds = r#"{"kind":"token bucket","rate":1e15,"period":0.001,"capacity":1e15,"maxReserved":1e15}"#;
+        assert!(parse(bounds).is_ok());
+        assert!(
+            parse(r#"{"kind":"token bucket","rate":1e-9,"period":1e15,"capacity":1e15}"#).is_ok()
+        );
+        assert!(parse(r#"{"kind":"fixed window","rate":1,"period":1e15,"start":-1e15}"#).is_ok());
+        assert_eq!(fmt_number(5e-324), "5e-324");
+        assert_eq!(fmt_number(60_000.0), "60000");
+        assert_eq!(fmt_number(0.5), "0.5");
+    }
+
     #[test]
     fn non_finite_values_are_refused() {
         let raw = RawConfig {
@@ -600,7 +668,7 @@ mod tests {
         };
         assert_eq!(
             Config::try_from(raw).unwrap_err().to_string(),
-            "invalid config: rate is inf; it must be finite and > 0"
+            "invalid config: rate is inf; it must be finite, at least 1e-9 and at most 1e15"
         );
         let raw = RawConfig {
             kind: "token bucket".into(),

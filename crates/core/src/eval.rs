@@ -377,7 +377,8 @@ fn validate_count_slow(
     let allowed = match (reserve, config.max_reserved()) {
         (false, _) => limit_max,
         (true, Some(max_reserved)) => limit_max + max_reserved / factor,
-        (true, None) => return Ok(()),
+        // Any count may book ahead, up to the bound that keeps the waits finite.
+        (true, None) => crate::config::MAX_AMOUNT,
     };
     if count > allowed {
         let per_shards = if config.shards() > 1 {

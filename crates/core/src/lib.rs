@@ -30,8 +30,8 @@ mod plan;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{
-    Config, ConfigError, DAY, HOUR, Kind, MAX_SHARDS, MINUTE, Period, RawConfig, SECOND,
-    fmt_number, serialize_number,
+    Config, ConfigError, DAY, HOUR, Kind, MAX_AMOUNT, MAX_SHARDS, MIN_PERIOD, MIN_RATE, MINUTE,
+    Period, RawConfig, SECOND, fmt_number, serialize_number,
 };
 pub use eval::{
     Decision, Evaluation, InvalidRequest, MAX_KEY_BYTES, MAX_NAME_BYTES, State, Status, alignment,

@@ -253,7 +253,7 @@ mod tests {
                 .unwrap_err();
         assert_eq!(
             format!("{err:#}"),
-            "[limits.x]: invalid config: rate is -1; it must be finite and > 0"
+            "[limits.x]: invalid config: rate is -1; it must be finite, at least 1e-9 and at most 1e15"
         );
         assert!(
             FileConfig::parse("[server]\nport = 1\n")

@@ -45,6 +45,7 @@ impl IntoResponse for Answer {
 /// The router: `/v1/*` behind the bearer tokens, `/healthz`, `/metrics` and
 /// `/openapi.json` open.
 pub fn router(app: Arc<App>) -> Router {
+    let document: Arc<str> = openapi_document(!app.tokens.is_empty()).into();
     let api = Router::new()
         .route("/v1/limit", post(|s, b| operation(s, Op::Limit, b)))
         .route("/v1/check", post(|s, b| operation(s, Op::Check, b)))
@@ -66,7 +67,7 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(api)
         .route("/healthz", get(healthz))
         .route("/metrics", get(|State(app): State<Arc<App>>| async move { metrics(&app) }))
-        .route("/openapi.json", get(openapi))
+        .route("/openapi.json", get(move || openapi(Arc::clone(&document))))
         .fallback(|| async {
             Answer::error(StatusCode::NOT_FOUND, "no such endpoint; see /openapi.json")
         })
@@ -158,8 +159,32 @@ fn metrics(app: &App) -> Response {
     response
 }
 
-async fn openapi() -> Response {
-    let mut response = include_str!("openapi.json").into_response();
+/// The OpenAPI document of this server: `/v1/*` asks for a bearer token (and may answer
+/// 401) only when the server has tokens.
+fn openapi_document(tokens: bool) -> String {
+    const DOCUMENT: &str = include_str!("openapi.json");
+    if tokens {
+        return DOCUMENT.to_owned();
+    }
+    let Ok(mut document) = serde_json::from_str::<serde_json::Value>(DOCUMENT) else {
+        return DOCUMENT.to_owned();
+    };
+    if let Some(paths) = document.get_mut("paths").and_then(|p| p.as_object_mut()) {
+        for operation in
+            paths.values_mut().filter_map(|p| p.as_object_mut()).flat_map(|p| p.values_mut())
+        {
+            operation["security"] = serde_json::json!([]);
+            if let Some(responses) = operation.get_mut("responses").and_then(|r| r.as_object_mut())
+            {
+                responses.remove("401");
+            }
+        }
+    }
+    document.to_string()
+}
+
+async fn openapi(document: Arc<str>) -> Response {
+    let mut response = document.to_string().into_response();
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));

@@ -226,7 +226,7 @@ async fn bad_input_is_400_and_consumes_nothing() {
         ),
         (
             r#"{"name":"x","config":{"kind":"token bucket","rate":0,"period":1}}"#,
-            "invalid config: rate is 0; it must be finite and > 0",
+            "invalid config: rate is 0; it must be finite, at least 1e-9 and at most 1e15",
         ),
         (
             r#"{"name":"","config":{"kind":"token bucket","rate":1,"period":1}}"#,
@@ -442,6 +442,16 @@ async fn metrics_and_openapi() {
     ] {
         assert!(doc["paths"][path].is_object(), "{path}");
     }
+    // This server has no tokens: its document asks for none, and never answers 401.
+    let limit = &doc["paths"]["/v1/limit"]["post"];
+    assert_eq!((&limit["security"], &limit["responses"]["401"]), (&json!([]), &Value::Null));
+    let guarded = app_with(Arc::new(MemoryStore::new()), &["s3cret"], Permissions::default());
+    let doc = get(&guarded, "/openapi.json").await.body;
+    let limit = &doc["paths"]["/v1/limit"]["post"];
+    assert_eq!(limit["security"], json!([{ "bearer": [] }]));
+    assert!(limit["responses"]["401"].is_object());
+    assert_eq!(doc["paths"]["/healthz"]["get"]["security"], json!([]), "open with tokens too");
+    assert_eq!(doc["components"]["securitySchemes"]["bearer"]["scheme"], json!("bearer"));
 }
 
 /// `failOpen = true` in a `[limits.*]` table: that limit is granted while the store is down
