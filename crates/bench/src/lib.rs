@@ -335,3 +335,43 @@ pub fn alternate(
     ratios.sort_by(f64::total_cmp);
     ratios[ratios.len() / 2]
 }
+
+/// Starts `binary serve` with `args` in `dir` (its working directory, for a relative SQLite
+/// file) and reads its banner until `wanted` picks a line: the process and what `wanted`
+/// returned. The rest of the banner is read away in the background, so that the server
+/// never blocks on a full pipe.
+///
+/// # Panics
+///
+/// The binary cannot be started, or its banner ends before `wanted` finds its line.
+pub fn serve<T>(
+    binary: &str,
+    args: &[&str],
+    dir: &std::path::Path,
+    mut wanted: impl FnMut(&str) -> Option<T>,
+) -> (std::process::Child, T) {
+    use std::io::BufRead as _;
+    std::fs::create_dir_all(dir).unwrap();
+    // It runs in `dir`: its path from here.
+    let binary = std::fs::canonicalize(binary).unwrap_or_else(|e| panic!("{binary}: {e}"));
+    let mut child = std::process::Command::new(&binary)
+        .arg("serve")
+        .args(args)
+        .current_dir(dir)
+        .env("RUST_LOG", "error")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e}", binary.display()));
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let found = loop {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the banner has no such line");
+        if let Some(found) = wanted(line.trim()) {
+            break found;
+        }
+    };
+    std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+    (child, found)
+}

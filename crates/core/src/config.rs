@@ -318,13 +318,42 @@ impl<'de> Deserialize<'de> for Config {
 }
 
 /// A period as written in JSON or TOML: milliseconds, or a duration string such as `"10s"`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum Period {
     /// Milliseconds.
     Millis(#[serde(serialize_with = "serialize_number")] f64),
     /// A number followed by a unit: `ms`, `s`, `m`, `h` or `d` (`"1.5s"`, `"10m"`).
     Text(String),
+}
+
+/// By hand rather than `#[serde(untagged)]`, whose error for anything else names the
+/// Rust enum ("did not match any variant of untagged enum Period").
+impl<'de> Deserialize<'de> for Period {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Either;
+        impl serde::de::Visitor<'_> for Either {
+            type Value = Period;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a number (ms) or a duration such as \"1m\"")
+            }
+            fn visit_f64<E>(self, ms: f64) -> Result<Period, E> {
+                Ok(Period::Millis(ms))
+            }
+            #[expect(clippy::cast_precision_loss, reason = "a period is an f64 of ms")]
+            fn visit_u64<E>(self, ms: u64) -> Result<Period, E> {
+                Ok(Period::Millis(ms as f64))
+            }
+            #[expect(clippy::cast_precision_loss, reason = "a period is an f64 of ms")]
+            fn visit_i64<E>(self, ms: i64) -> Result<Period, E> {
+                Ok(Period::Millis(ms as f64))
+            }
+            fn visit_str<E>(self, text: &str) -> Result<Period, E> {
+                Ok(Period::Text(text.to_owned()))
+            }
+        }
+        deserializer.deserialize_any(Either)
+    }
 }
 
 impl Period {
@@ -453,6 +482,13 @@ impl TryFrom<&RawConfig> for Config {
         }
         if let Some(max) = raw.max_reserved {
             config.max_reserved = check("maxReserved", max, amount_ok(max), CAPACITY_RULE)?;
+        }
+        if config.capacity == 0.0 && config.max_reserved == 0.0 {
+            return Err(ConfigError::new(
+                "capacity",
+                "0".into(),
+                "must be > 0 when maxReserved is 0: such a limit can never admit a token",
+            ));
         }
         if let Some(shards) = raw.shards {
             let ok = shards.fract() == 0.0 && (1.0..=f64::from(MAX_SHARDS)).contains(&shards);
@@ -650,6 +686,11 @@ mod tests {
             parse(r#"{"kind":"token bucket","rate":1e-9,"period":1e15,"capacity":1e15}"#).is_ok()
         );
         assert!(parse(r#"{"kind":"fixed window","rate":1,"period":1e15,"start":-1e15}"#).is_ok());
+        let never =
+            parse(r#"{"kind":"token bucket","rate":1,"period":1,"capacity":0,"maxReserved":0}"#);
+        assert!(never.unwrap_err().contains("can never admit a token"));
+        // Capacity 0 with room to reserve: a limit that only books ahead.
+        assert!(parse(r#"{"kind":"token bucket","rate":1,"period":1,"capacity":0}"#).is_ok());
         assert_eq!(fmt_number(5e-324), "5e-324");
         assert_eq!(fmt_number(60_000.0), "60000");
         assert_eq!(fmt_number(0.5), "0.5");

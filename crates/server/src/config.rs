@@ -3,9 +3,11 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use serde::Deserialize;
+use tollgate::core::Period;
 use tollgate::{Config, HOUR, MINUTE, RawConfig};
 
 /// The default address: loopback only.
@@ -59,6 +61,13 @@ struct ServerSection {
     allow_inline_config: Option<bool>,
     allow_config_override: Option<bool>,
     max_keys: Option<usize>,
+    store_deadline: Option<Period>,
+    header_timeout: Option<Period>,
+    body_timeout: Option<Period>,
+    max_connections: Option<usize>,
+    shutdown_deadline: Option<Period>,
+    rls_listen: Option<String>,
+    rls_config: Option<std::path::PathBuf>,
 }
 
 /// Everything `tollgate serve` runs with.
@@ -76,10 +85,67 @@ pub struct Settings {
     pub allow_config_override: bool,
     /// The most live states of the memory store (none: no bound but memory itself).
     pub max_keys: Option<usize>,
+    /// How long a request may wait for a networked store (Redis, PostgreSQL) before it
+    /// fails; with a circuit breaker after it (see `tollgate::store::CircuitBreaker`).
+    pub store_deadline: Duration,
+    /// How the HTTP side treats slow and idle clients, and stops.
+    pub http: HttpLimits,
+    /// Where the rate limit service (Envoy's RLS v3, gRPC) listens, if anywhere.
+    pub rls_listen: Option<SocketAddr>,
+    /// envoyproxy/ratelimit's configuration (a YAML file or a directory), for the RLS and
+    /// `POST /json`.
+    pub rls_config: Option<std::path::PathBuf>,
     /// The named limits.
     pub limits: Vec<(String, Config)>,
     /// The named limits that fail open (`failOpen = true`).
     pub fail_open: Vec<String>,
+}
+
+/// How the HTTP side treats slow and idle clients, and how it stops.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HttpLimits {
+    /// A connection that takes longer to send a request's headers, or that sits idle
+    /// between requests for longer, is closed (one timer, hyper's).
+    pub header_timeout: Duration,
+    /// A request whose body takes longer to arrive is answered 408 and its connection
+    /// closed.
+    pub body_timeout: Duration,
+    /// Connections beyond this many are closed as soon as they are accepted.
+    pub max_connections: usize,
+    /// After SIGTERM, requests in flight have this long to finish; then every connection is
+    /// cut and the process exits.
+    pub shutdown_deadline: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+            max_connections: 10_000,
+            shutdown_deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The default store deadline: far more than a round trip on a healthy network, far less
+/// than a user notices.
+pub const DEFAULT_STORE_DEADLINE: Duration = Duration::from_millis(250);
+
+/// A duration of the `[server]` table: more than 0, at most a day.
+fn duration(field: &str, value: Option<&Period>, default: Duration) -> anyhow::Result<Duration> {
+    let Some(value) = value else { return Ok(default) };
+    let ms = value.millis().map_err(|_| {
+        let written = match value {
+            Period::Millis(ms) => ms.to_string(),
+            Period::Text(text) => format!("{text:?}"),
+        };
+        anyhow::anyhow!("[server] {field}: {written} is not a duration such as 250 (ms) or \"10s\"")
+    })?;
+    if !(ms > 0.0 && ms <= tollgate::DAY) {
+        bail!("[server] {field} is {ms} ms; it must be more than 0 and at most a day");
+    }
+    Ok(Duration::from_secs_f64(ms / 1_000.0))
 }
 
 /// What the command line says, to override the file.
@@ -91,6 +157,10 @@ pub struct Overrides {
     pub store: Option<String>,
     /// `TOLLGATE_TOKENS`, comma-separated.
     pub tokens_env: Option<String>,
+    /// `--rls-listen`.
+    pub rls_listen: Option<String>,
+    /// `--rls-config`.
+    pub rls_config: Option<std::path::PathBuf>,
 }
 
 impl FileConfig {
@@ -157,6 +227,47 @@ impl FileConfig {
         if tokens.iter().any(|t| t.chars().any(|c| c.is_whitespace() || c.is_control())) {
             bail!("tokens must not contain spaces or control characters");
         }
+        if tokens.iter().any(String::is_empty) {
+            bail!("tokens: an empty token can never be sent, so it would lock every client out");
+        }
+        if self.server.max_connections == Some(0) {
+            bail!("[server] maxConnections is 0; it must be at least 1");
+        }
+        let defaults = HttpLimits::default();
+        let server = &self.server;
+        let http = HttpLimits {
+            header_timeout: duration(
+                "headerTimeout",
+                server.header_timeout.as_ref(),
+                defaults.header_timeout,
+            )?,
+            body_timeout: duration(
+                "bodyTimeout",
+                server.body_timeout.as_ref(),
+                defaults.body_timeout,
+            )?,
+            max_connections: server.max_connections.unwrap_or(defaults.max_connections),
+            shutdown_deadline: duration(
+                "shutdownDeadline",
+                server.shutdown_deadline.as_ref(),
+                defaults.shutdown_deadline,
+            )?,
+        };
+        let store_deadline =
+            duration("storeDeadline", server.store_deadline.as_ref(), DEFAULT_STORE_DEADLINE)?;
+        let rls_listen = match overrides.rls_listen.clone().or_else(|| server.rls_listen.clone()) {
+            None => None,
+            Some(addr) => Some(addr.parse::<SocketAddr>().with_context(|| {
+                format!("the rate limit service's address {addr:?} is not IP:PORT")
+            })?),
+        };
+        let rls_config = overrides.rls_config.clone().or_else(|| server.rls_config.clone());
+        if rls_listen.is_some() && rls_config.is_none() {
+            bail!(
+                "the rate limit service needs its configuration: give --rls-config PATH (or \
+                 [server] rlsConfig), envoyproxy/ratelimit's YAML file or a directory of them"
+            );
+        }
         Ok(Settings {
             listen,
             store,
@@ -164,6 +275,10 @@ impl FileConfig {
             allow_inline_config: self.server.allow_inline_config.unwrap_or(true),
             allow_config_override: self.server.allow_config_override.unwrap_or(false),
             max_keys: self.server.max_keys,
+            store_deadline,
+            http,
+            rls_listen,
+            rls_config,
             limits: self.limits(examples)?,
             fail_open: self
                 .limits
@@ -238,6 +353,7 @@ mod tests {
             listen: Some("127.0.0.1:9001".into()),
             store: Some("sqlite://x.db".into()),
             tokens_env: Some("b, c".into()),
+            ..Overrides::default()
         };
         let s = file.settings(&o, true).unwrap();
         assert_eq!((s.listen.port(), s.store.as_str()), (9001, "sqlite://x.db"));
@@ -265,5 +381,54 @@ mod tests {
             .settings(&Overrides { listen: Some("localhost".into()), ..Overrides::default() }, true)
             .unwrap_err();
         assert!(err.to_string().contains("is not IP:PORT"), "{err}");
+    }
+
+    #[test]
+    fn timeouts_and_limits_of_the_server_section() {
+        let settings = |text: &str| {
+            FileConfig::parse(text).and_then(|f| f.settings(&Overrides::default(), true))
+        };
+        let s = settings("").unwrap();
+        assert_eq!(s.store_deadline, DEFAULT_STORE_DEADLINE);
+        assert_eq!(s.http, HttpLimits::default());
+        let s = settings(
+            "[server]\nstoreDeadline = 100\nheaderTimeout = \"2s\"\nbodyTimeout = \"1m\"\n\
+             maxConnections = 5\nshutdownDeadline = 1500\n",
+        )
+        .unwrap();
+        assert_eq!(s.store_deadline, Duration::from_millis(100));
+        assert_eq!(
+            s.http,
+            HttpLimits {
+                header_timeout: Duration::from_secs(2),
+                body_timeout: Duration::from_secs(60),
+                max_connections: 5,
+                shutdown_deadline: Duration::from_millis(1500),
+            }
+        );
+        for (text, message) in [
+            (
+                "[server]\nstoreDeadline = \"soon\"\n",
+                "[server] storeDeadline: \"soon\" is not a duration such as 250 (ms) or \"10s\"",
+            ),
+            (
+                "[server]\nheaderTimeout = 0\n",
+                "[server] headerTimeout is 0 ms; it must be more than 0 and at most a day",
+            ),
+            (
+                "[server]\nshutdownDeadline = \"2d\"\n",
+                "[server] shutdownDeadline is 172800000 ms; it must be more than 0 and at most a day",
+            ),
+            (
+                "[server]\nmaxConnections = 0\n",
+                "[server] maxConnections is 0; it must be at least 1",
+            ),
+            (
+                "[server]\ntokens = [\"\"]\n",
+                "tokens: an empty token can never be sent, so it would lock every client out",
+            ),
+        ] {
+            assert_eq!(settings(text).unwrap_err().to_string(), message, "{text}");
+        }
     }
 }

@@ -150,14 +150,14 @@ struct LimitBody<'b> {
     reserve: bool,
     #[serde(default)]
     throws: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object_or_null")]
     config: Option<RawConfig>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct TransactionBody<'b> {
-    #[serde(borrow)]
+    #[serde(borrow, deserialize_with = "objects")]
     limits: Vec<LimitBody<'b>>,
 }
 
@@ -167,7 +167,7 @@ struct ResetBody {
     name: String,
     #[serde(default)]
     key: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object_or_null")]
     config: Option<RawConfig>,
 }
 
@@ -179,8 +179,44 @@ struct ValueBody {
     key: Option<String>,
     #[serde(default)]
     sample_shards: Option<f64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object_or_null")]
     config: Option<RawConfig>,
+}
+
+/// A JSON object read into `T`, and nothing else: serde reads a struct from an array too
+/// (its fields in order), which the API does not take (`["api"]` is not a request for
+/// the limit `api`).
+struct Object<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Fields<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Fields<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                // The same map, read by T: strings are still borrowed from the body.
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        deserializer.deserialize_map(Fields(std::marker::PhantomData)).map(Object)
+    }
+}
+
+/// An optional field that, when present, is an object (or `null`).
+fn object_or_null<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    deserializer: D,
+) -> Result<Option<T>, D::Error> {
+    Ok(Option::<Object<T>>::deserialize(deserializer)?.map(|o| o.0))
+}
+
+/// An array of objects.
+fn objects<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    deserializer: D,
+) -> Result<Vec<T>, D::Error> {
+    Ok(Vec::<Object<T>>::deserialize(deserializer)?.into_iter().map(|o| o.0).collect())
 }
 
 /// The store every server runs on, picked at run time from a URL; every call is awaited.
@@ -208,6 +244,8 @@ pub struct Engine {
     permissions: Permissions,
     /// `RateLimit-Policy` members of the defined limits, made once.
     policies: std::collections::HashMap<String, String>,
+    /// Per name, what `limit` and `transaction` requests took, for the dashboard.
+    pub stats: crate::stats::Stats,
 }
 
 impl Engine {
@@ -218,7 +256,46 @@ impl Engine {
             .defined()
             .map(|(name, config)| (name.to_owned(), fields::policy_member(name, config)))
             .collect();
-        Engine { limiter, permissions, policies }
+        Engine { limiter, permissions, policies, stats: crate::stats::Stats::default() }
+    }
+
+    /// `GET /v1/stats`: every defined limit (its config, and in words) and every name
+    /// requests came for, with what `limit` and `transaction` took per 10 s over the last 10
+    /// minutes (oldest first).
+    pub fn stats(&self) -> Answer {
+        let now = now_ms();
+        let mut counted: std::collections::BTreeMap<String, crate::stats::Counts> =
+            self.stats.snapshot(now).into_iter().collect();
+        let zeros = || vec![0u64; crate::stats::BUCKETS];
+        let mut limits = Vec::new();
+        let mut defined: Vec<(&str, &Config)> = self.limiter.defined().collect();
+        defined.sort_by_key(|(name, _)| *name);
+        let entry = |name: &str, config: Option<&Config>, counts: Option<crate::stats::Counts>| {
+            let counts = counts.unwrap_or(crate::stats::Counts {
+                granted: zeros(),
+                refused: zeros(),
+                reserved: zeros(),
+            });
+            json!({
+                "name": name,
+                "config": config.map(Config::to_raw),
+                "words": config.map(crate::plot::describe),
+                "granted": counts.granted,
+                "refused": counts.refused,
+                "reserved": counts.reserved,
+            })
+        };
+        for (name, config) in defined {
+            limits.push(entry(name, Some(config), counted.remove(name)));
+        }
+        for (name, counts) in counted {
+            limits.push(entry(&name, None, Some(counts)));
+        }
+        Answer::ok(json!({
+            "now": now,
+            "bucketMs": crate::stats::BUCKET_MS,
+            "limits": limits,
+        }))
     }
 
     /// The limiter.
@@ -264,7 +341,7 @@ impl Engine {
     pub async fn time(&self) -> Answer {
         match self.limiter.store().read_boxed(&[]).await {
             Ok((now, _)) => Answer::ok(json!({ "now": number(now) })),
-            Err(err) => Answer::error(StatusCode::SERVICE_UNAVAILABLE, err.to_string()),
+            Err(err) => store_failed(&err),
         }
     }
 
@@ -317,6 +394,9 @@ impl Engine {
         };
         let taken = taken.map_err(|e| self.error(e))?;
         let (ok, retry_after) = (taken.decision.ok, taken.decision.retry_after);
+        if writes {
+            self.stats.record(&body.name, crate::stats::Taken::of(ok, retry_after), now_ms());
+        }
         let mut answer = if !ok && body.throws {
             rate_limited(&body.name, retry_after.unwrap_or(0.0))
         } else {
@@ -354,6 +434,17 @@ impl Engine {
         let taken =
             self.limiter.transaction_with_status_async(&calls).await.map_err(|e| self.error(e))?;
         let t = &taken.decision;
+        let now = now_ms();
+        for (l, result) in body.limits.iter().zip(&t.results) {
+            // A refused transaction takes nothing: only the limits that refused it count.
+            if t.ok || !result.ok {
+                self.stats.record(
+                    &l.name,
+                    crate::stats::Taken::of(result.ok && t.ok, result.retry_after),
+                    now,
+                );
+            }
+        }
         let mut answer = if !t.ok && body.limits.iter().any(|l| l.throws) {
             let i = tollgate::core::longest_refusal(&t.results).unwrap_or(0);
             rate_limited(&body.limits[i].name, t.results[i].retry_after.unwrap_or(0.0))
@@ -443,10 +534,29 @@ impl Engine {
         match err {
             Error::Invalid(e) => Answer::error(StatusCode::BAD_REQUEST, e.to_string()),
             Error::NotDefined { name } => not_defined(&name),
-            Error::Store(e) => Answer::error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            Error::Store(e) => store_failed(&e),
             other => Answer::error(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
         }
     }
+}
+
+/// The store failed: `503 { error, mayHaveTaken }`. `mayHaveTaken` is true only when the
+/// request reached the store and its answer never came back (it may have run, and a retry
+/// may pay twice); false when the store never saw it, or refused it whole: nothing was
+/// taken, and a retry is safe.
+pub fn store_failed(e: &tollgate::StoreError) -> Answer {
+    let mut answer = Answer::error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+    if let Body::Json(body) = &mut answer.body {
+        body["mayHaveTaken"] = Value::Bool(e.may_have_taken());
+    }
+    answer
+}
+
+/// Wall-clock Unix milliseconds, for the dashboard's buckets.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A refusal as an error, for requests with `throws`: `429 { kind, name, retryAfter }`.
@@ -471,17 +581,17 @@ fn not_defined(name: &str) -> Answer {
     )
 }
 
-/// Parses a body, naming the field of any error: `count: invalid type: string "x", expected f64`;
+/// Parses a body, naming the field of any error: `count: invalid type: string "x", expected a number`;
 /// anything after the body's JSON value is an error too.
 ///
 /// The plain parser runs first; only a body that fails is parsed again, tracking the path, to
 /// word the error.
 fn parse<'b, T: Deserialize<'b>>(body: &'b [u8]) -> Result<T, Answer> {
-    if let Ok(value) = serde_json::from_slice(body) {
+    if let Ok(Object(value)) = serde_json::from_slice(body) {
         return Ok(value);
     }
     let mut de = serde_json::Deserializer::from_slice(body);
-    let parsed = serde_path_to_error::deserialize::<_, T>(&mut de).map_err(|err| {
+    let parsed = serde_path_to_error::deserialize::<_, Object<T>>(&mut de).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
         let message = if inner.to_string().starts_with("number out of range") {
@@ -493,9 +603,9 @@ fn parse<'b, T: Deserialize<'b>>(body: &'b [u8]) -> Result<T, Answer> {
         } else if inner.is_syntax() || inner.is_eof() {
             format!("malformed JSON: {inner}")
         } else if path == "." {
-            format!("invalid request body: {inner}")
+            format!("invalid request body: {}", api_words(&inner.to_string()))
         } else {
-            format!("{path}: {inner}")
+            format!("{path}: {}", api_words(&inner.to_string()))
         };
         Answer::error(StatusCode::BAD_REQUEST, message)
     })?;
@@ -503,7 +613,25 @@ fn parse<'b, T: Deserialize<'b>>(body: &'b [u8]) -> Result<T, Answer> {
     // it: a body with anything after its JSON value is malformed (SPEC §6), and nothing of
     // it is run.
     de.end().map_err(|e| Answer::error(StatusCode::BAD_REQUEST, format!("malformed JSON: {e}")))?;
-    Ok(parsed)
+    Ok(parsed.0)
+}
+
+/// serde's message in the API's words: the JSON types a client sends, not the Rust types
+/// they are read into (`expected f64` is `expected a number`).
+fn api_words(message: &str) -> String {
+    const WORDS: [(&str, &str); 6] = [
+        ("expected f64", "expected a number"),
+        ("expected u16", "expected an integer"),
+        ("expected u64", "expected an integer"),
+        ("expected usize", "expected an integer"),
+        ("expected a borrowed string", "expected a string"),
+        ("expected a sequence", "expected an array"),
+    ];
+    let mut message = message.to_owned();
+    for (rust, api) in WORDS {
+        message = message.replace(rust, api);
+    }
+    message
 }
 
 /// The name of the last object key that starts before (line, column) of `body`: the field a

@@ -1,13 +1,12 @@
 //! The HTTP API of SPEC §6 on axum.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -25,6 +24,78 @@ pub struct App {
     pub metrics: Metrics,
     /// The memory store, if that is the store: its live states are a metric.
     pub memory: Option<Arc<tollgate::MemoryStore>>,
+    /// The circuit breaker of a networked store, for its metrics.
+    pub breaker: Option<Arc<crate::store::Breaker>>,
+    /// How long `/healthz` waits for the store.
+    pub health_deadline: Duration,
+    /// Failed requests, logged without flooding.
+    pub errors: Arc<ErrorLog>,
+    /// How long a request's body may take to arrive.
+    pub body_timeout: Duration,
+    /// The SQLite file's states after its last sweep (`usize::MAX`: not counted yet, or
+    /// not SQLite).
+    pub sqlite_states: Arc<std::sync::atomic::AtomicUsize>,
+    /// The rate limit service, with `--rls-config`: `POST /json` and its metrics.
+    pub rls: Option<Arc<crate::rls::Rls>>,
+}
+
+/// How often a run of failed requests is summed up in the log.
+const LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Failed requests (5xx), logged without flooding: the first of an interval of
+/// `LOG_INTERVAL` (10 s) at once, the rest of it counted and summed up in one line (their count
+/// and the last message) when the interval is over.
+#[derive(Default)]
+pub struct ErrorLog {
+    state: parking_lot::Mutex<ErrorLogState>,
+}
+
+#[derive(Default)]
+struct ErrorLogState {
+    /// When the interval of the last logged line began.
+    since: Option<Instant>,
+    /// Failures since, not logged.
+    more: u64,
+    last: String,
+}
+
+impl ErrorLog {
+    /// A request of `op` failed with `status` and `message`.
+    pub fn record(&self, op: &str, status: StatusCode, message: &str) {
+        let mut state = self.state.lock();
+        let now = Instant::now();
+        if state.since.is_some_and(|since| now.duration_since(since) < LOG_INTERVAL) {
+            state.more += 1;
+            message.clone_into(&mut state.last);
+            return;
+        }
+        let (more, last) = (std::mem::take(&mut state.more), std::mem::take(&mut state.last));
+        state.since = Some(now);
+        drop(state);
+        summary(more, &last);
+        tracing::warn!(op, status = %status, "request failed: {message}");
+    }
+
+    /// Sums up the interval that is over, if any failures are still untold; for a timer.
+    pub fn flush(&self) {
+        let mut state = self.state.lock();
+        if state.since.is_some_and(|since| since.elapsed() >= LOG_INTERVAL) && state.more > 0 {
+            let (more, last) = (std::mem::take(&mut state.more), std::mem::take(&mut state.last));
+            state.since = None;
+            drop(state);
+            summary(more, &last);
+        }
+    }
+}
+
+fn summary(more: u64, last: &str) {
+    if more > 0 {
+        tracing::warn!(
+            count = more,
+            "{more} more requests failed in the last {} s; the last: {last}",
+            LOG_INTERVAL.as_secs()
+        );
+    }
 }
 
 /// The one place where answers (including errors) become HTTP responses.
@@ -56,7 +127,9 @@ pub fn router(app: Arc<App>) -> Router {
             "/v1/time",
             get(|State(app): State<Arc<App>>| async move { app.engine.time().await }),
         )
-        .route("/v1/config", get(|State(app): State<Arc<App>>| async move { app.engine.config() }));
+        .route("/v1/config", get(|State(app): State<Arc<App>>| async move { app.engine.config() }))
+        .route("/json", post(rls_json))
+        .route("/v1/stats", get(|State(app): State<Arc<App>>| async move { app.engine.stats() }));
     // Without tokens there is nothing to check: no middleware on the hot path at all.
     let api = if app.tokens.is_empty() {
         api
@@ -65,6 +138,8 @@ pub fn router(app: Arc<App>) -> Router {
     };
     Router::new()
         .merge(api)
+        // The dashboard: the page itself is open; it asks for a token when the API does.
+        .route("/", get(dashboard))
         .route("/healthz", get(healthz))
         .route("/metrics", get(|State(app): State<Arc<App>>| async move { metrics(&app) }))
         .route("/openapi.json", get(move || openapi(Arc::clone(&document))))
@@ -79,37 +154,61 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-async fn operation(
-    State(app): State<Arc<App>>,
-    op: Op,
-    body: Result<Bytes, BytesRejection>,
-) -> Answer {
+/// `Connection: close`, on answers after which the connection is closed (the body was not
+/// read to its end), so that a client does not send its next request on it.
+const CLOSE: (HeaderName, &str) = (header::CONNECTION, "close");
+
+async fn operation(State(app): State<Arc<App>>, op: Op, body: Body) -> Answer {
     let start = Instant::now();
-    let answer = match body {
-        Err(rejection) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => Answer::error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("request body is over {MAX_BODY} bytes"),
-        ),
-        Err(rejection) => Answer::error(rejection.status(), rejection.body_text()),
+    let answer = match read_body(&app, body).await {
         Ok(body) => app.engine.run(op, &body).await,
+        Err(answer) => answer,
     };
     app.metrics.record(op.name(), answer.outcome, start.elapsed());
     if answer.status.is_server_error() {
-        tracing::warn!(op = op.name(), status = %answer.status, body = %answer.body.to_json(), "request failed");
+        let body = answer.body.to_json();
+        app.errors.record(op.name(), answer.status, &body);
     }
     answer
 }
 
-async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    let presented = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match presented {
-        Some(token) if app.tokens.iter().any(|t| same(t.as_bytes(), token.as_bytes())) => {
-            next.run(request).await
+/// A request's body, read within the body timeout: or the answer that says why not (413,
+/// 408, 400), each closing the connection, whose rest was not read.
+async fn read_body(app: &App, body: Body) -> Result<axum::body::Bytes, Answer> {
+    let (status, message) =
+        match tokio::time::timeout(app.body_timeout, axum::body::to_bytes(body, MAX_BODY)).await {
+            Ok(Ok(body)) => return Ok(body),
+            Ok(Err(e)) if too_large(&e) => {
+                (StatusCode::PAYLOAD_TOO_LARGE, format!("request body is over {MAX_BODY} bytes"))
+            }
+            Ok(Err(e)) => (StatusCode::BAD_REQUEST, format!("cannot read the body: {e}")),
+            Err(_) => (
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the body did not arrive within {:?}", app.body_timeout),
+            ),
+        };
+    let mut answer = Answer::error(status, message);
+    answer.headers.push((CLOSE.0, CLOSE.1.into()));
+    Err(answer)
+}
+
+/// Whether reading a body failed for its size.
+fn too_large(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(error) = source {
+        if error.is::<http_body_util::LengthLimitError>() {
+            return true;
         }
+        source = error.source();
+    }
+    false
+}
+
+async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    let presented =
+        request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer);
+    match presented {
+        Some(token) if known_token(&app.tokens, token) => next.run(request).await,
         Some(_) => unauthorized("wrong bearer token"),
         None => unauthorized("missing Authorization: Bearer <token>"),
     }
@@ -121,20 +220,33 @@ fn unauthorized(message: &str) -> Response {
     response
 }
 
+/// The token of an `Authorization` value of the Bearer scheme, whose name is
+/// case-insensitive (RFC 9110 §11.1): `bearer` works too.
+pub fn bearer(authorization: &str) -> Option<&str> {
+    authorization
+        .split_once(' ')
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim_start())
+}
+
+/// Whether `presented` is one of `tokens`, compared in constant time.
+pub fn known_token(tokens: &[String], presented: &str) -> bool {
+    tokens.iter().any(|t| same(t.as_bytes(), presented.as_bytes()))
+}
+
 /// Compares without stopping at the first difference, so timing does not reveal a token.
 fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// How long `/healthz` waits for the store before it says the store does not answer.
-const HEALTH_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
-
+/// `/healthz`: the store answers (a read of nothing) within the store deadline, or 503.
 async fn healthz(State(app): State<Arc<App>>) -> Response {
     let probe = app.engine.limiter().store().read_boxed(&[]);
-    let result = match tokio::time::timeout(HEALTH_DEADLINE, probe).await {
+    let result = match tokio::time::timeout(app.health_deadline, probe).await {
         Ok(read) => read.map(drop),
         Err(_) => Err(tollgate::StoreError::new(format!(
-            "the store did not answer within {HEALTH_DEADLINE:?}"
+            "the store did not answer within {:?}",
+            app.health_deadline
         ))),
     };
     match result {
@@ -150,9 +262,68 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
     }
 }
 
+/// The dashboard: one page, its script and styles inside (no CDN, nothing fetched but the
+/// API).
+async fn dashboard() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8")),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static(
+                    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                     connect-src 'self'; img-src 'self' data:",
+                ),
+            ),
+        ],
+        include_str!("dashboard.html"),
+    )
+        .into_response()
+}
+
+/// envoyproxy/ratelimit's `POST /json`: 200 or 429 with the response in proto3 JSON; 404
+/// without `--rls-config`.
+async fn rls_json(State(app): State<Arc<App>>, body: Body) -> Response {
+    let Some(rls) = &app.rls else {
+        return Answer::error(
+            StatusCode::NOT_FOUND,
+            "no rate limit service configuration: start the server with --rls-config",
+        )
+        .into_response();
+    };
+    let body = match read_body(&app, body).await {
+        Ok(body) => body,
+        Err(answer) => return answer.into_response(),
+    };
+    let answer = match crate::rls::json::parse(&body) {
+        Ok(request) => rls.should_rate_limit(&request).await,
+        Err(e) => Err(e),
+    };
+    match answer {
+        Ok(answer) => {
+            let status =
+                if answer.over_limit { StatusCode::TOO_MANY_REQUESTS } else { StatusCode::OK };
+            (status, axum::Json(crate::rls::json::render(&answer))).into_response()
+        }
+        Err(crate::rls::RlsError::Store(e)) => {
+            let answer = crate::engine::store_failed(&e);
+            app.errors.record("json", answer.status, &answer.body.to_json());
+            answer.into_response()
+        }
+        Err(e) => Answer::error(StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+    }
+}
+
 fn metrics(app: &App) -> Response {
-    let live = app.memory.as_ref().map(|m| m.len());
-    let mut response = app.metrics.render(app.engine.limiter().failed_open(), live).into_response();
+    let sqlite = app.sqlite_states.load(std::sync::atomic::Ordering::Relaxed);
+    let live = app.memory.as_ref().map(|m| m.len()).or((sqlite != usize::MAX).then_some(sqlite));
+    let breaker = app.breaker.as_ref().map(|b| b.stats());
+    let failed_open = app.engine.limiter().failed_open();
+    let mut text = app.metrics.render(failed_open, live, breaker);
+    if let Some(rls) = &app.rls {
+        rls.metrics.render(&mut text);
+    }
+    let mut response = text.into_response();
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));

@@ -15,7 +15,10 @@ pub mod config;
 pub mod engine;
 pub mod http;
 pub mod metrics;
+pub mod plot;
+pub mod rls;
 pub mod simulate;
+pub mod stats;
 pub mod store;
 
 use config::{FileConfig, Overrides, Settings};
@@ -42,6 +45,10 @@ enum Command {
         /// Fixes every random choice (window alignments, shard choices).
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Also draw, per (name, key), the tokens over the simulated time with every request
+        /// marked granted, refused or reserved: an SVG written to FILE.
+        #[arg(long, value_name = "FILE")]
+        plot: Option<PathBuf>,
     },
     /// Take tokens from a limit on a running server.
     Limit(client::ClientArgs),
@@ -70,6 +77,14 @@ struct ServeArgs {
     /// use and reset the limits.
     #[arg(long)]
     allow_unauthenticated_public: bool,
+    /// Also serve Envoy's rate limit service (RLS v3, gRPC) on this address, for example
+    /// 127.0.0.1:8081; needs --rls-config.
+    #[arg(long, value_name = "ADDR")]
+    rls_listen: Option<String>,
+    /// envoyproxy/ratelimit's configuration: a YAML file, or a directory of them (one domain
+    /// each). Also enables `POST /json` on the HTTP listener.
+    #[arg(long, value_name = "PATH")]
+    rls_config: Option<PathBuf>,
 }
 
 /// Runs the command line; what `main` calls.
@@ -80,7 +95,7 @@ struct ServeArgs {
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command.unwrap_or(Command::Serve(ServeArgs::default())) {
         Command::Serve(args) => serve(args),
-        Command::Simulate { config, seed } => {
+        Command::Simulate { config, seed, plot } => {
             let limits = match config {
                 Some(path) => FileConfig::load(&path)?.named_limits()?,
                 None => Vec::new(),
@@ -93,7 +108,13 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     r#"  {{"at": 0, "op": "limit", "name": "a", "config": {{"kind": "token bucket", "rate": 10, "period": "1m"}}}}"#
                 );
             }
+            let sim = if plot.is_some() { sim.recording() } else { sim };
             sim.run(stdin.lock(), std::io::stdout().lock())?;
+            if let (Some(path), Some(svg)) = (&plot, sim.plot()) {
+                std::fs::write(path, svg)
+                    .with_context(|| format!("cannot write the plot to {}", path.display()))?;
+                eprintln!("tollgate simulate: plot written to {}", path.display());
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Limit(args) => client::run("limit", args),
@@ -112,17 +133,21 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         listen: args.listen.clone(),
         store: args.store.clone(),
         tokens_env: std::env::var("TOLLGATE_TOKENS").ok(),
+        rls_listen: args.rls_listen.clone(),
+        rls_config: args.rls_config.clone(),
     };
     let settings = file.settings(&overrides, args.config.is_none())?;
-    if settings.tokens.is_empty()
-        && !settings.listen.ip().is_loopback()
-        && !args.allow_unauthenticated_public
-    {
-        bail!(
-            "refusing to listen on {} without tokens: anyone who can reach it could use and reset \
-             your limits. Set [server] tokens or TOLLGATE_TOKENS, or pass --allow-unauthenticated-public.",
-            settings.listen
-        );
+    for addr in std::iter::once(settings.listen).chain(settings.rls_listen) {
+        if settings.tokens.is_empty()
+            && !addr.ip().is_loopback()
+            && !args.allow_unauthenticated_public
+        {
+            bail!(
+                "refusing to listen on {addr} without tokens: anyone who can reach it could use \
+                 and reset your limits. Set [server] tokens or TOLLGATE_TOKENS, or pass \
+                 --allow-unauthenticated-public."
+            );
+        }
     }
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -142,7 +167,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
 ///
 /// The store cannot be opened.
 pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)> {
-    let opened = store::open(&settings.store, settings.max_keys).await?;
+    let opened = store::open(&settings.store, settings.max_keys, settings.store_deadline).await?;
     let mut builder = RateLimiter::builder(opened.store);
     for (name, config) in &settings.limits {
         builder = builder.define(name.as_str(), *config);
@@ -154,15 +179,34 @@ pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)
         inline_config: settings.allow_inline_config,
         config_override: settings.allow_config_override,
     };
-    let engine = Engine::new(builder.build(), permissions);
+    let engine = Arc::new(Engine::new(builder.build(), permissions));
+    let rls = match &settings.rls_config {
+        None => None,
+        Some(path) => {
+            let config = rls::RlsConfig::load(path)?;
+            Some(Arc::new(rls::Rls::new(Arc::clone(&engine), config)))
+        }
+    };
+    // usize::MAX until the first sweep has counted the file's states.
+    let sqlite_states = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
     let app = http::App {
-        engine: Arc::new(engine),
+        engine,
+        rls,
         tokens: settings.tokens.clone(),
         metrics: metrics::Metrics::default(),
         memory: opened.memory.clone(),
+        breaker: opened.breaker.clone(),
+        health_deadline: settings.store_deadline,
+        errors: Arc::default(),
+        body_timeout: settings.http.body_timeout,
+        sqlite_states: Arc::clone(&sqlite_states),
     };
-    let sweeps =
-        Sweeps { sqlite: opened.sqlite, memory: opened.memory, limits: settings.limits.clone() };
+    let sweeps = Sweeps {
+        sqlite: opened.sqlite,
+        memory: opened.memory,
+        limits: settings.limits.clone(),
+        sqlite_states,
+    };
     Ok((Arc::new(app), sweeps))
 }
 
@@ -172,6 +216,8 @@ pub struct Sweeps {
     sqlite: Option<Arc<tollgate::store::SqliteStore>>,
     memory: Option<Arc<tollgate::MemoryStore>>,
     limits: Vec<(String, tollgate::Config)>,
+    /// The SQLite file's states after the last sweep, for `/metrics`.
+    sqlite_states: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// How often the memory store is swept of full states: soon enough that memory goes back
@@ -198,18 +244,22 @@ impl Sweeps {
             });
         }
         if let Some(sqlite) = self.sqlite {
-            let limits = self.limits;
+            let (limits, states) = (self.limits, self.sqlite_states);
             tokio::spawn(async move {
                 let mut every = tokio::time::interval(SQLITE_SWEEP);
                 loop {
                     every.tick().await;
                     let (sqlite, limits) = (Arc::clone(&sqlite), limits.clone());
+                    let states = Arc::clone(&states);
                     let swept = tokio::task::spawn_blocking(move || {
                         // Every state with its time to be full; then, by name, the states an
                         // earlier version wrote without it.
                         let full = sqlite.sweep_full().unwrap_or(0);
                         let named: usize =
                             limits.iter().map(|(name, c)| sqlite.sweep(name, c).unwrap_or(0)).sum();
+                        if let Ok(count) = sqlite.count() {
+                            states.store(count, std::sync::atomic::Ordering::Relaxed);
+                        }
                         full + named
                     })
                     .await;
@@ -226,22 +276,129 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen))?;
     let addr: SocketAddr = listener.local_addr()?;
-    print_banner(&settings, addr);
+    let rls_listener = match settings.rls_listen {
+        None => None,
+        Some(rls_addr) => Some(
+            tokio::net::TcpListener::bind(rls_addr)
+                .await
+                .with_context(|| format!("cannot listen on {rls_addr}"))?,
+        ),
+    };
+    let rls_addr = match &rls_listener {
+        Some(listener) => Some(listener.local_addr()?),
+        None => None,
+    };
+    print_banner(&settings, addr, rls_addr);
     // Full states carry no information: delete them now and then.
     sweeps.start();
-    // Answers are small and each one is a single write: send it at once rather than let
-    // Nagle's algorithm hold it back waiting for an ACK.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!("cannot set TCP_NODELAY: {e}");
+    // One signal stops both listeners.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = move || {
+        let mut stop_rx = stop_rx.clone();
+        async move {
+            let _ = stop_rx.wait_for(|stop| *stop).await;
+        }
+    };
+    let rls_server = match (rls_listener, &app.rls) {
+        (Some(listener), Some(rls)) => {
+            let service = rls::service::Service::new(
+                Arc::clone(rls),
+                settings.tokens.clone(),
+                Arc::clone(&app.errors),
+            );
+            let deadline = settings.http.shutdown_deadline;
+            Some(tokio::spawn(rls::service::serve(listener, service, stopped(), deadline)))
+        }
+        _ => None,
+    };
+    // Summing up failed requests in the log, when an interval of them is over.
+    let errors = Arc::clone(&app);
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            every.tick().await;
+            errors.errors.flush();
         }
     });
-    axum::serve(listener, http::router(app)).with_graceful_shutdown(shutdown()).await?;
+    serve_http(listener, http::router(app), settings.http, stopped()).await?;
+    if let Some(rls_server) = rls_server {
+        rls_server.await??;
+    }
     tracing::info!("stopped");
     Ok(())
 }
 
-fn print_banner(settings: &Settings, addr: SocketAddr) {
+/// Serves `router` on `listener` over HTTP/1.1 until `stop` resolves, with the limits of
+/// `limits`: a connection slow to send a request's headers, or idle between requests, for
+/// longer than `header_timeout` is closed; connections beyond `max_connections` are closed
+/// when accepted; once `stop` resolves no connection is accepted, requests in flight get
+/// `shutdown_deadline` to finish, and any connection left then is cut.
+///
+/// # Errors
+///
+/// The listener fails for good.
+pub async fn serve_http(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    limits: config::HttpLimits,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::server::graceful::GracefulShutdown;
+    use hyper_util::service::TowerToHyperService;
+
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let graceful = GracefulShutdown::new();
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut stop => break,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                // Out of file descriptors, say: wait a little rather than spin.
+                tracing::warn!("cannot accept a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            // Over the limit: closed at once, before it costs anything.
+            drop(tcp);
+            continue;
+        };
+        // Answers are small and each is one write: send it at once, not after an ACK.
+        let _ = tcp.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_timeout)
+            .serve_connection(TokioIo::new(tcp), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            let _ = connection.await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    tracing::info!("shutting down: finishing requests in flight");
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(limits.shutdown_deadline) => {
+            let left = limits.max_connections - slots.available_permits();
+            tracing::warn!("{left} connections still open after {:?}: cut", limits.shutdown_deadline);
+        }
+    }
+    Ok(())
+}
+
+fn print_banner(settings: &Settings, addr: SocketAddr, rls: Option<SocketAddr>) {
     let names: Vec<&str> = settings.limits.iter().map(|(n, _)| n.as_str()).collect();
     println!("tollgate listening on http://{addr}");
     println!("  store:  {}", settings.store);
@@ -250,6 +407,9 @@ fn print_banner(settings: &Settings, addr: SocketAddr) {
         if names.is_empty() { "(none defined)".into() } else { names.join(", ") }
     );
     println!("  auth:   {}", if settings.tokens.is_empty() { "none" } else { "bearer tokens" });
+    if let Some(rls) = rls {
+        println!("  rls:    grpc://{rls} (envoy.service.ratelimit.v3)");
+    }
     if let Some(name) = names.first() {
         let auth =
             if settings.tokens.is_empty() { "" } else { " -H 'Authorization: Bearer <token>'" };
@@ -279,5 +439,4 @@ async fn shutdown() {
         () = ctrl_c => {},
         () = term => {},
     }
-    tracing::info!("shutting down: finishing requests in flight");
 }

@@ -50,7 +50,12 @@ impl Metrics {
     /// The Prometheus text exposition; `failed_open` is the limiter's count of requests
     /// granted because the store failed and their limits fail open, `live_states` the
     /// memory store's number of states (none for other stores).
-    pub fn render(&self, failed_open: u64, live_states: Option<usize>) -> String {
+    pub fn render(
+        &self,
+        failed_open: u64,
+        live_states: Option<usize>,
+        breaker: Option<tollgate::store::BreakerStats>,
+    ) -> String {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut out = String::new();
         out.push_str("# HELP tollgate_requests_total Requests by operation and outcome.\n");
@@ -83,11 +88,44 @@ impl Metrics {
         let _ = writeln!(out, "tollgate_failed_open_total {failed_open}");
         if let Some(live) = live_states {
             out.push_str(
-                "# HELP tollgate_live_states States the memory store holds (a full state is \
-                 dropped, so this follows active keys).\n",
+                "# HELP tollgate_live_states States the store holds (a full state is dropped, so \
+                 this follows active keys): the memory store's now, SQLite's at its last sweep.\n",
             );
             out.push_str("# TYPE tollgate_live_states gauge\n");
             let _ = writeln!(out, "tollgate_live_states {live}");
+        }
+        if let Some(b) = breaker {
+            let gauge = |out: &mut String, name: &str, kind: &str, help: &str, value: u64| {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+            };
+            gauge(
+                &mut out,
+                "tollgate_store_breaker_open",
+                "gauge",
+                "1 while the store's circuit breaker is open (requests fail at once, unsent).",
+                u64::from(b.open),
+            );
+            gauge(
+                &mut out,
+                "tollgate_store_breaker_trips_total",
+                "counter",
+                "Times the store's circuit breaker opened.",
+                b.trips,
+            );
+            gauge(
+                &mut out,
+                "tollgate_store_breaker_rejected_total",
+                "counter",
+                "Requests answered at once because the breaker was open.",
+                b.rejected,
+            );
+            gauge(
+                &mut out,
+                "tollgate_store_failures_total",
+                "counter",
+                "Requests the store failed: past the deadline, unreachable or disconnected.",
+                b.failures,
+            );
         }
         out.push_str("# HELP tollgate_request_duration_seconds Time to answer, by operation.\n");
         out.push_str("# TYPE tollgate_request_duration_seconds histogram\n");
@@ -125,7 +163,7 @@ mod tests {
         m.record("limit", "ok", Duration::from_micros(300));
         m.record("limit", "refused", Duration::from_millis(2));
         m.record("weird", "ok", Duration::ZERO);
-        let text = m.render(3, Some(42));
+        let text = m.render(3, Some(42), None);
         for line in [
             "tollgate_requests_total{op=\"limit\",outcome=\"ok\"} 1",
             "tollgate_requests_total{op=\"limit\",outcome=\"refused\"} 1",

@@ -1,5 +1,6 @@
 //! `tollgate simulate`: deterministic replay of JSON lines (SPEC §7).
 
+use std::cell::RefCell;
 use std::io::{BufRead, Write};
 use std::sync::Arc;
 
@@ -8,6 +9,8 @@ use serde_json::{Value, json};
 use tollgate::{Config, ManualClock, MemoryStore, RateLimiter};
 
 use crate::engine::{Answer, DynStore, Engine, Op, Permissions};
+use crate::plot::{Point, Recording};
+use crate::stats::Taken;
 
 /// A simulation: the memory store on a manual clock, every random choice seeded.
 pub struct Simulation {
@@ -15,6 +18,8 @@ pub struct Simulation {
     clock: ManualClock,
     /// Runs the engine's calls (on the memory store, each answers at once).
     runtime: tokio::runtime::Runtime,
+    /// The requests and states to plot, when asked for.
+    recording: Option<RefCell<Recording>>,
 }
 
 impl Simulation {
@@ -32,7 +37,21 @@ impl Simulation {
         // The server's defaults: inline configs for names the config does not define, and
         // the defined names' configs as the file says.
         let engine = Engine::new(builder.build(), Permissions::default());
-        Simulation { engine, clock, runtime }
+        Simulation { engine, clock, runtime, recording: None }
+    }
+
+    /// Also records every `limit`, `check` and `transaction` and the state it left, for
+    /// [`Simulation::plot`].
+    #[must_use]
+    pub fn recording(mut self) -> Self {
+        self.recording = Some(RefCell::new(Recording::default()));
+        self
+    }
+
+    /// The SVG of what was recorded (see [`crate::plot`]); `None` without
+    /// [`Simulation::recording`].
+    pub fn plot(&self) -> Option<String> {
+        self.recording.as_ref().map(|r| r.borrow().svg())
     }
 
     /// Answers one input line with one output line (without the newline).
@@ -78,7 +97,68 @@ impl Simulation {
         };
         self.clock.set(at);
         let body = serde_json::to_vec(&input).unwrap_or_default();
-        with_status(self.runtime.block_on(self.engine.run(op, &body)))
+        let answer = with_status(self.runtime.block_on(self.engine.run(op, &body)));
+        if let Some(recording) = &self.recording
+            && answer.get("status").is_none()
+        {
+            self.record(&mut recording.borrow_mut(), op, at, &input, &answer);
+        }
+        answer
+    }
+
+    /// Records the limits a successful `limit`, `check` or `transaction` asked of, each with
+    /// its outcome and the state it left (read back with a `value`).
+    fn record(&self, recording: &mut Recording, op: Op, at: f64, input: &Value, answer: &Value) {
+        let outcome = |decision: &Value| {
+            Taken::of(decision["ok"] == Value::Bool(true), decision["retryAfter"].as_f64())
+        };
+        let asked: Vec<(&Value, Taken)> = match op {
+            Op::Limit | Op::Check => vec![(input, outcome(answer))],
+            Op::Transaction => {
+                let refused = answer["ok"] == Value::Bool(false);
+                let limits = input["limits"].as_array().map(Vec::as_slice).unwrap_or_default();
+                let results = answer["results"].as_array().map(Vec::as_slice).unwrap_or_default();
+                limits
+                    .iter()
+                    .zip(results)
+                    .map(|(l, r)| (l, if refused { Taken::Refused } else { outcome(r) }))
+                    .collect()
+            }
+            Op::Reset | Op::Value => return,
+        };
+        for (request, outcome) in asked {
+            let Some(name) = request["name"].as_str() else { continue };
+            let key = request["key"].as_str().unwrap_or_default();
+            let mut query = json!({ "name": name });
+            if let Some(k) = request.get("key").filter(|k| !k.is_null()) {
+                query["key"] = k.clone();
+            }
+            if let Some(c) = request.get("config").filter(|c| !c.is_null()) {
+                query["config"] = c.clone();
+            }
+            let body = query.to_string();
+            let reading = self.runtime.block_on(self.engine.run(Op::Value, body.as_bytes()));
+            if reading.status != StatusCode::OK {
+                continue;
+            }
+            let reading = reading.body.into_value();
+            let config = serde_json::from_value::<tollgate::RawConfig>(reading["config"].clone())
+                .ok()
+                .and_then(|raw| Config::try_from(&raw).ok());
+            let (Some(config), Some(value), Some(ts)) =
+                (config, reading["value"].as_f64(), reading["ts"].as_f64())
+            else {
+                continue;
+            };
+            let point = Point {
+                at,
+                count: request["count"].as_f64().unwrap_or(1.0),
+                outcome,
+                op: op.name(),
+                state: tollgate::core::State { value, ts },
+            };
+            recording.record(name, key, config, point);
+        }
     }
 
     /// Reads lines from `input` until it ends, writing one answer line per line to `output`.

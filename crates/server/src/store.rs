@@ -1,12 +1,16 @@
 //! Opening a store from its URL.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use tollgate::MemoryStore;
-use tollgate::store::{PgStore, RedisStore, SqliteStore, Synchronous};
+use tollgate::store::{CircuitBreaker, PgStore, RedisStore, SqliteStore, Synchronous};
 
 use crate::engine::DynStore;
+
+/// A networked store behind its circuit breaker.
+pub type Breaker = CircuitBreaker<DynStore>;
 
 /// A store opened from a URL, with what the server needs to know about it.
 pub struct Opened {
@@ -16,27 +20,49 @@ pub struct Opened {
     pub sqlite: Option<Arc<SqliteStore>>,
     /// The memory store, to sweep full states now and then and count its live states.
     pub memory: Option<Arc<MemoryStore>>,
+    /// The circuit breaker of a networked store (Redis, PostgreSQL), for its metrics.
+    pub breaker: Option<Arc<Breaker>>,
 }
 
-/// Opens `memory` (bounded to `max_keys` live states if given), `sqlite://PATH[?synchronous=full]` (`sqlite://tollgate.db` is relative to
-/// the working directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB`,
-/// `redis+cluster://HOST:PORT,HOST:PORT` or `postgres://USER@HOST/DB`.
+impl Opened {
+    fn local(store: DynStore) -> Self {
+        Opened { store, sqlite: None, memory: None, breaker: None }
+    }
+
+    /// A networked store behind a circuit breaker whose deadline is `deadline`.
+    fn networked(store: DynStore, deadline: Duration) -> Self {
+        let breaker = Arc::new(CircuitBreaker::builder().deadline(deadline).build(store));
+        Opened {
+            store: Arc::clone(&breaker) as DynStore,
+            sqlite: None,
+            memory: None,
+            breaker: Some(breaker),
+        }
+    }
+}
+
+/// Opens `memory` (bounded to `max_keys` live states if given),
+/// `sqlite://PATH[?synchronous=full]` (`sqlite://tollgate.db` is relative to the working
+/// directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB`,
+/// `redis+cluster://HOST:PORT,HOST:PORT` or `postgres://USER@HOST/DB`. Redis and PostgreSQL
+/// go behind a circuit breaker: a request waits at most `deadline` for them, and after a
+/// few failures in a row they are not asked until they answer again.
 ///
 /// # Errors
 ///
 /// An unknown scheme, a bad URL, or a file that cannot be opened.
-pub async fn open(url: &str, max_keys: Option<usize>) -> anyhow::Result<Opened> {
+pub async fn open(
+    url: &str,
+    max_keys: Option<usize>,
+    deadline: Duration,
+) -> anyhow::Result<Opened> {
     if url == "memory" || url == "memory://" {
         let mut builder = MemoryStore::builder();
         if let Some(max) = max_keys {
             builder = builder.max_keys(max);
         }
         let memory = Arc::new(builder.build());
-        return Ok(Opened {
-            store: Arc::clone(&memory) as DynStore,
-            sqlite: None,
-            memory: Some(memory),
-        });
+        return Ok(Opened { memory: Some(Arc::clone(&memory)), ..Opened::local(memory) });
     }
     if let Some(rest) = url.strip_prefix("sqlite://") {
         let (path, synchronous) = sqlite_options(rest).with_context(|| format!("store {url:?}"))?;
@@ -46,22 +72,21 @@ pub async fn open(url: &str, max_keys: Option<usize>) -> anyhow::Result<Opened> 
                 .open(path)
                 .with_context(|| format!("store {url:?}"))?,
         );
-        return Ok(Opened {
-            store: Arc::clone(&sqlite) as DynStore,
-            sqlite: Some(sqlite),
-            memory: None,
-        });
+        return Ok(Opened { sqlite: Some(Arc::clone(&sqlite)), ..Opened::local(sqlite) });
     }
     if url.starts_with("redis://")
         || url.starts_with("rediss://")
         || url.starts_with("redis+cluster://")
     {
-        let redis = RedisStore::open(url).with_context(|| format!("store {url:?}"))?;
-        return Ok(Opened { store: Arc::new(redis), sqlite: None, memory: None });
+        // The store's own timeout at the deadline: a request still waiting for its round trip
+        // then is withdrawn, and says that nothing was taken.
+        let redis = RedisStore::builder().timeout(deadline).open(url);
+        let redis = redis.with_context(|| format!("store {url:?}"))?;
+        return Ok(Opened::networked(Arc::new(redis), deadline));
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         let pg = PgStore::open(url).await.with_context(|| format!("store {url:?}"))?;
-        return Ok(Opened { store: Arc::new(pg), sqlite: None, memory: None });
+        return Ok(Opened::networked(Arc::new(pg), deadline));
     }
     bail!(
         "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \

@@ -4,25 +4,15 @@
 //! what it acknowledged. (The PostgreSQL store once panicked at start here, inside the
 //! server's runtime, while the tests that built the app in-process passed.)
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-/// A backend's URL for a test, as the library's suites read it.
-fn backend(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-            panic!("{var} is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it")
-        }
-        _ => {
-            eprintln!("skipped the binary's {var} store: set {var} to run it");
-            None
-        }
-    }
-}
+use common::backend;
 
 /// A running `tollgate serve`.
 struct Server {

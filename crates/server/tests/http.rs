@@ -25,6 +25,12 @@ fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> axum:
         tokens: tokens.iter().map(|t| t.to_string()).collect(),
         metrics: Metrics::default(),
         memory: None,
+        breaker: None,
+        health_deadline: std::time::Duration::from_millis(250),
+        errors: Arc::default(),
+        body_timeout: std::time::Duration::from_secs(10),
+        sqlite_states: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
+        rls: None,
     }))
 }
 
@@ -172,6 +178,16 @@ async fn transactions_are_all_or_nothing() {
         post(&app, "/v1/transaction", r#"{"limits":[]}"#).await.status,
         StatusCode::BAD_REQUEST
     );
+    // A limit as an array (serde's positional form of a struct) is not one.
+    let t = post(&app, "/v1/transaction", r#"{"limits":[["example"]]}"#).await;
+    assert_eq!(
+        (t.status, t.body),
+        (
+            StatusCode::BAD_REQUEST,
+            json!({ "error": "limits[0]: invalid type: sequence, expected an object at line 1 column 11" })
+        )
+    );
+    assert_eq!(post(&app, "/v1/value", r#"{"name":"example"}"#).await.body["value"], json!(3));
 }
 
 #[tokio::test]
@@ -204,7 +220,7 @@ async fn bad_input_is_400_and_consumes_nothing() {
         ("", "malformed JSON: EOF while parsing a value at line 1 column 0"),
         (
             r#"{"name":"example","count":"3"}"#,
-            "count: invalid type: string \"3\", expected f64 at line 1 column 29",
+            "count: invalid type: string \"3\", expected a number at line 1 column 29",
         ),
         (r#"{"name":"example","count":1e999}"#, "count: number out of range (it must be finite)"),
         (
@@ -233,6 +249,19 @@ async fn bad_input_is_400_and_consumes_nothing() {
             "Rate limit name must not be empty.",
         ),
         (r#"{"key":"k"}"#, "invalid request body: missing field `name` at line 1 column 11"),
+        // The API's words, not Rust's types.
+        (
+            r#"["example"]"#,
+            "invalid request body: invalid type: sequence, expected an object at line 1 column 0",
+        ),
+        (
+            r#"{"name":"x","config":["token bucket",1,1]}"#,
+            "config: invalid type: sequence, expected an object at line 1 column 21",
+        ),
+        (
+            r#"{"name":"x","config":{"kind":"token bucket","rate":1,"period":true}}"#,
+            "config.period: invalid type: boolean `true`, expected a number (ms) or a duration such as \"1m\" at line 1 column 66",
+        ),
     ];
     for (body, error) in cases {
         let r = post(&app, "/v1/limit", *body).await;
@@ -401,7 +430,7 @@ async fn a_failing_store_is_503() {
             (r.status, r.body),
             (
                 StatusCode::SERVICE_UNAVAILABLE,
-                json!({ "error": "rate limit store: connection refused" })
+                json!({ "error": "rate limit store: connection refused", "mayHaveTaken": false })
             ),
             "{path}"
         );
@@ -504,4 +533,43 @@ async fn a_limit_can_fail_open() {
     )
     .unwrap_err();
     assert!(format!("{err:#}").contains("failopen"), "{err:#}");
+}
+
+/// The dashboard's data: per name, what limit and transaction requests took, in the bucket
+/// under way; every defined limit listed with its config in words; checks not counted.
+#[tokio::test]
+async fn stats_count_what_requests_took() {
+    let (app, _) = app();
+    for _ in 0..3 {
+        post(&app, "/v1/limit", r#"{"name":"example","key":"a"}"#).await;
+    }
+    post(&app, "/v1/limit", r#"{"name":"example","key":"a"}"#).await;
+    post(&app, "/v1/limit", r#"{"name":"example","key":"b","count":3}"#).await;
+    post(&app, "/v1/limit", r#"{"name":"example","key":"b","count":3,"reserve":true}"#).await;
+    post(&app, "/v1/check", r#"{"name":"example","key":"c"}"#).await;
+    // A transaction refused by small: only small's refusal counts (example took nothing).
+    post(&app, "/v1/limit", r#"{"name":"small","key":"t","count":3}"#).await;
+    let t = r#"{"limits":[{"name":"example","key":"t"},{"name":"small","key":"t"}]}"#;
+    assert_eq!(post(&app, "/v1/transaction", t).await.body["ok"], json!(false));
+    let inline = r#"{"name":"adhoc","config":{"kind":"token bucket","rate":1,"period":1000}}"#;
+    post(&app, "/v1/limit", inline).await;
+    let stats = get(&app, "/v1/stats").await;
+    assert_eq!(stats.status, StatusCode::OK);
+    assert_eq!(stats.body["bucketMs"], json!(10_000));
+    let limits = stats.body["limits"].as_array().unwrap();
+    let names: Vec<&str> = limits.iter().map(|l| l["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["example", "small", "adhoc"]);
+    let sum = |l: &serde_json::Value, kind: &str| -> u64 {
+        l[kind].as_array().unwrap().iter().map(|n| n.as_u64().unwrap()).sum()
+    };
+    let totals = |l: &serde_json::Value| (sum(l, "granted"), sum(l, "refused"), sum(l, "reserved"));
+    assert_eq!(limits[0]["words"], json!("token bucket: 10 a minute, bursts of 3"));
+    assert_eq!(limits[0]["granted"].as_array().unwrap().len(), 60);
+    assert_eq!(totals(&limits[0]), (4, 1, 1));
+    assert_eq!(totals(&limits[1]), (1, 1, 0));
+    assert_eq!(totals(&limits[2]), (1, 0, 0));
+    assert_eq!(limits[2]["config"], serde_json::Value::Null);
+    let page = get(&app, "/").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert_eq!(page.header("content-type"), Some("text/html; charset=utf-8"));
 }

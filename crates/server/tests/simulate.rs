@@ -153,3 +153,78 @@ fn the_binary_reads_stdin_and_a_config_file() {
          {\"error\":\"malformed JSON: expected ident at line 1 column 2\",\"status\":400}\n"
     );
 }
+
+/// The circles of the series `name` / `key` in the plot, by class.
+fn marks(svg: &str, name: &str, key: &str) -> Vec<String> {
+    let start = format!(r#"<g class="series" data-name="{name}" data-key="{key}">"#);
+    let series = svg.split(&start).nth(1).expect("the series is drawn");
+    let series = series.split("</g>").next().unwrap();
+    series
+        .split("<circle class=\"")
+        .skip(1)
+        .map(|c| c.split('"').next().unwrap().to_owned())
+        .collect()
+}
+
+/// `--plot`: one series per (name, key), one mark per request of it with its outcome, the
+/// capacity line, the value drawn between; written by the binary.
+#[test]
+fn the_plot_marks_every_request() {
+    let lines = [
+        r#"{"at":0,"op":"limit","name":"send","key":"alice"}"#,
+        r#"{"at":0,"op":"limit","name":"send","key":"alice"}"#,
+        r#"{"at":0,"op":"limit","name":"send","key":"alice"}"#,
+        r#"{"at":1000,"op":"limit","name":"send","key":"alice"}"#,
+        r#"{"at":1000,"op":"limit","name":"send","key":"alice","reserve":true}"#,
+        r#"{"at":2000,"op":"check","name":"send","key":"bob"}"#,
+        r#"{"at":3000,"op":"value","name":"send","key":"alice"}"#,
+        r#"{"at":3000,"op":"reset","name":"send","key":"alice"}"#,
+        r#"{"at":4000,"op":"limit","name":"send","key":"bad","count":-1}"#,
+        r#"{"at":19000,"op":"limit","name":"small","key":"bob","config":{"kind":"token bucket","rate":1,"period":"1m"}}"#,
+        r#"{"at":20000,"op":"transaction","limits":[{"name":"send","key":"bob"},{"name":"small","key":"bob","config":{"kind":"token bucket","rate":1,"period":"1m"}}]}"#,
+        r#"{"at":30000,"op":"transaction","limits":[{"name":"send","key":"bob","count":2}]}"#,
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("limits.toml");
+    std::fs::write(
+        &config,
+        "[limits.send]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1m\"\ncapacity = 3\n",
+    )
+    .unwrap();
+    let plot = dir.path().join("plot.svg");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["simulate", "--config"])
+        .arg(&config)
+        .arg("--plot")
+        .arg(&plot)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(lines.join("\n").as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8(out.stdout).unwrap().lines().count(), lines.len());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("plot written to"));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""), "{svg}");
+    // alice: three granted, one refused, one booked ahead (the value and the reset are not
+    // requests to mark; the bad count was an error).
+    assert_eq!(
+        marks(&svg, "send", "alice"),
+        ["granted", "granted", "granted", "refused", "reserved"]
+    );
+    // bob: a check, then a transaction refused whole by its other limit (nothing taken), then
+    // one granted.
+    assert_eq!(marks(&svg, "send", "bob"), ["granted", "refused", "granted"]);
+    assert_eq!(marks(&svg, "small", "bob"), ["granted", "refused"]);
+    assert!(!svg.contains("data-key=\"bad\""));
+    assert_eq!(svg.matches("<g class=\"series\"").count(), 3);
+    assert_eq!(svg.matches("class=\"capacity\"").count(), 3 + 1, "one per series and the legend's");
+    assert_eq!(svg.matches("<path class=\"value\"").count(), 3);
+    assert!(svg.contains("token bucket: 10 a minute, bursts of 3"), "the config in words");
+    // The marks' hover titles carry the numbers.
+    assert!(svg.contains("<title>limit 1 at 0 ms: granted, 2 left</title>"), "{svg}");
+    assert!(svg.contains("<title>limit 1 at 0 ms: granted, 0 left</title>"), "{svg}");
+}

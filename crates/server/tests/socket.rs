@@ -1,7 +1,9 @@
 //! Over real sockets: exactness with concurrent clients, and consumption that survives a
 //! restart of the binary, including `kill -9`.
 
-use std::net::{SocketAddr, TcpListener};
+mod common;
+
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,6 +11,8 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use tollgate::{Config, DAY};
 use tollgate_server::config::Settings;
+
+use common::{backend, free_port};
 
 fn settings(store: String) -> Settings {
     Settings {
@@ -18,6 +22,10 @@ fn settings(store: String) -> Settings {
         allow_inline_config: true,
         allow_config_override: false,
         max_keys: None,
+        store_deadline: std::time::Duration::from_millis(250),
+        http: tollgate_server::config::HttpLimits::default(),
+        rls_listen: None,
+        rls_config: None,
         limits: vec![("race".into(), Config::token_bucket(100.0, DAY))],
         fail_open: Vec::new(),
     }
@@ -76,17 +84,6 @@ fn thirty_two_clients_admit_exactly_the_limit_sqlite() {
     assert_eq!(race(addr), 100);
 }
 
-/// A backend's URL for a test, as the library's suites read it.
-fn backend(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
-            panic!("{var} is not set, and TOLLGATE_REQUIRE_BACKENDS=1 requires it")
-        }
-        _ => None,
-    }
-}
-
 /// 32 clients x 10 requests against an inline limit of 100 of this run's own.
 fn race_inline(addr: SocketAddr) -> usize {
     let name = format!("race-{}", std::process::id());
@@ -135,10 +132,6 @@ fn thirty_two_clients_admit_exactly_the_limit_redis_cluster() {
     let Some(url) = backend("TOLLGATE_REDIS_CLUSTER_URL") else { return };
     let addr = serve_in_process(&settings(url));
     assert_eq!(race_inline(addr), 100);
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// Starts the binary and waits until it answers /healthz.

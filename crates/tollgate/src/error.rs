@@ -48,12 +48,18 @@ pub struct StoreError {
     #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
     may_have_taken: bool,
+    unavailable: bool,
 }
 
 impl StoreError {
     /// A store error with a message a user can act on; nothing was taken.
     pub fn new(message: impl Into<String>) -> Self {
-        StoreError { message: message.into(), source: None, may_have_taken: false }
+        StoreError {
+            message: message.into(),
+            source: None,
+            may_have_taken: false,
+            unavailable: false,
+        }
     }
 
     /// A store error caused by `source`; nothing was taken.
@@ -61,7 +67,12 @@ impl StoreError {
         message: impl Into<String>,
         source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
     ) -> Self {
-        StoreError { message: message.into(), source: Some(source.into()), may_have_taken: false }
+        StoreError {
+            message: message.into(),
+            source: Some(source.into()),
+            may_have_taken: false,
+            unavailable: false,
+        }
     }
 
     /// The same error for a request that reached the store and may have run there (its
@@ -79,6 +90,33 @@ impl StoreError {
     /// `false`: the store never saw it, or refused it whole, and nothing was taken.
     pub fn may_have_taken(&self) -> bool {
         self.may_have_taken
+    }
+
+    /// The same error, marked as the store being unavailable: it could not be reached, did
+    /// not answer in time, or lost the connection (as opposed to refusing this request, say
+    /// because a memory store is full). A `CircuitBreaker` (`tollgate::store`, with
+    /// the `redis`, `postgres` or `sqlite` feature) counts only these.
+    #[must_use]
+    pub fn unavailable(mut self) -> Self {
+        self.unavailable = true;
+        self
+    }
+
+    /// The same message and marks, without the source: for each of the requests that one
+    /// failed round trip carried (a [`StoreError`] is not `Clone`).
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn copy(&self) -> StoreError {
+        StoreError {
+            message: self.message.clone(),
+            source: None,
+            may_have_taken: self.may_have_taken,
+            unavailable: self.unavailable,
+        }
+    }
+
+    /// Whether the store was unavailable (see [`StoreError::unavailable`]).
+    pub fn is_unavailable(&self) -> bool {
+        self.unavailable
     }
 
     /// The message, without the source.

@@ -140,6 +140,7 @@ fn sync_api<S: Store + Send + Sync + 'static>(store: S) -> SyncApi<S> {
 
 /// The limiter over the store `make` makes on a runtime of two threads, through the async
 /// API.
+#[cfg_attr(not(any(feature = "sqlite", feature = "redis", feature = "postgres")), allow(dead_code))]
 fn async_api<S: AsyncStore + 'static>(make: impl FnOnce(&Runtime) -> S) -> AsyncApi<S> {
     let runtime = common::runtime();
     let store = make(&runtime);

@@ -6,6 +6,7 @@
 //! ```text
 //! cargo run --release -p tollgate-bench --bin app_bench -- redis|postgres [SECONDS] [ROUNDS] [GROUP]
 //! cargo run --release -p tollgate-bench --bin app_bench -- server OLD NEW [SECONDS] [ROUNDS]
+//! cargo run --release -p tollgate-bench --bin app_bench -- frozen OLD NEW [SECONDS] [ROUNDS]
 //! ```
 //!
 //! - `redis`: tollgate's layer on `RedisStore` against a fixed window by hand: `INCR` and
@@ -17,6 +18,9 @@
 //!   round robin (`TOLLGATE_POSTGRES_URL`, default postgres://postgres@127.0.0.1/test).
 //! - `server`: two `tollgate` binaries (say, one built before a change and one after) serving
 //!   `POST /v1/limit` on the memory store, SQLite, and Redis behind the proxy.
+//! - `frozen`: the same two binaries on a Redis of the bench's own (a `redis-server` on a
+//!   spare loopback port) that is frozen with SIGSTOP: requests a second to a fail-open and
+//!   to a fail-closed limit, and their latency, while it hangs.
 //!
 //! Each app runs in this process on a Tokio runtime of two threads (as `#[tokio::main]` on
 //! this project's two-core machines) and answers `GET /` with `ok` when the limit grants; every
@@ -56,9 +60,13 @@ fn main() {
         Some("server") if args.len() >= 3 => {
             servers(&args[1], &args[2], number(3, 5), number(4, 3) as usize);
         }
+        Some("frozen") if args.len() >= 3 => {
+            frozen(&args[1], &args[2], number(3, 5), number(4, 2) as usize);
+        }
         _ => {
             eprintln!("usage: app_bench redis|postgres [SECONDS] [ROUNDS] [GROUP]");
             eprintln!("       app_bench server OLD_TOLLGATE NEW_TOLLGATE [SECONDS] [ROUNDS]");
+            eprintln!("       app_bench frozen OLD_TOLLGATE NEW_TOLLGATE [SECONDS] [ROUNDS]");
             std::process::exit(2);
         }
     }
@@ -421,39 +429,15 @@ fn servers(old: &str, new: &str, secs: u64, rounds: usize) {
         ("Redis, 0.5 ms each way", through(&redis, Some(&delayed))),
     ];
     for (name, store) in stores {
-        let start = |binary: &str, dir: &str| {
-            let dir = work.path().join(dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            let mut child = Command::new(binary)
-                .args(["serve", "--listen", "127.0.0.1:0", "--store", &store, "--config"])
-                .arg(&config)
-                .current_dir(&dir)
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| panic!("{binary}: {e}"));
-            let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-            let mut line = String::new();
-            std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-            let addr = line.trim().strip_prefix("tollgate listening on ").expect("the banner");
-            // Keep reading its banner, so that it never blocks on a full pipe.
-            std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
-            (child, format!("{addr}/v1/limit"))
-        };
+        let start =
+            |binary: &str, dir: &str| start_server(binary, &store, &config, &work.path().join(dir));
         let (mut old_server, old_url) = start(old, "old");
         let (mut new_server, new_url) = start(new, "new");
         wrk(&old_url, 256, 1, Some(body), None);
         wrk(&new_url, 256, 1, Some(body), None);
         let mut ratios = Vec::new();
         for round in 0..rounds {
-            let (o, n) = if round % 2 == 0 {
-                let o = wrk(&old_url, 256, secs, Some(body), None);
-                (o, wrk(&new_url, 256, secs, Some(body), None))
-            } else {
-                let n = wrk(&new_url, 256, secs, Some(body), None);
-                (wrk(&old_url, 256, secs, Some(body), None), n)
-            };
+            let (o, n) = paired(round, (&old_url, &new_url), 256, secs, body);
             ratios.push(n.rps / o.rps);
             println!(
                 "| {name} | {} | {} | {} | {:.2}x |",
@@ -469,5 +453,105 @@ fn servers(old: &str, new: &str, secs: u64, rounds: usize) {
             let _ = server.kill();
             let _ = server.wait();
         }
+    }
+}
+
+/// One wrk run of each of two servers, the order alternating with `round` so that a slow
+/// spell of the host falls on both sides alike: (old, new).
+fn paired(
+    round: usize,
+    (old, new): (&str, &str),
+    connections: usize,
+    secs: u64,
+    body: &str,
+) -> (Run, Run) {
+    if round.is_multiple_of(2) {
+        let o = wrk(old, connections, secs, Some(body), None);
+        (o, wrk(new, connections, secs, Some(body), None))
+    } else {
+        let n = wrk(new, connections, secs, Some(body), None);
+        (wrk(old, connections, secs, Some(body), None), n)
+    }
+}
+
+/// A `tollgate serve` of `binary` on `store` with `config`, in `dir`: the process and the
+/// base URL of its `/v1/limit`.
+fn start_server(
+    binary: &str,
+    store: &str,
+    config: &std::path::Path,
+    dir: &std::path::Path,
+) -> (std::process::Child, String) {
+    let config = config.to_str().unwrap();
+    let args = ["--listen", "127.0.0.1:0", "--store", store, "--config", config];
+    tollgate_bench::serve(binary, &args, dir, |line| {
+        line.strip_prefix("tollgate listening on ").map(|addr| format!("{addr}/v1/limit"))
+    })
+}
+
+/// Two servers on a Redis frozen with SIGSTOP: requests a second to a fail-open and to a
+/// fail-closed limit while it hangs (every answer a grant or a 503: the figure is how fast
+/// the server says so).
+fn frozen(old: &str, new: &str, secs: u64, rounds: usize) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut redis = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("redis-server");
+    std::thread::sleep(Duration::from_millis(300));
+    let work = tempfile::tempdir().unwrap();
+    let config = work.path().join("tollgate.toml");
+    std::fs::write(
+        &config,
+        "[limits.open]\nkind = \"fixed window\"\nrate = 1000000000\nperiod = 1000\nfailOpen = true\n\n\
+         [limits.closed]\nkind = \"fixed window\"\nrate = 1000000000\nperiod = 1000\n",
+    )
+    .unwrap();
+    let store = format!("redis://127.0.0.1:{port}");
+    let (mut old_server, old_url) = start_server(old, &store, &config, &work.path().join("old"));
+    let (mut new_server, new_url) = start_server(new, &store, &config, &work.path().join("new"));
+    for url in [&old_url, &new_url] {
+        wrk(url, 64, 1, Some(r#"{"name":"open","key":"%s"}"#), None);
+    }
+    let pid = redis.id().to_string();
+    let _ = Command::new("kill").args(["-STOP", &pid]).status();
+    println!(
+        "tollgate serve on a Redis frozen with SIGSTOP, POST /v1/limit: requests a second (p99 latency; answers not 200), wrk -t2 -c64, {secs} s a run"
+    );
+    println!();
+    println!("| limit | round | before | after | after / before |");
+    println!("|---|---:|---:|---:|---:|");
+    for (limit, body) in [
+        ("fail open", r#"{"name":"open","key":"%s"}"#),
+        ("fail closed", r#"{"name":"closed","key":"%s"}"#),
+    ] {
+        let mut ratios = Vec::new();
+        for round in 0..rounds {
+            let (o, n) = paired(round, (&old_url, &new_url), 64, secs, body);
+            ratios.push(n.rps / o.rps);
+            let show = |r: Run| format!("{:.0} ({:.1} ms; {} not 200)", r.rps, r.p99_ms, r.not_ok);
+            println!(
+                "| {limit} | {} | {} | {} | {:.0}x |",
+                round + 1,
+                show(o),
+                show(n),
+                n.rps / o.rps
+            );
+        }
+    }
+    let _ = Command::new("kill").args(["-CONT", &pid]).status();
+    for child in [&mut old_server, &mut new_server, &mut redis] {
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }

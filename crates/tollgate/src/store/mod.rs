@@ -50,6 +50,8 @@
 #![cfg_attr(not(feature = "postgres"), doc = "[`PgTransaction`]: ../index.html#features")]
 #![cfg_attr(not(feature = "redis"), doc = "[`RedisStore`]: ../index.html#features")]
 
+#[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
+mod breaker;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -69,6 +71,8 @@ mod testing;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "redis"))]
 mod ticket;
 
+#[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
+pub use breaker::{BreakerStats, CircuitBreaker, CircuitBreakerBuilder};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgStore, PgStoreBuilder, PgTransaction};

@@ -389,11 +389,12 @@ impl Conn {
         };
         match tokio::time::timeout(shared.timeout * 2, connect).await {
             Ok(Ok(conn)) => Ok(conn),
-            Ok(Err(e)) => Err(pg_error("cannot connect", e)),
+            Ok(Err(e)) => Err(pg_error("cannot connect", e).unavailable()),
             Err(_) => Err(StoreError::new(format!(
                 "postgres: cannot connect: no answer within {:?}",
                 shared.timeout * 2
-            ))),
+            ))
+            .unavailable()),
         }
     }
 
@@ -447,7 +448,7 @@ async fn work<C: Clock>(shared: Arc<Shared<C>>, mut conn: Option<Conn>) {
 impl Batch {
     /// Fails every request of the batch, none of which was sent.
     fn fail(self, error: &StoreError) {
-        let e = || StoreError::new(error.message().to_owned());
+        let e = || error.copy();
         match self {
             Batch::Ones(ones) => ones.into_iter().for_each(|(_, t)| t.answer(Err(e()))),
             Batch::Other(Job::One(_, t)) => t.answer(Err(e())),
@@ -512,16 +513,32 @@ async fn bounded<T>(
         Ok(Ok(answer)) => (Ok(answer), true),
         Ok(Err(e)) => {
             let lost = e.is_closed();
-            let error = pg_error("request failed", e);
-            (Err(if lost && writes { error.sent() } else { error }), !lost)
+            let error = request_error(e, writes);
+            (Err(error), !lost)
         }
         Err(_) => (Err(timed_out(timeout, writes)), false),
     }
 }
 
 fn timed_out(timeout: Duration, writes: bool) -> StoreError {
-    let error = StoreError::new(format!("postgres: no answer within {timeout:?}"));
+    let error = StoreError::new(format!("postgres: no answer within {timeout:?}")).unavailable();
     if writes { error.sent() } else { error }
+}
+
+/// The error of a statement that failed: one that may have run (a lost connection) says so,
+/// and one of the database being unavailable (a lost connection, a statement or lock that
+/// timed out, a server shutting down) is marked so.
+fn request_error(e: tokio_postgres::Error, writes: bool) -> StoreError {
+    use tokio_postgres::error::SqlState;
+    let lost = e.is_closed();
+    let slow = e.code().is_some_and(|code| {
+        [SqlState::QUERY_CANCELED, SqlState::LOCK_NOT_AVAILABLE, SqlState::ADMIN_SHUTDOWN]
+            .contains(code)
+            || code.code().starts_with("08")
+    });
+    let error = pg_error("request failed", e);
+    let error = if lost && writes { error.sent() } else { error };
+    if lost || slow { error.unavailable() } else { error }
 }
 
 /// One take from one unsharded limit, as the parameters of the table's `take` function.
@@ -679,9 +696,7 @@ async fn send_ones(
         }
         Ok(Err(e)) => {
             let lost = e.is_closed();
-            let error = pg_error("request failed", e);
-            let error = if lost && any_writes { error.sent() } else { error };
-            (fail_all(rows.len(), &error), !lost)
+            (fail_all(rows.len(), &request_error(e, any_writes)), !lost)
         }
         Err(_) => (fail_all(rows.len(), &timed_out(timeout, any_writes)), false),
     }
@@ -689,12 +704,7 @@ async fn send_ones(
 
 /// The answers of a statement of `n` requests that failed as a whole.
 fn fail_all<A>(n: usize, error: &StoreError) -> Vec<Result<A, StoreError>> {
-    (0..n)
-        .map(|_| {
-            let e = StoreError::new(error.message().to_owned());
-            Err(if error.may_have_taken() { e.sent() } else { e })
-        })
-        .collect()
+    (0..n).map(|_| Err(error.copy())).collect()
 }
 
 /// Loads the states of `slots` and the time in one query (after taking their locks, in

@@ -362,10 +362,11 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// How long to wait to connect, and for a reply, before failing (closed) with a
-    /// [`StoreError`]; default 1 s. A request whose reply timed out was sent and may have
-    /// run: its error says so ([`StoreError::may_have_taken`]), and its connection is made
-    /// again.
+    /// How long to wait to connect, for a round trip to leave, and for a reply, before
+    /// failing (closed) with a [`StoreError`]; default 1 s. A request still waiting for its
+    /// round trip by then is withdrawn (never sent: nothing taken); one whose reply timed out
+    /// was sent and may have run: its error says so ([`StoreError::may_have_taken`]), and
+    /// its connection is made again.
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -461,6 +462,7 @@ impl RedisStoreBuilder {
             grouper: Mutex::new(None),
             group: self.group,
             trips,
+            timeout: self.timeout,
         })
     }
 }
@@ -545,7 +547,7 @@ impl<T: Clone> Connection<T> {
         if let (Some(conn), generation) = &*self.current.lock() {
             return Ok((conn.clone(), *generation));
         }
-        let conn = connect().await.map_err(|e| redis_error("cannot connect", e))?;
+        let conn = connect().await.map_err(|e| redis_error("cannot connect", e).unavailable())?;
         let mut current = self.current.lock();
         current.0 = Some(conn.clone());
         current.1 += 1;
@@ -617,6 +619,8 @@ pub struct RedisStore<C = tollgate_core::SystemClock> {
     group: usize,
     /// The most grouped round trips on their way at once.
     trips: usize,
+    /// How long a one-take may wait for its round trip before it is withdrawn, unsent.
+    timeout: Duration,
 }
 
 /// What the store and its sender task share.
@@ -746,12 +750,7 @@ impl<C: Clock> Inner<C> {
         };
         match replies {
             Ok(replies) => replies.into_iter().map(Ok).collect(),
-            Err(e) => (0..requests.len())
-                .map(|_| {
-                    let error = StoreError::new(e.message().to_owned());
-                    Err(if e.may_have_taken() { error.sent() } else { error })
-                })
-                .collect(),
+            Err(e) => (0..requests.len()).map(|_| Err(e.copy())).collect(),
         }
     }
 
@@ -878,7 +877,11 @@ where
             slot.failed(generation);
         }
         let error = redis_error("request failed", e);
-        if broken && writes == Writes::Yes { error.sent() } else { error }
+        match (broken, writes) {
+            (true, Writes::Yes) => error.sent().unavailable(),
+            (true, Writes::No) => error.unavailable(),
+            (false, _) => error,
+        }
     })
 }
 
@@ -1162,10 +1165,11 @@ impl<C: Clock> RedisStore<C> {
             queue.send(Grouped { key, args, ticket })
         };
         if sent.is_err() {
-            return Err(StoreError::new("redis: the store's sender task has stopped"));
+            return Err(StoreError::new("redis: the store's sender task has stopped").unavailable());
         }
-        // The sender bounds each round trip by the store's timeout.
-        claim.answer(None, "redis").await
+        // A request that waits longer than the timeout for its round trip is withdrawn, never
+        // sent; one on its way is bounded by the reply timeout.
+        claim.answer(Some(self.timeout), "redis").await
     }
 }
 
@@ -1427,14 +1431,9 @@ mod on_redis_tests {
     /// group's other takes are answered and saved.
     #[tokio::test]
     async fn a_foreign_value_fails_only_its_own_take_in_a_group() {
-        let Some(url) = url() else { return };
-        let clock = ManualClock::new(T0);
-        let redis = open(&url, &clock, "foreign-group");
-        let mut conn = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
-        let config = Config::token_bucket(10.0, MINUTE);
-        let take = |key| Take { name: "t", key: Some(key), config, count: 1.0, reserve: false };
-        let bad_key = redis.inner.key("t", Some("bad"), 0);
-        let _: () = redis::cmd("SET").arg(&bad_key).arg("x").query(&mut conn).unwrap();
+        let Some((redis, clock)) = with_a_foreign_value("foreign-group") else { return };
+        let take =
+            |key| Take { name: "t", key: Some(key), config: FOREIGN, count: 1.0, reserve: false };
         let (bad, good) = (take("bad"), take("good"));
         let group = [writing(&good), writing(&bad), writing(&good)];
         let answers = send_group(&redis, &group, clock.now()).await;
@@ -1448,6 +1447,20 @@ mod on_redis_tests {
         redis.delete_async("t", Some("bad"), 1).await.unwrap();
     }
 
+    /// The config of the takes of [`with_a_foreign_value`].
+    const FOREIGN: Config = Config::token_bucket(10.0, MINUTE);
+
+    /// A store on its own prefix whose state of ("t", "bad") is a string that is not a state.
+    fn with_a_foreign_value(test: &str) -> Option<(RedisStore<ManualClock>, ManualClock)> {
+        let url = url()?;
+        let clock = ManualClock::new(T0);
+        let redis = open(&url, &clock, test);
+        let mut conn = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
+        let bad_key = redis.inner.key("t", Some("bad"), 0);
+        let _: () = redis::cmd("SET").arg(&bad_key).arg("x").query(&mut conn).unwrap();
+        Some((redis, clock))
+    }
+
     fn open(url: &str, clock: &ManualClock, test: &str) -> RedisStore<ManualClock> {
         let prefix = format!("tollgate-{test}:{}:", std::process::id());
         RedisStore::builder().prefix(prefix).open_with_clock(url, clock.clone()).unwrap()
@@ -1457,14 +1470,9 @@ mod on_redis_tests {
     /// go on.
     #[tokio::test]
     async fn a_foreign_value_fails_its_own_take() {
-        let Some(url) = url() else { return };
-        let clock = ManualClock::new(T0);
-        let redis = open(&url, &clock, "foreign");
-        let mut conn = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
-        let config = Config::token_bucket(10.0, MINUTE);
-        let take = |key| Take { name: "t", key: Some(key), config, count: 1.0, reserve: false };
-        let bad_key = redis.inner.key("t", Some("bad"), 0);
-        let _: () = redis::cmd("SET").arg(&bad_key).arg("x").query(&mut conn).unwrap();
+        let Some((redis, _)) = with_a_foreign_value("foreign") else { return };
+        let take =
+            |key| Take { name: "t", key: Some(key), config: FOREIGN, count: 1.0, reserve: false };
         let (bad, good) = (take("bad"), take("good"));
         let err = redis.execute_one_async(&writing(&bad)).await.unwrap_err();
         assert!(err.message().starts_with("redis: "), "{err}");

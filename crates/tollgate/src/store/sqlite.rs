@@ -227,6 +227,19 @@ impl<C: Clock> SqliteStore<C> {
         conn.execute(SQLITE_SWEEP, params![now]).map_err(|e| sql_error("sweep failed", e))
     }
 
+    /// How many states the file holds (a count of the table: reads all of it).
+    ///
+    /// # Errors
+    ///
+    /// The statement fails.
+    pub fn count(&self) -> Result<usize, StoreError> {
+        let conn = self.shared.conn.lock();
+        let n: i64 = conn
+            .query_row("SELECT count(*) FROM tollgate_state", [], |row| row.get(0))
+            .map_err(|e| sql_error("count failed", e))?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+
     /// Deletes the states of `name` that are full at the store's time: they carry no
     /// information. Returns how many. For states written by an earlier version, which have
     /// no `full_at` ([`SqliteStore::sweep_full`] does the rest).
@@ -582,7 +595,13 @@ fn delete_all(
 }
 
 fn sql_error(what: &str, e: rusqlite::Error) -> StoreError {
-    StoreError::with_source(format!("sqlite: {what}: {e}"), e)
+    // Another writer held the file past the busy timeout: the store did not answer in time.
+    let busy = matches!(
+        e.sqlite_error_code(),
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+    );
+    let error = StoreError::with_source(format!("sqlite: {what}: {e}"), e);
+    if busy { error.unavailable() } else { error }
 }
 
 #[cfg(test)]

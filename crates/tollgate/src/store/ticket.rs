@@ -82,7 +82,8 @@ impl<T> Claim<T> {
             return Err(StoreError::new(format!(
                 "{store}: no connection was free within {patience:?} (the store is overloaded or \
                  its server slow); nothing was sent"
-            )));
+            ))
+            .unavailable());
         }
         let lost =
             StoreError::new(format!("{store}: the store's worker stopped before answering")).sent();

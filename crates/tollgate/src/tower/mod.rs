@@ -5,8 +5,12 @@
 //! structured fields). Refused requests get `429 Too Many Requests` with `Retry-After` in
 //! whole seconds rounded up (a 0.4 s wait is `1`, never `0`), the same header fields, and a
 //! JSON body `{"kind": "RateLimited", "name": ..., "retryAfter": <ms>}`. When the store
-//! fails, the answer is `503` (fail closed) unless the limit was made to
-//! [fail open](LimitSpec::fail_open).
+//! fails, the answer is `503 {"error": ..., "mayHaveTaken": <bool>}` (fail closed) unless
+//! the limit was made to [fail open](LimitSpec::fail_open): `mayHaveTaken` is true only when
+//! the request reached the store and no answer came back, so that its tokens may be spent
+//! (a client that retries it may pay twice); false means nothing was taken, and a retry is
+//! safe. Put a networked store behind a `tollgate::store::CircuitBreaker` so that a
+//! store that hangs fails fast.
 //!
 //! # Examples
 //!
@@ -222,8 +226,11 @@ enum Verdict {
 enum Refusal {
     /// Refused by a limit: retry after this many ms.
     Limited { name: Arc<str>, retry_after: f64 },
-    /// An error (400 for a bad request, 500 for the app's setup, 503 for the store).
+    /// An error (400 for a bad request, 500 for the app's setup).
     Error(StatusCode, String),
+    /// The store failed (503): nothing admitted; whether the request may still have taken
+    /// its tokens ([`crate::StoreError::may_have_taken`]).
+    Store(String, bool),
 }
 
 /// One limit of a request: its spec, key and count.
@@ -307,7 +314,7 @@ fn verdict(keys: &[Taking<'_>], outcome: Result<Decided, Error>) -> Verdict {
         }
         Err(Error::Store(_)) if keys.iter().all(|k| k.0.fail_open) => Verdict::Pass(None),
         Err(Error::Store(err)) => {
-            Verdict::Answer(Refusal::Error(StatusCode::SERVICE_UNAVAILABLE, err.to_string()), None)
+            Verdict::Answer(Refusal::Store(err.to_string(), err.may_have_taken()), None)
         }
         // A name the limiter does not know is a setup error of the app, not the client's.
         Err(err @ Error::NotDefined { .. }) => Verdict::Answer(
@@ -528,6 +535,11 @@ fn answer<B>(
         Refusal::Error(status, message) => {
             let body = error_body(&message);
             (status, None, message, body)
+        }
+        Refusal::Store(message, may_have_taken) => {
+            let body = serde_json::json!({ "error": &message, "mayHaveTaken": may_have_taken })
+                .to_string();
+            (StatusCode::SERVICE_UNAVAILABLE, None, message, body)
         }
     };
     let mut response = Response::new(ResponseBody::full(if grpc { String::new() } else { body }));

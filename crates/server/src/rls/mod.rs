@@ -1,0 +1,528 @@
+//! tollgate as Envoy's rate limit service (RLS v3): `ShouldRateLimit` over gRPC, and
+//! envoyproxy/ratelimit's `POST /json` over HTTP, both answered from an
+//! envoyproxy/ratelimit configuration ([`config`]).
+//!
+//! One request is one tollgate transaction over every descriptor that matched a limit: all
+//! of them are taken, or none. A descriptor in `shadow_mode` is taken only when the request
+//! is admitted and never refuses it; an `unlimited` one never reaches the store; one that
+//! matches nothing is OK. The answer has one status per request descriptor, in order, and
+//! `response_headers_to_add` with the IETF `RateLimit-Policy` and `RateLimit` fields (and
+//! `Retry-After` when over the limit). A store that fails is gRPC `UNAVAILABLE`.
+
+pub mod config;
+pub mod json;
+pub mod service;
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use tollgate::core::Status;
+use tollgate::tower::fields;
+use tollgate::{Call, Error, Request, Target};
+
+use crate::engine::Engine;
+pub use config::{Limit, RlsConfig, Rule, Unit};
+
+/// A request, from gRPC or JSON.
+#[derive(Debug, Default)]
+pub struct RlsRequest {
+    /// The domain.
+    pub domain: String,
+    /// The descriptors, each a list of (key, value) entries.
+    pub descriptors: Vec<Descriptor>,
+    /// Hits for every descriptor without its own (0 means 1).
+    pub hits_addend: u32,
+}
+
+/// One descriptor of a request.
+#[derive(Debug, Default)]
+pub struct Descriptor {
+    /// (key, value) entries.
+    pub entries: Vec<(String, String)>,
+    /// `limit`: the request's own limit for it, in place of the configuration's.
+    pub limit: Option<(u32, Unit)>,
+    /// `hits_addend`: its own count (0 allowed: a check that takes nothing).
+    pub hits_addend: Option<u64>,
+}
+
+/// The answer: whether the request is over the limit, one status per request descriptor,
+/// and the header fields to add to the response.
+#[derive(Debug, PartialEq)]
+pub struct RlsAnswer {
+    /// Whether some descriptor refused the request.
+    pub over_limit: bool,
+    /// One per request descriptor, in order.
+    pub statuses: Vec<DescriptorStatus>,
+    /// `RateLimit-Policy`, `RateLimit`, and `Retry-After` when over the limit.
+    pub headers: Vec<(String, String)>,
+}
+
+/// The status of one request descriptor.
+#[derive(Debug, PartialEq)]
+pub struct DescriptorStatus {
+    /// Whether this descriptor is over its limit (never for `shadow_mode`).
+    pub over_limit: bool,
+    /// The limit it matched: (name, requests per unit, unit); none if it matched none.
+    pub current_limit: Option<(String, u32, Unit)>,
+    /// Whole tokens left (`u32::MAX` for `unlimited`, 0 without a limit).
+    pub limit_remaining: u32,
+    /// Milliseconds until the limit is full again (when over: until the request could be
+    /// admitted); none without a limit.
+    pub duration_until_reset: Option<f64>,
+}
+
+impl DescriptorStatus {
+    fn no_limit() -> Self {
+        DescriptorStatus {
+            over_limit: false,
+            current_limit: None,
+            limit_remaining: 0,
+            duration_until_reset: None,
+        }
+    }
+}
+
+/// Why a request could not be answered.
+#[derive(Debug)]
+pub enum RlsError {
+    /// The request is malformed (gRPC `INVALID_ARGUMENT`, HTTP 400).
+    Invalid(String),
+    /// The store failed (gRPC `UNAVAILABLE`, HTTP 503); nothing admitted.
+    Store(tollgate::StoreError),
+}
+
+impl std::fmt::Display for RlsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RlsError::Invalid(message) => f.write_str(message),
+            RlsError::Store(e) => write!(f, "rate limit store: {e}"),
+        }
+    }
+}
+
+/// Counts per (domain, descriptor) and outcome, for `/metrics`.
+#[derive(Default)]
+pub struct RlsMetrics {
+    series: Mutex<BTreeMap<(String, String), Counts>>,
+}
+
+#[derive(Default)]
+struct Counts {
+    total_hits: AtomicU64,
+    over_limit: AtomicU64,
+    within_limit: AtomicU64,
+    shadow_mode: AtomicU64,
+}
+
+/// The most series `detailed_metric` may add (one per value seen): beyond, values count
+/// under their rule.
+const MAX_SERIES: usize = 10_000;
+
+impl RlsMetrics {
+    fn record(&self, domain: &str, descriptor: &str, rule_key: &str, hits: u64, outcome: Outcome) {
+        let mut series = self.series.lock();
+        let key = if series.len() >= MAX_SERIES
+            && !series.contains_key(&(domain.to_owned(), descriptor.to_owned()))
+        {
+            (domain.to_owned(), rule_key.to_owned())
+        } else {
+            (domain.to_owned(), descriptor.to_owned())
+        };
+        let counts = series.entry(key).or_default();
+        counts.total_hits.fetch_add(hits, Ordering::Relaxed);
+        let counter = match outcome {
+            Outcome::Over => &counts.over_limit,
+            Outcome::Within => &counts.within_limit,
+            Outcome::Shadow => &counts.shadow_mode,
+        };
+        counter.fetch_add(hits, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text of the counts.
+    pub fn render(&self, out: &mut String) {
+        let series = self.series.lock();
+        if series.is_empty() {
+            return;
+        }
+        out.push_str(
+            "# HELP tollgate_rls_hits_total Hits asked of each rate limit service descriptor, \
+             by outcome (total, over_limit, within_limit, shadow_mode).\n",
+        );
+        out.push_str("# TYPE tollgate_rls_hits_total counter\n");
+        for ((domain, descriptor), counts) in series.iter() {
+            for (outcome, counter) in [
+                ("total", &counts.total_hits),
+                ("over_limit", &counts.over_limit),
+                ("within_limit", &counts.within_limit),
+                ("shadow_mode", &counts.shadow_mode),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "tollgate_rls_hits_total{{domain=\"{}\",descriptor=\"{}\",outcome=\"{outcome}\"}} {}",
+                    label(domain),
+                    label(descriptor),
+                    counter.load(Ordering::Relaxed)
+                );
+            }
+        }
+    }
+}
+
+/// A Prometheus label value: `\`, `"` and newlines escaped.
+fn label(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[derive(Clone, Copy)]
+enum Outcome {
+    Over,
+    Within,
+    Shadow,
+}
+
+/// The rate limit service: a configuration and the server's limiter.
+pub struct Rls {
+    engine: Arc<Engine>,
+    config: RlsConfig,
+    /// Counts for `/metrics`.
+    pub metrics: RlsMetrics,
+}
+
+/// A descriptor that matched a limit, ready to take.
+struct Matched<'r> {
+    /// Its index in the request.
+    index: usize,
+    rule: std::borrow::Cow<'r, Rule>,
+    /// The name of its states in the store.
+    name: String,
+    /// Its key: the request's values (each with its length, so no two differ only in
+    /// where one ends).
+    key: String,
+    hits: u64,
+    /// The series of its metrics.
+    metric: String,
+}
+
+impl Rls {
+    /// The service over the store of `engine`'s limiter, with `config`.
+    pub fn new(engine: Arc<Engine>, config: RlsConfig) -> Self {
+        Rls { engine, config, metrics: RlsMetrics::default() }
+    }
+
+    /// Answers one request: every matched descriptor taken all or nothing.
+    ///
+    /// # Errors
+    ///
+    /// No domain or no descriptors ([`RlsError::Invalid`]); the store failed.
+    pub async fn should_rate_limit(&self, request: &RlsRequest) -> Result<RlsAnswer, RlsError> {
+        if request.domain.is_empty() {
+            return Err(RlsError::Invalid("rate limit domain must not be empty".into()));
+        }
+        if request.descriptors.is_empty() {
+            return Err(RlsError::Invalid("rate limit descriptor list must not be empty".into()));
+        }
+        let mut statuses: Vec<DescriptorStatus> =
+            request.descriptors.iter().map(|_| DescriptorStatus::no_limit()).collect();
+        let mut matched = Vec::new();
+        for (index, descriptor) in request.descriptors.iter().enumerate() {
+            if let Some(m) = self.matched(request, index, descriptor)? {
+                matched.push(m);
+            }
+        }
+        // `replaces`: a limit named by another matched limit does not count.
+        let replaced: HashSet<&str> =
+            matched.iter().flat_map(|m| m.rule.replaces.iter().map(String::as_str)).collect();
+        let matched: Vec<&Matched<'_>> = matched
+            .iter()
+            .filter(|m| m.rule.name.is_empty() || !replaced.contains(m.rule.name.as_str()))
+            .collect();
+
+        let mut over_limit = false;
+        let mut retry_after: f64 = 0.0;
+        let mut taken: Vec<(&Matched<'_>, Numbers, Status)> = Vec::new();
+        // The limits that decide, all or nothing; then the shadows.
+        let mut enforced = Vec::new();
+        let mut shadows = Vec::new();
+        for m in &matched {
+            match &m.rule.limit {
+                Limit::Unlimited => {
+                    statuses[m.index] = DescriptorStatus {
+                        over_limit: false,
+                        current_limit: None,
+                        limit_remaining: u32::MAX,
+                        duration_until_reset: None,
+                    };
+                }
+                Limit::Blocked { unit } => {
+                    let wait = until_window_end(unit.millis());
+                    let over = !m.rule.shadow;
+                    over_limit |= over;
+                    if over {
+                        retry_after = retry_after.max(wait);
+                    }
+                    statuses[m.index] = DescriptorStatus {
+                        over_limit: over,
+                        current_limit: Some((m.rule.name.clone(), 0, *unit)),
+                        limit_remaining: 0,
+                        duration_until_reset: Some(wait),
+                    };
+                    let outcome = if over { Outcome::Over } else { Outcome::Shadow };
+                    self.metrics.record(
+                        &request.domain,
+                        &m.metric,
+                        &m.rule.full_key,
+                        m.hits,
+                        outcome,
+                    );
+                }
+                Limit::Limited { requests_per_unit, unit, config } => {
+                    let c = Numbers {
+                        requests_per_unit: *requests_per_unit,
+                        unit: *unit,
+                        config: *config,
+                    };
+                    if m.rule.shadow { shadows.push((*m, c)) } else { enforced.push((*m, c)) }
+                }
+            }
+        }
+        let enforced_calls: Vec<Call<'_>> = enforced
+            .iter()
+            .map(|(m, c)| {
+                Target::Inline(&m.name, c.config)
+                    .with(Request::new().key(&m.key).count(m.hits as f64))
+            })
+            .collect();
+        let admitted = if over_limit {
+            // A blocked limit refuses the request: the others are only looked at.
+            for (m, c) in &enforced {
+                let t = self
+                    .engine
+                    .limiter()
+                    .check_with_status_async(
+                        Target::Inline(&m.name, c.config),
+                        Request::new().key(&m.key).count(m.hits as f64),
+                    )
+                    .await
+                    .map_err(store_error)?;
+                taken.push((m, *c, t.status));
+                self.status(
+                    &mut statuses,
+                    request,
+                    m,
+                    c,
+                    t.decision.ok,
+                    t.decision.retry_after,
+                    t.status,
+                );
+            }
+            false
+        } else if enforced_calls.is_empty() {
+            true
+        } else {
+            let t = self
+                .engine
+                .limiter()
+                .transaction_with_status_async(&enforced_calls)
+                .await
+                .map_err(store_error)?;
+            for (((m, c), result), status) in
+                enforced.iter().zip(&t.decision.results).zip(&t.statuses)
+            {
+                taken.push((m, *c, *status));
+                self.status(&mut statuses, request, m, c, result.ok, result.retry_after, *status);
+            }
+            if !t.decision.ok {
+                over_limit = true;
+                retry_after = retry_after.max(t.decision.retry_after.unwrap_or(0.0));
+            }
+            t.decision.ok
+        };
+        for (m, c) in &shadows {
+            let target = Target::Inline(&m.name, c.config);
+            let ask = Request::new().key(&m.key).count(m.hits as f64);
+            // Counted when the request is admitted; only looked at when it is not.
+            let t = if admitted {
+                self.engine.limiter().limit_with_status_async(target, ask).await
+            } else {
+                self.engine.limiter().check_with_status_async(target, ask).await
+            }
+            .map_err(store_error)?;
+            taken.push((m, *c, t.status));
+            self.status(
+                &mut statuses,
+                request,
+                m,
+                c,
+                t.decision.ok,
+                t.decision.retry_after,
+                t.status,
+            );
+        }
+
+        let mut headers = Vec::new();
+        let (mut policy, mut current) = (Vec::new(), Vec::new());
+        taken.sort_by_key(|(m, _, _)| m.index);
+        for (m, c, status) in &taken {
+            let name = if m.rule.name.is_empty() { &m.rule.full_key } else { &m.rule.name };
+            policy.push(fields::policy_member(name, &c.config));
+            current.push(fields::status_member(name, status));
+        }
+        if !policy.is_empty() {
+            headers.push(("RateLimit-Policy".to_owned(), policy.join(", ")));
+            headers.push(("RateLimit".to_owned(), current.join(", ")));
+        }
+        if over_limit {
+            headers.push((
+                "Retry-After".to_owned(),
+                fields::retry_after_seconds(retry_after).to_string(),
+            ));
+        }
+        Ok(RlsAnswer { over_limit, statuses, headers })
+    }
+
+    /// The descriptor's limit, if it has one: the request's own (`limit`), or the
+    /// configuration's.
+    fn matched<'r>(
+        &'r self,
+        request: &RlsRequest,
+        index: usize,
+        descriptor: &Descriptor,
+    ) -> Result<Option<Matched<'r>>, RlsError> {
+        if !self.config.has_domain(&request.domain) {
+            return Ok(None);
+        }
+        let hits = descriptor.hits_addend.unwrap_or(u64::from(request.hits_addend.max(1)));
+        if hits > 1_000_000_000_000_000 {
+            return Err(RlsError::Invalid(format!("hits_addend {hits} is over 1e15")));
+        }
+        let entries: Vec<(&str, &str)> =
+            descriptor.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        // The request's own path, `domain.key_value.key`, and the key of its states (the
+        // values, each with its length, so that no two differ only in where one ends): made
+        // only where they are used.
+        let detailed = || {
+            let mut path = request.domain.clone();
+            for (k, v) in &entries {
+                let _ = if v.is_empty() { write!(path, ".{k}") } else { write!(path, ".{k}_{v}") };
+            }
+            path
+        };
+        let key = || {
+            let mut key = String::new();
+            for (_, value) in &entries {
+                let _ = write!(key, "{}:{value}|", value.len());
+            }
+            key
+        };
+        if let Some((requests_per_unit, unit)) = descriptor.limit {
+            let limit = if requests_per_unit == 0 {
+                Limit::Blocked { unit }
+            } else {
+                let config =
+                    tollgate::Config::fixed_window(f64::from(requests_per_unit), unit.millis())
+                        .with_start(0.0);
+                Limit::Limited { requests_per_unit, unit, config }
+            };
+            let detailed = detailed();
+            let rule = Rule {
+                full_key: detailed.clone(),
+                name: String::new(),
+                limit,
+                shadow: false,
+                detailed_metric: false,
+                replaces: Vec::new(),
+                share_threshold: false,
+            };
+            let name = format!(
+                "{}:{requests_per_unit}/{}",
+                state_name(&request.domain, &detailed),
+                unit.name()
+            );
+            return Ok(Some(Matched {
+                index,
+                rule: std::borrow::Cow::Owned(rule),
+                name,
+                key: key(),
+                hits,
+                metric: detailed,
+            }));
+        }
+        let Some(rule) = self.config.find(&request.domain, &entries) else { return Ok(None) };
+        // With share_threshold, every value that matches the wildcard shares one state.
+        let key = if rule.share_threshold { "shared".to_owned() } else { key() };
+        let metric = if rule.detailed_metric { detailed() } else { rule.full_key.clone() };
+        Ok(Some(Matched {
+            index,
+            name: state_name(&request.domain, &rule.full_key),
+            rule: std::borrow::Cow::Borrowed(rule),
+            key,
+            hits,
+            metric,
+        }))
+    }
+
+    #[expect(clippy::too_many_arguments, reason = "one status from the parts of a take")]
+    fn status(
+        &self,
+        statuses: &mut [DescriptorStatus],
+        request: &RlsRequest,
+        m: &Matched<'_>,
+        c: &Numbers,
+        ok: bool,
+        retry_after: Option<f64>,
+        status: Status,
+    ) {
+        let over = !ok && !m.rule.shadow;
+        let outcome = match (ok, m.rule.shadow) {
+            (true, _) => Outcome::Within,
+            (false, false) => Outcome::Over,
+            (false, true) => Outcome::Shadow,
+        };
+        self.metrics.record(&request.domain, &m.metric, &m.rule.full_key, m.hits, outcome);
+        let wait = if ok { status.reset_after } else { retry_after.unwrap_or(status.reset_after) };
+        statuses[m.index] = DescriptorStatus {
+            over_limit: over,
+            current_limit: Some((m.rule.name.clone(), c.requests_per_unit, c.unit)),
+            limit_remaining: if ok {
+                status.remaining.floor().min(f64::from(u32::MAX)) as u32
+            } else {
+                0
+            },
+            duration_until_reset: Some(wait),
+        };
+    }
+}
+
+/// A matched limit's numbers.
+#[derive(Clone, Copy)]
+struct Numbers {
+    requests_per_unit: u32,
+    unit: Unit,
+    config: tollgate::Config,
+}
+
+/// The name of a rule's states: `rls:{domain}.path`. The domain is a hash tag, so that on a
+/// Redis Cluster every state of a domain is in one hash slot and a request's descriptors are
+/// taken atomically (a domain is the unit that spreads over a cluster).
+fn state_name(domain: &str, full_key: &str) -> String {
+    format!("rls:{{{domain}}}{}", &full_key[domain.len()..])
+}
+
+fn store_error(e: Error) -> RlsError {
+    match e {
+        Error::Store(e) => RlsError::Store(e),
+        other => RlsError::Invalid(other.to_string()),
+    }
+}
+
+/// Milliseconds from now to the end of the window of `period` ms that holds now (windows
+/// from the Unix epoch).
+fn until_window_end(period: f64) -> f64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1_000.0);
+    period - now % period
+}

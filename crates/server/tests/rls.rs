@@ -1,0 +1,467 @@
+//! The rate limit service (Envoy's RLS v3) through a tonic client, on a server started in
+//! this process: matching, statuses and header fields with exact numbers, all or nothing
+//! across descriptors on every store, `hits_addend`, overrides, `unlimited`, `shadow_mode`,
+//! `replaces`, a failing store, tokens; and `POST /json`.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use tollgate_server::config::Settings;
+use tonic::transport::Channel;
+
+use common::backend;
+
+/// A domain of this run's own, so that the shared stores start empty.
+fn domain() -> String {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
+    format!("test{}x{nanos}", std::process::id())
+}
+
+fn config(domain: &str) -> String {
+    format!(
+        r"
+domain: {domain}
+descriptors:
+  - key: user
+    rate_limit:
+      unit: minute
+      requests_per_unit: 3
+  - key: plan
+    value: free
+    rate_limit:
+      name: free
+      unit: hour
+      requests_per_unit: 1
+  - key: plan
+    value: paid
+    rate_limit:
+      name: paid
+      unit: hour
+      requests_per_unit: 100
+      replaces:
+        - name: free
+  - key: path
+    value: /health
+    rate_limit:
+      unlimited: true
+  - key: path
+    value: /api*
+    shadow_mode: true
+    rate_limit:
+      unit: day
+      requests_per_unit: 1
+  - key: tenant
+    descriptors:
+      - key: llm
+        rate_limit:
+          kind: token bucket
+          unit: minute
+          requests_per_unit: 600
+          capacity: 50
+"
+    )
+}
+
+struct Server {
+    runtime: tokio::runtime::Runtime,
+    rls: SocketAddr,
+    http: axum::Router,
+    domain: String,
+}
+
+fn start(store: &str, tokens: &[&str]) -> Server {
+    let domain = domain();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rls.yaml");
+    std::fs::write(&path, config(&domain)).unwrap();
+    let settings = Settings {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        store: store.to_owned(),
+        tokens: tokens.iter().map(|t| (*t).to_owned()).collect(),
+        allow_inline_config: true,
+        allow_config_override: false,
+        max_keys: None,
+        store_deadline: std::time::Duration::from_millis(250),
+        http: tollgate_server::config::HttpLimits::default(),
+        rls_listen: Some("127.0.0.1:0".parse().unwrap()),
+        rls_config: Some(path),
+        limits: Vec::new(),
+        fail_open: Vec::new(),
+    };
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (app, _) = runtime.block_on(tollgate_server::app(&settings)).unwrap();
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let rls = listener.local_addr().unwrap();
+    let service = tollgate_server::rls::service::Service::new(
+        Arc::clone(app.rls.as_ref().unwrap()),
+        settings.tokens.clone(),
+        Arc::clone(&app.errors),
+    );
+    runtime.spawn(tollgate_server::rls::service::serve(
+        listener,
+        service,
+        std::future::pending(),
+        std::time::Duration::from_secs(1),
+    ));
+    Server { runtime, rls, http: tollgate_server::http::router(app), domain }
+}
+
+impl Server {
+    fn client(&self) -> RateLimitServiceClient<Channel> {
+        let url = format!("http://{}", self.rls);
+        self.runtime.block_on(async {
+            // The listener is bound: the first connection succeeds.
+            RateLimitServiceClient::connect(url).await.unwrap()
+        })
+    }
+
+    fn ask(&self, descriptors: Vec<RateLimitDescriptor>, hits: u32) -> RateLimitResponse {
+        self.try_ask(descriptors, hits).unwrap()
+    }
+
+    fn try_ask(
+        &self,
+        descriptors: Vec<RateLimitDescriptor>,
+        hits: u32,
+    ) -> Result<RateLimitResponse, tonic::Status> {
+        let mut client = self.client();
+        let request =
+            RateLimitRequest { domain: self.domain.clone(), descriptors, hits_addend: hits };
+        self.runtime.block_on(client.should_rate_limit(request)).map(tonic::Response::into_inner)
+    }
+
+    /// A request to the HTTP side: status and body.
+    fn http(&self, request: axum::http::Request<axum::body::Body>) -> (u16, Vec<u8>) {
+        use tower::ServiceExt as _;
+        self.runtime.block_on(async {
+            let response = self.http.clone().oneshot(request).await.unwrap();
+            let status = response.status().as_u16();
+            let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+            (status, bytes.to_vec())
+        })
+    }
+
+    fn json(&self, body: &str) -> (u16, serde_json::Value) {
+        let request = axum::http::Request::post("/json")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body.to_owned()))
+            .unwrap();
+        let (status, bytes) = self.http(request);
+        (status, serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null))
+    }
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry { key: (*k).to_owned(), value: (*v).to_owned() })
+            .collect(),
+        ..RateLimitDescriptor::default()
+    }
+}
+
+fn ok(code: i32) -> bool {
+    code == Code::Ok as i32
+}
+
+/// The parts of a status that do not depend on the clock.
+fn fixed(s: &DescriptorStatus) -> (bool, Option<RateLimit>, u32) {
+    (ok(s.code), s.current_limit.clone(), s.limit_remaining)
+}
+
+fn limit(name: &str, requests_per_unit: u32, unit: i32) -> Option<RateLimit> {
+    Some(RateLimit { name: name.to_owned(), requests_per_unit, unit })
+}
+
+const MINUTE: i32 = 2;
+const HOUR: i32 = 3;
+const DAY: i32 = 4;
+const SECOND: i32 = 1;
+
+fn header<'r>(response: &'r RateLimitResponse, name: &str) -> Option<&'r str> {
+    response.response_headers_to_add.iter().find(|h| h.key == name).map(|h| h.value.as_str())
+}
+
+#[test]
+fn matching_statuses_and_headers() {
+    let s = start("memory", &[]);
+    let d = s.domain.clone();
+    let r = s.ask(vec![descriptor(&[("user", "alice")])], 0);
+    assert!(ok(r.overall_code));
+    assert_eq!(r.statuses.len(), 1);
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 3, MINUTE), 2));
+    let reset = r.statuses[0].duration_until_reset.unwrap();
+    assert!((1..=60).contains(&(reset.seconds + i64::from(reset.nanos > 0))), "{reset:?}");
+    assert_eq!(header(&r, "RateLimit-Policy"), Some(format!("\"{d}.user\";q=3;w=60").as_str()));
+    assert!(header(&r, "RateLimit").unwrap().starts_with(&format!("\"{d}.user\";r=2;t=")));
+    assert_eq!(header(&r, "Retry-After"), None);
+    // Each key its own state; the third take of alice empties it; the fourth is over.
+    assert_eq!(s.ask(vec![descriptor(&[("user", "bob")])], 0).statuses[0].limit_remaining, 2);
+    s.ask(vec![descriptor(&[("user", "alice")])], 2);
+    let r = s.ask(vec![descriptor(&[("user", "alice")])], 0);
+    assert!(!ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (false, limit("", 3, MINUTE), 0));
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    // No match: OK, no limit; a value without a limit of its own; more entries than the tree.
+    for entries in [&[("nothing", "x")][..], &[("plan", "gold")], &[("user", "a"), ("x", "y")]] {
+        let r = s.ask(vec![descriptor(entries)], 0);
+        assert!(ok(r.overall_code));
+        assert_eq!(fixed(&r.statuses[0]), (true, None, 0), "{entries:?}");
+        assert_eq!(r.statuses[0].duration_until_reset, None);
+        assert!(r.response_headers_to_add.is_empty());
+    }
+    // Nested: tenant (key only) then llm: a token bucket of tollgate's fields.
+    let r = s.ask(vec![descriptor(&[("tenant", "acme"), ("llm", "gpt")])], 40);
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 600, MINUTE), 10));
+    assert_eq!(
+        fixed(&s.ask(vec![descriptor(&[("tenant", "acme")])], 0).statuses[0]),
+        (true, None, 0)
+    );
+    // An unknown domain limits nothing.
+    let mut client = s.client();
+    let other = RateLimitRequest {
+        domain: "elsewhere".into(),
+        descriptors: vec![descriptor(&[("user", "alice")])],
+        hits_addend: 0,
+    };
+    let r = s.runtime.block_on(client.should_rate_limit(other)).unwrap().into_inner();
+    assert_eq!(fixed(&r.statuses[0]), (true, None, 0));
+}
+
+#[test]
+fn hits_overrides_unlimited_shadow_and_replaces() {
+    let s = start("memory", &[]);
+    // A descriptor's own hits_addend, 0 included (a look that takes nothing).
+    let mut zero = descriptor(&[("user", "carol")]);
+    zero.hits_addend = Some(UInt64Value { value: 0 });
+    assert_eq!(s.ask(vec![zero], 5).statuses[0].limit_remaining, 3);
+    let mut two = descriptor(&[("user", "carol")]);
+    two.hits_addend = Some(UInt64Value { value: 2 });
+    assert_eq!(s.ask(vec![two], 5).statuses[0].limit_remaining, 1);
+    // The request's own limit for a descriptor.
+    let mut own = descriptor(&[("user", "dave")]);
+    own.limit = Some(RateLimitOverride { requests_per_unit: 10, unit: SECOND });
+    let r = s.ask(vec![own], 4);
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 10, SECOND), 6));
+    // Unlimited: never counted.
+    for _ in 0..3 {
+        let r = s.ask(vec![descriptor(&[("path", "/health")])], 1000);
+        assert_eq!(fixed(&r.statuses[0]), (true, None, u32::MAX));
+    }
+    // Shadow mode: counted, over the limit, and never refuses.
+    let r = s.ask(vec![descriptor(&[("path", "/api/x")])], 0);
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 1, DAY), 0));
+    let r = s.ask(vec![descriptor(&[("path", "/api/x")])], 0);
+    assert!(ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 1, DAY), 0));
+    // replaces: the paid plan's limit removes the free one from the same request.
+    let r = s.ask(vec![descriptor(&[("plan", "free")]), descriptor(&[("plan", "paid")])], 0);
+    assert!(ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (true, None, 0));
+    assert_eq!(fixed(&r.statuses[1]), (true, limit("paid", 100, HOUR), 99));
+    let request = axum::http::Request::get("/metrics").body(axum::body::Body::empty()).unwrap();
+    let metrics = String::from_utf8(s.http(request).1).unwrap();
+    let d = &s.domain;
+    for line in [
+        format!(
+            "tollgate_rls_hits_total{{domain=\"{d}\",descriptor=\"{d}.path_/api*\",outcome=\"shadow_mode\"}} 1"
+        ),
+        format!(
+            "tollgate_rls_hits_total{{domain=\"{d}\",descriptor=\"{d}.path_/api*\",outcome=\"within_limit\"}} 1"
+        ),
+        format!(
+            "tollgate_rls_hits_total{{domain=\"{d}\",descriptor=\"{d}.user\",outcome=\"total\"}} 2"
+        ),
+    ] {
+        assert!(metrics.contains(&line), "{line} not in\n{metrics}");
+    }
+}
+
+/// Two descriptors, one over: nothing is taken from the other.
+fn all_or_nothing(store: &str) {
+    let s = start(store, &[]);
+    let both = || vec![descriptor(&[("user", "erin")]), descriptor(&[("plan", "free")])];
+    let r = s.ask(both(), 0);
+    assert!(ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 3, MINUTE), 2));
+    assert_eq!(fixed(&r.statuses[1]), (true, limit("free", 1, HOUR), 0));
+    let r = s.ask(both(), 0);
+    assert!(!ok(r.overall_code));
+    // The user's limit would have admitted it, and says how it stands: nothing taken.
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 3, MINUTE), 2));
+    assert_eq!(fixed(&r.statuses[1]), (false, limit("free", 1, HOUR), 0));
+    let r = s.ask(vec![descriptor(&[("user", "erin")])], 0);
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 3, MINUTE), 1));
+}
+
+#[test]
+fn all_or_nothing_memory() {
+    all_or_nothing("memory");
+}
+
+#[test]
+fn all_or_nothing_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    all_or_nothing(&format!("sqlite://{}", dir.path().join("t.db").display()));
+}
+
+#[test]
+fn all_or_nothing_redis() {
+    if let Some(url) = backend("TOLLGATE_REDIS_URL") {
+        all_or_nothing(&url);
+    }
+}
+
+#[test]
+fn all_or_nothing_redis_cluster() {
+    if let Some(url) = backend("TOLLGATE_REDIS_CLUSTER_URL") {
+        all_or_nothing(&url);
+    }
+}
+
+#[test]
+fn all_or_nothing_postgres() {
+    if let Some(url) = backend("TOLLGATE_POSTGRES_URL") {
+        all_or_nothing(&url);
+    }
+}
+
+#[test]
+fn errors_are_grpc_statuses() {
+    // A Redis that is not there: UNAVAILABLE (Envoy's failure_mode_deny decides).
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let s = start(&format!("redis://127.0.0.1:{port}"), &[]);
+    let e = s.try_ask(vec![descriptor(&[("user", "x")])], 0).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    // Nothing to limit is no store call at all.
+    assert!(s.try_ask(vec![descriptor(&[("nothing", "x")])], 0).is_ok());
+    let e = s.try_ask(vec![], 0).unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (tonic::Code::InvalidArgument, "rate limit descriptor list must not be empty")
+    );
+    // With tokens, a call without one is refused.
+    let s = start("memory", &["s3cret"]);
+    let e = s.try_ask(vec![descriptor(&[("user", "x")])], 0).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated);
+    let mut client = s.client();
+    let mut request = tonic::Request::new(RateLimitRequest {
+        domain: s.domain.clone(),
+        descriptors: vec![descriptor(&[("user", "x")])],
+        hits_addend: 0,
+    });
+    request.metadata_mut().insert("authorization", "bearer s3cret".parse().unwrap());
+    assert!(s.runtime.block_on(client.should_rate_limit(request)).is_ok());
+}
+
+#[test]
+fn the_json_endpoint() {
+    let s = start("memory", &[]);
+    let body = |hits: u32| {
+        serde_json::json!({
+            "domain": s.domain,
+            "descriptors": [{ "entries": [{ "key": "user", "value": "json" }] }],
+            "hitsAddend": hits,
+        })
+        .to_string()
+    };
+    let (status, answer) = s.json(&body(2));
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["overallCode"], "OK");
+    assert_eq!(answer["statuses"][0]["code"], "OK");
+    assert_eq!(
+        answer["statuses"][0]["currentLimit"],
+        serde_json::json!({ "requestsPerUnit": 3, "unit": "MINUTE" })
+    );
+    assert_eq!(answer["statuses"][0]["limitRemaining"], 1);
+    assert!(answer["statuses"][0]["durationUntilReset"].as_str().unwrap().ends_with('s'));
+    assert_eq!(answer["responseHeadersToAdd"][0]["key"], "RateLimit-Policy");
+    let (status, answer) = s.json(&body(2));
+    assert_eq!(status, 429, "{answer}");
+    assert_eq!(answer["overallCode"], "OVER_LIMIT");
+    assert_eq!(answer["statuses"][0]["code"], "OVER_LIMIT");
+    assert_eq!(answer["statuses"][0].get("limitRemaining"), None);
+    // snake_case names and 64-bit integers as strings, as proto3 JSON allows.
+    let snake = serde_json::json!({
+        "domain": s.domain,
+        "descriptors": [{ "entries": [{ "key": "user", "value": "snake" }], "hits_addend": "3" }],
+    });
+    let (status, answer) = s.json(&snake.to_string());
+    assert_eq!((status, &answer["statuses"][0]["limitRemaining"]), (200, &serde_json::Value::Null));
+    for (bad, message) in [
+        ("{", "invalid RateLimitRequest"),
+        (r#"{"domain":"d","descriptors":[{"entries":[],"bogus":1}]}"#, "unknown field `bogus`"),
+        (r#"{"domain":"","descriptors":[{"entries":[]}]}"#, "rate limit domain must not be empty"),
+        (
+            r#"{"domain":"d","hitsAddend":-1,"descriptors":[{"entries":[]}]}"#,
+            "invalid type: integer `-1`, expected an integer >= 0, or a string of one",
+        ),
+        (
+            r#"{"domain":"d","hitsAddend":"many","descriptors":[{"entries":[]}]}"#,
+            "hitsAddend: must be an integer in 0..=4294967295",
+        ),
+    ] {
+        let (status, answer) = s.json(bad);
+        assert_eq!(status, 400, "{bad}");
+        assert!(answer["error"].as_str().unwrap().contains(message), "{answer}");
+    }
+}
+
+#[test]
+fn a_bad_config_stops_the_server_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.yaml");
+    std::fs::write(&path, "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            "memory",
+            "--rls-listen",
+            "127.0.0.1:0",
+            "--rls-config",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "{}: descriptors[0].rate_limit.unit: invalid rate limit unit 'fortnight'",
+            path.display()
+        )),
+        "{err}"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            "memory",
+            "--rls-listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs its configuration"));
+}

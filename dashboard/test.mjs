@@ -1,0 +1,159 @@
+// Browser tests of the dashboard that `tollgate serve` shows at `/`: Debian's chromium driven
+// by playwright-core. Run by .ci/run:
+//
+//   (cd dashboard && npm ci) && node dashboard/test.mjs target/debug/tollgate
+//
+// Starts the given binary on loopback (memory store), then checks in the page that the
+// configured limits are listed, that tokens taken through the API move the charts and the
+// inspector's value, that a refused request shows as refused, that reset refills, that the
+// inspector's value moves between polls without polling every frame, and that with tokens
+// configured nothing shows until one is given. A screenshot of each state goes to
+// target/dashboard-screenshots/.
+import assert from "node:assert/strict";
+import { spawn } from "node:child_process";
+import { mkdirSync, mkdtempSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { chromium } from "playwright-core";
+
+const binary = resolve(process.argv[2] || "target/debug/tollgate");
+const shots = resolve("target/dashboard-screenshots");
+mkdirSync(shots, { recursive: true });
+const chromiumPath = process.env.CHROMIUM || "/usr/bin/chromium";
+const deadline = setTimeout(() => { console.error("dashboard tests: timed out"); process.exit(1); }, 120_000);
+
+const CONFIG = `
+[limits.example]
+kind = "token bucket"
+rate = 10
+period = "1m"
+capacity = 3
+
+[limits.signup]
+kind = "fixed window"
+rate = 100
+period = "1h"
+`;
+
+/** Starts the server with `config` (and `extra` lines in [server]); resolves to its URL. */
+function serve(extra = "") {
+  const dir = mkdtempSync(join(tmpdir(), "tollgate-dashboard-"));
+  const path = join(dir, "tollgate.toml");
+  writeFileSync(path, `[server]\n${extra}\n${CONFIG}`);
+  const child = spawn(binary, ["serve", "--listen", "127.0.0.1:0", "--store", "memory", "--config", path], {
+    stdio: ["ignore", "pipe", "inherit"],
+  });
+  return new Promise((ok, fail) => {
+    let out = "";
+    child.stdout.on("data", (chunk) => {
+      out += chunk;
+      const match = out.match(/tollgate listening on (http:\/\/[0-9.:]+)/);
+      if (match) ok({ url: match[1], child });
+    });
+    child.on("exit", (code) => fail(new Error(`the server exited: ${code}`)));
+  });
+}
+
+async function take(url, body, token) {
+  const headers = { "content-type": "application/json" };
+  if (token) headers.authorization = `Bearer ${token}`;
+  const response = await fetch(`${url}/v1/limit`, { method: "POST", headers, body: JSON.stringify(body) });
+  return response.json();
+}
+
+const text = (page, selector) => page.locator(selector).first().textContent();
+const value = async (page) => Number(await page.locator("#inspector-value").getAttribute("data-value"));
+
+const browser = await chromium.launch({
+  executablePath: chromiumPath,
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--no-first-run"],
+});
+const servers = [];
+let failed = false;
+try {
+  // ---- without tokens ----
+  const open = await serve();
+  servers.push(open.child);
+  const page = await browser.newPage({ viewport: { width: 1200, height: 800 } });
+  const valueRequests = [];
+  page.on("request", (r) => { if (r.url().endsWith("/v1/value")) valueRequests.push(Date.now()); });
+  await page.goto(open.url + "/");
+  await page.locator('.limit[data-name="example"]').waitFor();
+  await page.locator('.limit[data-name="signup"]').waitFor();
+  assert.equal(await text(page, '.limit[data-name="example"] .words'), "token bucket: 10 a minute, bursts of 3");
+  assert.equal(await text(page, '.limit[data-name="signup"] .words'), "fixed window: 100 an hour");
+  await page.screenshot({ path: join(shots, "1-limits.png") });
+
+  // The inspector on (example, alice): full, 3 of 3.
+  await page.fill("#name", "example");
+  await page.fill("#key", "alice");
+  await page.click("#watch");
+  await page.waitForFunction(() => document.getElementById("inspector-value").textContent === "3.00");
+  assert.equal(await text(page, "#inspector-full"), "full");
+
+  // Two tokens taken through the API: the chart counts them, the value falls to about 1.
+  for (let i = 0; i < 2; i++) assert.deepEqual(await take(open.url, { name: "example", key: "alice" }), { ok: true });
+  await page.waitForFunction(() =>
+    document.querySelector('.limit[data-name="example"] .total-granted').textContent === "2");
+  assert.equal(await page.locator('.limit[data-name="example"] rect.granted').count(), 1);
+  // 1 left when taken, refilling at one token in 6 s: under 1.9 for over 5 s after.
+  await page.waitForFunction(() => Number(document.getElementById("inspector-value").dataset.value) < 1.9);
+  // It refills between polls: computed in the page, not polled every frame.
+  const before = await value(page);
+  const polls = valueRequests.length;
+  await page.waitForTimeout(1500);
+  const after = await value(page);
+  assert.ok(after > before, `the value moves between polls: ${before} then ${after}`);
+  assert.ok(valueRequests.length - polls <= 2, `at most a poll a second or so: ${valueRequests.length - polls}`);
+  assert.match(await text(page, "#inspector-full"), /^full again in [0-9.]+ s$/);
+  await page.screenshot({ path: join(shots, "2-taken.png") });
+
+  // Three more through the form: refused, and shown as refused.
+  await page.fill("#count", "3");
+  await page.click("#take");
+  await page.waitForFunction(() => document.getElementById("answer").dataset.status === "200");
+  assert.match(await text(page, "#answer"), /"ok":false/);
+  await page.waitForFunction(() =>
+    document.querySelector('.limit[data-name="example"] .total-refused').textContent === "1");
+  assert.equal(await page.locator('.limit[data-name="example"] rect.refused').count(), 1);
+  await page.screenshot({ path: join(shots, "3-refused.png") });
+
+  // Reset refills.
+  await page.click("#reset");
+  await page.waitForFunction(() => document.getElementById("inspector-value").textContent === "3.00");
+  assert.equal(await text(page, "#inspector-full"), "full");
+  await page.screenshot({ path: join(shots, "4-reset.png") });
+  await page.close();
+
+  // ---- with tokens: nothing until one is given ----
+  const locked = await serve('tokens = ["s3cret"]');
+  servers.push(locked.child);
+  await take(locked.url, { name: "example", key: "bob" }, "s3cret");
+  const guarded = await browser.newPage({ viewport: { width: 1200, height: 800 } });
+  await guarded.goto(locked.url + "/");
+  await guarded.locator("#login").waitFor();
+  assert.ok(await guarded.locator("#app").isHidden());
+  assert.equal(await guarded.locator(".limit").count(), 0);
+  assert.ok(!(await guarded.content()).includes("bursts of 3"), "no limit shows without a token");
+  await guarded.screenshot({ path: join(shots, "5-token-asked.png") });
+  await guarded.fill("#token", "wrong");
+  await guarded.click('#token-form button[type="submit"]');
+  await guarded.waitForFunction(() => document.getElementById("login-error").textContent !== "");
+  assert.equal(await guarded.locator(".limit").count(), 0);
+  await guarded.fill("#token", "s3cret");
+  await guarded.click('#token-form button[type="submit"]');
+  await guarded.locator('.limit[data-name="example"]').waitFor();
+  assert.equal(await text(guarded, '.limit[data-name="example"] .total-granted'), "1");
+  await guarded.screenshot({ path: join(shots, "6-token-given.png") });
+  console.log(`dashboard tests: passed (screenshots in ${shots})`);
+} catch (error) {
+  failed = true;
+  console.error("dashboard tests: FAILED");
+  console.error(error);
+} finally {
+  await browser.close();
+  for (const child of servers) child.kill();
+  clearTimeout(deadline);
+}
+process.exit(failed ? 1 : 0);
