@@ -22,23 +22,30 @@ use super::ticket::{Ticket, ticket};
 use super::{AsyncStore, Never, OneAnswer};
 use crate::StoreError;
 
-/// Lua: `now`, the request's time in ms: `ARGV[1]` (a test's own time) or Redis `TIME`.
+/// Lua: `now`, the request's time in ms: `ARGV[1]` (a test's own time) or Redis `TIME`;
+/// and `least`, the shortest time a state is kept for (see `lua_save`).
 macro_rules! lua_now {
     () => {
         r#"
-local now = tonumber(ARGV[1])
+local now, least = tonumber(ARGV[1]), 10000
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+  least = 1
 end
 "#
     };
 }
 
 /// Lua: saves the state (`v`, `ts`) under `key`, given `token_bucket`, `rate`, `period`,
-/// `cap` and `now`: deleted if it is full again by `now`, else set to expire when it will be
-/// (`tollgate_core::full_at`), counted from the script's own now (an explicit test time works
-/// too) and rounded up, so never early. One copy for every script.
+/// `cap`, `now` and `least`: deleted if it is full again by `now`, else set to expire when it
+/// will be (`tollgate_core::full_at`), counted from the script's own now and rounded up, so
+/// never early; and never in less than `least` ms. That is 1 ms on Redis `TIME`. On a test's
+/// own clock it is 10 s: Redis expires keys in real time, which does not move that clock, so
+/// a state due back in 0.5 ms of the test's time would be gone a ms later while the test's
+/// clock still counts its tokens as taken. Kept longer, a state full by then answers as full
+/// (the algebra refills it); a state full by the script's now is deleted either way. One copy
+/// for every script.
 macro_rules! lua_save {
     () => {
         r#"
@@ -58,7 +65,7 @@ do
     -- The expiry as text made here: a number argument would be formatted by Redis with
     -- '%.17g', about 0.5 us slower a call (measured).
     redis.call('SET', key, struct.pack('<dd', v, ts), 'PX',
-      string.format('%d', math.max(1, math.ceil(full - now))))
+      string.format('%d', math.max(least, math.ceil(full - now))))
   end
 end
 "#
@@ -191,7 +198,9 @@ macro_rules! lua_one {
             r#"
 local writes, kind, reserve, rate, period, cap, maxr, align, count, now =
   struct.unpack('<BBBddddddd', args)
+local least = 10000
 if now ~= now then
+  least = 1
   if not time then
     local t = redis.call('TIME')
     time = t[1] * 1000 + t[2] / 1000
@@ -1521,6 +1530,34 @@ mod on_redis_tests {
 
         for (name, key) in [("tb", "alone"), ("fw", "alone"), ("tb", "tx"), ("fw", "tx")] {
             redis.delete_async(name, Some(key), 1).await.unwrap();
+        }
+    }
+
+    /// Under a test's clock, which real time does not move, a state is kept for at least 10 s
+    /// of real time, however soon that clock says it is full again:
+    /// Redis expires keys by its own clock, and a state gone while the test's clock still
+    /// counts its tokens as taken would answer differently (this once failed the cluster's
+    /// differential test, with a state due back in 0.5 ms and 1 ms to live).
+    #[tokio::test]
+    async fn a_set_clock_keeps_states_due_soon() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let redis = open(&url, &clock, "due-soon");
+        // A window that ends 0.5 ms from now: 3 taken, full again when the next one begins;
+        // once by the one-take script, once by the general one.
+        let window = Config::fixed_window(10.0, MINUTE).with_start(T0 + 0.5 - MINUTE);
+        let take =
+            |key| Take { name: "fw", key: Some(key), config: window, count: 3.0, reserve: false };
+        assert!(redis.execute_one_async(&writing(&take("one"))).await.unwrap().decision.ok);
+        let mut plan = Plan::new(true);
+        plan.push(&take("plan"), 0, 0).unwrap();
+        assert!(redis.execute_async(&plan).await.unwrap().ok);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let held = Some(State { value: 7.0, ts: T0 + 0.5 - MINUTE });
+        for key in ["one", "plan"] {
+            let slot = [writing(&take(key)).slot];
+            assert_eq!(redis.read_async(&slot).await.unwrap().1, [held], "{key}");
+            redis.delete_async("fw", Some(key), 1).await.unwrap();
         }
     }
 }
