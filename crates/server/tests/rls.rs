@@ -370,6 +370,27 @@ fn errors_are_grpc_statuses() {
     assert!(s.runtime.block_on(client.should_rate_limit(request)).is_ok());
 }
 
+/// A call over 64 KiB (the HTTP API's body limit) is refused with OUT_OF_RANGE and takes
+/// nothing; one under it is served whole.
+#[test]
+fn a_call_over_64_kib_is_refused_and_takes_nothing() {
+    let s = start("memory", &[]);
+    let users = |n: usize| (0..n).map(|i| descriptor(&[("user", &format!("u{i:04}"))])).collect();
+    // 6,000 descriptors of 17 bytes each: about 100 KB.
+    let Err(e) = s.try_ask(users(6_000), 0) else { panic!("a call of about 100 KB was served") };
+    assert_eq!(e.code(), tonic::Code::OutOfRange, "{e}");
+    assert!(e.message().contains("the limit is: 65536 bytes"), "{e}");
+    // Nothing taken: u0000 still has its 3 a minute.
+    let first = s.ask(users(1), 0);
+    assert_eq!(first.statuses[0].limit_remaining, 2);
+    // 3,000 (about 50 KB) are served, each user taking one.
+    let answer = s.ask(users(3_000), 0);
+    assert!(ok(answer.overall_code));
+    assert_eq!(answer.statuses.len(), 3_000);
+    assert_eq!(answer.statuses[0].limit_remaining, 1);
+    assert_eq!(answer.statuses[2_999].limit_remaining, 2);
+}
+
 #[test]
 fn the_json_endpoint() {
     let s = start("memory", &[]);

@@ -18,6 +18,13 @@ use tonic::{Request, Response, Status};
 use super::{Descriptor, Rls, RlsAnswer, RlsError, RlsRequest, Unit};
 use crate::http::ErrorLog;
 
+/// The largest `ShouldRateLimit` request accepted, in bytes: the HTTP API's body limit.
+/// Envoy's requests are a few hundred bytes; tonic's own default, 4 MiB, would let one call
+/// carry some 250,000 descriptors, all taken in one transaction (on Redis, one script that
+/// every other client waits for). A larger request is refused with `OUT_OF_RANGE` as soon as
+/// its length prefix is read, and takes nothing.
+pub const MAX_REQUEST: usize = crate::engine::MAX_BODY;
+
 /// The gRPC service: [`Rls`], the bearer tokens it asks for (none: open), and the log of
 /// failed calls it shares with the HTTP side.
 pub struct Service {
@@ -158,7 +165,7 @@ pub async fn serve(
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()
         .add_service(health)
-        .add_service(RateLimitServiceServer::new(service))
+        .add_service(RateLimitServiceServer::new(service).max_decoding_message_size(MAX_REQUEST))
         .serve_with_incoming_shutdown(incoming, async move {
             stop.await;
             let _ = stopped_tx.send(());
