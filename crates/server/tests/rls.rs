@@ -391,6 +391,20 @@ fn a_call_over_64_kib_is_refused_and_takes_nothing() {
     assert_eq!(answer.statuses[2_999].limit_remaining, 2);
 }
 
+/// A descriptor value too long for a key (over 1,024 bytes) is INVALID_ARGUMENT, and the
+/// call takes nothing from its other descriptors.
+#[test]
+fn a_value_too_long_for_a_key_is_invalid_and_takes_nothing() {
+    let s = start("memory", &[]);
+    let long = "x".repeat(2_000);
+    let e = s.try_ask(vec![descriptor(&[("user", "a")]), descriptor(&[("user", &long)])], 0);
+    let e = e.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("the most is 1024"), "{e}");
+    let answer = s.ask(vec![descriptor(&[("user", "a")])], 0);
+    assert_eq!(answer.statuses[0].limit_remaining, 2);
+}
+
 #[test]
 fn the_json_endpoint() {
     let s = start("memory", &[]);
