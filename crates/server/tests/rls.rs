@@ -63,6 +63,10 @@ descriptors:
     rate_limit:
       unit: day
       requests_per_unit: 1
+  - key: closed
+    rate_limit:
+      unit: second
+      requests_per_unit: 0
   - key: tenant
     descriptors:
       - key: llm
@@ -391,6 +395,20 @@ fn a_call_over_64_kib_is_refused_and_takes_nothing() {
     assert_eq!(answer.statuses[2_999].limit_remaining, 2);
 }
 
+/// A limit of 0 refuses the request: its other limits are looked at (their statuses
+/// answered) and nothing is taken.
+#[test]
+fn a_limit_of_zero_refuses_and_takes_nothing() {
+    let s = start("memory", &[]);
+    let answer = s.ask(vec![descriptor(&[("user", "z")]), descriptor(&[("closed", "x")])], 0);
+    assert!(!ok(answer.overall_code));
+    assert_eq!(fixed(&answer.statuses[0]), (true, limit("", 3, MINUTE), 2));
+    assert_eq!(fixed(&answer.statuses[1]), (false, limit("", 0, SECOND), 0));
+    // Nothing was taken from z: its first take leaves 2 of 3.
+    let answer = s.ask(vec![descriptor(&[("user", "z")])], 0);
+    assert_eq!(fixed(&answer.statuses[0]), (true, limit("", 3, MINUTE), 2));
+}
+
 /// A descriptor value too long for a key (over 1,024 bytes) is INVALID_ARGUMENT, and the
 /// call takes nothing from its other descriptors.
 #[test]
@@ -463,20 +481,16 @@ fn a_bad_config_stops_the_server_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bad.yaml");
     std::fs::write(&path, "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-            "memory",
-            "--rls-listen",
-            "127.0.0.1:0",
-            "--rls-config",
-        ])
-        .arg(&path)
-        .output()
-        .unwrap();
+    // The server with an RLS listener, and `extra` arguments.
+    let serve = |extra: &[&std::ffi::OsStr]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--store", "memory"])
+            .args(["--rls-listen", "127.0.0.1:0"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = serve(&["--rls-config".as_ref(), path.as_os_str()]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -486,17 +500,6 @@ fn a_bad_config_stops_the_server_at_start() {
         )),
         "{err}"
     );
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-            "memory",
-            "--rls-listen",
-            "127.0.0.1:0",
-        ])
-        .output()
-        .unwrap();
+    let out = serve(&[]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("needs its configuration"));
 }
