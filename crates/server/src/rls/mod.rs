@@ -206,6 +206,13 @@ struct Matched<'r> {
     metric: String,
 }
 
+impl Matched<'_> {
+    /// Its take under `config`: the limit, and its key and hits.
+    fn ask(&self, config: tollgate::Config) -> (Target<'_>, Request<'_>) {
+        (Target::Inline(&self.name, config), Request::new().key(&self.key).count(self.hits as f64))
+    }
+}
+
 impl Rls {
     /// The service over the store of `engine`'s limiter, with `config`.
     pub fn new(engine: Arc<Engine>, config: RlsConfig) -> Self {
@@ -291,33 +298,13 @@ impl Rls {
         let enforced_calls: Vec<Call<'_>> = enforced
             .iter()
             .map(|(m, c)| {
-                Target::Inline(&m.name, c.config)
-                    .with(Request::new().key(&m.key).count(m.hits as f64))
+                let (target, ask) = m.ask(c.config);
+                target.with(ask)
             })
             .collect();
-        let admitted = if over_limit {
-            // A blocked limit refuses the request: the others are only looked at.
-            for (m, c) in &enforced {
-                let t = self
-                    .engine
-                    .limiter()
-                    .check_with_status_async(
-                        Target::Inline(&m.name, c.config),
-                        Request::new().key(&m.key).count(m.hits as f64),
-                    )
-                    .await
-                    .map_err(store_error)?;
-                taken.push((m, *c, t.status));
-                self.status(
-                    &mut statuses,
-                    request,
-                    m,
-                    c,
-                    t.decision.ok,
-                    t.decision.retry_after,
-                    t.status,
-                );
-            }
+        // A blocked limit refuses the request: the others are only looked at, below.
+        let blocked = over_limit;
+        let admitted = if blocked {
             false
         } else if enforced_calls.is_empty() {
             true
@@ -340,10 +327,11 @@ impl Rls {
             }
             t.decision.ok
         };
-        for (m, c) in &shadows {
-            let target = Target::Inline(&m.name, c.config);
-            let ask = Request::new().key(&m.key).count(m.hits as f64);
-            // Counted when the request is admitted; only looked at when it is not.
+        let looked_at = if blocked { &enforced[..] } else { &[] };
+        for (m, c) in looked_at.iter().chain(&shadows) {
+            let (target, ask) = m.ask(c.config);
+            // Shadows are counted when the request is admitted; only looked at when it is
+            // not, as are the enforced limits when one was blocked.
             let t = if admitted {
                 self.engine.limiter().limit_with_status_async(target, ask).await
             } else {
