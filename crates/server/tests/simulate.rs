@@ -125,15 +125,21 @@ fn a_seed_fixes_every_random_choice() {
     assert_ne!(a.last(), c.last(), "another seed aligns the windows elsewhere");
 }
 
-#[test]
-fn the_binary_reads_stdin_and_a_config_file() {
-    let dir = tempfile::tempdir().unwrap();
+/// A config file in `dir` that defines `send`: 10 a minute, bursts of 3.
+fn send_config(dir: &tempfile::TempDir) -> std::path::PathBuf {
     let config = dir.path().join("limits.toml");
     std::fs::write(
         &config,
         "[limits.send]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1m\"\ncapacity = 3\n",
     )
     .unwrap();
+    config
+}
+
+#[test]
+fn the_binary_reads_stdin_and_a_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = send_config(&dir);
     let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args(["simulate", "--seed", "1", "--config"])
         .arg(&config)
@@ -185,12 +191,7 @@ fn the_plot_marks_every_request() {
         r#"{"at":30000,"op":"transaction","limits":[{"name":"send","key":"bob","count":2}]}"#,
     ];
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("limits.toml");
-    std::fs::write(
-        &config,
-        "[limits.send]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1m\"\ncapacity = 3\n",
-    )
-    .unwrap();
+    let config = send_config(&dir);
     let plot = dir.path().join("plot.svg");
     let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args(["simulate", "--config"])
