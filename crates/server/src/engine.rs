@@ -242,8 +242,8 @@ impl Default for Permissions {
 pub struct Engine {
     limiter: RateLimiter<DynStore>,
     permissions: Permissions,
-    /// `RateLimit-Policy` members of the defined limits, made once.
-    policies: std::collections::HashMap<String, String>,
+    /// `RateLimit-Policy` members of the defined limits, made once, with their capacities.
+    policies: std::collections::HashMap<String, (String, f64)>,
     /// Per name, what `limit` and `transaction` requests took, for the dashboard.
     pub stats: crate::stats::Stats,
 }
@@ -254,7 +254,9 @@ impl Engine {
     pub fn new(limiter: RateLimiter<DynStore>, permissions: Permissions) -> Self {
         let policies = limiter
             .defined()
-            .map(|(name, config)| (name.to_owned(), fields::policy_member(name, config)))
+            .map(|(name, config)| {
+                (name.to_owned(), (fields::policy_member(name, config), config.capacity()))
+            })
             .collect();
         Engine { limiter, permissions, policies, stats: crate::stats::Stats::default() }
     }
@@ -497,7 +499,8 @@ impl Engine {
         })))
     }
 
-    /// The IETF header fields for the limits of a request, and `Retry-After` when refused.
+    /// The IETF header fields for the limits of a request (the tightest, if they are many:
+    /// see [`crate::fields`]), and `Retry-After` when refused.
     fn rate_limit_headers(
         &self,
         answer: &mut Answer,
@@ -506,21 +509,25 @@ impl Engine {
         retry_after: Option<f64>,
         ok: bool,
     ) {
-        let mut policy = Vec::new();
-        let mut current = Vec::new();
-        for ((name, target), status) in targets.iter().zip(statuses) {
-            let member = match target {
-                Target::Named(name) => self.policies.get(*name).cloned(),
-                Target::Inline(name, config) => Some(fields::policy_member(name, config)),
-            };
-            if let Some(member) = member {
-                policy.push(member);
-                current.push(fields::status_member(name, status));
-            }
-        }
-        if !policy.is_empty() {
-            answer.headers.push((RATELIMIT_POLICY, policy.join(", ")));
-            answer.headers.push((RATELIMIT, current.join(", ")));
+        let members: Vec<crate::fields::Member<'_>> = targets
+            .iter()
+            .zip(statuses)
+            .filter_map(|((name, target), status)| {
+                let (policy, capacity) = match target {
+                    Target::Named(name) => {
+                        let (policy, capacity) = self.policies.get(*name)?;
+                        (Cow::Borrowed(policy.as_str()), *capacity)
+                    }
+                    Target::Inline(name, config) => {
+                        (Cow::Owned(fields::policy_member(name, config)), config.capacity())
+                    }
+                };
+                Some(crate::fields::Member { name, policy, capacity, status: *status })
+            })
+            .collect();
+        if let Some((policy, current)) = crate::fields::rate_limit_fields(&members) {
+            answer.headers.push((RATELIMIT_POLICY, policy));
+            answer.headers.push((RATELIMIT, current));
         }
         if !ok {
             answer.outcome = "refused";

@@ -13,6 +13,7 @@ use clap::{Args, Parser, Subcommand};
 pub mod client;
 pub mod config;
 pub mod engine;
+pub mod fields;
 pub mod http;
 pub mod metrics;
 pub mod plot;

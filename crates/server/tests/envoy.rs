@@ -54,8 +54,11 @@ descriptors:
 
 /// Envoy: a listener on `front` whose route sends two descriptors per request to the rate
 /// limit service (`[user=<x-user>]` and `[generic_key=api]`), then to a backend listener on
-/// `backend` that answers 200.
-fn envoy_config(front: u16, backend: u16, rls: &str) -> String {
+/// `backend` that answers 200; under `/costly`, one descriptor (`[user=<x-user>]`). A request's
+/// cost (`hits_addend`, the `envoy.ratelimit.hits_addend` filter state, as LLM token counts are
+/// sent) is its `x-cost` header, if it has one. With `deny`, a failed call to the service refuses
+/// the request (`failure_mode_deny: true`); without, Envoy lets it through (its default).
+fn envoy_config(front: u16, backend: u16, rls: &str, deny: bool) -> String {
     let (rls_host, rls_port) = rls.rsplit_once(':').unwrap();
     format!(
         r#"
@@ -74,6 +77,12 @@ static_resources:
             - name: all
               domains: ["*"]
               routes:
+              - match: {{ prefix: "/costly" }}
+                route:
+                  cluster: backend
+                  rate_limits:
+                  - actions:
+                    - request_headers: {{ header_name: x-user, descriptor_key: user }}
               - match: {{ prefix: "/" }}
                 route:
                   cluster: backend
@@ -83,11 +92,19 @@ static_resources:
                   - actions:
                     - generic_key: {{ descriptor_value: api }}
           http_filters:
+          - name: envoy.filters.http.set_filter_state
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.set_filter_state.v3.Config
+              on_request_headers:
+              - object_key: envoy.ratelimit.hits_addend
+                format_string:
+                  text_format_source:
+                    inline_string: "%REQ(x-cost)%"
           - name: envoy.filters.http.ratelimit
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
               domain: edge
-              failure_mode_deny: true
+              failure_mode_deny: {deny}
               timeout: 1s
               enable_x_ratelimit_headers: DRAFT_VERSION_03
               rate_limit_service:
@@ -145,8 +162,24 @@ static_resources:
 
 /// A GET through Envoy as `user`: status and headers (names in lower case).
 fn get(agent: &ureq::Agent, front: u16, user: &str) -> (u16, Vec<(String, String)>) {
-    let response =
-        agent.get(&format!("http://127.0.0.1:{front}/")).header("x-user", user).call().unwrap();
+    get_costing(agent, front, user, None)
+}
+
+/// A GET through Envoy as `user`, of `/costly` with `x-cost: cost` if there is a cost.
+fn get_costing(
+    agent: &ureq::Agent,
+    front: u16,
+    user: &str,
+    cost: Option<u64>,
+) -> (u16, Vec<(String, String)>) {
+    let response = match cost {
+        None => agent.get(&format!("http://127.0.0.1:{front}/")).header("x-user", user),
+        Some(cost) => agent
+            .get(&format!("http://127.0.0.1:{front}/costly"))
+            .header("x-user", user)
+            .header("x-cost", cost.to_string()),
+    };
+    let response = response.call().unwrap();
     let status = response.status().as_u16();
     let headers = response
         .headers()
@@ -187,17 +220,18 @@ fn start_tollgate(store: &str, dir: &std::path::Path) -> (Killed, String) {
     (tollgate, rls)
 }
 
-/// Envoy in front of `rls`, ready when a request through it is answered with `ready`: the
-/// process, its front port and an HTTP agent.
+/// Envoy in front of `rls` (with `failure_mode_deny: deny`), ready when a request through it
+/// is answered with `ready`: the process, its front port and an HTTP agent.
 fn start_envoy(
     envoy: &str,
     dir: &std::path::Path,
     rls: &str,
     ready: u16,
+    deny: bool,
 ) -> (Killed, u16, ureq::Agent) {
     let (front, backend) = (free_port(), free_port());
     let config = dir.join("envoy.yaml");
-    std::fs::write(&config, envoy_config(front, backend, rls)).unwrap();
+    std::fs::write(&config, envoy_config(front, backend, rls, deny)).unwrap();
     let envoy = Killed(
         Command::new(envoy)
             .args(["--disable-hot-restart", "--concurrency", "1", "-l", "warn", "-c"])
@@ -234,7 +268,7 @@ fn requests_through_envoy_are_limited_per_descriptor_all_or_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let (tollgate, rls) = start_tollgate("memory", dir.path());
     // Ready when a request gets through to the backend.
-    let (envoy, front, agent) = start_envoy(&envoy, dir.path(), &rls, 200);
+    let (envoy, front, agent) = start_envoy(&envoy, dir.path(), &rls, 200, true);
     // The warm-up took one of the api's 5 a minute. alice: 3 admitted (api at 4 taken).
     for remaining in [2, 1, 0] {
         let (status, headers) = get(&agent, front, "alice");
@@ -284,12 +318,51 @@ fn a_failing_store_is_unavailable_and_envoy_denies() {
     // A Redis port nobody listens on.
     let store = format!("redis://127.0.0.1:{}", free_port());
     let (tollgate, rls) = start_tollgate(&store, dir.path());
-    let (envoy, front, agent) = start_envoy(&envoy, dir.path(), &rls, 500);
+    let (envoy, front, agent) = start_envoy(&envoy, dir.path(), &rls, 500, true);
     for _ in 0..3 {
         let (status, headers) = get(&agent, front, "alice");
         assert_eq!(status, 500, "{headers:?}");
         assert_eq!(value(&headers, "x-envoy-ratelimited"), None);
     }
+    drop(envoy);
+    drop(tollgate);
+}
+
+/// Through Envoy at its default (`failure_mode_deny: false`, a failed call lets the request
+/// through), what a client controls cannot get it past a limit: a header value over 1 KiB is
+/// counted like any other (and the request's other descriptor with it), and a cost the limit
+/// can never grant is refused (429, no Retry-After), not an error.
+#[test]
+fn long_values_and_costs_past_the_limit_are_refused_through_envoy_that_fails_open() {
+    let Some(envoy) = envoy_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (tollgate, rls) = start_tollgate("memory", dir.path());
+    let (envoy, front, agent) = start_envoy(&envoy, dir.path(), &rls, 200, false);
+    // A 1,100-byte x-user: 3 admitted, counted against the api's 5 too (the warm-up took one).
+    let long = "L".repeat(1_100);
+    for remaining in [2, 1, 0] {
+        let (status, headers) = get(&agent, front, &long);
+        assert_eq!(status, 200, "{headers:?}");
+        assert_eq!(value(&headers, "x-ratelimit-remaining"), Some(remaining.to_string().as_str()));
+    }
+    let (status, headers) = get(&agent, front, &long);
+    assert_eq!(status, 429, "{headers:?}");
+    assert_eq!(value(&headers, "x-envoy-ratelimited"), Some("true"));
+    // The api has one left: the long requests were counted there too.
+    let (status, headers) = get(&agent, front, "bob");
+    assert_eq!(status, 200, "{headers:?}");
+    assert!(value(&headers, "ratelimit").unwrap().contains("\"api\";r=0;"), "{headers:?}");
+    // A cost of 4, or of a million, against 3 a minute: refused, no Retry-After.
+    for cost in [4, 1_000_000] {
+        let (status, headers) = get_costing(&agent, front, "carol", Some(cost));
+        assert_eq!(status, 429, "{cost}: {headers:?}");
+        assert_eq!(value(&headers, "retry-after"), None, "{headers:?}");
+    }
+    // Nothing was taken: a cost of 3 is granted, and then nothing is left.
+    let (status, headers) = get_costing(&agent, front, "carol", Some(3));
+    assert_eq!(status, 200, "{headers:?}");
+    assert_eq!(value(&headers, "x-ratelimit-remaining"), Some("0"));
+    assert_eq!(get_costing(&agent, front, "carol", Some(1)).0, 429);
     drop(envoy);
     drop(tollgate);
 }

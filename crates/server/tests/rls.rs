@@ -409,18 +409,148 @@ fn a_limit_of_zero_refuses_and_takes_nothing() {
     assert_eq!(fixed(&answer.statuses[0]), (true, limit("", 3, MINUTE), 2));
 }
 
-/// A descriptor value too long for a key (over 1,024 bytes) is INVALID_ARGUMENT, and the
-/// call takes nothing from its other descriptors.
+/// A descriptor value too long to keep whole (from a client's header: over 1,024 bytes with
+/// its length, or a request's own limit whose name holds it past 256 bytes) is counted under
+/// its digest like any other, on every store: the call never fails for it, and its other
+/// descriptors are counted too. Two long values that differ only at their end count apart.
+fn long_values_are_counted(store: &str) {
+    let s = start(store, &[]);
+    let long = |end: char| format!("{}{end}", "v".repeat(1_999));
+    let (a, b) = (long('a'), long('b'));
+    let with_paid =
+        |user: &str| vec![descriptor(&[("user", user)]), descriptor(&[("plan", "paid")])];
+    for remaining in [2, 1, 0] {
+        let r = s.ask(with_paid(&a), 0);
+        assert!(ok(r.overall_code), "{r:?}");
+        assert_eq!(fixed(&r.statuses[0]), (true, limit("", 3, MINUTE), remaining));
+        assert_eq!(fixed(&r.statuses[1]), (true, limit("paid", 100, HOUR), 97 + remaining));
+    }
+    // Over: refused, and the paid plan's token not taken (it says how it stands).
+    let r = s.ask(with_paid(&a), 0);
+    assert!(!ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (false, limit("", 3, MINUTE), 0));
+    assert_eq!(fixed(&r.statuses[1]), (true, limit("paid", 100, HOUR), 97));
+    // Another long value: a state of its own.
+    assert_eq!(s.ask(vec![descriptor(&[("user", &b)])], 0).statuses[0].limit_remaining, 2);
+    // Exactly 1,024 bytes (its key, with the length, is longer).
+    let exact = "e".repeat(1_024);
+    assert_eq!(s.ask(vec![descriptor(&[("user", &exact)])], 0).statuses[0].limit_remaining, 2);
+    // A request's own limit: its state's name holds the values.
+    let mut own = descriptor(&[("user", &a)]);
+    own.limit = Some(RateLimitOverride { requests_per_unit: 2, unit: HOUR });
+    for remaining in [1, 0] {
+        let r = s.ask(vec![own.clone()], 0);
+        assert_eq!(fixed(&r.statuses[0]), (true, limit("", 2, HOUR), remaining));
+        // Its name in the header fields is bounded too.
+        assert!(header(&r, "RateLimit").unwrap().len() < 300, "{r:?}");
+    }
+    assert!(!ok(s.ask(vec![own], 0).overall_code));
+    // Through POST /json as well.
+    let body = serde_json::json!({
+        "domain": s.domain,
+        "descriptors": [{ "entries": [{ "key": "user", "value": b }] }],
+    });
+    let (status, answer) = s.json(&body.to_string());
+    assert_eq!((status, &answer["statuses"][0]["limitRemaining"]), (200, &serde_json::json!(1)));
+}
+
 #[test]
-fn a_value_too_long_for_a_key_is_invalid_and_takes_nothing() {
+fn long_values_are_counted_memory() {
+    long_values_are_counted("memory");
+}
+
+#[test]
+fn long_values_are_counted_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    long_values_are_counted(&format!("sqlite://{}", dir.path().join("t.db").display()));
+}
+
+#[test]
+fn long_values_are_counted_redis() {
+    if let Some(url) = backend("TOLLGATE_REDIS_URL") {
+        long_values_are_counted(&url);
+    }
+}
+
+#[test]
+fn long_values_are_counted_redis_cluster() {
+    if let Some(url) = backend("TOLLGATE_REDIS_CLUSTER_URL") {
+        long_values_are_counted(&url);
+    }
+}
+
+#[test]
+fn long_values_are_counted_postgres() {
+    if let Some(url) = backend("TOLLGATE_POSTGRES_URL") {
+        long_values_are_counted(&url);
+    }
+}
+
+fn hits(mut d: RateLimitDescriptor, hits: u64) -> RateLimitDescriptor {
+    d.hits_addend = Some(UInt64Value { value: hits });
+    d
+}
+
+/// A cost (`hits_addend`) that the limit can never grant is OVER_LIMIT (as
+/// envoyproxy/ratelimit answers), never an error that Envoy would let through: nothing is
+/// taken from the call's other descriptors, and there is no Retry-After (no wait helps).
+#[test]
+fn a_cost_the_limit_can_never_grant_is_over_the_limit_and_takes_nothing() {
     let s = start("memory", &[]);
-    let long = "x".repeat(2_000);
-    let e = s.try_ask(vec![descriptor(&[("user", "a")]), descriptor(&[("user", &long)])], 0);
-    let e = e.unwrap_err();
-    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
-    assert!(e.message().contains("the most is 1024"), "{e}");
-    let answer = s.ask(vec![descriptor(&[("user", "a")])], 0);
-    assert_eq!(answer.statuses[0].limit_remaining, 2);
+    let costly = || vec![descriptor(&[("user", "costly")]), descriptor(&[("plan", "paid")])];
+    // 4 for every descriptor, against 3 a minute.
+    let r = s.ask(costly(), 4);
+    assert!(!ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (false, limit("", 3, MINUTE), 0));
+    assert!(r.statuses[0].duration_until_reset.is_some());
+    // The paid plan is looked at (4 of its 100 would be left 96), not taken.
+    assert_eq!(fixed(&r.statuses[1]), (true, limit("paid", 100, HOUR), 96));
+    assert_eq!(header(&r, "Retry-After"), None);
+    assert!(header(&r, "RateLimit").unwrap().contains("user\";r=3;"), "{r:?}");
+    // A descriptor's own cost, up to the most a call may ask.
+    for cost in [4, 1_000_000, 1_000_000_000_000_000] {
+        let r = s.ask(vec![hits(descriptor(&[("user", "costly")]), cost)], 0);
+        assert_eq!(fixed(&r.statuses[0]), (false, limit("", 3, MINUTE), 0), "{cost}");
+    }
+    // The token bucket of tollgate's fields: capacity 50.
+    let r = s.ask(vec![descriptor(&[("tenant", "t"), ("llm", "x")])], 51);
+    assert_eq!(fixed(&r.statuses[0]), (false, limit("", 600, MINUTE), 0));
+    // Nothing was taken by any of them.
+    let r = s.ask(vec![descriptor(&[("user", "costly")]), descriptor(&[("plan", "paid")])], 3);
+    assert!(ok(r.overall_code), "{r:?}");
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 3, MINUTE), 0));
+    assert_eq!(fixed(&r.statuses[1]), (true, limit("paid", 100, HOUR), 97));
+    // Two descriptors of one state add up: 2 + 2 of 3 can never be granted.
+    let dup = || hits(descriptor(&[("user", "dup")]), 2);
+    let r = s.ask(vec![dup(), dup()], 0);
+    assert!(!ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 3, MINUTE), 1));
+    assert_eq!(fixed(&r.statuses[1]), (false, limit("", 3, MINUTE), 0));
+    assert_eq!(header(&r, "Retry-After"), None);
+    assert_eq!(
+        s.ask(vec![hits(descriptor(&[("user", "dup")]), 3)], 0).statuses[0].limit_remaining,
+        0
+    );
+    // In shadow mode it never refuses: the request is admitted and the rest taken.
+    let r =
+        s.ask(vec![hits(descriptor(&[("path", "/api/x")]), 5), descriptor(&[("user", "sh")])], 0);
+    assert!(ok(r.overall_code), "{r:?}");
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("", 1, DAY), 0));
+    assert_eq!(fixed(&r.statuses[1]), (true, limit("", 3, MINUTE), 2));
+    // POST /json: 429, the same statuses, no Retry-After.
+    let body = serde_json::json!({
+        "domain": s.domain,
+        "descriptors": [{ "entries": [{ "key": "user", "value": "json-costly" }] }],
+        "hitsAddend": 4,
+    });
+    let (status, answer) = s.json(&body.to_string());
+    assert_eq!(status, 429, "{answer}");
+    assert_eq!(answer["overallCode"], "OVER_LIMIT");
+    let headers = answer["responseHeadersToAdd"].as_array().unwrap();
+    assert!(headers.iter().all(|h| h["key"] != "Retry-After"), "{answer}");
+    let (status, answer) =
+        s.json(&body.to_string().replace("\"hitsAddend\":4", "\"hitsAddend\":3"));
+    assert_eq!(status, 200, "{answer}");
 }
 
 #[test]

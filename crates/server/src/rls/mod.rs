@@ -8,19 +8,25 @@
 //! matches nothing is OK. The answer has one status per request descriptor, in order, and
 //! `response_headers_to_add` with the IETF `RateLimit-Policy` and `RateLimit` fields (and
 //! `Retry-After` when over the limit). A store that fails is gRPC `UNAVAILABLE`.
+//!
+//! Nothing a client sends through a proxy can fail a call: descriptor values come from its
+//! headers and paths. A value too long for a state's key or name is stored under its SHA-256
+//! digest and counted like any other; a cost (`hits_addend`) that the limit can never grant is
+//! `OVER_LIMIT`, with nothing taken and no `Retry-After`. (An error would let the request
+//! through: Envoy's default is `failure_mode_deny: false`.)
 
 pub mod config;
 pub mod json;
 pub mod service;
 
-use std::collections::{BTreeMap, HashSet};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
-use tollgate::core::Status;
-use tollgate::tower::fields;
+use tollgate::core::{MAX_KEY_BYTES, MAX_NAME_BYTES, Status};
 use tollgate::{Call, Error, Request, Target};
 
 use crate::engine::Engine;
@@ -195,11 +201,11 @@ pub struct Rls {
 struct Matched<'r> {
     /// Its index in the request.
     index: usize,
-    rule: std::borrow::Cow<'r, Rule>,
-    /// The name of its states in the store.
+    rule: Cow<'r, Rule>,
+    /// The name of its states in the store (see [`state_name`]).
     name: String,
     /// Its key: the request's values (each with its length, so no two differ only in
-    /// where one ends).
+    /// where one ends), or their digest when that is too long (see [`state_key`]).
     key: String,
     hits: u64,
     /// The series of its metrics.
@@ -250,9 +256,11 @@ impl Rls {
         let mut over_limit = false;
         let mut retry_after: f64 = 0.0;
         let mut taken: Vec<(&Matched<'_>, Numbers, Status)> = Vec::new();
-        // The limits that decide, all or nothing; then the shadows.
+        // The limits that decide, all or nothing; then the shadows; and the costs that no
+        // state of their limit can ever grant.
         let mut enforced = Vec::new();
         let mut shadows = Vec::new();
+        let mut never = Vec::new();
         for m in &matched {
             match &m.rule.limit {
                 Limit::Unlimited => {
@@ -291,9 +299,56 @@ impl Rls {
                         unit: *unit,
                         config: *config,
                     };
-                    if m.rule.shadow { shadows.push((*m, c)) } else { enforced.push((*m, c)) }
+                    if !fits(&m.name, &c.config, m.hits as f64) {
+                        never.push((*m, c));
+                    } else if m.rule.shadow {
+                        shadows.push((*m, c));
+                    } else {
+                        enforced.push((*m, c));
+                    }
                 }
             }
+        }
+        // Enforced descriptors of one state add up in the transaction: past the limit's
+        // capacity together, the one that crosses it can never be granted either.
+        let mut together: HashMap<(&str, &str), f64> = HashMap::new();
+        enforced.retain(|(m, c)| {
+            if c.config.shards() != 1 {
+                return true; // takes of a sharded limit may go to different shards
+            }
+            let sum = together.entry((m.name.as_str(), m.key.as_str())).or_default();
+            *sum += m.hits as f64;
+            let fits = *sum <= c.config.capacity();
+            if !fits {
+                *sum -= m.hits as f64;
+                never.push((*m, *c));
+            }
+            fits
+        });
+        // A cost that can never be granted refuses the request (unless in shadow mode), and
+        // no wait would change that: no `Retry-After`.
+        let mut can_never = false;
+        for (m, c) in &never {
+            let (target, _) = m.ask(c.config);
+            let look = Request::new().key(&m.key).count(0.0);
+            let t = self
+                .engine
+                .limiter()
+                .check_with_status_async(target, look)
+                .await
+                .map_err(store_error)?;
+            let over = !m.rule.shadow;
+            over_limit |= over;
+            can_never |= over;
+            taken.push((m, *c, t.status));
+            let outcome = if over { Outcome::Over } else { Outcome::Shadow };
+            self.metrics.record(&request.domain, &m.metric, &m.rule.full_key, m.hits, outcome);
+            statuses[m.index] = DescriptorStatus {
+                over_limit: over,
+                current_limit: Some((m.rule.name.clone(), c.requests_per_unit, c.unit)),
+                limit_remaining: 0,
+                duration_until_reset: Some(t.status.reset_after),
+            };
         }
         let enforced_calls: Vec<Call<'_>> = enforced
             .iter()
@@ -302,7 +357,8 @@ impl Rls {
                 target.with(ask)
             })
             .collect();
-        // A blocked limit refuses the request: the others are only looked at, below.
+        // A blocked limit, or a cost that can never fit, refuses the request: the others are
+        // only looked at, below.
         let blocked = over_limit;
         let admitted = if blocked {
             false
@@ -351,21 +407,27 @@ impl Rls {
         }
 
         let mut headers = Vec::new();
-        let (mut policy, mut current) = (Vec::new(), Vec::new());
         taken.sort_by_key(|(m, _, _)| m.index);
-        for (m, c, status) in &taken {
-            let name = if m.rule.name.is_empty() { &m.rule.full_key } else { &m.rule.name };
-            policy.push(fields::policy_member(name, &c.config));
-            current.push(fields::status_member(name, status));
+        let members: Vec<crate::fields::Member<'_>> = taken
+            .iter()
+            .map(|(m, c, status)| {
+                let name = if m.rule.name.is_empty() { &m.rule.full_key } else { &m.rule.name };
+                crate::fields::Member {
+                    name,
+                    policy: tollgate::tower::fields::policy_member(name, &c.config).into(),
+                    capacity: c.config.capacity(),
+                    status: *status,
+                }
+            })
+            .collect();
+        if let Some((policy, current)) = crate::fields::rate_limit_fields(&members) {
+            headers.push(("RateLimit-Policy".to_owned(), policy));
+            headers.push(("RateLimit".to_owned(), current));
         }
-        if !policy.is_empty() {
-            headers.push(("RateLimit-Policy".to_owned(), policy.join(", ")));
-            headers.push(("RateLimit".to_owned(), current.join(", ")));
-        }
-        if over_limit {
+        if over_limit && !can_never {
             headers.push((
                 "Retry-After".to_owned(),
-                fields::retry_after_seconds(retry_after).to_string(),
+                tollgate::tower::fields::retry_after_seconds(retry_after).to_string(),
             ));
         }
         Ok(RlsAnswer { over_limit, statuses, headers })
@@ -388,9 +450,9 @@ impl Rls {
         }
         let entries: Vec<(&str, &str)> =
             descriptor.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        // The request's own path, `domain.key_value.key`, and the key of its states (the
-        // values, each with its length, so that no two differ only in where one ends): made
-        // only where they are used.
+        // The request's own path, `domain.key_value.key` (bounded: it names metrics and
+        // header fields), and the key of its states (the values, each with its length, so that
+        // no two differ only in where one ends): made only where they are used.
         let detailed = || {
             let mut path = request.domain.clone();
             for (k, v) in &entries {
@@ -403,7 +465,7 @@ impl Rls {
             for (_, value) in &entries {
                 let _ = write!(key, "{}:{value}|", value.len());
             }
-            key
+            state_key(key)
         };
         if let Some((requests_per_unit, unit)) = descriptor.limit {
             let limit = if requests_per_unit == 0 {
@@ -415,6 +477,15 @@ impl Rls {
                 Limit::Limited { requests_per_unit, unit, config }
             };
             let detailed = detailed();
+            let name = state_name(
+                &request.domain,
+                &format!(
+                    "{}:{requests_per_unit}/{}",
+                    &detailed[request.domain.len()..],
+                    unit.name()
+                ),
+            );
+            let detailed = bounded_label(detailed);
             let rule = Rule {
                 full_key: detailed.clone(),
                 name: String::new(),
@@ -424,14 +495,9 @@ impl Rls {
                 replaces: Vec::new(),
                 share_threshold: false,
             };
-            let name = format!(
-                "{}:{requests_per_unit}/{}",
-                state_name(&request.domain, &detailed),
-                unit.name()
-            );
             return Ok(Some(Matched {
                 index,
-                rule: std::borrow::Cow::Owned(rule),
+                rule: Cow::Owned(rule),
                 name,
                 key: key(),
                 hits,
@@ -441,11 +507,12 @@ impl Rls {
         let Some(rule) = self.config.find(&request.domain, &entries) else { return Ok(None) };
         // With share_threshold, every value that matches the wildcard shares one state.
         let key = if rule.share_threshold { "shared".to_owned() } else { key() };
-        let metric = if rule.detailed_metric { detailed() } else { rule.full_key.clone() };
+        let metric =
+            if rule.detailed_metric { bounded_label(detailed()) } else { rule.full_key.clone() };
         Ok(Some(Matched {
             index,
-            name: state_name(&request.domain, &rule.full_key),
-            rule: std::borrow::Cow::Borrowed(rule),
+            name: state_name(&request.domain, &rule.full_key[request.domain.len()..]),
+            rule: Cow::Borrowed(rule),
             key,
             hits,
             metric,
@@ -492,11 +559,60 @@ struct Numbers {
     config: tollgate::Config,
 }
 
-/// The name of a rule's states: `rls:{domain}.path`. The domain is a hash tag, so that on a
-/// Redis Cluster every state of a domain is in one hash slot and a request's descriptors are
-/// taken atomically (a domain is the unit that spreads over a cluster).
-fn state_name(domain: &str, full_key: &str) -> String {
-    format!("rls:{{{domain}}}{}", &full_key[domain.len()..])
+/// The longest domain kept whole in its states' names; a longer one is replaced there by its
+/// digest, in every name of the domain alike (it is their Redis Cluster hash tag).
+const MAX_TAG: usize = 128;
+
+/// The longest label of a metric, or name in a header field, made from a request's values;
+/// a longer one is cut and ends with part of its digest.
+const MAX_LABEL: usize = 256;
+
+/// The name of a rule's states: `rls:{domain}` and the rest of its path (`.key_value...`,
+/// and for a request's own limit `:N/UNIT`). The domain is a hash tag, so that on a Redis
+/// Cluster every state of a domain is in one hash slot and a request's descriptors are taken
+/// atomically (a domain is the unit that spreads over a cluster). A name longer than a limit
+/// name may be (its path holds a request's values) ends with the digest of its path instead,
+/// `rls:{domain}#<sha-256>`, which no path (they start with `.`) can spell.
+fn state_name(domain: &str, rest: &str) -> String {
+    let tag: Cow<'_, str> =
+        if domain.len() <= MAX_TAG { domain.into() } else { format!("#{}", digest(domain)).into() };
+    let name = format!("rls:{{{tag}}}{rest}");
+    if name.len() <= MAX_NAME_BYTES { name } else { format!("rls:{{{tag}}}#{}", digest(rest)) }
+}
+
+/// A state's key: the request's values as made, or, if that is longer than a key may be,
+/// `#<sha-256>` of it (a key as made starts with a digit, or is `shared`).
+fn state_key(key: String) -> String {
+    if key.len() <= MAX_KEY_BYTES { key } else { format!("#{}", digest(&key)) }
+}
+
+/// A label made from a request's values, bounded: cut at a character boundary and ended with
+/// 16 hex digits of its digest, so that two long values still count apart.
+fn bounded_label(label: String) -> String {
+    if label.len() <= MAX_LABEL {
+        return label;
+    }
+    let mut cut = MAX_LABEL - 20;
+    while !label.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}...#{}", &label[..cut], &digest(&label)[..16])
+}
+
+/// The SHA-256 digest of `text`, in hex.
+fn digest(text: &str) -> String {
+    use sha2::Digest as _;
+    let mut hex = String::with_capacity(64);
+    for byte in sha2::Sha256::digest(text.as_bytes()) {
+        let _ = write!(hex, "{byte:02x}");
+    }
+    hex
+}
+
+/// Whether `count` could ever be taken from a state of `config` (a cost past its capacity
+/// never can; `name` only words the check).
+fn fits(name: &str, config: &tollgate::Config, count: f64) -> bool {
+    tollgate::core::validate_count(name, config, count, false).is_ok()
 }
 
 fn store_error(e: Error) -> RlsError {
