@@ -30,6 +30,8 @@ pub struct App {
     pub health_deadline: Duration,
     /// Failed requests, logged without flooding.
     pub errors: Arc<ErrorLog>,
+    /// Connections either listener could not accept, logged without flooding.
+    pub accept_errors: Arc<ErrorLog>,
     /// How long a request's body may take to arrive.
     pub body_timeout: Duration,
     /// The SQLite file's states after its last sweep (`usize::MAX`: not counted yet, or
@@ -42,12 +44,20 @@ pub struct App {
 /// How often a run of failed requests is summed up in the log.
 const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Failed requests (5xx), logged without flooding: the first of an interval of
-/// `LOG_INTERVAL` (10 s) at once, the rest of it counted and summed up in one line (their count
-/// and the last message) when the interval is over.
-#[derive(Default)]
+/// Failures logged without flooding: the first of an interval of `LOG_INTERVAL` (10 s) at
+/// once, the rest of it counted and summed up in one line (their count and the last message)
+/// when the interval is over. One for failed requests (5xx), one for connections that could
+/// not be accepted (out of file descriptors, say).
 pub struct ErrorLog {
     state: parking_lot::Mutex<ErrorLogState>,
+    /// What the summary counts: `requests failed`.
+    what: &'static str,
+}
+
+impl Default for ErrorLog {
+    fn default() -> Self {
+        ErrorLog::new("requests failed")
+    }
 }
 
 #[derive(Default)]
@@ -60,8 +70,19 @@ struct ErrorLogState {
 }
 
 impl ErrorLog {
+    /// A log whose summaries count `what` (`connections could not be accepted`).
+    pub fn new(what: &'static str) -> Self {
+        ErrorLog { state: parking_lot::Mutex::default(), what }
+    }
+
     /// A request of `op` failed with `status` and `message`.
     pub fn record(&self, op: &str, status: StatusCode, message: &str) {
+        self.note(message, || tracing::warn!(op, status = %status, "request failed: {message}"));
+    }
+
+    /// A failure: `log` logs it, unless one was logged less than an interval ago (then it is
+    /// counted, and `message` kept for the summary).
+    pub fn note(&self, message: &str, log: impl FnOnce()) {
         let mut state = self.state.lock();
         let now = Instant::now();
         if state.since.is_some_and(|since| now.duration_since(since) < LOG_INTERVAL) {
@@ -72,8 +93,8 @@ impl ErrorLog {
         let (more, last) = (std::mem::take(&mut state.more), std::mem::take(&mut state.last));
         state.since = Some(now);
         drop(state);
-        summary(more, &last);
-        tracing::warn!(op, status = %status, "request failed: {message}");
+        self.summary(more, &last);
+        log();
     }
 
     /// Sums up the interval that is over, if any failures are still untold; for a timer.
@@ -83,18 +104,19 @@ impl ErrorLog {
             let (more, last) = (std::mem::take(&mut state.more), std::mem::take(&mut state.last));
             state.since = None;
             drop(state);
-            summary(more, &last);
+            self.summary(more, &last);
         }
     }
-}
 
-fn summary(more: u64, last: &str) {
-    if more > 0 {
-        tracing::warn!(
-            count = more,
-            "{more} more requests failed in the last {} s; the last: {last}",
-            LOG_INTERVAL.as_secs()
-        );
+    fn summary(&self, more: u64, last: &str) {
+        if more > 0 {
+            tracing::warn!(
+                count = more,
+                "{more} more {} in the last {} s; the last: {last}",
+                self.what,
+                LOG_INTERVAL.as_secs()
+            );
+        }
     }
 }
 

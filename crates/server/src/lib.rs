@@ -15,6 +15,7 @@ pub mod config;
 pub mod engine;
 pub mod fields;
 pub mod http;
+pub mod listen;
 pub mod metrics;
 pub mod plot;
 pub mod rls;
@@ -199,6 +200,7 @@ pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)
         breaker: opened.breaker.clone(),
         health_deadline: settings.store_deadline,
         errors: Arc::default(),
+        accept_errors: Arc::new(http::ErrorLog::new("connections could not be accepted")),
         body_timeout: settings.http.body_timeout,
         sqlite_states: Arc::clone(&sqlite_states),
     };
@@ -290,6 +292,12 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
         None => None,
     };
     print_banner(&settings, addr, rls_addr);
+    // Each listener may hold maxConnections; both must fit in the open files allowed.
+    let listeners = if rls_addr.is_some() { 2 } else { 1 };
+    let http_limits = config::HttpLimits {
+        max_connections: listen::fit_open_files(settings.http.max_connections, listeners),
+        ..settings.http
+    };
     // Full states carry no information: delete them now and then.
     sweeps.start();
     // One signal stops both listeners.
@@ -311,8 +319,15 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
                 settings.tokens.clone(),
                 Arc::clone(&app.errors),
             );
-            let deadline = settings.http.shutdown_deadline;
-            Some(tokio::spawn(rls::service::serve(listener, service, stopped(), deadline)))
+            let deadline = settings.http.body_timeout + settings.store_deadline;
+            Some(tokio::spawn(rls::service::serve(
+                listener,
+                service,
+                http_limits,
+                deadline,
+                Arc::clone(&app.accept_errors),
+                stopped(),
+            )))
         }
         _ => None,
     };
@@ -323,9 +338,11 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
         loop {
             every.tick().await;
             errors.errors.flush();
+            errors.accept_errors.flush();
         }
     });
-    serve_http(listener, http::router(app), settings.http, stopped()).await?;
+    let accept_errors = Arc::clone(&app.accept_errors);
+    serve_http(listener, http::router(app), http_limits, accept_errors, stopped()).await?;
     if let Some(rls_server) = rls_server {
         rls_server.await??;
     }
@@ -336,8 +353,9 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
 /// Serves `router` on `listener` over HTTP/1.1 until `stop` resolves, with the limits of
 /// `limits`: a connection slow to send a request's headers, or idle between requests, for
 /// longer than `header_timeout` is closed; connections beyond `max_connections` are closed
-/// when accepted; once `stop` resolves no connection is accepted, requests in flight get
-/// `shutdown_deadline` to finish, and any connection left then is cut.
+/// when accepted (see [`listen::serve_connections`]); once `stop` resolves no connection is
+/// accepted, requests in flight get `shutdown_deadline` to finish, and any connection left
+/// then is cut.
 ///
 /// # Errors
 ///
@@ -346,57 +364,31 @@ pub async fn serve_http(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     limits: config::HttpLimits,
+    accept_errors: Arc<http::ErrorLog>,
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
-    use hyper_util::server::graceful::GracefulShutdown;
     use hyper_util::service::TowerToHyperService;
 
-    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
-    let graceful = GracefulShutdown::new();
-    let mut stop = std::pin::pin!(stop);
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            () = &mut stop => break,
-        };
-        let tcp = match accepted {
-            Ok((tcp, _)) => tcp,
-            Err(e) => {
-                // Out of file descriptors, say: wait a little rather than spin.
-                tracing::warn!("cannot accept a connection: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            // Over the limit: closed at once, before it costs anything.
-            drop(tcp);
-            continue;
-        };
-        // Answers are small and each is one write: send it at once, not after an ACK.
-        let _ = tcp.set_nodelay(true);
+    let header_timeout = limits.header_timeout;
+    listen::serve_connections(listener, "http", limits, accept_errors, stop, |tcp, mut stopping| {
         let service = TowerToHyperService::new(router.clone());
-        let connection = hyper::server::conn::http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_timeout)
-            .serve_connection(TokioIo::new(tcp), service);
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            let _ = connection.await;
-            drop(slot);
-        });
-    }
-    drop(listener);
-    tracing::info!("shutting down: finishing requests in flight");
-    tokio::select! {
-        () = graceful.shutdown() => {}
-        () = tokio::time::sleep(limits.shutdown_deadline) => {
-            let left = limits.max_connections - slots.available_permits();
-            tracing::warn!("{left} connections still open after {:?}: cut", limits.shutdown_deadline);
+        async move {
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(TokioIo::new(tcp), service);
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                () = stopping.wait() => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = connection.await;
+                }
+            }
         }
-    }
-    Ok(())
+    })
+    .await
 }
 
 fn print_banner(settings: &Settings, addr: SocketAddr, rls: Option<SocketAddr>) {

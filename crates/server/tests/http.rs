@@ -28,6 +28,7 @@ fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> axum:
         breaker: None,
         health_deadline: std::time::Duration::from_millis(250),
         errors: Arc::default(),
+        accept_errors: Arc::default(),
         body_timeout: std::time::Duration::from_secs(10),
         sqlite_states: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
         rls: None,

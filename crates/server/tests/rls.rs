@@ -118,8 +118,10 @@ fn start(store: &str, tokens: &[&str]) -> Server {
     runtime.spawn(tollgate_server::rls::service::serve(
         listener,
         service,
-        std::future::pending(),
+        settings.http,
         std::time::Duration::from_secs(1),
+        Arc::clone(&app.accept_errors),
+        std::future::pending(),
     ));
     Server { runtime, rls, http: tollgate_server::http::router(app), domain }
 }

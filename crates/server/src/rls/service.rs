@@ -13,9 +13,11 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 use super::{Descriptor, Rls, RlsAnswer, RlsError, RlsRequest, Unit};
+use crate::config::HttpLimits;
 use crate::http::ErrorLog;
 
 /// The largest `ShouldRateLimit` request accepted, in bytes: the HTTP API's body limit.
@@ -35,8 +37,8 @@ pub struct Service {
 
 impl Service {
     /// The service answering from `rls`; with `tokens`, a call must carry
-    /// `authorization: Bearer <token>` metadata. Calls the store failed go to `errors`
-    /// (summed up, not a line each).
+    /// `authorization: Bearer <token>` metadata (checked by [`serve`], on the call's headers).
+    /// Calls the store failed go to `errors` (summed up, not a line each).
     pub fn new(rls: Arc<Rls>, tokens: Vec<String>, errors: Arc<ErrorLog>) -> Self {
         Service { rls, tokens, errors }
     }
@@ -113,16 +115,6 @@ impl RateLimitService for Service {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        if !self.tokens.is_empty() {
-            let token = request
-                .metadata()
-                .get("authorization")
-                .and_then(|v| v.to_str().ok())
-                .and_then(crate::http::bearer);
-            if !token.is_some_and(|t| crate::http::known_token(&self.tokens, t)) {
-                return Err(Status::unauthenticated("missing or wrong bearer token"));
-            }
-        }
         let request = from_proto(request.into_inner()).map_err(status)?;
         match self.rls.should_rate_limit(&request).await {
             Ok(answer) => Ok(Response::new(to_proto(answer))),
@@ -147,8 +139,32 @@ fn status(e: RlsError) -> Status {
     }
 }
 
-/// Serves the rate limit service and gRPC health on `listener` until `stop` resolves; then
-/// calls in flight get `deadline` to finish.
+/// The most calls one connection may have open at a time (HTTP/2 `MAX_CONCURRENT_STREAMS`):
+/// Envoy keeps a few connections and sends each call whole, so a few hundred is plenty; a
+/// client that opens more is refused the rest (`REFUSED_STREAM`).
+pub const MAX_STREAMS: u32 = 256;
+
+/// The most calls open at a time over every connection: past it a call is answered
+/// `RESOURCE_EXHAUSTED` at once, so that held calls (headers without a body, say) cost a
+/// bounded amount of memory (about 37 KB each, measured: 38 MB for 1,024), however many connections bring
+/// them. Envoy has a few dozen open under heavy load (a call takes a millisecond or less).
+pub const MAX_CALLS: usize = 1_024;
+
+/// The most bytes of a call's header block: the metadata of a call is a few hundred bytes.
+const MAX_HEADER_BYTES: u32 = 16 * 1024;
+
+/// How much of calls' bodies a connection may send before they are read: a call is read
+/// whole at once, up to [`MAX_REQUEST`].
+const STREAM_WINDOW: u32 = 128 * 1024;
+const CONNECTION_WINDOW: u32 = 1024 * 1024;
+
+/// Serves the rate limit service and gRPC health on `listener` until `stop` resolves, within
+/// `limits`: at most `max_connections` connections, each closed if it sends nothing for
+/// `header_timeout` (before its preface, or between calls; gracefully, with `GOAWAY`), with
+/// at most [`MAX_STREAMS`] calls open, and every call answered within `call_deadline`
+/// (`DEADLINE_EXCEEDED` if its body or the store is slower). With tokens, a call without a
+/// good one is refused on its headers, before its body is read. Once `stop` resolves, calls
+/// in flight get `limits.shutdown_deadline` to finish.
 ///
 /// # Errors
 ///
@@ -156,28 +172,138 @@ fn status(e: RlsError) -> Status {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     service: Service,
+    limits: HttpLimits,
+    call_deadline: Duration,
+    accept_errors: Arc<ErrorLog>,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
-    deadline: Duration,
 ) -> anyhow::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<RateLimitServiceServer<Service>>().await;
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
-        .add_service(health)
-        .add_service(RateLimitServiceServer::new(service).max_decoding_message_size(MAX_REQUEST))
-        .serve_with_incoming_shutdown(incoming, async move {
-            stop.await;
-            let _ = stopped_tx.send(());
-        });
-    tokio::pin!(server);
-    tokio::select! {
-        result = &mut server => return Ok(result?),
-        _ = stopped_rx => {}
+    let tokens = service.tokens.clone();
+    let rls = InterceptedService::new(
+        RateLimitServiceServer::new(service).max_decoding_message_size(MAX_REQUEST),
+        move |request: Request<()>| authorize(&tokens, request),
+    );
+    let routes = tonic::service::Routes::new(health).add_service(rls).prepare();
+    let calls = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
+    let bounded = Bounded { routes, deadline: call_deadline, calls };
+    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    http2
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS)
+        .max_header_list_size(MAX_HEADER_BYTES)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW);
+    let idle = limits.header_timeout;
+    let grace = limits.shutdown_deadline;
+    crate::listen::serve_connections(
+        listener,
+        "rls",
+        limits,
+        accept_errors,
+        stop,
+        move |tcp, mut stopping| {
+            let http2 = http2.clone();
+            let service = TowerToHyperService::new(bounded.clone());
+            async move {
+                // A client that sends nothing, not even its preface, is not kept. (A peek:
+                // `readable` may answer before anything has arrived.)
+                match tokio::time::timeout(idle, tcp.peek(&mut [0; 1])).await {
+                    Ok(Ok(1..)) => {}
+                    _ => return,
+                }
+                let (io, received) = crate::listen::Watched::new(tcp);
+                let connection = http2.serve_connection(TokioIo::new(io), service);
+                let mut connection = std::pin::pin!(connection);
+                let grace = loop {
+                    let idle_until = tokio::time::Instant::from_std(received.last() + idle);
+                    tokio::select! {
+                        _ = connection.as_mut() => return,
+                        () = tokio::time::sleep_until(idle_until) => {
+                            if received.last().elapsed() >= idle {
+                                break idle;
+                            }
+                        }
+                        () = stopping.wait() => break grace,
+                    }
+                };
+                // GOAWAY: calls already sent are answered, then the connection closes; one
+                // whose client does not take part in that (its PING answered) is cut.
+                connection.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(grace, connection).await;
+            }
+        },
+    )
+    .await
+}
+
+/// With tokens, a call must carry `authorization: Bearer <token>` with one of them, checked
+/// on the call's headers (before its body is read).
+fn authorize(tokens: &[String], request: Request<()>) -> Result<Request<()>, Status> {
+    if tokens.is_empty() {
+        return Ok(request);
     }
-    // Stopping: the calls in flight have the deadline.
-    match tokio::time::timeout(deadline, server).await {
-        Ok(result) => Ok(result?),
-        Err(_) => Ok(()),
+    let mut values = request.metadata().get_all("authorization").iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return Err(Status::unauthenticated(
+            "send one authorization: Bearer <token> (none, or more than one, was sent)",
+        ));
+    };
+    match value.to_str().ok().and_then(crate::http::bearer) {
+        None => Err(Status::unauthenticated("expected authorization: Bearer <token>")),
+        Some(token) if crate::http::known_token(tokens, token) => Ok(request),
+        Some(_) => Err(Status::unauthenticated("wrong bearer token")),
+    }
+}
+
+/// The gRPC routes, each call within a deadline and within [`MAX_CALLS`] open at a time.
+#[derive(Clone)]
+struct Bounded {
+    routes: tonic::service::Routes,
+    deadline: Duration,
+    calls: Arc<tokio::sync::Semaphore>,
+}
+
+impl tower_service::Service<http::Request<hyper::body::Incoming>> for Bounded {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        tower_service::Service::<http::Request<hyper::body::Incoming>>::poll_ready(
+            &mut self.routes,
+            cx,
+        )
+    }
+
+    fn call(&mut self, request: http::Request<hyper::body::Incoming>) -> Self::Future {
+        let Ok(call) = Arc::clone(&self.calls).try_acquire_owned() else {
+            let busy = Status::resource_exhausted(format!(
+                "more than {MAX_CALLS} calls are open; try again"
+            ));
+            return Box::pin(std::future::ready(Ok(busy.into_http())));
+        };
+        let deadline = self.deadline;
+        let answer = self.routes.call(request);
+        Box::pin(async move {
+            let answer = match tokio::time::timeout(deadline, answer).await {
+                Ok(answer) => answer,
+                Err(_) => Ok(Status::deadline_exceeded(format!(
+                    "the call was not answered within {deadline:?} (its body, or the store, \
+                     was too slow)"
+                ))
+                .into_http()),
+            };
+            drop(call);
+            answer
+        })
     }
 }

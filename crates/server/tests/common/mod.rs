@@ -22,3 +22,81 @@ pub(crate) fn backend(var: &str) -> Option<String> {
 pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
+
+/// A `tollgate serve` in a process of its own, killed when dropped: its addresses from its
+/// banner, and what it writes to stderr so far.
+pub(crate) struct Served {
+    pub(crate) child: std::process::Child,
+    /// The HTTP API's address.
+    pub(crate) http: std::net::SocketAddr,
+    /// The rate limit service's address, if it serves one.
+    pub(crate) rls: Option<std::net::SocketAddr>,
+    stderr: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Served {
+    /// Runs `command` (a `tollgate serve` with `--listen 127.0.0.1:0`, and with `rls`
+    /// `--rls-listen 127.0.0.1:0`) and waits for its banner.
+    pub(crate) fn start(mut command: std::process::Command, rls_listens: bool) -> Served {
+        use std::io::{BufRead, BufReader, Read};
+        use std::process::Stdio;
+        let mut child =
+            command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("tollgate runs");
+        let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let mut err = child.stderr.take().unwrap();
+        let collected = std::sync::Arc::clone(&stderr);
+        std::thread::spawn(move || {
+            let mut chunk = [0; 4096];
+            while let Ok(n @ 1..) = err.read(&mut chunk) {
+                collected.lock().unwrap().push_str(&String::from_utf8_lossy(&chunk[..n]));
+            }
+        });
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let (mut http, mut rls) = (None, None);
+        let mut line = String::new();
+        while out.read_line(&mut line).unwrap_or(0) > 0 {
+            if let Some(addr) = line.trim().strip_prefix("tollgate listening on http://") {
+                http = Some(addr.parse().unwrap());
+            }
+            if let Some(rest) = line.trim().strip_prefix("rls:") {
+                let addr = rest.trim().strip_prefix("grpc://").unwrap().split(' ').next();
+                rls = Some(addr.unwrap().parse().unwrap());
+            }
+            if (line.starts_with("  auth:") && !rls_listens) || line.starts_with("  rls:") {
+                break;
+            }
+            line.clear();
+        }
+        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+        let Some(http) = http else {
+            let _ = child.kill();
+            let _ = child.wait();
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            panic!("no banner; stderr: {}", stderr.lock().unwrap());
+        };
+        Served { child, http, rls, stderr }
+    }
+
+    /// What the server wrote to stderr so far.
+    pub(crate) fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// Its resident memory, in bytes (Linux).
+    pub(crate) fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+            .expect("VmRSS");
+        kb * 1024
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

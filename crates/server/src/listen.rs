@@ -1,0 +1,219 @@
+//! Accepting connections, for both listeners (the HTTP API and the rate limit service): each
+//! has its own cap on open connections (`maxConnections`), closes a connection that says
+//! nothing for `headerTimeout`, sums up accept errors in the log, and stops gracefully.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+
+use crate::config::HttpLimits;
+use crate::http::ErrorLog;
+
+/// Resolves once the server is stopping: a connection then finishes what it is doing and
+/// closes.
+pub struct Stopping(watch::Receiver<bool>);
+
+impl Stopping {
+    /// Waits until the server stops (at once if it has).
+    pub async fn wait(&mut self) {
+        let _ = self.0.wait_for(|stop| *stop).await;
+    }
+}
+
+/// Accepts connections on `listener` until `stop` resolves, each served by `serve` in a task
+/// of its own: at most `limits.max_connections` at a time (one more is closed as soon as it
+/// is accepted, before it costs anything). Accept errors (out of file descriptors, say) go to
+/// `errors`, summed up, and the loop waits a little rather than spin. Once `stop` resolves
+/// the listener is closed, every connection is told (the [`Stopping`] given to `serve`), and
+/// they get `limits.shutdown_deadline` to close; any left then is cut when the runtime ends.
+///
+/// # Errors
+///
+/// None yet: the loop outlives any one failed accept.
+pub async fn serve_connections<F, Fut>(
+    listener: TcpListener,
+    what: &'static str,
+    limits: HttpLimits,
+    errors: Arc<ErrorLog>,
+    stop: impl Future<Output = ()>,
+    serve: F,
+) -> anyhow::Result<()>
+where
+    F: Fn(TcpStream, Stopping) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut stop => break,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                let message = e.to_string();
+                errors.note(&message, || {
+                    tracing::warn!("{what}: cannot accept a connection: {message}");
+                });
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            // Over the limit: closed at once.
+            drop(tcp);
+            continue;
+        };
+        // Answers are small and each is one write: send it at once, not after an ACK.
+        let _ = tcp.set_nodelay(true);
+        let connection = serve(tcp, Stopping(stop_rx.clone()));
+        tokio::spawn(async move {
+            connection.await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    tracing::info!("{what}: shutting down: finishing requests in flight");
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let closed = tokio::time::timeout(limits.shutdown_deadline, slots.acquire_many(all)).await;
+    if closed.is_err() {
+        let left = limits.max_connections - slots.available_permits();
+        tracing::warn!(
+            "{what}: {left} connections still open after {:?}: cut",
+            limits.shutdown_deadline
+        );
+    }
+    Ok(())
+}
+
+/// A connection that notes when it last received something, so that one idle too long can
+/// be closed.
+pub struct Watched {
+    tcp: TcpStream,
+    /// When it was made.
+    start: Instant,
+    /// Nanoseconds after `start` of the last read of at least one byte.
+    last_read: Arc<AtomicU64>,
+}
+
+impl Watched {
+    /// Watches `tcp`; `idle()` then tells how long ago it last received something.
+    pub fn new(tcp: TcpStream) -> (Self, Idle) {
+        let start = Instant::now();
+        let last_read = Arc::new(AtomicU64::new(0));
+        (Watched { tcp, start, last_read: Arc::clone(&last_read) }, Idle { start, last_read })
+    }
+}
+
+/// How long a [`Watched`] connection has received nothing.
+pub struct Idle {
+    start: Instant,
+    last_read: Arc<AtomicU64>,
+}
+
+impl Idle {
+    /// When the connection last received something (or was made).
+    pub fn last(&self) -> Instant {
+        self.start + Duration::from_nanos(self.last_read.load(Ordering::Relaxed))
+    }
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.tcp).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            let since = self.start.elapsed().as_nanos().try_into().unwrap_or(u64::MAX);
+            self.last_read.store(since, Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.tcp).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.tcp).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+}
+
+/// File descriptors the process keeps besides its connections: the store's, the log's, the
+/// listeners', the runtime's.
+const SPARE_FILES: u64 = 64;
+
+/// Raises the soft limit on open files to the hard one, and fits the connection caps of the
+/// `listeners` listeners (each `max_connections`) into what it allows: if they do not fit, the
+/// cap is lowered, with a warning, so that the process never runs out of file descriptors
+/// (which would stop every listener from accepting, the HTTP API's too). Returns the cap.
+pub fn fit_open_files(max_connections: usize, listeners: u64) -> usize {
+    let files = raise_open_files();
+    let Some(files) = files else { return max_connections };
+    let fits = usize::try_from(files.saturating_sub(SPARE_FILES) / listeners.max(1))
+        .unwrap_or(usize::MAX)
+        .max(1);
+    if max_connections > fits {
+        tracing::warn!(
+            "maxConnections is {max_connections}, but this process may open {files} files \
+             (ulimit -n) for {listeners} listener(s): each is capped at {fits} connections. \
+             Raise the limit (ulimit -n, LimitNOFILE=) to allow more."
+        );
+        return fits;
+    }
+    max_connections
+}
+
+/// The soft limit on open files after raising it to the hard one, if it can be read.
+#[cfg(unix)]
+fn raise_open_files() -> Option<u64> {
+    use rlimit::Resource;
+    let (soft, hard) = Resource::NOFILE.get().ok()?;
+    if soft < hard {
+        match rlimit::increase_nofile_limit(hard) {
+            Ok(raised) => return Some(raised),
+            Err(e) => tracing::warn!("cannot raise the open files limit from {soft}: {e}"),
+        }
+    }
+    Some(soft)
+}
+
+#[cfg(not(unix))]
+fn raise_open_files() -> Option<u64> {
+    None
+}
