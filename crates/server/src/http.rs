@@ -341,7 +341,8 @@ fn metrics(app: &App) -> Response {
     let live = app.memory.as_ref().map(|m| m.len()).or((sqlite != usize::MAX).then_some(sqlite));
     let breaker = app.breaker.as_ref().map(|b| b.stats());
     let failed_open = app.engine.limiter().failed_open();
-    let mut text = app.metrics.render(failed_open, live, breaker);
+    let names = app.memory.as_ref().map(|m| m.names());
+    let mut text = app.metrics.render(failed_open, live, names, breaker);
     if let Some(rls) = &app.rls {
         rls.metrics.render(&mut text);
     }

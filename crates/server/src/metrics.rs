@@ -49,11 +49,12 @@ impl Metrics {
 
     /// The Prometheus text exposition; `failed_open` is the limiter's count of requests
     /// granted because the store failed and their limits fail open, `live_states` the
-    /// memory store's number of states (none for other stores).
+    /// memory store's number of states (none for other stores), `live_names` its names.
     pub fn render(
         &self,
         failed_open: u64,
         live_states: Option<usize>,
+        live_names: Option<usize>,
         breaker: Option<tollgate::store::BreakerStats>,
     ) -> String {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -93,6 +94,14 @@ impl Metrics {
             );
             out.push_str("# TYPE tollgate_live_states gauge\n");
             let _ = writeln!(out, "tollgate_live_states {live}");
+        }
+        if let Some(names) = live_names {
+            out.push_str(
+                "# HELP tollgate_live_names Limit names the memory store keeps (each segment keeps \
+                 the names of its states; a name is given back once its states are gone).\n",
+            );
+            out.push_str("# TYPE tollgate_live_names gauge\n");
+            let _ = writeln!(out, "tollgate_live_names {names}");
         }
         if let Some(b) = breaker {
             let gauge = |out: &mut String, name: &str, kind: &str, help: &str, value: u64| {
@@ -163,7 +172,7 @@ mod tests {
         m.record("limit", "ok", Duration::from_micros(300));
         m.record("limit", "refused", Duration::from_millis(2));
         m.record("weird", "ok", Duration::ZERO);
-        let text = m.render(3, Some(42), None);
+        let text = m.render(3, Some(42), Some(7), None);
         for line in [
             "tollgate_requests_total{op=\"limit\",outcome=\"ok\"} 1",
             "tollgate_requests_total{op=\"limit\",outcome=\"refused\"} 1",
@@ -173,6 +182,8 @@ mod tests {
             "tollgate_request_duration_seconds_count{op=\"limit\"} 2",
             "tollgate_store_errors_total 0",
             "tollgate_failed_open_total 3",
+            "tollgate_live_states 42",
+            "tollgate_live_names 7",
         ] {
             assert!(text.contains(line), "{line} in\n{text}");
         }

@@ -486,8 +486,14 @@ impl Rls {
                 ),
             );
             let detailed = bounded_label(detailed);
+            // Its metrics count under its keys, not its values: a request's own limits are
+            // as many as the values clients send.
+            let mut keys = request.domain.clone();
+            for (k, _) in &entries {
+                let _ = write!(keys, ".{k}");
+            }
             let rule = Rule {
-                full_key: detailed.clone(),
+                full_key: detailed,
                 name: String::new(),
                 limit,
                 shadow: false,
@@ -501,7 +507,7 @@ impl Rls {
                 name,
                 key: key(),
                 hits,
-                metric: detailed,
+                metric: bounded_label(keys),
             }));
         }
         let Some(rule) = self.config.find(&request.domain, &entries) else { return Ok(None) };

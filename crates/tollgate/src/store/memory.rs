@@ -22,6 +22,8 @@ const MAX_NAMES: u32 = 1 << (32 - SHARD_BITS);
 const EACH: usize = 4;
 /// A segment is swept of full states once it has doubled in size since the last sweep.
 const MIN_SWEEP_LEN: usize = 64;
+/// A segment gives back the names no state uses once it holds at least this many.
+const MIN_NAMES_AT: usize = 64;
 
 /// A key as stored: short keys (user ids, IPv4 addresses) inside the entry itself, so that
 /// finding a state costs one cache miss fewer; longer ones on the heap. 24 bytes.
@@ -70,6 +72,11 @@ struct Entry {
 }
 
 impl Entry {
+    /// The entry of `slot`'s new `state`, its name's entry id `id`, to expire at `expires`.
+    fn new(slot: &Slot<'_>, id: u32, state: State, expires: u32) -> Self {
+        Entry { key: StoredKey::new(slot.key), value: state.value, ts: state.ts, id, expires }
+    }
+
     #[inline]
     fn is(&self, id: u32, key: Option<&str>) -> bool {
         self.id == id
@@ -137,6 +144,9 @@ struct Table {
     last: [u32; 2],
     /// Sweep when `entries.len()` reaches this.
     sweep_at: usize,
+    /// Give back the names no state uses (see [`MemoryStore::compact_names`]) before
+    /// interning one more once `names.len()` reaches this.
+    names_at: usize,
 }
 
 impl Table {
@@ -200,8 +210,12 @@ impl Table {
 /// inside it; longer ones add their own bytes) plus the hash table's slack (see
 /// BENCHMARKS.md for the measured figure).
 ///
-/// Names are interned (each distinct name is kept once, for the store's lifetime), so use a
-/// bounded set of names and put unbounded values (user ids, IPs) in keys.
+/// Names are interned: a segment keeps each distinct name of its states once, and gives it
+/// back once no state of it is left (by [`MemoryStore::sweep`], or when the segment's names
+/// have doubled since it last did). A name costs its bytes plus about 40 while it has states,
+/// and no more than twice as many names as states are ever kept (plus 64 a segment), so a
+/// bound on keys bounds names too. Still, put unbounded values (user ids, IPs) in keys: a key
+/// is cheaper than a name.
 ///
 /// # Examples
 ///
@@ -219,6 +233,8 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     hasher: RandomState,
     clock: C,
     len: AtomicUsize,
+    /// Names interned, over every segment.
+    names: AtomicUsize,
     max_keys: Option<usize>,
 }
 
@@ -234,7 +250,8 @@ impl MemoryStoreBuilder {
     ///
     /// At the bound, every segment is swept of full states first; if the store is still at
     /// the bound, a request that needs a new state gets a [`StoreError`] and nothing is
-    /// admitted (fail closed), while requests for states that already exist go on as usual. Evicting a live
+    /// admitted (fail closed), while requests for states that already exist go on as usual.
+    /// Such a refusal keeps nothing: not even the request's name. Evicting a live
     /// state instead would reset that limit and let its key over-consume, so the store never
     /// does.
     #[must_use]
@@ -269,6 +286,7 @@ impl MemoryStoreBuilder {
                     by_name: HashTable::new(),
                     last: [u32::MAX; 2],
                     sweep_at: MIN_SWEEP_LEN,
+                    names_at: MIN_NAMES_AT,
                 }))
             })
             .collect();
@@ -278,6 +296,7 @@ impl MemoryStoreBuilder {
             hasher: RandomState::default(),
             clock,
             len: AtomicUsize::new(0),
+            names: AtomicUsize::new(0),
             max_keys: self.max_keys,
         }
     }
@@ -317,12 +336,64 @@ impl<C: Clock> MemoryStore<C> {
         self.len() == 0
     }
 
-    /// Drops every state that is full at the store's current time; returns how many.
+    /// The number of distinct names kept (a name with states in several segments counts
+    /// once in each).
+    pub fn names(&self) -> usize {
+        self.names.load(Ordering::Relaxed)
+    }
+
+    /// Drops every state that is full at the store's current time, and gives back the names
+    /// no state uses any more; returns how many states it dropped.
     ///
     /// Sweeps also run by themselves as segments grow; call this to reclaim memory at once.
     pub fn sweep(&self) -> usize {
         let now = expiry_now(self.clock.now());
-        self.segments.iter().map(|s| self.sweep_table(&mut s.0.lock(), now)).sum()
+        self.segments
+            .iter()
+            .map(|s| {
+                let mut table = s.0.lock();
+                let dropped = self.sweep_table(&mut table, now);
+                self.compact_names(&mut table);
+                dropped
+            })
+            .sum()
+    }
+
+    /// Gives back the names of a segment that no state of it uses, and numbers the rest
+    /// afresh (rewriting its entries' ids). Only where no entry id of the segment is held
+    /// outside it: before a request looks up or interns anything, or in a full sweep.
+    /// O(entries + names); run when the names have doubled (or by a sweep), so each name
+    /// interned pays a few steps of it.
+    fn compact_names(&self, table: &mut Table) {
+        let Table { entries, names, by_name, last, names_at, .. } = table;
+        const GONE: u32 = u32::MAX;
+        let mut new_ids = vec![GONE; names.len()];
+        for e in entries.iter() {
+            new_ids[(e.id >> SHARD_BITS) as usize] = 0;
+        }
+        let mut kept = Vec::with_capacity(new_ids.iter().filter(|&&id| id != GONE).count());
+        let before = names.len();
+        if kept.capacity() < before {
+            for (old, name) in std::mem::take(names).into_iter().enumerate() {
+                if new_ids[old] != GONE {
+                    new_ids[old] = kept.len() as u32;
+                    kept.push(name);
+                }
+            }
+            for e in entries.iter_mut() {
+                let new = new_ids[(e.id >> SHARD_BITS) as usize];
+                e.id = new << SHARD_BITS | (e.id & ((1 << SHARD_BITS) - 1));
+            }
+            let mut index = HashTable::with_capacity(kept.len());
+            for (id, name) in kept.iter().enumerate() {
+                index.insert_unique(self.hasher.hash_one(&**name), id as u32, |&i| {
+                    self.hasher.hash_one(&*kept[i as usize])
+                });
+            }
+            (*names, *by_name, *last) = (kept, index, [u32::MAX; 2]);
+            self.names.fetch_sub(before - names.len(), Ordering::Relaxed);
+        }
+        *names_at = (2 * names.len()).max(MIN_NAMES_AT).max(entries.len() / 4);
     }
 
     fn sweep_table(&self, table: &mut Table, now_secs: u32) -> usize {
@@ -376,43 +447,15 @@ impl<C: Clock> MemoryStore<C> {
         Located { hash, segment: (hash >> 40) as usize & self.mask }
     }
 
-    /// Saves `state` for a slot in its locked table: updates, inserts, or drops it when full.
-    /// The slot's name was interned (its entry id is `id`) and room for an insert reserved in
-    /// `len` by [`Self::reserve`] beforehand, so saving cannot fail half way through a
-    /// transaction.
-    fn save(
-        &self,
-        table: &mut Table,
-        at: Located,
-        slot: &Slot<'_>,
-        id: u32,
-        state: State,
-        now: f64,
-    ) {
-        // Full already: nothing to keep. Otherwise sweeps drop it once `expires` has passed.
-        let full_at = full_at(&slot.config, state);
-        let (full, expires) = (full_at <= now, expiry_secs(full_at));
-        let found = table.entries.find_entry(at.hash, |e| e.is(id, slot.key)).ok();
-        match found {
-            Some(entry) => self.overwrite(entry, state, (!full).then_some(expires)),
-            None if full => {
-                self.len.fetch_sub(1, Ordering::Relaxed); // the reserved room is not used
-            }
-            None => {
-                if table.entries.len() >= table.sweep_at {
-                    self.sweep_table(table, expiry_now(now));
-                }
-                let entry = Entry {
-                    key: StoredKey::new(slot.key),
-                    value: state.value,
-                    ts: state.ts,
-                    id,
-                    expires,
-                };
-                let Table { entries, names, .. } = table;
-                entries.insert_unique(at.hash, entry, |e| self.rehash(names, e));
-            }
+    /// Inserts a new entry (of a state that is not full: a full one carries nothing) in its
+    /// locked table. Its name was interned and room reserved in `len` by [`Self::reserve`]
+    /// beforehand, so inserting cannot fail half way through a transaction.
+    fn insert_new(&self, table: &mut Table, at: Located, entry: Entry, now: f64) {
+        if table.entries.len() >= table.sweep_at {
+            self.sweep_table(table, expiry_now(now));
         }
+        let Table { entries, names, .. } = table;
+        entries.insert_unique(at.hash, entry, |e| self.rehash(names, e));
     }
 
     /// Writes `state` over a found entry, to expire at `expires`; with `None` (the state is
@@ -431,7 +474,9 @@ impl<C: Clock> MemoryStore<C> {
         }
     }
 
-    /// The entry id of a slot, interning its name in the segment if it is new there.
+    /// The entry id of a slot, interning its name in the segment if it is new there (room
+    /// for its state is reserved first, so that a request refused for want of room keeps
+    /// nothing).
     fn entry_id_or_intern(&self, table: &mut Table, slot: &Slot<'_>) -> Result<u32, StoreError> {
         match table.entry_id(slot, &self.hasher) {
             Some(id) => Ok(id),
@@ -450,12 +495,18 @@ impl<C: Clock> MemoryStore<C> {
             )));
         }
         table.names.push(name.into());
+        self.names.fetch_add(1, Ordering::Relaxed);
         let Table { names, by_name, .. } = table;
         by_name.insert_unique(self.hasher.hash_one(name), id, |&i| {
             self.hasher.hash_one(&*names[i as usize])
         });
         table.found(id);
         Ok(id)
+    }
+
+    /// Gives back room reserved for `new` states that will not be saved.
+    fn unreserve(&self, new: usize) {
+        self.len.fetch_sub(new, Ordering::Relaxed);
     }
 
     /// Reserves room for `new` states; false if that would pass `max_keys`.
@@ -536,7 +587,7 @@ impl<C: Clock> MemoryStore<C> {
                 match found {
                     Some(entry) => self.overwrite(entry, state, expires_in(now, until_full)),
                     None => {
-                        if !self.insert(&mut table, at, slot, state, now)? {
+                        if !self.insert(&mut table, at, slot, state, until_full, now)? {
                             drop(table);
                             if swept {
                                 return Err(self.full_error());
@@ -552,7 +603,8 @@ impl<C: Clock> MemoryStore<C> {
         }
     }
 
-    /// Saves a new state for `slot`: false if there is no room for it.
+    /// Saves a new state for `slot`, full again `until_full` ms after `now` (if it is full
+    /// already there is nothing to keep): false if there is no room for it.
     #[inline(never)]
     fn insert(
         &self,
@@ -560,13 +612,19 @@ impl<C: Clock> MemoryStore<C> {
         at: Located,
         slot: &Slot<'_>,
         state: State,
+        until_full: f64,
         now: f64,
     ) -> Result<bool, StoreError> {
-        let id = self.entry_id_or_intern(table, slot)?;
+        let Some(expires) = expires_in(now, until_full) else { return Ok(true) };
         if !self.reserve(1) {
             return Ok(false);
         }
-        self.save(table, at, slot, id, state, now);
+        // No entry id of this segment is held now: names may be given back.
+        if table.names.len() >= table.names_at {
+            self.compact_names(table);
+        }
+        let id = self.entry_id_or_intern(table, slot).inspect_err(|_| self.unreserve(1))?;
+        self.insert_new(table, at, Entry::new(slot, id, state, expires), now);
         Ok(true)
     }
 
@@ -647,17 +705,36 @@ impl<C: Clock> MemoryStore<C> {
             }
             return Ok(true); // nothing to save
         }
-        // What can fail comes before the first write: interning names, then room.
-        let (mut ids, mut new) = ([0; N], 0);
+        // What can fail comes before the first write: room, then interning names. New states
+        // that are full already are not kept.
+        let (mut expiries, mut new) = ([None; N], 0);
         for i in 0..N {
-            if saves[i].is_some() && buckets[i] == NONE {
-                let table = guards[guard[i]].as_mut().expect("locked");
-                ids[i] = self.entry_id_or_intern(table, &takes[i].slot)?;
-                new += 1;
+            if let (Some(state), NONE) = (saves[i], buckets[i]) {
+                expiries[i] = expires_in(now, until_full(&takes[i].slot.config, state, now));
+                new += usize::from(expiries[i].is_some());
             }
         }
         if !self.reserve(new) {
             return Ok(false);
+        }
+        let mut ids = [0; N];
+        if new > 0 {
+            // No entry id is held yet (entries found are kept by bucket, which giving names
+            // back does not move): names may be given back.
+            for i in 0..N {
+                let table = guards[guard[i]].as_mut().expect("locked");
+                if expiries[i].is_some() && table.names.len() >= table.names_at {
+                    self.compact_names(table);
+                }
+            }
+            for i in 0..N {
+                if expiries[i].is_some() {
+                    let table = guards[guard[i]].as_mut().expect("locked");
+                    ids[i] = self
+                        .entry_id_or_intern(table, &takes[i].slot)
+                        .inspect_err(|_| self.unreserve(new))?;
+                }
+            }
         }
         for i in 0..N {
             let (Some(state), bucket) = (saves[i], buckets[i]) else { continue };
@@ -673,9 +750,10 @@ impl<C: Clock> MemoryStore<C> {
         }
         if new > 0 {
             for i in 0..N {
-                let (Some(state), NONE) = (saves[i], buckets[i]) else { continue };
+                let (Some(state), Some(expires)) = (saves[i], expiries[i]) else { continue };
                 let table = guards[guard[i]].as_mut().expect("locked");
-                self.save(table, located[i], &takes[i].slot, ids[i], state, now);
+                let entry = Entry::new(&takes[i].slot, ids[i], state, expires);
+                self.insert_new(table, located[i], entry, now);
             }
         }
         Ok(true)
@@ -692,6 +770,12 @@ impl<C: Clock> MemoryStore<C> {
         let mut guards: Inline<Locked<'_>> =
             order.iter().map(|&s| self.segments[s].0.lock()).collect();
         let guard_of = |segment: usize| order.binary_search(&segment).expect("locked");
+        // No entry id is held yet: names may be given back.
+        for table in &mut guards {
+            if table.names.len() >= table.names_at {
+                self.compact_names(table);
+            }
+        }
         // Each slot's entry id (None: its name is new to the segment) and stored state.
         let mut ids: Inline<Option<u32>> = Inline::with_capacity(slots.len());
         let mut states: Inline<Option<State>> = Inline::with_capacity(slots.len());
@@ -707,23 +791,45 @@ impl<C: Clock> MemoryStore<C> {
         if !outcome.any_changed() {
             return Ok(Some(outcome)); // refused, or a check: nothing to save
         }
-        // Everything that can fail happens before the first write: interning, then room.
-        let ids: Inline<u32> = ids
-            .into_iter()
-            .zip(slots.iter().zip(&located))
-            .map(|(id, (slot, &at))| match id {
-                Some(id) => Ok(id),
-                None => self.entry_id_or_intern(&mut guards[guard_of(at.segment)], slot),
+        // Everything that can fail happens before the first write: room, then interning (a
+        // request refused for want of room keeps nothing). New states that are full already
+        // are not kept.
+        let expires = |i: usize, state: State| {
+            expires_in(now, (full_at(&slots[i].config, state) - now).max(0.0))
+        };
+        let expiries: Inline<Option<u32>> = (0..slots.len())
+            .map(|i| {
+                let state = states[i].filter(|_| outcome.changed[i] && !found[i])?;
+                expires(i, state)
             })
-            .collect::<Result<_, _>>()?;
-        let new = (0..slots.len()).filter(|&i| outcome.changed[i] && !found[i]).count();
+            .collect();
+        let new = expiries.iter().filter(|e| e.is_some()).count();
         if !self.reserve(new) {
             return Ok(None);
         }
         for (i, (slot, &at)) in slots.iter().zip(&located).enumerate() {
-            if outcome.changed[i] {
-                let state = states[i].expect("changed states are set");
-                self.save(&mut guards[guard_of(at.segment)], at, slot, ids[i], state, now);
+            if expiries[i].is_some() && ids[i].is_none() {
+                let table = &mut guards[guard_of(at.segment)];
+                let id = self.entry_id_or_intern(table, slot).inspect_err(|_| self.unreserve(new));
+                ids[i] = Some(id?);
+            }
+        }
+        // The states found first, by their entries; then the new ones (which may move entries).
+        for (i, (slot, &at)) in slots.iter().zip(&located).enumerate() {
+            let (true, true, Some(state), Some(id)) =
+                (outcome.changed[i], found[i], states[i], ids[i])
+            else {
+                continue;
+            };
+            let table = &mut guards[guard_of(at.segment)];
+            if let Ok(entry) = table.entries.find_entry(at.hash, |e| e.is(id, slot.key)) {
+                self.overwrite(entry, state, expires(i, state));
+            }
+        }
+        for (i, (slot, &at)) in slots.iter().zip(&located).enumerate() {
+            if let (Some(expires), Some(state), Some(id)) = (expiries[i], states[i], ids[i]) {
+                let table = &mut guards[guard_of(at.segment)];
+                self.insert_new(table, at, Entry::new(slot, id, state, expires), now);
             }
         }
         Ok(Some(outcome))
@@ -1021,6 +1127,148 @@ mod tests {
             assert_eq!(StoredKey::new(key).get(), key.map(str::as_bytes));
         }
         assert!(matches!(StoredKey::new(Some(&long)), StoredKey::Heap(_)));
+    }
+
+    /// A store on a manual clock at T0, of `segments` segments (16 if none) and `max_keys`.
+    fn manual(
+        segments: Option<usize>,
+        max_keys: Option<usize>,
+    ) -> (crate::RateLimiter<MemoryStore<tollgate_core::ManualClock>>, tollgate_core::ManualClock)
+    {
+        let clock = tollgate_core::ManualClock::new(1_700_000_000_000.0);
+        let mut builder = MemoryStore::builder().segments(segments.unwrap_or(16));
+        if let Some(max) = max_keys {
+            builder = builder.max_keys(max);
+        }
+        (crate::RateLimiter::new(builder.build_with_clock(clock.clone())), clock)
+    }
+
+    /// One token a second, one at a time: full again a second after a take.
+    const SECONDLY: Config = Config::token_bucket(1.0, 1_000.0);
+
+    /// Names that came with inline configs are given back once their states are gone: at
+    /// once by a sweep, and as names come and go by the store itself, never keeping more
+    /// than twice as many names as states (plus 64 a segment).
+    #[test]
+    fn names_are_given_back_when_their_states_are_gone() {
+        let (limiter, clock) = manual(None, None);
+        let names: Vec<String> = (0..10_000).map(|i| format!("inline-{i}")).collect();
+        for name in &names {
+            assert!(limiter.limit((name.as_str(), SECONDLY), "k").unwrap().ok);
+        }
+        let store = limiter.store();
+        assert_eq!((store.len(), store.names()), (10_000, 10_000));
+        // A few live on, and keep their values.
+        clock.advance(2_000.0);
+        for name in &names[..10] {
+            assert!(limiter.limit((name.as_str(), SECONDLY), "k").unwrap().ok);
+        }
+        assert_eq!(store.sweep(), 9_990);
+        assert_eq!((store.len(), store.names()), (10, 10));
+        for name in &names[..10] {
+            let reading = limiter.value((name.as_str(), SECONDLY), Some("k")).unwrap();
+            assert_eq!(reading.value, 0.0, "{name}");
+        }
+        // Names that come and go without a sweep: bounded all along.
+        let segments = store.segments.len();
+        for (i, name) in (0..50_000).map(|i| format!("passing-{i}")).enumerate() {
+            assert!(limiter.limit((name.as_str(), SECONDLY), "k").unwrap().ok);
+            clock.advance(10.0); // each is full again a second, 100 names, later
+            if i % 1_000 == 999 {
+                let bound = 2 * store.len() + 64 * segments + 2;
+                assert!(
+                    store.names() <= bound,
+                    "{} names for {} states",
+                    store.names(),
+                    store.len()
+                );
+            }
+        }
+        clock.advance(2_000.0);
+        store.sweep();
+        assert_eq!((store.len(), store.names()), (0, 0));
+    }
+
+    /// A request refused because the store is full keeps nothing: not its name either; in a
+    /// transaction of a few limits, or of many.
+    #[test]
+    fn a_refusal_for_want_of_room_keeps_no_name() {
+        let (limiter, _clock) = manual(None, Some(10));
+        for i in 0..10 {
+            let name = format!("kept-{i}");
+            assert!(limiter.limit((name.as_str(), SECONDLY), "k").unwrap().ok);
+        }
+        let store = limiter.store();
+        assert_eq!(store.names(), 10);
+        for i in 0..1_000 {
+            let name = format!("refused-{i}");
+            assert!(limiter.limit((name.as_str(), SECONDLY), "k").is_err());
+            let names: Vec<String> = (0..3).map(|j| format!("refused-{i}-{j}")).collect();
+            let calls: Vec<crate::Call<'_>> = names
+                .iter()
+                .map(|n| crate::Target::from((n.as_str(), SECONDLY)).with("k"))
+                .collect();
+            assert!(limiter.transaction(&calls).is_err());
+            let names: Vec<String> = (0..6).map(|j| format!("refused-{i}-{j}")).collect();
+            let calls: Vec<crate::Call<'_>> = names
+                .iter()
+                .map(|n| crate::Target::from((n.as_str(), SECONDLY)).with("k"))
+                .collect();
+            assert!(limiter.transaction(&calls).is_err());
+        }
+        assert_eq!((store.len(), store.names()), (10, 10));
+    }
+
+    /// A take that leaves a new state full keeps nothing (a count of 0 on a new key).
+    #[test]
+    fn a_new_state_left_full_keeps_no_name() {
+        let (limiter, _clock) = manual(None, None);
+        for i in 0..100 {
+            let name = format!("look-{i}");
+            let zero = crate::Request::new().key("k").count(0.0);
+            assert!(limiter.limit((name.as_str(), SECONDLY), zero).unwrap().ok);
+        }
+        assert_eq!((limiter.store().len(), limiter.store().names()), (0, 0));
+    }
+
+    /// Giving names back renumbers the rest: every state is still found, in transactions
+    /// too, and the names given back are found nowhere.
+    #[test]
+    fn states_keep_their_names_when_others_are_given_back() {
+        let (limiter, clock) = manual(Some(1), None);
+        // 100 at once, then one a minute.
+        let config = Config::token_bucket(1.0, 60_000.0).with_capacity(100.0);
+        let live: Vec<String> = (0..200).map(|i| format!("live-{i}")).collect();
+        for round in 0..5 {
+            // Passing names, full again at once, between the live ones.
+            for i in 0..300 {
+                let name = format!("gone-{round}-{i}");
+                assert!(limiter.limit((name.as_str(), SECONDLY), "k").unwrap().ok);
+            }
+            for name in &live {
+                let calls = [
+                    crate::Target::from((name.as_str(), config)).with("a"),
+                    crate::Target::from((name.as_str(), config)).with("b"),
+                    crate::Target::from(("other", config)).with(name.as_str()),
+                ];
+                assert!(limiter.transaction(&calls).unwrap().ok);
+            }
+            clock.advance(1_000.0); // the passing ones are full again
+            limiter.store().sweep();
+        }
+        // As stored at the last take: five taken, four seconds of refill (a fifteenth) back.
+        let left = 95.0 + 4_000.0 / 60_000.0;
+        for name in &live {
+            for (name, key) in [(name.as_str(), "a"), (name.as_str(), "b"), ("other", name)] {
+                let reading = limiter.value((name, config), Some(key)).unwrap();
+                assert!((reading.value - left).abs() < 1e-9, "{name} {key}: {}", reading.value);
+            }
+        }
+        // Once the last passing ones have expired (a second after they are full, at most):
+        // 200 live names with states, and "other".
+        clock.advance(2_000.0);
+        limiter.store().sweep();
+        assert_eq!(limiter.store().names(), 201);
     }
 
     #[test]
