@@ -68,6 +68,8 @@ struct ServerSection {
     shutdown_deadline: Option<Period>,
     rls_listen: Option<String>,
     rls_config: Option<std::path::PathBuf>,
+    cors_origins: Option<Vec<String>>,
+    allowed_hosts: Option<Vec<String>>,
 }
 
 /// Everything `tollgate serve` runs with.
@@ -95,6 +97,10 @@ pub struct Settings {
     /// envoyproxy/ratelimit's configuration (a YAML file or a directory), for the RLS and
     /// `POST /json`.
     pub rls_config: Option<std::path::PathBuf>,
+    /// The origins whose web pages may call the API (`*`: any); see [`crate::browsers`].
+    pub cors_origins: Vec<String>,
+    /// Host names a server without tokens answers to, besides loopback and its address.
+    pub allowed_hosts: Vec<String>,
     /// The named limits.
     pub limits: Vec<(String, Config)>,
     /// The named limits that fail open (`failOpen = true`).
@@ -268,6 +274,27 @@ impl FileConfig {
                  [server] rlsConfig), envoyproxy/ratelimit's YAML file or a directory of them"
             );
         }
+        let cors_origins = server.cors_origins.clone().unwrap_or_default();
+        for origin in &cors_origins {
+            if origin != "*" && !is_origin(origin) {
+                bail!(
+                    "[server] corsOrigins: {origin:?} is not an origin such as \
+                     \"https://app.example\" or \"http://localhost:3000\" (a scheme, a host \
+                     and an optional port; no path), nor \"*\""
+                );
+            }
+        }
+        let allowed_hosts = server.allowed_hosts.clone().unwrap_or_default();
+        for host in &allowed_hosts {
+            if host.is_empty()
+                || !host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b))
+            {
+                bail!(
+                    "[server] allowedHosts: {host:?} is not a host name such as \
+                     \"tollgate.internal\" (no scheme, port or path)"
+                );
+            }
+        }
         Ok(Settings {
             listen,
             store,
@@ -279,6 +306,8 @@ impl FileConfig {
             http,
             rls_listen,
             rls_config,
+            cors_origins,
+            allowed_hosts,
             limits: self.limits(examples)?,
             fail_open: self
                 .limits
@@ -297,6 +326,21 @@ impl FileConfig {
     pub fn named_limits(&self) -> anyhow::Result<Vec<(String, Config)>> {
         self.limits(false)
     }
+}
+
+/// Whether `text` is a web origin: `http` or `https`, `://`, a host, an optional port.
+fn is_origin(text: &str) -> bool {
+    let Some(rest) = text.strip_prefix("https://").or_else(|| text.strip_prefix("http://")) else {
+        return false;
+    };
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((host, _)) if !host.ends_with(']') && host.contains(':') => (rest, ""),
+        Some((host, port)) => (host, port),
+        None => (rest, ""),
+    };
+    !host.is_empty()
+        && !host.contains(['/', '?', '#', '@', ' '])
+        && port.bytes().all(|b| b.is_ascii_digit())
 }
 
 /// The limits a server without a config file starts with, so that it can be tried at once.
@@ -384,6 +428,28 @@ mod tests {
     }
 
     #[test]
+    fn web_origins_and_host_names() {
+        let s = FileConfig::parse(
+            "[server]\ncorsOrigins = [\"https://app.example\", \"http://localhost:3000\", \
+             \"http://[::1]:5173\", \"*\"]\nallowedHosts = [\"tollgate.internal\"]\n",
+        )
+        .unwrap()
+        .settings(&Overrides::default(), true)
+        .unwrap();
+        assert_eq!(s.cors_origins.len(), 4);
+        assert_eq!(s.allowed_hosts, ["tollgate.internal"]);
+        for bad in [
+            "app.example",
+            "ftp://app.example",
+            "https://",
+            "https://a.example/x",
+            "https://a.example:x",
+        ] {
+            assert!(!is_origin(bad), "{bad}");
+        }
+    }
+
+    #[test]
     fn timeouts_and_limits_of_the_server_section() {
         let settings = |text: &str| {
             FileConfig::parse(text).and_then(|f| f.settings(&Overrides::default(), true))
@@ -426,6 +492,17 @@ mod tests {
             (
                 "[server]\ntokens = [\"\"]\n",
                 "tokens: an empty token can never be sent, so it would lock every client out",
+            ),
+            (
+                "[server]\ncorsOrigins = [\"https://app.example/\"]\n",
+                "[server] corsOrigins: \"https://app.example/\" is not an origin such as \
+                 \"https://app.example\" or \"http://localhost:3000\" (a scheme, a host and an \
+                 optional port; no path), nor \"*\"",
+            ),
+            (
+                "[server]\nallowedHosts = [\"tollgate:8787\"]\n",
+                "[server] allowedHosts: \"tollgate:8787\" is not a host name such as \
+                 \"tollgate.internal\" (no scheme, port or path)",
             ),
         ] {
             assert_eq!(settings(text).unwrap_err().to_string(), message, "{text}");

@@ -39,6 +39,8 @@ pub struct App {
     pub sqlite_states: Arc<std::sync::atomic::AtomicUsize>,
     /// The rate limit service, with `--rls-config`: `POST /json` and its metrics.
     pub rls: Option<Arc<crate::rls::Rls>>,
+    /// What web pages may ask (`Origin`, and without tokens `Host`).
+    pub browsers: Arc<crate::browsers::BrowserRules>,
 }
 
 /// How often a run of failed requests is summed up in the log.
@@ -173,6 +175,8 @@ pub fn router(app: Arc<App>) -> Router {
         })
         // Bodies over the limit are refused before they are read to the end.
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        // First of all: requests of web pages that may not ask.
+        .layer(crate::browsers::GuardLayer(Arc::clone(&app.browsers)))
         .with_state(app)
 }
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 
+pub mod browsers;
 pub mod client;
 pub mod config;
 pub mod engine;
@@ -203,6 +204,12 @@ pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)
         accept_errors: Arc::new(http::ErrorLog::new("connections could not be accepted")),
         body_timeout: settings.http.body_timeout,
         sqlite_states: Arc::clone(&sqlite_states),
+        browsers: Arc::new(browsers::BrowserRules::new(
+            !settings.tokens.is_empty(),
+            settings.listen,
+            &settings.cors_origins,
+            &settings.allowed_hosts,
+        )),
     };
     let sweeps = Sweeps {
         sqlite: opened.sqlite,

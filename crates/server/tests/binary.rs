@@ -181,3 +181,54 @@ fn a_store_that_cannot_be_opened_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("postgres://nobody@127.0.0.1:1/x") && !err.contains("panicked"), "{err}");
 }
+
+/// One HTTP/1.1 request written by hand (so that `Host` and `Origin` are what a browser
+/// would send): the status.
+fn raw_request(base: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> u16 {
+    use std::io::{Read, Write};
+    let addr = base.trim_start_matches("http://");
+    let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+    let mut request = format!("{method} {path} HTTP/1.1\r\nconnection: close\r\n");
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str(&format!("content-length: {}\r\n\r\n{body}", body.len()));
+    tcp.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    tcp.read_to_string(&mut answer).unwrap();
+    answer.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
+/// The README's server with its defaults (no tokens, loopback): the issue's cross-site
+/// request (`text/plain`, `Origin: http://evil.example`) is 403 and resets nothing, a
+/// rebound `Host` is 403, and curl's requests are served.
+#[test]
+fn web_pages_of_other_sites_cannot_use_a_loopback_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tollgate.toml");
+    std::fs::write(&config, "").unwrap();
+    let server = Server::start("memory", &config, dir.path());
+    let host = server.base.trim_start_matches("http://").to_owned();
+    let body = r#"{"name":"example","key":"alice"}"#;
+    // Take one of example's 3 (a file without limits: define it inline).
+    let example = json!({ "name": "example", "key": "alice", "config": { "kind": "token bucket", "rate": 3, "period": "1d" } });
+    assert_eq!(server.post("/v1/limit", &example).0, 200);
+    let evil = [
+        ("host", host.as_str()),
+        ("origin", "http://evil.example"),
+        ("content-type", "text/plain"),
+    ];
+    assert_eq!(raw_request(&server.base, "POST", "/v1/reset", &evil, body), 403);
+    let rebound = [("host", "rebind.attacker.example:8787")];
+    assert_eq!(raw_request(&server.base, "GET", "/v1/config", &rebound, ""), 403);
+    assert_eq!(raw_request(&server.base, "POST", "/v1/value", &rebound, body), 403);
+    // Nothing was reset: 2 of 3 left.
+    let (status, value) = server.post("/v1/value", &example);
+    assert_eq!((status, &value["value"]), (200, &json!(2)), "{value}");
+    // As curl sends it.
+    assert_eq!(
+        raw_request(&server.base, "POST", "/v1/reset", &[("host", host.as_str())], body),
+        200
+    );
+    server.terminate();
+}

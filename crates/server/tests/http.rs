@@ -8,6 +8,7 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tollgate::store::Unavailable;
 use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter};
+use tollgate_server::browsers::BrowserRules;
 use tollgate_server::engine::{DynStore, Engine, Permissions};
 use tollgate_server::http::{App, router};
 use tollgate_server::metrics::Metrics;
@@ -32,6 +33,12 @@ fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> axum:
         body_timeout: std::time::Duration::from_secs(10),
         sqlite_states: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
         rls: None,
+        browsers: Arc::new(BrowserRules::new(
+            !tokens.is_empty(),
+            "127.0.0.1:8787".parse().unwrap(),
+            &["https://app.example".to_owned()],
+            &[],
+        )),
     }))
 }
 
@@ -573,4 +580,90 @@ async fn stats_count_what_requests_took() {
     let page = get(&app, "/").await;
     assert_eq!(page.status, StatusCode::OK);
     assert_eq!(page.header("content-type"), Some("text/html; charset=utf-8"));
+}
+
+/// A request with these headers (`Host`, `Origin`, ...).
+fn request_with(method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Request<Body> {
+    let mut request = Request::builder().method(method).uri(path);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request.body(Body::from(body.to_owned())).unwrap()
+}
+
+/// A web page of another site cannot use the API of a server it can reach: a `text/plain`
+/// POST (no CORS preflight) with an `Origin` that is neither the server's own nor one of
+/// `corsOrigins` is refused with 403 and takes nothing; the server's own pages (the
+/// dashboard), an allowed origin (with the CORS fields, and its preflight answered), and
+/// clients that send no `Origin` are served.
+#[tokio::test]
+async fn requests_of_web_pages_of_other_origins_are_refused() {
+    let (app, _) = app();
+    let host = ("host", "127.0.0.1:8787");
+    post(&app, "/v1/limit", r#"{"name":"example","key":"alice"}"#).await;
+    let reset = r#"{"name":"example","key":"alice"}"#;
+    let evil = [host, ("origin", "http://evil.example"), ("content-type", "text/plain")];
+    let r = send(&app, request_with("POST", "/v1/reset", &evil, reset)).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+    assert!(r.body["error"].as_str().unwrap().contains("corsOrigins"), "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), None);
+    let r = send(&app, request_with("POST", "/v1/limit", &evil, reset)).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    // Nothing was reset, nor taken: alice has 2 of 3 left.
+    let r = post(&app, "/v1/value", r#"{"name":"example","key":"alice"}"#).await;
+    assert_eq!(r.body["value"], 2);
+    // The server's own page, over http or https (behind a proxy).
+    for origin in ["http://127.0.0.1:8787", "https://127.0.0.1:8787"] {
+        let own = [host, ("origin", origin), ("content-type", "application/json")];
+        let r = send(&app, request_with("POST", "/v1/check", &own, reset)).await;
+        assert_eq!(r.status, StatusCode::OK, "{origin}");
+        assert_eq!(r.header("access-control-allow-origin"), None);
+    }
+    // An origin of corsOrigins: served, with the CORS fields; its preflight answered.
+    let allowed = [host, ("origin", "https://app.example")];
+    let r = send(&app, request_with("POST", "/v1/check", &allowed, reset)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header("access-control-allow-origin"), Some("https://app.example"));
+    assert_eq!(r.header("vary"), Some("Origin"));
+    assert!(r.header("access-control-expose-headers").unwrap().contains("Retry-After"));
+    let preflight =
+        [host, ("origin", "https://app.example"), ("access-control-request-method", "POST")];
+    let r = send(&app, request_with("OPTIONS", "/v1/limit", &preflight, "")).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    assert_eq!(r.header("access-control-allow-methods"), Some("GET, POST"));
+    assert_eq!(r.header("access-control-allow-headers"), Some("authorization, content-type"));
+    let preflight =
+        [host, ("origin", "http://evil.example"), ("access-control-request-method", "POST")];
+    let r = send(&app, request_with("OPTIONS", "/v1/limit", &preflight, "")).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    // curl, the CLI, the clients: no Origin.
+    let r = send(&app, request_with("POST", "/v1/reset", &[host], reset)).await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+/// DNS rebinding: a page of the attacker's name, resolved to loopback, sends its requests
+/// with that name in `Host`. A server without tokens answers only a `Host` that names it
+/// (loopback names and addresses, its listen address); one with tokens checks the token.
+#[tokio::test]
+async fn a_host_that_does_not_name_a_server_without_tokens_is_refused() {
+    let (app, _) = app();
+    let rebound = [("host", "rebind.attacker.example:8787")];
+    for path in ["/v1/config", "/metrics", "/healthz", "/"] {
+        let r = send(&app, request_with("GET", path, &rebound, "")).await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{path}");
+    }
+    let r = send(&app, request_with("POST", "/v1/value", &rebound, r#"{"name":"example"}"#)).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    assert!(r.body["error"].as_str().unwrap().contains("allowedHosts"), "{}", r.body);
+    for host in ["127.0.0.1:8787", "localhost:8787", "[::1]:8787", "127.0.0.53"] {
+        let r = send(&app, request_with("GET", "/v1/config", &[("host", host)], "")).await;
+        assert_eq!(r.status, StatusCode::OK, "{host}");
+    }
+    // With tokens, the token decides.
+    let tokens = app_with(Arc::new(MemoryStore::new()), &["s3cret"], Permissions::default());
+    let r = send(&tokens, request_with("GET", "/v1/config", &rebound, "")).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let with_token = [rebound[0], ("authorization", "Bearer s3cret")];
+    let r = send(&tokens, request_with("GET", "/v1/config", &with_token, "")).await;
+    assert_eq!(r.status, StatusCode::OK);
 }

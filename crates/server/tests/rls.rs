@@ -102,6 +102,8 @@ fn start(store: &str, tokens: &[&str]) -> Server {
         http: tollgate_server::config::HttpLimits::default(),
         rls_listen: Some("127.0.0.1:0".parse().unwrap()),
         rls_config: Some(path),
+        cors_origins: Vec::new(),
+        allowed_hosts: Vec::new(),
         limits: Vec::new(),
         fail_open: Vec::new(),
     };

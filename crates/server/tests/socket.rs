@@ -26,6 +26,8 @@ fn settings(store: String) -> Settings {
         http: tollgate_server::config::HttpLimits::default(),
         rls_listen: None,
         rls_config: None,
+        cors_origins: Vec::new(),
+        allowed_hosts: Vec::new(),
         limits: vec![("race".into(), Config::token_bucket(100.0, DAY))],
         fail_open: Vec::new(),
     }
