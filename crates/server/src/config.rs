@@ -70,6 +70,7 @@ struct ServerSection {
     rls_config: Option<std::path::PathBuf>,
     cors_origins: Option<Vec<String>>,
     allowed_hosts: Option<Vec<String>>,
+    public_metrics: Option<bool>,
 }
 
 /// Everything `tollgate serve` runs with.
@@ -101,6 +102,8 @@ pub struct Settings {
     pub cors_origins: Vec<String>,
     /// Host names a server without tokens answers to, besides loopback and its address.
     pub allowed_hosts: Vec<String>,
+    /// `/metrics` without a token on a server with tokens.
+    pub public_metrics: bool,
     /// The named limits.
     pub limits: Vec<(String, Config)>,
     /// The named limits that fail open (`failOpen = true`).
@@ -227,14 +230,32 @@ impl FileConfig {
             .unwrap_or_else(|| DEFAULT_STORE.into());
         let mut tokens = self.server.tokens.clone().unwrap_or_default();
         if let Some(env) = &overrides.tokens_env {
-            tokens
-                .extend(env.split(',').map(str::trim).filter(|t| !t.is_empty()).map(String::from));
-        }
-        if tokens.iter().any(|t| t.chars().any(|c| c.is_whitespace() || c.is_control())) {
-            bail!("tokens must not contain spaces or control characters");
+            // Set but blank, or with an empty item ("a,,b"): a mistake that would otherwise
+            // leave the server open, or lock its clients out.
+            if env.trim().is_empty() {
+                bail!(
+                    "TOLLGATE_TOKENS is set but holds no token; unset it to run without tokens, \
+                     or give them comma-separated"
+                );
+            }
+            for (i, token) in env.split(',').map(str::trim).enumerate() {
+                if token.is_empty() {
+                    bail!(
+                        "TOLLGATE_TOKENS: item {} is empty (\"a,,b\" or a trailing comma?)",
+                        i + 1
+                    );
+                }
+                tokens.push(token.to_owned());
+            }
         }
         if tokens.iter().any(String::is_empty) {
             bail!("tokens: an empty token can never be sent, so it would lock every client out");
+        }
+        if tokens.iter().any(|t| !t.bytes().all(|b| b.is_ascii_graphic())) {
+            bail!(
+                "tokens must be visible ASCII (no spaces, control characters or other \
+                 characters): a client could not send another one in an Authorization header"
+            );
         }
         if self.server.max_connections == Some(0) {
             bail!("[server] maxConnections is 0; it must be at least 1");
@@ -308,6 +329,7 @@ impl FileConfig {
             rls_config,
             cors_origins,
             allowed_hosts,
+            public_metrics: server.public_metrics.unwrap_or(false),
             limits: self.limits(examples)?,
             fail_open: self
                 .limits
@@ -428,6 +450,25 @@ mod tests {
     }
 
     #[test]
+    fn tokens_from_the_environment() {
+        let with = |env: &str| {
+            let o = Overrides { tokens_env: Some(env.into()), ..Overrides::default() };
+            FileConfig::default().settings(&o, true).map(|s| s.tokens)
+        };
+        assert_eq!(with(" a , b ").unwrap(), ["a", "b"]);
+        for (env, message) in [
+            ("", "TOLLGATE_TOKENS is set but holds no token"),
+            ("  ", "TOLLGATE_TOKENS is set but holds no token"),
+            ("a,,b", "TOLLGATE_TOKENS: item 2 is empty"),
+            ("a,", "TOLLGATE_TOKENS: item 2 is empty"),
+            ("\u{e9}t\u{e9}", "tokens must be visible ASCII"),
+        ] {
+            let err = with(env).unwrap_err().to_string();
+            assert!(err.starts_with(message), "{env:?}: {err}");
+        }
+    }
+
+    #[test]
     fn web_origins_and_host_names() {
         let s = FileConfig::parse(
             "[server]\ncorsOrigins = [\"https://app.example\", \"http://localhost:3000\", \
@@ -492,6 +533,16 @@ mod tests {
             (
                 "[server]\ntokens = [\"\"]\n",
                 "tokens: an empty token can never be sent, so it would lock every client out",
+            ),
+            (
+                "[server]\ntokens = [\"caf\u{e9}\"]\n",
+                "tokens must be visible ASCII (no spaces, control characters or other \
+                 characters): a client could not send another one in an Authorization header",
+            ),
+            (
+                "[server]\ntokens = [\"two words\"]\n",
+                "tokens must be visible ASCII (no spaces, control characters or other \
+                 characters): a client could not send another one in an Authorization header",
             ),
             (
                 "[server]\ncorsOrigins = [\"https://app.example/\"]\n",

@@ -354,6 +354,13 @@ impl Engine {
     }
 
     fn target<'a>(&self, name: &'a str, config: Option<&RawConfig>) -> Result<Target<'a>, Answer> {
+        if name.is_empty() {
+            // With a config or without: no limit has no name.
+            return Err(Answer::error(
+                StatusCode::BAD_REQUEST,
+                "Rate limit name must not be empty.",
+            ));
+        }
         let defined = self.limiter.defined_config(name).is_some();
         match config {
             None if defined => Ok(Target::Named(name)),

@@ -41,6 +41,10 @@ pub struct App {
     pub rls: Option<Arc<crate::rls::Rls>>,
     /// What web pages may ask (`Origin`, and without tokens `Host`).
     pub browsers: Arc<crate::browsers::BrowserRules>,
+    /// `/metrics` without a token even when the API asks for one (`publicMetrics`).
+    pub public_metrics: bool,
+    /// The SQLite store, if that is the store: `/healthz` checks that it can still write.
+    pub sqlite: Option<Arc<tollgate::store::SqliteStore>>,
 }
 
 /// How often a run of failed requests is summed up in the log.
@@ -137,8 +141,8 @@ impl IntoResponse for Answer {
     }
 }
 
-/// The router: `/v1/*` behind the bearer tokens, `/healthz`, `/metrics` and
-/// `/openapi.json` open.
+/// The router: `/v1/*` (and `/metrics`, unless `publicMetrics`) behind the bearer tokens;
+/// `/healthz`, `/openapi.json` and the dashboard's page open.
 pub fn router(app: Arc<App>) -> Router {
     let document: Arc<str> = openapi_document(!app.tokens.is_empty()).into();
     let api = Router::new()
@@ -154,6 +158,14 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/config", get(|State(app): State<Arc<App>>| async move { app.engine.config() }))
         .route("/json", post(rls_json))
         .route("/v1/stats", get(|State(app): State<Arc<App>>| async move { app.engine.stats() }));
+    // With tokens, /metrics asks for one too (its labels may hold descriptor values, such as
+    // API keys), unless the config says it is public.
+    let scrape = get(|State(app): State<Arc<App>>| async move { metrics(&app) });
+    let (api, open) = if app.public_metrics || app.tokens.is_empty() {
+        (api, Router::new().route("/metrics", scrape))
+    } else {
+        (api.route("/metrics", scrape), Router::new())
+    };
     // Without tokens there is nothing to check: no middleware on the hot path at all.
     let api = if app.tokens.is_empty() {
         api
@@ -162,10 +174,10 @@ pub fn router(app: Arc<App>) -> Router {
     };
     Router::new()
         .merge(api)
+        .merge(open)
         // The dashboard: the page itself is open; it asks for a token when the API does.
         .route("/", get(dashboard))
         .route("/healthz", get(healthz))
-        .route("/metrics", get(|State(app): State<Arc<App>>| async move { metrics(&app) }))
         .route("/openapi.json", get(move || openapi(Arc::clone(&document))))
         .fallback(|| async {
             Answer::error(StatusCode::NOT_FOUND, "no such endpoint; see /openapi.json")
@@ -184,9 +196,9 @@ pub fn router(app: Arc<App>) -> Router {
 /// read to its end), so that a client does not send its next request on it.
 const CLOSE: (HeaderName, &str) = (header::CONNECTION, "close");
 
-async fn operation(State(app): State<Arc<App>>, op: Op, body: Body) -> Answer {
+async fn operation(State(app): State<Arc<App>>, op: Op, request: Request) -> Answer {
     let start = Instant::now();
-    let answer = match read_body(&app, body).await {
+    let answer = match read_body(&app, request).await {
         Ok(body) => app.engine.run(op, &body).await,
         Err(answer) => answer,
     };
@@ -199,23 +211,42 @@ async fn operation(State(app): State<Arc<App>>, op: Op, body: Body) -> Answer {
 }
 
 /// A request's body, read within the body timeout: or the answer that says why not (413,
-/// 408, 400), each closing the connection, whose rest was not read.
-async fn read_body(app: &App, body: Body) -> Result<axum::body::Bytes, Answer> {
-    let (status, message) =
-        match tokio::time::timeout(app.body_timeout, axum::body::to_bytes(body, MAX_BODY)).await {
-            Ok(Ok(body)) => return Ok(body),
-            Ok(Err(e)) if too_large(&e) => {
-                (StatusCode::PAYLOAD_TOO_LARGE, format!("request body is over {MAX_BODY} bytes"))
-            }
-            Ok(Err(e)) => (StatusCode::BAD_REQUEST, format!("cannot read the body: {e}")),
-            Err(_) => (
-                StatusCode::REQUEST_TIMEOUT,
-                format!("the body did not arrive within {:?}", app.body_timeout),
-            ),
-        };
+/// 408, 400), each closing the connection, whose rest was not read. A body declared larger
+/// than the limit (`Content-Length`) is refused before any of it is read (nor is a client
+/// that sent `Expect: 100-continue` told to send it).
+async fn read_body(app: &App, request: Request) -> Result<axum::body::Bytes, Answer> {
+    let declared = request.headers().get(header::CONTENT_LENGTH);
+    let declared = declared.and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let (status, message) = match declared {
+        Some(length) if length > MAX_BODY as u64 => (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body is {length} bytes; the most is {MAX_BODY}"),
+        ),
+        _ => match read_within(app.body_timeout, request.into_body()).await {
+            Ok(body) => return Ok(body),
+            Err(refusal) => refusal,
+        },
+    };
     let mut answer = Answer::error(status, message);
     answer.headers.push((CLOSE.0, CLOSE.1.into()));
     Err(answer)
+}
+
+/// A body read whole within `timeout`, or the status and message that say why not.
+async fn read_within(
+    timeout: Duration,
+    body: Body,
+) -> Result<axum::body::Bytes, (StatusCode, String)> {
+    Err(match tokio::time::timeout(timeout, axum::body::to_bytes(body, MAX_BODY)).await {
+        Ok(Ok(body)) => return Ok(body),
+        Ok(Err(e)) if too_large(&e) => {
+            (StatusCode::PAYLOAD_TOO_LARGE, format!("request body is over {MAX_BODY} bytes"))
+        }
+        Ok(Err(e)) => (StatusCode::BAD_REQUEST, format!("cannot read the body: {e}")),
+        Err(_) => {
+            (StatusCode::REQUEST_TIMEOUT, format!("the body did not arrive within {timeout:?}"))
+        }
+    })
 }
 
 /// Whether reading a body failed for its size.
@@ -231,12 +262,22 @@ fn too_large(e: &axum::Error) -> bool {
 }
 
 async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    let presented =
-        request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer);
-    match presented {
+    let mut values = request.headers().get_all(header::AUTHORIZATION).iter();
+    let (value, more) = (values.next(), values.next());
+    if more.is_some() {
+        return Answer::error(
+            StatusCode::BAD_REQUEST,
+            "more than one Authorization header; send one: Authorization: Bearer <token>",
+        )
+        .into_response();
+    }
+    let Some(value) = value else {
+        return unauthorized("missing Authorization: Bearer <token>");
+    };
+    match value.to_str().ok().and_then(bearer) {
         Some(token) if known_token(&app.tokens, token) => next.run(request).await,
         Some(_) => unauthorized("wrong bearer token"),
-        None => unauthorized("missing Authorization: Bearer <token>"),
+        None => unauthorized("expected a Bearer token: Authorization: Bearer <token>"),
     }
 }
 
@@ -265,15 +306,33 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// `/healthz`: the store answers (a read of nothing) within the store deadline, or 503.
+/// `/healthz`: the store answers (a read of nothing) within the store deadline, or 503;
+/// SQLite must also still be able to write to the file at its path (see
+/// `SqliteStore::check`).
 async fn healthz(State(app): State<Arc<App>>) -> Response {
-    let probe = app.engine.limiter().store().read_boxed(&[]);
-    let result = match tokio::time::timeout(app.health_deadline, probe).await {
-        Ok(read) => read.map(drop),
-        Err(_) => Err(tollgate::StoreError::new(format!(
+    let late = || {
+        tollgate::StoreError::new(format!(
             "the store did not answer within {:?}",
             app.health_deadline
-        ))),
+        ))
+    };
+    let result = match &app.sqlite {
+        Some(sqlite) => {
+            let sqlite = Arc::clone(sqlite);
+            let check = tokio::task::spawn_blocking(move || sqlite.check());
+            match tokio::time::timeout(app.health_deadline, check).await {
+                Ok(Ok(checked)) => checked,
+                Ok(Err(_)) => Err(tollgate::StoreError::new("the store's check panicked")),
+                Err(_) => Err(late()),
+            }
+        }
+        None => {
+            let probe = app.engine.limiter().store().read_boxed(&[]);
+            match tokio::time::timeout(app.health_deadline, probe).await {
+                Ok(read) => read.map(drop),
+                Err(_) => Err(late()),
+            }
+        }
     };
     match result {
         Ok(()) => {
@@ -309,7 +368,7 @@ async fn dashboard() -> Response {
 
 /// envoyproxy/ratelimit's `POST /json`: 200 or 429 with the response in proto3 JSON; 404
 /// without `--rls-config`.
-async fn rls_json(State(app): State<Arc<App>>, body: Body) -> Response {
+async fn rls_json(State(app): State<Arc<App>>, request: Request) -> Response {
     let Some(rls) = &app.rls else {
         return Answer::error(
             StatusCode::NOT_FOUND,
@@ -317,7 +376,7 @@ async fn rls_json(State(app): State<Arc<App>>, body: Body) -> Response {
         )
         .into_response();
     };
-    let body = match read_body(&app, body).await {
+    let body = match read_body(&app, request).await {
         Ok(body) => body,
         Err(answer) => return answer.into_response(),
     };

@@ -210,6 +210,8 @@ pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)
             &settings.cors_origins,
             &settings.allowed_hosts,
         )),
+        public_metrics: settings.public_metrics,
+        sqlite: opened.sqlite.clone(),
     };
     let sweeps = Sweeps {
         sqlite: opened.sqlite,
@@ -238,6 +240,9 @@ const MEMORY_SWEEP: Duration = Duration::from_secs(10);
 /// How often the SQLite store is swept: a sweep reads the whole table.
 const SQLITE_SWEEP: Duration = Duration::from_secs(60);
 
+/// How often the SQLite store is checked (its file still there, and writable).
+const SQLITE_CHECK: Duration = Duration::from_secs(10);
+
 impl Sweeps {
     /// Sweeps the stores on their schedules, off the runtime's threads, until the process
     /// ends.
@@ -250,6 +255,31 @@ impl Sweeps {
                     let memory = Arc::clone(&memory);
                     let swept = tokio::task::spawn_blocking(move || memory.sweep()).await;
                     tracing::debug!(swept = swept.unwrap_or(0), "dropped full states");
+                }
+            });
+        }
+        if let Some(sqlite) = &self.sqlite {
+            // The file can still be written where it should: said in the log when that
+            // changes (`/healthz` says it at every call).
+            let sqlite = Arc::clone(sqlite);
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(SQLITE_CHECK);
+                let mut failing = false;
+                loop {
+                    every.tick().await;
+                    let sqlite = Arc::clone(&sqlite);
+                    let checked = tokio::task::spawn_blocking(move || sqlite.check()).await;
+                    match checked {
+                        Ok(Err(e)) if !failing => {
+                            tracing::error!("{e}");
+                            failing = true;
+                        }
+                        Ok(Ok(())) if failing => {
+                            tracing::info!("sqlite: the file can be written again");
+                            failing = false;
+                        }
+                        _ => {}
+                    }
                 }
             });
         }
@@ -401,7 +431,10 @@ pub async fn serve_http(
 fn print_banner(settings: &Settings, addr: SocketAddr, rls: Option<SocketAddr>) {
     let names: Vec<&str> = settings.limits.iter().map(|(n, _)| n.as_str()).collect();
     println!("tollgate listening on http://{addr}");
-    println!("  store:  {}", settings.store);
+    let memory = settings.store == "memory" || settings.store == "memory://";
+    let forgets =
+        if memory { " (in this process only: a restart forgets every state)" } else { "" };
+    println!("  store:  {}{forgets}", settings.store);
     println!(
         "  limits: {}",
         if names.is_empty() { "(none defined)".into() } else { names.join(", ") }

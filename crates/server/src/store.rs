@@ -46,7 +46,8 @@ impl Opened {
 /// directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB`,
 /// `redis+cluster://HOST:PORT,HOST:PORT` or `postgres://USER@HOST/DB`. Redis and PostgreSQL
 /// go behind a circuit breaker: a request waits at most `deadline` for them, and after a
-/// few failures in a row they are not asked until they answer again.
+/// few failures in a row they are not asked until they answer again. SQLite waits at most
+/// `deadline` for another process's write lock.
 ///
 /// # Errors
 ///
@@ -66,9 +67,12 @@ pub async fn open(
     }
     if let Some(rest) = url.strip_prefix("sqlite://") {
         let (path, synchronous) = sqlite_options(rest).with_context(|| format!("store {url:?}"))?;
+        // Waiting for another process's write lock is a wait for the store: bounded by the
+        // deadline, as Redis's and PostgreSQL's round trips are.
         let sqlite = Arc::new(
             SqliteStore::builder()
                 .synchronous(synchronous)
+                .busy_timeout(deadline)
                 .open(path)
                 .with_context(|| format!("store {url:?}"))?,
         );

@@ -232,3 +232,90 @@ fn web_pages_of_other_sites_cannot_use_a_loopback_server() {
     );
     server.terminate();
 }
+
+/// A request that declares a body over 64 KiB, asking first whether to send it (`Expect:
+/// 100-continue`), is told 413 at once: not 100, and not a wait for the body.
+#[test]
+fn a_declared_length_over_the_limit_is_refused_before_the_body() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tollgate.toml");
+    std::fs::write(&config, "").unwrap();
+    let server = Server::start("memory", &config, dir.path());
+    let mut tcp = std::net::TcpStream::connect(server.base.trim_start_matches("http://")).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let start = Instant::now();
+    tcp.write_all(
+        b"POST /v1/limit HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 100000\r\n\
+          expect: 100-continue\r\ncontent-type: application/json\r\n\r\n",
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = tcp.read_to_string(&mut answer); // the server closes the connection after it
+    assert!(answer.starts_with("HTTP/1.1 413 "), "{answer}");
+    assert!(answer.contains("the most is 65536"), "{answer}");
+    assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());
+    server.terminate();
+}
+
+/// `/healthz` on SQLite tells whether the file can still be written: not while another
+/// process holds its write lock (and requests then fail within `storeDeadline`, not after
+/// SQLite's own 5 s), nor once the file was deleted or replaced under the server (which
+/// the log says too).
+#[test]
+fn sqlite_health_tells_when_the_file_cannot_be_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tollgate.toml");
+    std::fs::write(&config, "[server]\nstoreDeadline = 200\n").unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--store", "sqlite://state.db", "--config"])
+        .arg(&config)
+        .current_dir(dir.path());
+    let served = common::Served::start(command, false);
+    let base = format!("http://{}", served.http);
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let health = || {
+        let mut r = agent.get(&format!("{base}/healthz")).call().unwrap();
+        (r.status().as_u16(), r.body_mut().read_json::<Value>().unwrap())
+    };
+    let take = || {
+        let body =
+            json!({ "name": "h", "config": { "kind": "token bucket", "rate": 9, "period": "1d" } });
+        let mut r = agent.post(&format!("{base}/v1/limit")).send_json(body).unwrap();
+        (r.status().as_u16(), r.body_mut().read_json::<Value>().unwrap())
+    };
+    assert_eq!(health().0, 200);
+    assert_eq!(take().0, 200);
+    // Another process holds the write lock.
+    let other = rusqlite::Connection::open(dir.path().join("state.db")).unwrap();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let start = Instant::now();
+    let (status, body) = take();
+    assert_eq!((status, &body["mayHaveTaken"]), (503, &json!(false)), "{body}");
+    assert!(start.elapsed() < Duration::from_secs(2), "{:?}", start.elapsed());
+    let (status, body) = health();
+    assert_eq!((status, &body["status"]), (503, &json!("degraded")), "{body}");
+    other.execute_batch("ROLLBACK").unwrap();
+    drop(other);
+    assert_eq!(health().0, 200);
+    assert_eq!(take().0, 200);
+    // The file deleted under the server.
+    for end in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(dir.path().join(format!("state.db{end}")));
+    }
+    let (status, body) = health();
+    assert_eq!(status, 503, "{body}");
+    assert!(body["store"].as_str().unwrap().contains("state.db was deleted"), "{body}");
+    // Another file where it was: still not the server's.
+    std::fs::write(dir.path().join("state.db"), "").unwrap();
+    let (status, body) = health();
+    assert!(status == 503 && body["store"].as_str().unwrap().contains("replaced"), "{body}");
+    // The log says so too (checked every 10 s).
+    let start = Instant::now();
+    while !served.stderr().contains("state.db was") {
+        assert!(start.elapsed() < Duration::from_secs(15), "not logged: {}", served.stderr());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -39,6 +39,8 @@ fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> axum:
             &["https://app.example".to_owned()],
             &[],
         )),
+        public_metrics: false,
+        sqlite: None,
     }))
 }
 
@@ -426,6 +428,140 @@ async fn tokens_guard_the_api_but_not_health() {
     assert_eq!(send(&app, with(Some("other"))).await.status, StatusCode::OK);
     assert_eq!(get(&app, "/v1/time").await.status, StatusCode::UNAUTHORIZED);
     assert_eq!(get(&app, "/healthz").await.status, StatusCode::OK);
+    // Another scheme is not a missing token; two headers are a malformed request.
+    let basic = Request::post("/v1/limit")
+        .header("authorization", "Basic czNjcmV0")
+        .body(Body::from(r#"{"name":"example"}"#))
+        .unwrap();
+    let r = send(&app, basic).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.body["error"], "expected a Bearer token: Authorization: Bearer <token>");
+    let two = Request::post("/v1/limit")
+        .header("authorization", "Bearer s3cret")
+        .header("authorization", "Bearer wrong")
+        .body(Body::from(r#"{"name":"example"}"#))
+        .unwrap();
+    let r = send(&app, two).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.body["error"].as_str().unwrap().contains("more than one Authorization"));
+    // /metrics (whose labels may hold descriptor values) asks for the token too...
+    assert_eq!(get(&app, "/metrics").await.status, StatusCode::UNAUTHORIZED);
+    let scrape = Request::get("/metrics")
+        .header("authorization", "Bearer s3cret")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, scrape).await.status, StatusCode::OK);
+}
+
+/// ... unless `publicMetrics = true`; and a server without tokens has it open.
+#[tokio::test]
+async fn public_metrics_need_no_token() {
+    let limiter = RateLimiter::builder(Arc::new(MemoryStore::new()) as DynStore).build();
+    let public = router(Arc::new(App {
+        engine: Arc::new(Engine::new(limiter, Permissions::default())),
+        tokens: vec!["s3cret".into()],
+        metrics: Metrics::default(),
+        memory: None,
+        breaker: None,
+        health_deadline: std::time::Duration::from_millis(250),
+        errors: Arc::default(),
+        accept_errors: Arc::default(),
+        body_timeout: std::time::Duration::from_secs(10),
+        sqlite_states: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
+        rls: None,
+        browsers: Arc::default(),
+        public_metrics: true,
+        sqlite: None,
+    }));
+    assert_eq!(get(&public, "/metrics").await.status, StatusCode::OK);
+    assert_eq!(get(&public, "/v1/config").await.status, StatusCode::UNAUTHORIZED);
+    let (open, _) = app();
+    assert_eq!(get(&open, "/metrics").await.status, StatusCode::OK);
+}
+
+/// A body whose declared length (`Content-Length`) is over 64 KiB is refused at once, none
+/// of it read: the request below would otherwise wait for a body that never comes.
+#[tokio::test]
+async fn a_declared_length_over_the_limit_is_413_at_once() {
+    /// A body that never sends anything.
+    struct Never;
+    impl axum::body::HttpBody for Never {
+        type Data = axum::body::Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+            std::task::Poll::Pending
+        }
+    }
+    let (app, _) = app();
+    for path in ["/v1/limit", "/v1/transaction", "/v1/reset"] {
+        let request = Request::post(path)
+            .header("content-length", "100000")
+            .header("expect", "100-continue")
+            .body(Body::new(Never))
+            .unwrap();
+        let r = tokio::time::timeout(std::time::Duration::from_secs(2), send(&app, request))
+            .await
+            .expect("answered at once");
+        assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{path}");
+        assert_eq!(r.header("connection"), Some("close"));
+        assert_eq!(r.body["error"], "request body is 100000 bytes; the most is 65536");
+    }
+}
+
+/// An empty name is a 400, with a config or without (not a 404 of the limit "").
+#[tokio::test]
+async fn an_empty_name_is_400() {
+    let (app, _) = app();
+    for body in
+        [r#"{"name":""}"#, r#"{"name":"","config":{"kind":"token bucket","rate":1,"period":1000}}"#]
+    {
+        for path in ["/v1/limit", "/v1/check", "/v1/value", "/v1/reset"] {
+            let r = post(&app, path, body).await;
+            assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path} {body}");
+            assert_eq!(r.body["error"], "Rate limit name must not be empty.", "{path} {body}");
+        }
+    }
+    let r = post(&app, "/v1/transaction", r#"{"limits":[{"name":"example"},{"name":""}]}"#).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+}
+
+/// A transaction whose takes of one limit and key add up past its capacity is the 400 of
+/// a count past it, not a refusal with a wait that never helps.
+#[tokio::test]
+async fn a_transaction_that_can_never_fit_is_400() {
+    let (app, _) = app();
+    let limits: Vec<Value> = (0..4).map(|_| json!({ "name": "example", "key": "a" })).collect();
+    let r = post(&app, "/v1/transaction", json!({ "limits": limits }).to_string()).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        r.body["error"],
+        "Rate limit example count 4 exceeds 3: a transaction's takes of one key add up."
+    );
+    // Nothing taken: three still fit.
+    let limits: Vec<Value> = (0..3).map(|_| json!({ "name": "example", "key": "a" })).collect();
+    let r = post(&app, "/v1/transaction", json!({ "limits": limits }).to_string()).await;
+    assert_eq!(r.body["ok"], true);
+}
+
+/// The header fields of a transaction of many limits list the tightest few, bounded in
+/// size (a 64 KiB request could otherwise make 100 KB of them, which proxies reject).
+#[tokio::test]
+async fn the_header_fields_of_many_limits_are_bounded() {
+    let (app, _) = app();
+    let config = json!({ "kind": "token bucket", "rate": 10, "period": "1m" });
+    let mut limits: Vec<Value> =
+        (0..500).map(|i| json!({ "name": format!("many{i:03}"), "config": config })).collect();
+    // One of them nearly spent.
+    limits[250]["count"] = json!(9);
+    let r = post(&app, "/v1/transaction", json!({ "limits": limits }).to_string()).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let (policy, current) = (r.header("ratelimit-policy").unwrap(), r.header("ratelimit").unwrap());
+    assert!(policy.len() <= 1024 && current.len() <= 1024, "{policy}\n{current}");
+    assert_eq!(current.split(", ").count(), 8, "{current}");
+    assert!(current.contains("\"many250\";r=1;"), "{current}");
 }
 
 #[tokio::test]

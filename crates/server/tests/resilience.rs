@@ -64,7 +64,7 @@ impl Server {
         conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         write!(
             conn,
-            "{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
              Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )
@@ -223,7 +223,7 @@ fn slow_clients_are_cut_off_and_do_not_hold_a_shutdown() {
     let server = Server::start("memory", config);
     let mut half = TcpStream::connect(&server.addr).unwrap();
     half.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    half.write_all(b"POST /v1/limit HTTP/1.1\r\nHost: t\r\nContent-Le").unwrap();
+    half.write_all(b"POST /v1/limit HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le").unwrap();
     let start = Instant::now();
     let mut rest = Vec::new();
     let _ = half.read_to_end(&mut rest);
@@ -232,7 +232,7 @@ fn slow_clients_are_cut_off_and_do_not_hold_a_shutdown() {
     // A keep-alive connection idle after its first answer is closed the same way.
     let mut idle = TcpStream::connect(&server.addr).unwrap();
     idle.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n").unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
     let mut answer = [0u8; 1024];
     let n = idle.read(&mut answer).unwrap();
     assert!(answer[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&answer[..n]));
@@ -246,7 +246,9 @@ fn slow_clients_are_cut_off_and_do_not_hold_a_shutdown() {
     let mut server = Server::start("memory", config);
     let mut stuck = TcpStream::connect(&server.addr).unwrap();
     stuck
-        .write_all(b"POST /v1/limit HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{\"na")
+        .write_all(
+            b"POST /v1/limit HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"na",
+        )
         .unwrap();
     std::thread::sleep(Duration::from_millis(100));
     signal(&server.pid(), "-TERM");
@@ -272,7 +274,7 @@ fn connections_beyond_the_limit_are_closed() {
     std::thread::sleep(Duration::from_millis(200));
     let mut over = TcpStream::connect(&server.addr).unwrap();
     over.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let _ = over.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n");
+    let _ = over.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
     let mut text = Vec::new();
     let start = Instant::now();
     let _ = over.read_to_end(&mut text);
@@ -283,7 +285,8 @@ fn connections_beyond_the_limit_are_closed() {
     loop {
         // Until the server has seen the two leave, a new connection is closed (or reset).
         let mut conn = TcpStream::connect(&server.addr).unwrap();
-        let _ = conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n");
+        let _ = conn
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
         let mut text = String::new();
         let _ = conn.read_to_string(&mut text);
         if text.starts_with("HTTP/1.1 200") {
@@ -302,8 +305,10 @@ fn answers_that_close_the_connection_say_so() {
     let server = Server::start("memory", "[server]\nbodyTimeout = 300\n");
     let mut conn = TcpStream::connect(&server.addr).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    conn.write_all(b"POST /v1/limit HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{\"name\"")
-        .unwrap();
+    conn.write_all(
+        b"POST /v1/limit HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"name\"",
+    )
+    .unwrap();
     let mut text = String::new();
     let _ = conn.read_to_string(&mut text);
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
@@ -313,8 +318,12 @@ fn answers_that_close_the_connection_say_so() {
     let mut conn = TcpStream::connect(&server.addr).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     // Keep-alive: the client means to send more on this connection.
-    write!(conn, "POST /v1/limit HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n", big.len())
-        .unwrap();
+    write!(
+        conn,
+        "POST /v1/limit HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\r\n",
+        big.len()
+    )
+    .unwrap();
     let _ = conn.write_all(big.as_bytes());
     let mut head = [0u8; 512];
     let n = conn.read(&mut head).unwrap();
@@ -333,7 +342,7 @@ fn auth_details() {
         let body = r#"{"name":"example"}"#;
         write!(
             conn,
-            "POST /v1/limit HTTP/1.1\r\nHost: t\r\nAuthorization: {scheme} s3cret\r\n\
+            "POST /v1/limit HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {scheme} s3cret\r\n\
              Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )

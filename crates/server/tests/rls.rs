@@ -104,6 +104,7 @@ fn start(store: &str, tokens: &[&str]) -> Server {
         rls_config: Some(path),
         cors_origins: Vec::new(),
         allowed_hosts: Vec::new(),
+        public_metrics: false,
         limits: Vec::new(),
         fail_open: Vec::new(),
     };

@@ -28,6 +28,7 @@ fn settings(store: String) -> Settings {
         rls_config: None,
         cors_origins: Vec::new(),
         allowed_hosts: Vec::new(),
+        public_metrics: false,
         limits: vec![("race".into(), Config::token_bucket(100.0, DAY))],
         fail_open: Vec::new(),
     }

@@ -1040,7 +1040,7 @@ impl<S> RateLimiter<S> {
         }
         // Checked before the answer is built, so that it is built where it is returned: built
         // first, it was copied there afterwards (through `memcpy`).
-        self.check_throws(calls, ok, &results[..N])?;
+        self.check_refused(calls, ok, &results[..N])?;
         let results = Inline::from_buf_and_len(results, N);
         Ok(A::transaction(TransactionDecision { ok, retry_after, results }, &answers))
     }
@@ -1065,7 +1065,7 @@ impl<S> RateLimiter<S> {
         match outcome {
             Ok(outcome) => {
                 let taken: TransactionTaken = outcome.into();
-                self.check_throws(calls, taken.decision.ok, &taken.decision.results)?;
+                self.check_refused(calls, taken.decision.ok, &taken.decision.results)?;
                 Ok(taken)
             }
             Err(e) => self.transaction_failed(calls, e),
@@ -1113,18 +1113,59 @@ impl<S> RateLimiter<S> {
         Ok(plan)
     }
 
-    /// A refused transaction is an error if a call throws.
-    pub(crate) fn check_throws(
+    /// A refused transaction is an error if it can never be granted (its takes of one state
+    /// add up past what the limit can ever grant: invalid, as a single count past it is), or
+    /// if a call throws. Checked only once refused, so that a granted transaction pays
+    /// nothing for it: one that can never be granted is always refused.
+    pub(crate) fn check_refused(
         &self,
         calls: &[Call<'_>],
         ok: bool,
         results: &[Decision],
     ) -> Result<(), Error> {
-        if !ok
-            && calls.iter().any(|c| c.request.throws)
+        if ok {
+            return Ok(());
+        }
+        self.never_fits(calls)?;
+        if calls.iter().any(|c| c.request.throws)
             && let Some(i) = tollgate_core::longest_refusal(results)
         {
             return Err(refused(calls[i].target.name(), results[i]));
+        }
+        Ok(())
+    }
+
+    /// An error if the takes of one state (of an unsharded limit: a sharded one's may go to
+    /// different shards), added up in order, ever pass what the limit can grant: its
+    /// capacity, or with `reserve` its capacity and `maxReserved` (without `maxReserved`, a
+    /// reservation can always be booked). The state's first call gives its config, as the
+    /// transaction's plan does.
+    #[cold]
+    fn never_fits(&self, calls: &[Call<'_>]) -> Result<(), Error> {
+        let mut sums: hashbrown::HashMap<(&str, Option<&str>), (f64, Config)> =
+            hashbrown::HashMap::with_capacity(calls.len());
+        for call in calls {
+            let config = *self.resolve(&call.target)?;
+            let name = call.target.name();
+            let (sum, config) = sums.entry((name, call.request.key)).or_insert((0.0, config));
+            if config.shards() != 1 {
+                continue;
+            }
+            *sum += call.request.count;
+            let allowed = match (call.request.reserve, config.max_reserved()) {
+                (false, _) => config.capacity(),
+                (true, Some(max_reserved)) => config.capacity() + max_reserved,
+                (true, None) => continue,
+            };
+            if *sum > allowed {
+                return Err(tollgate_core::InvalidRequest::new(format!(
+                    "Rate limit {name} count {} exceeds {}: a transaction's takes of one key add \
+                     up.",
+                    tollgate_core::fmt_number(*sum),
+                    tollgate_core::fmt_number(allowed)
+                ))
+                .into());
+            }
         }
         Ok(())
     }

@@ -142,7 +142,7 @@ impl<S: Sync> RateLimiter<S> {
         let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
         let outcome = conn.execute_plan(&plan).await?;
         let taken: TransactionTaken = outcome.into();
-        self.check_throws(calls, taken.decision.ok, &taken.decision.results)?;
+        self.check_refused(calls, taken.decision.ok, &taken.decision.results)?;
         Ok(taken.decision)
     }
 

@@ -91,3 +91,59 @@ fn only_limits_made_to_fail_open_are_granted_when_the_store_fails() {
     ));
     assert_eq!(limiter.failed_open(), 4);
 }
+
+/// A transaction whose takes of one state add up past what the limit can ever grant is
+/// invalid, as a single count past it is (not a refusal with a wait that never comes), and
+/// takes nothing; in any number of calls.
+fn never_fitting_transactions_are_invalid(
+    label: &str,
+    run: &dyn Fn(&[Call<'_>]) -> Result<tollgate::TransactionDecision, tollgate::Error>,
+) {
+    let hundred = Config::token_bucket(100.0, MINUTE);
+    for n in [2, 4, 101] {
+        let count = 101.0 / f64::from(n);
+        let calls: Vec<Call<'_>> = (0..n)
+            .map(|_| Target::from(("api", hundred)).with(Request::new().key("a").count(count)))
+            .collect();
+        let err = run(&calls).unwrap_err();
+        assert!(
+            matches!(err, tollgate::Error::Invalid(_))
+                && err.to_string().contains("Rate limit api count 101 exceeds 100"),
+            "{label} {n}: {err}"
+        );
+    }
+    // With maxReserved, reservations may go past capacity by that much, no further.
+    let reserving = Config::token_bucket(100.0, MINUTE).with_max_reserved(50.0);
+    let booked = |count: f64| {
+        Target::from(("booked", reserving)).with(Request::new().key("a").count(count).reserve())
+    };
+    let err = run(&[booked(100.0), booked(51.0)]).unwrap_err();
+    assert!(err.to_string().contains("count 151 exceeds 150"), "{label}: {err}");
+    assert!(run(&[booked(100.0), booked(50.0)]).unwrap().ok, "{label}");
+    // Nothing was taken by the invalid ones: api still grants 100.
+    let all = Target::from(("api", hundred)).with(Request::new().key("a").count(100.0));
+    assert!(run(&[all]).unwrap().ok, "{label}");
+    // A transaction that could fit, refused now, is a refusal with its wait.
+    let one = || Target::from(("api", hundred)).with(Request::new().key("a"));
+    let refused = run(&[one(), one()]).unwrap();
+    assert!(!refused.ok && refused.retry_after.is_some(), "{label}");
+}
+
+#[test]
+fn a_transaction_that_can_never_fit_one_state_is_invalid_memory() {
+    let limiter = RateLimiter::new(MemoryStore::new());
+    never_fitting_transactions_are_invalid("memory", &|calls| limiter.transaction(calls));
+}
+
+/// On a store that is awaited (the async calls of SQLite's writer thread).
+#[cfg(feature = "sqlite")]
+#[test]
+fn a_transaction_that_can_never_fit_one_state_is_invalid_awaited() {
+    let dir = tempfile::tempdir().unwrap();
+    let limiter =
+        RateLimiter::new(tollgate::store::SqliteStore::open(dir.path().join("t.db")).unwrap());
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    never_fitting_transactions_are_invalid("sqlite", &|calls| {
+        runtime.block_on(limiter.transaction_async(calls))
+    });
+}

@@ -84,7 +84,12 @@ impl SqliteStoreBuilder {
         let path = path.as_ref();
         let conn = Connection::open(path)
             .map_err(|e| sql_error(&format!("cannot open {}", path.display()), e))?;
-        self.prepare(conn, clock)
+        let file = OpenedFile::of(path)?;
+        let store = self.prepare(conn, clock, file)?;
+        // A file that cannot be written (read-only, or locked by another process for longer
+        // than the busy timeout) is an error now, rather than a failure of every request.
+        store.check()?;
+        Ok(store)
     }
 
     /// A private database in memory, gone when the store is dropped: for tests.
@@ -97,10 +102,15 @@ impl SqliteStoreBuilder {
         clock: C,
     ) -> Result<SqliteStore<C>, StoreError> {
         let conn = Connection::open_in_memory().map_err(|e| sql_error("cannot open", e))?;
-        self.prepare(conn, clock)
+        self.prepare(conn, clock, None)
     }
 
-    fn prepare<C: Clock>(self, conn: Connection, clock: C) -> Result<SqliteStore<C>, StoreError> {
+    fn prepare<C: Clock>(
+        self,
+        conn: Connection,
+        clock: C,
+        file: Option<OpenedFile>,
+    ) -> Result<SqliteStore<C>, StoreError> {
         let sync = match self.synchronous {
             Synchronous::Normal => "NORMAL",
             Synchronous::Full => "FULL",
@@ -117,10 +127,72 @@ impl SqliteStoreBuilder {
         conn.execute_batch(&format!("PRAGMA synchronous = {sync};"))
             .map_err(|e| sql_error("cannot set synchronous", e))?;
         create_schema(&conn)?;
+        // SQLite opens a file it may not write read-only, without a word.
+        if conn.is_readonly(rusqlite::MAIN_DB).unwrap_or(false) {
+            return Err(StoreError::new(format!(
+                "sqlite: {} can only be read (check the permissions of the file and of its \
+                 directory)",
+                file.as_ref()
+                    .map_or_else(|| "the database".into(), |f| f.path.display().to_string())
+            )));
+        }
         Ok(SqliteStore {
-            shared: Arc::new(Shared { conn: Mutex::new(conn), clock }),
+            shared: Arc::new(Shared { conn: Mutex::new(conn), clock, file }),
             writer: OnceLock::new(),
         })
+    }
+}
+
+/// The file a store opened: its path, and what identifies the file itself (device and
+/// inode), to notice when the path comes to name another file, or none.
+struct OpenedFile {
+    path: std::path::PathBuf,
+    #[cfg(unix)]
+    identity: (u64, u64),
+}
+
+impl OpenedFile {
+    /// The file now at `path` (just opened).
+    #[cfg_attr(not(unix), allow(clippy::unnecessary_wraps))]
+    fn of(path: &Path) -> Result<Option<Self>, StoreError> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt as _;
+            let meta = std::fs::metadata(path).map_err(|e| {
+                StoreError::new(format!("sqlite: cannot read {}: {e}", path.display()))
+            })?;
+            Ok(Some(OpenedFile { path: path.to_owned(), identity: (meta.dev(), meta.ino()) }))
+        }
+        #[cfg(not(unix))]
+        Ok(Some(OpenedFile { path: path.to_owned() }))
+    }
+
+    /// An error if the path no longer names this file.
+    fn still_there(&self) -> Result<(), StoreError> {
+        let path = self.path.display();
+        let meta = std::fs::metadata(&self.path);
+        let gone = |how: &str| {
+            StoreError::new(format!(
+                "sqlite: {path} was {how} while this process had it open: its states now go \
+                 to a file that no other process can open, and a process that opens {path} \
+                 starts another; restart to use the file at {path}"
+            ))
+        };
+        match meta {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(gone("deleted")),
+            Err(e) => Err(StoreError::new(format!("sqlite: cannot read {path}: {e}"))),
+            #[cfg(unix)]
+            Ok(meta) => {
+                use std::os::unix::fs::MetadataExt as _;
+                if (meta.dev(), meta.ino()) == self.identity {
+                    Ok(())
+                } else {
+                    Err(gone("replaced by another file"))
+                }
+            }
+            #[cfg(not(unix))]
+            Ok(_) => Ok(()),
+        }
     }
 }
 
@@ -190,6 +262,8 @@ pub struct SqliteStore<C: Clock = SystemClock> {
 struct Shared<C> {
     conn: Mutex<Connection>,
     clock: C,
+    /// The file (none in memory).
+    file: Option<OpenedFile>,
 }
 
 impl SqliteStore {
@@ -209,6 +283,30 @@ impl SqliteStore {
 }
 
 impl<C: Clock> SqliteStore<C> {
+    /// Checks that the store can go on writing where it should: its path still names the
+    /// file it opened (not deleted, nor replaced by another), and a write transaction can
+    /// begin within the busy timeout (`BEGIN IMMEDIATE`, rolled back at once). For a health
+    /// check; [`SqliteStoreBuilder::open`] runs it once too.
+    ///
+    /// Runs on the calling thread, and may wait for the write lock up to the busy timeout.
+    ///
+    /// # Errors
+    ///
+    /// What is wrong: the file was deleted or replaced, or cannot be written (read-only,
+    /// locked by another process, out of disk space).
+    pub fn check(&self) -> Result<(), StoreError> {
+        if let Some(file) = &self.shared.file {
+            file.still_there()?;
+        }
+        // Under the lock no transaction of this store is open.
+        let conn = self.shared.conn.lock();
+        let begun = conn.execute_batch("BEGIN IMMEDIATE");
+        if begun.is_ok() {
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+        begun.map_err(|e| sql_error("cannot begin a write", e))
+    }
+
     /// Deletes every state that is full again at the store's time, whatever its name and
     /// config: it carries no information. Returns how many. The file does not shrink, but
     /// the pages are reused, so under a flood of new keys it stops growing once states are
@@ -415,6 +513,13 @@ fn write<C: Clock>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job>) {
                     job.answer(Ok(answer));
                 }
             }
+            Err(e) if e.is_unavailable() => {
+                // The file was locked past the busy timeout: each request alone would wait as
+                // long again. Every one fails, as the store did not answer in time.
+                for job in batch.drain(..) {
+                    job.answer(Err(e.copy()));
+                }
+            }
             Err(_) => {
                 for job in batch.drain(..) {
                     let answer =
@@ -608,6 +713,56 @@ fn sql_error(what: &str, e: rusqlite::Error) -> StoreError {
 mod tests {
     use super::*;
     use tollgate_core::{MINUTE, ManualClock, Take};
+
+    /// A file that can only be read is an error when the store opens it, not a failure of
+    /// every request after.
+    #[test]
+    fn a_file_that_can_only_be_read_is_an_error_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        drop(SqliteStore::open(&path).unwrap());
+        // As SQLite opens a file its process may not write (a test run as root may write
+        // any file, so the flag stands for the permissions).
+        let conn =
+            Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+        let file = OpenedFile::of(&path).unwrap();
+        let Err(err) = SqliteStoreBuilder::default().prepare(conn, SystemClock, file) else {
+            panic!("a read-only file was opened");
+        };
+        assert!(err.to_string().contains("t.db can only be read"), "{err}");
+    }
+
+    /// `check` tells when the file cannot be written (locked by another process past the
+    /// busy timeout, after no longer than it) and when its path no longer names it.
+    #[test]
+    fn check_tells_a_locked_deleted_or_replaced_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let store =
+            SqliteStore::builder().busy_timeout(Duration::from_millis(100)).open(&path).unwrap();
+        store.check().unwrap();
+        let other = Connection::open(&path).unwrap();
+        other.execute_batch("BEGIN IMMEDIATE").unwrap();
+        let start = std::time::Instant::now();
+        let err = store.check().unwrap_err();
+        assert!(err.is_unavailable() && err.to_string().contains("locked"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());
+        // And opening a store on it now is an error that says so.
+        let opened = SqliteStore::builder().busy_timeout(Duration::from_millis(100)).open(&path);
+        assert!(opened.is_err());
+        other.execute_batch("ROLLBACK").unwrap();
+        store.check().unwrap();
+        drop(other);
+        // Deleted (with its WAL), then another file where it was.
+        for end in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{end}", path.display()));
+        }
+        let err = store.check().unwrap_err().to_string();
+        assert!(err.contains("t.db was deleted while this process had it open"), "{err}");
+        drop(SqliteStore::open(&path).unwrap());
+        let err = store.check().unwrap_err().to_string();
+        assert!(err.contains("t.db was replaced by another file"), "{err}");
+    }
 
     #[test]
     fn sweep_deletes_only_full_states() {
