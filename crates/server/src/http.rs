@@ -141,10 +141,20 @@ impl IntoResponse for Answer {
     }
 }
 
+/// What serves every HTTP request: the router, behind the checks of what web pages may ask
+/// ([`crate::browsers`]).
+pub type Service = crate::browsers::Guard<Router>;
+
 /// The router: `/v1/*` (and `/metrics`, unless `publicMetrics`) behind the bearer tokens;
-/// `/healthz`, `/openapi.json` and the dashboard's page open.
-pub fn router(app: Arc<App>) -> Router {
-    let document: Arc<str> = openapi_document(!app.tokens.is_empty()).into();
+/// `/healthz`, `/openapi.json` and the dashboard's page open; all of it behind the checks of
+/// what web pages may ask.
+pub fn router(app: Arc<App>) -> Service {
+    use tower_layer::Layer as _;
+    crate::browsers::GuardLayer(Arc::clone(&app.browsers)).layer(routes(app))
+}
+
+fn routes(app: Arc<App>) -> Router {
+    let document: Arc<str> = openapi_document(!app.tokens.is_empty(), app.public_metrics).into();
     let api = Router::new()
         .route("/v1/limit", post(|s, b| operation(s, Op::Limit, b)))
         .route("/v1/check", post(|s, b| operation(s, Op::Check, b)))
@@ -187,8 +197,6 @@ pub fn router(app: Arc<App>) -> Router {
         })
         // Bodies over the limit are refused before they are read to the end.
         .layer(DefaultBodyLimit::max(MAX_BODY))
-        // First of all: requests of web pages that may not ask.
-        .layer(crate::browsers::GuardLayer(Arc::clone(&app.browsers)))
         .with_state(app)
 }
 
@@ -416,24 +424,32 @@ fn metrics(app: &App) -> Response {
     response
 }
 
-/// The OpenAPI document of this server: `/v1/*` asks for a bearer token (and may answer
-/// 401) only when the server has tokens.
-fn openapi_document(tokens: bool) -> String {
+/// The OpenAPI document of this server: `/v1/*` (and `/metrics`, unless `public_metrics`)
+/// asks for a bearer token (and may answer 401) only when the server has tokens.
+fn openapi_document(tokens: bool, public_metrics: bool) -> String {
     const DOCUMENT: &str = include_str!("openapi.json");
-    if tokens {
+    if tokens && !public_metrics {
         return DOCUMENT.to_owned();
     }
     let Ok(mut document) = serde_json::from_str::<serde_json::Value>(DOCUMENT) else {
         return DOCUMENT.to_owned();
     };
     if let Some(paths) = document.get_mut("paths").and_then(|p| p.as_object_mut()) {
-        for operation in
-            paths.values_mut().filter_map(|p| p.as_object_mut()).flat_map(|p| p.values_mut())
-        {
-            operation["security"] = serde_json::json!([]);
-            if let Some(responses) = operation.get_mut("responses").and_then(|r| r.as_object_mut())
-            {
-                responses.remove("401");
+        for (path, operations) in paths.iter_mut() {
+            if tokens && path != "/metrics" {
+                continue;
+            }
+            let Some(operations) = operations.as_object_mut() else { continue };
+            for operation in operations.values_mut() {
+                operation["security"] = serde_json::json!([]);
+                if let Some(responses) =
+                    operation.get_mut("responses").and_then(|r| r.as_object_mut())
+                {
+                    responses.remove("401");
+                    if path == "/metrics" {
+                        responses.remove("400");
+                    }
+                }
             }
         }
     }

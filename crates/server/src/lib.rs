@@ -399,7 +399,7 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
 /// The listener fails for good.
 pub async fn serve_http(
     listener: tokio::net::TcpListener,
-    router: axum::Router,
+    router: http::Service,
     limits: config::HttpLimits,
     accept_errors: Arc<http::ErrorLog>,
     stop: impl std::future::Future<Output = ()>,
@@ -417,6 +417,8 @@ pub async fn serve_http(
                 .serve_connection(TokioIo::new(tcp), service);
             let mut connection = std::pin::pin!(connection);
             tokio::select! {
+                // The connection first, and no random order to draw at every wake-up.
+                biased;
                 _ = connection.as_mut() => {}
                 () = stopping.wait() => {
                     connection.as_mut().graceful_shutdown();

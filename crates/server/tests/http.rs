@@ -10,13 +10,13 @@ use tollgate::store::Unavailable;
 use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter};
 use tollgate_server::browsers::BrowserRules;
 use tollgate_server::engine::{DynStore, Engine, Permissions};
-use tollgate_server::http::{App, router};
+use tollgate_server::http::{App, Service, router};
 use tollgate_server::metrics::Metrics;
 use tower::ServiceExt;
 
 const T0: f64 = 1_700_000_000_000.0;
 
-fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> axum::Router {
+fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> Service {
     let limiter = RateLimiter::builder(store)
         .define("example", Config::token_bucket(10.0, MINUTE).with_capacity(3.0))
         .define("small", Config::token_bucket(3.0, MINUTE))
@@ -44,7 +44,7 @@ fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> axum:
     }))
 }
 
-fn app() -> (axum::Router, ManualClock) {
+fn app() -> (Service, ManualClock) {
     let clock = ManualClock::new(T0);
     (app_with(Arc::new(MemoryStore::with_clock(clock.clone())), &[], Permissions::default()), clock)
 }
@@ -61,7 +61,7 @@ impl Reply {
     }
 }
 
-async fn send(app: &axum::Router, request: Request<Body>) -> Reply {
+async fn send(app: &Service, request: Request<Body>) -> Reply {
     let response = app.clone().oneshot(request).await.unwrap();
     let status = response.status();
     let headers = response.headers().clone();
@@ -71,7 +71,7 @@ async fn send(app: &axum::Router, request: Request<Body>) -> Reply {
     Reply { status, headers, body }
 }
 
-async fn post(app: &axum::Router, path: &str, body: impl Into<String>) -> Reply {
+async fn post(app: &Service, path: &str, body: impl Into<String>) -> Reply {
     let request = Request::post(path)
         .header("content-type", "application/json")
         .body(Body::from(body.into()))
@@ -79,7 +79,7 @@ async fn post(app: &axum::Router, path: &str, body: impl Into<String>) -> Reply 
     send(app, request).await
 }
 
-async fn get(app: &axum::Router, path: &str) -> Reply {
+async fn get(app: &Service, path: &str) -> Reply {
     send(app, Request::get(path).body(Body::empty()).unwrap()).await
 }
 
@@ -367,7 +367,7 @@ async fn reset_forgets_every_shard_whatever_config_made_them() {
         let body = format!(r#"{{"name":"inline","key":"k","config":{sharded}}}"#);
         assert_eq!(post(&app, "/v1/limit", body).await.status, StatusCode::OK);
     }
-    let value = |app: axum::Router| async move {
+    let value = |app: Service| async move {
         let body = format!(r#"{{"name":"inline","key":"k","sampleShards":8,"config":{sharded}}}"#);
         post(&app, "/v1/value", body).await.body["value"].as_f64().unwrap()
     };
@@ -475,6 +475,11 @@ async fn public_metrics_need_no_token() {
     }));
     assert_eq!(get(&public, "/metrics").await.status, StatusCode::OK);
     assert_eq!(get(&public, "/v1/config").await.status, StatusCode::UNAUTHORIZED);
+    // Its document says so.
+    let doc = get(&public, "/openapi.json").await.body;
+    let metrics = &doc["paths"]["/metrics"]["get"];
+    assert_eq!((&metrics["security"], &metrics["responses"]["401"]), (&json!([]), &Value::Null));
+    assert_eq!(doc["paths"]["/v1/config"]["get"]["security"], json!([{ "bearer": [] }]));
     let (open, _) = app();
     assert_eq!(get(&open, "/metrics").await.status, StatusCode::OK);
 }
@@ -624,6 +629,7 @@ async fn metrics_and_openapi() {
     assert_eq!(limit["security"], json!([{ "bearer": [] }]));
     assert!(limit["responses"]["401"].is_object());
     assert_eq!(doc["paths"]["/healthz"]["get"]["security"], json!([]), "open with tokens too");
+    assert_eq!(doc["paths"]["/metrics"]["get"]["security"], json!([{ "bearer": [] }]));
     assert_eq!(doc["components"]["securitySchemes"]["bearer"]["scheme"], json!("bearer"));
 }
 

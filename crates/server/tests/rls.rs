@@ -82,7 +82,7 @@ descriptors:
 struct Server {
     runtime: tokio::runtime::Runtime,
     rls: SocketAddr,
-    http: axum::Router,
+    http: tollgate_server::http::Service,
     domain: String,
 }
 
@@ -296,6 +296,10 @@ fn hits_overrides_unlimited_shadow_and_replaces() {
         ),
         format!(
             "tollgate_rls_hits_total{{domain=\"{d}\",descriptor=\"{d}.user\",outcome=\"total\"}} 2"
+        ),
+        // A request's own limit counts under its keys, apart.
+        format!(
+            "tollgate_rls_hits_total{{domain=\"{d}\",descriptor=\"{d}.user:own_limit\",outcome=\"total\"}} 4"
         ),
     ] {
         assert!(metrics.contains(&line), "{line} not in\n{metrics}");

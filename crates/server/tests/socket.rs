@@ -41,8 +41,16 @@ fn serve_in_process(settings: &Settings) -> SocketAddr {
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
     let addr = listener.local_addr().unwrap();
     let router = tollgate_server::http::router(app);
+    let errors = std::sync::Arc::default();
+    let limits = settings.http;
     std::thread::spawn(move || {
-        runtime.block_on(async move { axum::serve(listener, router).await })
+        runtime.block_on(tollgate_server::serve_http(
+            listener,
+            router,
+            limits,
+            errors,
+            std::future::pending(),
+        ))
     });
     addr
 }

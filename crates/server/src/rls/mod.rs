@@ -486,12 +486,14 @@ impl Rls {
                 ),
             );
             let detailed = bounded_label(detailed);
-            // Its metrics count under its keys, not its values: a request's own limits are
-            // as many as the values clients send.
+            // Its metrics count under its keys, not its values (a request's own limits are as
+            // many as the values clients send), apart from a configured rule's:
+            // `domain.key:own_limit`.
             let mut keys = request.domain.clone();
             for (k, _) in &entries {
                 let _ = write!(keys, ".{k}");
             }
+            keys.push_str(":own_limit");
             let rule = Rule {
                 full_key: detailed,
                 name: String::new(),

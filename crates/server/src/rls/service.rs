@@ -221,6 +221,7 @@ pub async fn serve(
                 let grace = loop {
                     let idle_until = tokio::time::Instant::from_std(received.last() + idle);
                     tokio::select! {
+                        biased;
                         _ = connection.as_mut() => return,
                         () = tokio::time::sleep_until(idle_until) => {
                             if received.last().elapsed() >= idle {
