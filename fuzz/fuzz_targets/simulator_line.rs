@@ -2,19 +2,20 @@
 //! answer with a status that is not 200 carries an error (or a throws refusal's kind).
 #![no_main]
 
-use std::sync::LazyLock;
-
 use libfuzzer_sys::fuzz_target;
 use tollgate_server::simulate::Simulation;
 
-static SIMULATION: LazyLock<Simulation> = LazyLock::new(|| Simulation::new(&[], 7));
+thread_local! {
+    // Per thread: a simulation keeps its plot's recording in a `RefCell` (libFuzzer runs one).
+    static SIMULATION: Simulation = Simulation::new(&[], 7);
+}
 
 fuzz_target!(|data: &[u8]| {
     let Ok(line) = std::str::from_utf8(data) else { return };
     if line.contains('\n') {
         return;
     }
-    let out = SIMULATION.line(line);
+    let out = SIMULATION.with(|simulation| simulation.line(line));
     assert!(!out.contains('\n'), "one line out: {out}");
     let json: serde_json::Value = serde_json::from_str(&out).expect("a JSON line");
     if let Some(status) = json.get("status") {
