@@ -270,22 +270,52 @@ fn too_large(e: &axum::Error) -> bool {
 }
 
 async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    let mut values = request.headers().get_all(header::AUTHORIZATION).iter();
-    let (value, more) = (values.next(), values.next());
-    if more.is_some() {
-        return Answer::error(
+    let values = request.headers().get_all(header::AUTHORIZATION).iter().map(|v| v.to_str().ok());
+    match credential(&app.tokens, values) {
+        Credential::Good => next.run(request).await,
+        Credential::Several => Answer::error(
             StatusCode::BAD_REQUEST,
             "more than one Authorization header; send one: Authorization: Bearer <token>",
         )
-        .into_response();
+        .into_response(),
+        Credential::Missing => unauthorized("missing Authorization: Bearer <token>"),
+        Credential::NotBearer => {
+            unauthorized("expected a Bearer token: Authorization: Bearer <token>")
+        }
+        Credential::Wrong => unauthorized("wrong bearer token"),
     }
-    let Some(value) = value else {
-        return unauthorized("missing Authorization: Bearer <token>");
-    };
-    match value.to_str().ok().and_then(bearer) {
-        Some(token) if known_token(&app.tokens, token) => next.run(request).await,
-        Some(_) => unauthorized("wrong bearer token"),
-        None => unauthorized("expected a Bearer token: Authorization: Bearer <token>"),
+}
+
+/// What a request's `Authorization` values (each as text, if it is) say of its caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Credential {
+    /// None was sent.
+    Missing,
+    /// More than one was sent.
+    Several,
+    /// Not a Bearer token (another scheme, or not text).
+    NotBearer,
+    /// A Bearer token that is none of the server's.
+    Wrong,
+    /// One of the server's tokens.
+    Good,
+}
+
+/// What `values` (a request's `Authorization` values, or a gRPC call's `authorization`
+/// metadata) say, against `tokens`: the one check of the HTTP API and the rate limit service.
+pub fn credential<'v>(
+    tokens: &[String],
+    mut values: impl Iterator<Item = Option<&'v str>>,
+) -> Credential {
+    let (value, more) = (values.next(), values.next());
+    match (value, more) {
+        (None, _) => Credential::Missing,
+        (Some(_), Some(_)) => Credential::Several,
+        (Some(value), None) => match value.and_then(bearer) {
+            None => Credential::NotBearer,
+            Some(token) if known_token(tokens, token) => Credential::Good,
+            Some(_) => Credential::Wrong,
+        },
     }
 }
 

@@ -7,54 +7,14 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::Served;
 
-const RLS_CONFIG: &str = "
-domain: edge
-descriptors:
-  - key: user
-    rate_limit:
-      unit: minute
-      requests_per_unit: 3
-";
-
 /// `tollgate serve` on the memory store with the rate limit service, and `server` as its
-/// config file's `[server]` table; `wrap` may run it under a shell (for `ulimit`).
+/// config file's `[server]` table; `shell` runs first (a `ulimit`).
 fn start(dir: &std::path::Path, server: &str, shell: Option<&str>) -> Served {
-    let rls = dir.join("rls.yaml");
-    std::fs::write(&rls, RLS_CONFIG).unwrap();
-    let config = dir.join("tollgate.toml");
-    std::fs::write(&config, format!("[server]\n{server}\n")).unwrap();
-    let binary = env!("CARGO_BIN_EXE_tollgate");
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--store",
-        "memory",
-        "--rls-listen",
-        "127.0.0.1:0",
-        "--rls-config",
-        rls.to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ];
-    let command = match shell {
-        None => {
-            let mut command = Command::new(binary);
-            command.args(args);
-            command
-        }
-        Some(before) => {
-            let mut command = Command::new("bash");
-            command.arg("-c").arg(format!("{before} && exec \"$0\" \"$@\"")).arg(binary).args(args);
-            command
-        }
-    };
-    Served::start(command, true)
+    common::serve_memory(dir, server, true, shell)
 }
 
 /// HTTP/2 frames by hand, for a client that does what a well-behaved one never would.

@@ -21,6 +21,16 @@ fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> Servi
         .define("example", Config::token_bucket(10.0, MINUTE).with_capacity(3.0))
         .define("small", Config::token_bucket(3.0, MINUTE))
         .build();
+    serve(limiter, tokens, permissions, false)
+}
+
+/// The router over `limiter`, with `tokens`, and `/metrics` open with `public_metrics`.
+fn serve(
+    limiter: RateLimiter<DynStore>,
+    tokens: &[&str],
+    permissions: Permissions,
+    public_metrics: bool,
+) -> Service {
     router(Arc::new(App {
         engine: Arc::new(Engine::new(limiter, permissions)),
         tokens: tokens.iter().map(|t| t.to_string()).collect(),
@@ -39,7 +49,7 @@ fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> Servi
             &["https://app.example".to_owned()],
             &[],
         )),
-        public_metrics: false,
+        public_metrics,
         sqlite: None,
     }))
 }
@@ -457,22 +467,7 @@ async fn tokens_guard_the_api_but_not_health() {
 #[tokio::test]
 async fn public_metrics_need_no_token() {
     let limiter = RateLimiter::builder(Arc::new(MemoryStore::new()) as DynStore).build();
-    let public = router(Arc::new(App {
-        engine: Arc::new(Engine::new(limiter, Permissions::default())),
-        tokens: vec!["s3cret".into()],
-        metrics: Metrics::default(),
-        memory: None,
-        breaker: None,
-        health_deadline: std::time::Duration::from_millis(250),
-        errors: Arc::default(),
-        accept_errors: Arc::default(),
-        body_timeout: std::time::Duration::from_secs(10),
-        sqlite_states: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
-        rls: None,
-        browsers: Arc::default(),
-        public_metrics: true,
-        sqlite: None,
-    }));
+    let public = serve(limiter, &["s3cret"], Permissions::default(), true);
     assert_eq!(get(&public, "/metrics").await.status, StatusCode::OK);
     assert_eq!(get(&public, "/v1/config").await.status, StatusCode::UNAUTHORIZED);
     // Its document says so.

@@ -8,34 +8,15 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
 use common::Served;
 
-const RLS_CONFIG: &str = "
-domain: edge
-descriptors:
-  - key: user
-    rate_limit:
-      unit: minute
-      requests_per_unit: 3
-";
-
+/// The server on the memory store, with `/json` (no gRPC port).
 fn start(dir: &std::path::Path, server: &str) -> Served {
-    let rls = dir.join("rls.yaml");
-    std::fs::write(&rls, RLS_CONFIG).unwrap();
-    let config = dir.join("tollgate.toml");
-    std::fs::write(&config, format!("[server]\n{server}\n")).unwrap();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
-    command
-        .args(["serve", "--listen", "127.0.0.1:0", "--store", "memory", "--rls-config"])
-        .arg(&rls)
-        .arg("--config")
-        .arg(&config);
-    Served::start(command, false)
+    common::serve_memory(dir, server, false, None)
 }
 
 fn agent() -> ureq::Agent {

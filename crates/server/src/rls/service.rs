@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status};
 
 use super::{Descriptor, Rls, RlsAnswer, RlsError, RlsRequest, Unit};
 use crate::config::HttpLimits;
-use crate::http::ErrorLog;
+use crate::http::{Credential, ErrorLog};
 
 /// The largest `ShouldRateLimit` request accepted, in bytes: the HTTP API's body limit.
 /// Envoy's requests are a few hundred bytes; tonic's own default, 4 MiB, would let one call
@@ -247,16 +247,16 @@ fn authorize(tokens: &[String], request: Request<()>) -> Result<Request<()>, Sta
     if tokens.is_empty() {
         return Ok(request);
     }
-    let mut values = request.metadata().get_all("authorization").iter();
-    let (Some(value), None) = (values.next(), values.next()) else {
-        return Err(Status::unauthenticated(
+    let values = request.metadata().get_all("authorization").iter().map(|v| v.to_str().ok());
+    match crate::http::credential(tokens, values) {
+        Credential::Good => Ok(request),
+        Credential::Missing | Credential::Several => Err(Status::unauthenticated(
             "send one authorization: Bearer <token> (none, or more than one, was sent)",
-        ));
-    };
-    match value.to_str().ok().and_then(crate::http::bearer) {
-        None => Err(Status::unauthenticated("expected authorization: Bearer <token>")),
-        Some(token) if crate::http::known_token(tokens, token) => Ok(request),
-        Some(_) => Err(Status::unauthenticated("wrong bearer token")),
+        )),
+        Credential::NotBearer => {
+            Err(Status::unauthenticated("expected authorization: Bearer <token>"))
+        }
+        Credential::Wrong => Err(Status::unauthenticated("wrong bearer token")),
     }
 }
 

@@ -23,6 +23,47 @@ pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A rate limit service config: domain `edge`, `user` at 3 a minute.
+pub(crate) const RLS_CONFIG: &str = "
+domain: edge
+descriptors:
+  - key: user
+    rate_limit:
+      unit: minute
+      requests_per_unit: 3
+";
+
+/// `tollgate serve` on the memory store in a process of its own, with [`RLS_CONFIG`] (and
+/// the rate limit service's port with `rls_listens`) and `server` as its config file's
+/// `[server]` table, both written in `dir`; `shell`, if any, runs first in bash (a `ulimit`).
+pub(crate) fn serve_memory(
+    dir: &std::path::Path,
+    server: &str,
+    rls_listens: bool,
+    shell: Option<&str>,
+) -> Served {
+    let rls = dir.join("rls.yaml");
+    std::fs::write(&rls, RLS_CONFIG).unwrap();
+    let config = dir.join("tollgate.toml");
+    std::fs::write(&config, format!("[server]\n{server}\n")).unwrap();
+    let binary = env!("CARGO_BIN_EXE_tollgate");
+    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--store", "memory"];
+    if rls_listens {
+        args.extend(["--rls-listen", "127.0.0.1:0"]);
+    }
+    args.extend(["--rls-config", rls.to_str().unwrap(), "--config", config.to_str().unwrap()]);
+    let mut command = match shell {
+        None => std::process::Command::new(binary),
+        Some(before) => {
+            let mut command = std::process::Command::new("bash");
+            command.arg("-c").arg(format!("{before} && exec \"$0\" \"$@\"")).arg(binary);
+            command
+        }
+    };
+    command.args(args);
+    Served::start(command, rls_listens)
+}
+
 /// A `tollgate serve` in a process of its own, killed when dropped: its addresses from its
 /// banner, and what it writes to stderr so far.
 pub(crate) struct Served {
