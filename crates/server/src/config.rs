@@ -58,6 +58,7 @@ struct ServerSection {
     listen: Option<String>,
     store: Option<String>,
     tokens: Option<Vec<String>>,
+    read_tokens: Option<Vec<String>>,
     allow_inline_config: Option<bool>,
     allow_config_override: Option<bool>,
     max_keys: Option<usize>,
@@ -82,6 +83,9 @@ pub struct Settings {
     pub store: String,
     /// Accepted bearer tokens; empty: no authentication.
     pub tokens: Vec<String>,
+    /// Bearer tokens that may only read: `value`, `check`, `time` and `config` (for web
+    /// pages); needs `tokens`.
+    pub read_tokens: Vec<String>,
     /// Whether requests may carry their own config for names the server does not define.
     pub allow_inline_config: bool,
     /// Whether requests may carry their own config for names the server defines.
@@ -157,6 +161,43 @@ fn duration(field: &str, value: Option<&Period>, default: Duration) -> anyhow::R
     Ok(Duration::from_secs_f64(ms / 1_000.0))
 }
 
+/// The tokens of `field` in the file and of the variable `var` (comma-separated), checked:
+/// none empty, each visible ASCII.
+fn token_list(
+    field: &str,
+    file: Option<&[String]>,
+    var: &str,
+    env: Option<&str>,
+) -> anyhow::Result<Vec<String>> {
+    let mut tokens = file.map(<[String]>::to_vec).unwrap_or_default();
+    if let Some(env) = env {
+        // Set but blank, or with an empty item ("a,,b"): a mistake that would otherwise
+        // leave the server open, or lock its clients out.
+        if env.trim().is_empty() {
+            bail!(
+                "{var} is set but holds no token; unset it to run without them, or give them \
+                 comma-separated"
+            );
+        }
+        for (i, token) in env.split(',').map(str::trim).enumerate() {
+            if token.is_empty() {
+                bail!("{var}: item {} is empty (\"a,,b\" or a trailing comma?)", i + 1);
+            }
+            tokens.push(token.to_owned());
+        }
+    }
+    if tokens.iter().any(String::is_empty) {
+        bail!("{field}: an empty token can never be sent, so it would lock every client out");
+    }
+    if tokens.iter().any(|t| !t.bytes().all(|b| b.is_ascii_graphic())) {
+        bail!(
+            "{field} must be visible ASCII (no spaces, control characters or other \
+             characters): a client could not send another one in an Authorization header"
+        );
+    }
+    Ok(tokens)
+}
+
 /// What the command line says, to override the file.
 #[derive(Debug, Default, Clone)]
 pub struct Overrides {
@@ -166,6 +207,8 @@ pub struct Overrides {
     pub store: Option<String>,
     /// `TOLLGATE_TOKENS`, comma-separated.
     pub tokens_env: Option<String>,
+    /// `TOLLGATE_READ_TOKENS`, comma-separated.
+    pub read_tokens_env: Option<String>,
     /// `--rls-listen`.
     pub rls_listen: Option<String>,
     /// `--rls-config`.
@@ -228,33 +271,28 @@ impl FileConfig {
             .clone()
             .or_else(|| self.server.store.clone())
             .unwrap_or_else(|| DEFAULT_STORE.into());
-        let mut tokens = self.server.tokens.clone().unwrap_or_default();
-        if let Some(env) = &overrides.tokens_env {
-            // Set but blank, or with an empty item ("a,,b"): a mistake that would otherwise
-            // leave the server open, or lock its clients out.
-            if env.trim().is_empty() {
-                bail!(
-                    "TOLLGATE_TOKENS is set but holds no token; unset it to run without tokens, \
-                     or give them comma-separated"
-                );
-            }
-            for (i, token) in env.split(',').map(str::trim).enumerate() {
-                if token.is_empty() {
-                    bail!(
-                        "TOLLGATE_TOKENS: item {} is empty (\"a,,b\" or a trailing comma?)",
-                        i + 1
-                    );
-                }
-                tokens.push(token.to_owned());
-            }
-        }
-        if tokens.iter().any(String::is_empty) {
-            bail!("tokens: an empty token can never be sent, so it would lock every client out");
-        }
-        if tokens.iter().any(|t| !t.bytes().all(|b| b.is_ascii_graphic())) {
+        let tokens = token_list(
+            "tokens",
+            self.server.tokens.as_deref(),
+            "TOLLGATE_TOKENS",
+            overrides.tokens_env.as_deref(),
+        )?;
+        let read_tokens = token_list(
+            "readTokens",
+            self.server.read_tokens.as_deref(),
+            "TOLLGATE_READ_TOKENS",
+            overrides.read_tokens_env.as_deref(),
+        )?;
+        if !read_tokens.is_empty() && tokens.is_empty() {
             bail!(
-                "tokens must be visible ASCII (no spaces, control characters or other \
-                 characters): a client could not send another one in an Authorization header"
+                "readTokens are set but tokens are not: a server without tokens asks for none,                  so read tokens would mean nothing; set [server] tokens (or TOLLGATE_TOKENS) too"
+            );
+        }
+        if let Some(both) = read_tokens.iter().find(|t| tokens.contains(t)) {
+            let shown = both.chars().take(4).collect::<String>();
+            bail!(
+                "a token (beginning {shown:?}) is both in tokens and in readTokens; a read token \
+                 must be one of its own"
             );
         }
         if self.server.max_connections == Some(0) {
@@ -320,6 +358,7 @@ impl FileConfig {
             listen,
             store,
             tokens,
+            read_tokens,
             allow_inline_config: self.server.allow_inline_config.unwrap_or(true),
             allow_config_override: self.server.allow_config_override.unwrap_or(false),
             max_keys: self.server.max_keys,
@@ -465,6 +504,36 @@ mod tests {
         ] {
             let err = with(env).unwrap_err().to_string();
             assert!(err.starts_with(message), "{env:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn read_tokens_from_the_file_and_the_environment() {
+        let with = |text: &str, env: Option<&str>| {
+            let o = Overrides { read_tokens_env: env.map(Into::into), ..Overrides::default() };
+            FileConfig::parse(text).and_then(|f| f.settings(&o, true))
+        };
+        let s = with("[server]\ntokens = [\"w\"]\nreadTokens = [\"r\"]\n", Some("s, t")).unwrap();
+        assert_eq!(s.tokens, ["w"]);
+        assert_eq!(s.read_tokens, ["r", "s", "t"]);
+        for (text, env, message) in [
+            ("[server]\nreadTokens = [\"r\"]\n", None, "readTokens are set but tokens are not"),
+            ("", Some("r"), "readTokens are set but tokens are not"),
+            ("[server]\ntokens = [\"w\"]\n", Some(""), "TOLLGATE_READ_TOKENS is set but holds"),
+            ("[server]\ntokens = [\"w\"]\n", Some("r,"), "TOLLGATE_READ_TOKENS: item 2 is empty"),
+            (
+                "[server]\ntokens = [\"w\"]\nreadTokens = [\"a b\"]\n",
+                None,
+                "readTokens must be visible ASCII",
+            ),
+            (
+                "[server]\ntokens = [\"same\"]\nreadTokens = [\"same\"]\n",
+                None,
+                "a token (beginning \"same\") is both in tokens and in readTokens",
+            ),
+        ] {
+            let err = with(text, env).unwrap_err().to_string();
+            assert!(err.starts_with(message), "{text:?} {env:?}: {err}");
         }
     }
 

@@ -18,8 +18,8 @@ use crate::metrics::Metrics;
 pub struct App {
     /// The operations.
     pub engine: Arc<Engine>,
-    /// Accepted bearer tokens; empty: no authentication.
-    pub tokens: Vec<String>,
+    /// Accepted bearer tokens; none: no authentication.
+    pub tokens: Tokens,
     /// Counters for `/metrics`.
     pub metrics: Metrics,
     /// The memory store, if that is the store: its live states are a metric.
@@ -154,7 +154,7 @@ pub fn router(app: Arc<App>) -> Service {
 }
 
 fn routes(app: Arc<App>) -> Router {
-    let document: Arc<str> = openapi_document(!app.tokens.is_empty(), app.public_metrics).into();
+    let document: Arc<str> = openapi_document(app.tokens.required(), app.public_metrics).into();
     let api = Router::new()
         .route("/v1/limit", post(|s, b| operation(s, Op::Limit, b)))
         .route("/v1/check", post(|s, b| operation(s, Op::Check, b)))
@@ -171,13 +171,13 @@ fn routes(app: Arc<App>) -> Router {
     // With tokens, /metrics asks for one too (its labels may hold descriptor values, such as
     // API keys), unless the config says it is public.
     let scrape = get(|State(app): State<Arc<App>>| async move { metrics(&app) });
-    let (api, open) = if app.public_metrics || app.tokens.is_empty() {
+    let (api, open) = if app.public_metrics || !app.tokens.required() {
         (api, Router::new().route("/metrics", scrape))
     } else {
         (api.route("/metrics", scrape), Router::new())
     };
     // Without tokens there is nothing to check: no middleware on the hot path at all.
-    let api = if app.tokens.is_empty() {
+    let api = if !app.tokens.required() {
         api
     } else {
         api.route_layer(middleware::from_fn_with_state(Arc::clone(&app), authenticate))
@@ -273,6 +273,16 @@ async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next)
     let values = request.headers().get_all(header::AUTHORIZATION).iter().map(|v| v.to_str().ok());
     match credential(&app.tokens, values) {
         Credential::Good => next.run(request).await,
+        Credential::Read if READ_PATHS.contains(&request.uri().path()) => next.run(request).await,
+        Credential::Read => Answer::error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "a read token may call {} only; {} needs a token of [server] tokens",
+                READ_PATHS.join(", "),
+                request.uri().path()
+            ),
+        )
+        .into_response(),
         Credential::Several => Answer::error(
             StatusCode::BAD_REQUEST,
             "more than one Authorization header; send one: Authorization: Bearer <token>",
@@ -283,6 +293,27 @@ async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next)
             unauthorized("expected a Bearer token: Authorization: Bearer <token>")
         }
         Credential::Wrong => unauthorized("wrong bearer token"),
+    }
+}
+
+/// What a read token may call: what a web page needs to show a limit, and nothing that
+/// takes, resets or lists more.
+pub const READ_PATHS: [&str; 4] = ["/v1/value", "/v1/check", "/v1/time", "/v1/config"];
+
+/// The server's bearer tokens: those that may do anything, and those that may only read
+/// ([`READ_PATHS`]).
+#[derive(Clone, Debug, Default)]
+pub struct Tokens {
+    /// `[server] tokens`: every operation.
+    pub full: Vec<String>,
+    /// `[server] readTokens`: [`READ_PATHS`] only.
+    pub read: Vec<String>,
+}
+
+impl Tokens {
+    /// Whether the server asks for a token at all (it does when it has any).
+    pub fn required(&self) -> bool {
+        !self.full.is_empty()
     }
 }
 
@@ -297,14 +328,16 @@ pub enum Credential {
     NotBearer,
     /// A Bearer token that is none of the server's.
     Wrong,
-    /// One of the server's tokens.
+    /// One of the server's read tokens.
+    Read,
+    /// One of the server's (full) tokens.
     Good,
 }
 
 /// What `values` (a request's `Authorization` values, or a gRPC call's `authorization`
 /// metadata) say, against `tokens`: the one check of the HTTP API and the rate limit service.
 pub fn credential<'v>(
-    tokens: &[String],
+    tokens: &Tokens,
     mut values: impl Iterator<Item = Option<&'v str>>,
 ) -> Credential {
     let (value, more) = (values.next(), values.next());
@@ -313,7 +346,8 @@ pub fn credential<'v>(
         (Some(_), Some(_)) => Credential::Several,
         (Some(value), None) => match value.and_then(bearer) {
             None => Credential::NotBearer,
-            Some(token) if known_token(tokens, token) => Credential::Good,
+            Some(token) if known_token(&tokens.full, token) => Credential::Good,
+            Some(token) if known_token(&tokens.read, token) => Credential::Read,
             Some(_) => Credential::Wrong,
         },
     }

@@ -23,6 +23,7 @@ pub mod rls;
 pub mod simulate;
 pub mod stats;
 pub mod store;
+pub mod types;
 
 use config::{FileConfig, Overrides, Settings};
 use engine::Engine;
@@ -61,6 +62,9 @@ enum Command {
     Reset(client::ClientArgs),
     /// Show a limit's value for a key.
     Value(client::ClientArgs),
+    /// Print the limits a server defines as a TypeScript declaration for the
+    /// `tollgate-client` npm package (its compiler then accepts those names).
+    Types(types::TypesArgs),
 }
 
 #[derive(Debug, Args, Default)]
@@ -124,6 +128,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Check(args) => client::run("check", args),
         Command::Reset(args) => client::run("reset", args),
         Command::Value(args) => client::run("value", args),
+        Command::Types(args) => types::run(&args).map(|()| ExitCode::SUCCESS),
     }
 }
 
@@ -136,6 +141,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         listen: args.listen.clone(),
         store: args.store.clone(),
         tokens_env: std::env::var("TOLLGATE_TOKENS").ok(),
+        read_tokens_env: std::env::var("TOLLGATE_READ_TOKENS").ok(),
         rls_listen: args.rls_listen.clone(),
         rls_config: args.rls_config.clone(),
     };
@@ -195,7 +201,7 @@ pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)
     let app = http::App {
         engine,
         rls,
-        tokens: settings.tokens.clone(),
+        tokens: http::Tokens { full: settings.tokens.clone(), read: settings.read_tokens.clone() },
         metrics: metrics::Metrics::default(),
         memory: opened.memory.clone(),
         breaker: opened.breaker.clone(),
@@ -353,7 +359,7 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
         (Some(listener), Some(rls)) => {
             let service = rls::service::Service::new(
                 Arc::clone(rls),
-                settings.tokens.clone(),
+                app.tokens.clone(),
                 Arc::clone(&app.errors),
             );
             let deadline = settings.http.body_timeout + settings.store_deadline;

@@ -10,7 +10,7 @@ use tollgate::store::Unavailable;
 use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter};
 use tollgate_server::browsers::BrowserRules;
 use tollgate_server::engine::{DynStore, Engine, Permissions};
-use tollgate_server::http::{App, Service, router};
+use tollgate_server::http::{App, Service, Tokens, router};
 use tollgate_server::metrics::Metrics;
 use tower::ServiceExt;
 
@@ -21,19 +21,25 @@ fn app_with(store: DynStore, tokens: &[&str], permissions: Permissions) -> Servi
         .define("example", Config::token_bucket(10.0, MINUTE).with_capacity(3.0))
         .define("small", Config::token_bucket(3.0, MINUTE))
         .build();
-    serve(limiter, tokens, permissions, false)
+    serve(limiter, full(tokens), permissions, false)
+}
+
+/// `tokens` as full tokens.
+fn full(tokens: &[&str]) -> Tokens {
+    Tokens { full: tokens.iter().map(|t| t.to_string()).collect(), read: Vec::new() }
 }
 
 /// The router over `limiter`, with `tokens`, and `/metrics` open with `public_metrics`.
 fn serve(
     limiter: RateLimiter<DynStore>,
-    tokens: &[&str],
+    tokens: Tokens,
     permissions: Permissions,
     public_metrics: bool,
 ) -> Service {
+    let required = tokens.required();
     router(Arc::new(App {
         engine: Arc::new(Engine::new(limiter, permissions)),
-        tokens: tokens.iter().map(|t| t.to_string()).collect(),
+        tokens,
         metrics: Metrics::default(),
         memory: None,
         breaker: None,
@@ -44,7 +50,7 @@ fn serve(
         sqlite_states: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
         rls: None,
         browsers: Arc::new(BrowserRules::new(
-            !tokens.is_empty(),
+            required,
             "127.0.0.1:8787".parse().unwrap(),
             &["https://app.example".to_owned()],
             &[],
@@ -463,11 +469,64 @@ async fn tokens_guard_the_api_but_not_health() {
     assert_eq!(send(&app, scrape).await.status, StatusCode::OK);
 }
 
+/// A read token may call `value`, `check`, `time` and `config`: anything else is 403, and
+/// nothing is taken.
+#[tokio::test]
+async fn read_tokens_read_and_nothing_else() {
+    let limiter = RateLimiter::builder(Arc::new(MemoryStore::new()) as DynStore)
+        .define("small", Config::token_bucket(3.0, MINUTE))
+        .build();
+    let tokens = Tokens { full: vec!["s3cret".into()], read: vec!["r3ad".into()] };
+    let app = serve(limiter, tokens, Permissions::default(), false);
+    let call = |method: &str, path: &str, token: &str, body: &str| {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header("authorization", format!("Bearer {token}"))
+            .body(Body::from(body.to_owned()))
+            .unwrap()
+    };
+    let one = r#"{"name":"small","key":"k"}"#;
+    for (method, path, body) in [
+        ("POST", "/v1/check", one),
+        ("POST", "/v1/value", one),
+        ("GET", "/v1/time", ""),
+        ("GET", "/v1/config", ""),
+    ] {
+        let r = send(&app, call(method, path, "r3ad", body)).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: {:?}", r.body);
+    }
+    let transaction = r#"{"limits":[{"name":"small","key":"k"}]}"#;
+    for (method, path, body) in [
+        ("POST", "/v1/limit", one),
+        ("POST", "/v1/reset", one),
+        ("POST", "/v1/transaction", transaction),
+        ("GET", "/v1/stats", ""),
+        ("GET", "/metrics", ""),
+        ("POST", "/json", "{}"),
+    ] {
+        let r = send(&app, call(method, path, "r3ad", body)).await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{path}");
+        let error = r.body["error"].as_str().unwrap();
+        assert!(error.starts_with("a read token may call /v1/value, /v1/check"), "{error}");
+    }
+    // Nothing was taken by the refused writes: the full token finds all three tokens.
+    let r = send(&app, call("POST", "/v1/value", "s3cret", one)).await;
+    assert_eq!(r.body["value"], json!(3));
+    for _ in 0..3 {
+        let r = send(&app, call("POST", "/v1/limit", "s3cret", one)).await;
+        assert_eq!(r.body["ok"], json!(true));
+    }
+    let r = send(&app, call("POST", "/v1/check", "r3ad", one)).await;
+    assert_eq!(r.body["ok"], json!(false));
+    assert_eq!(send(&app, call("POST", "/v1/value", "wrong", one)).await.status, 401);
+}
+
 /// ... unless `publicMetrics = true`; and a server without tokens has it open.
 #[tokio::test]
 async fn public_metrics_need_no_token() {
     let limiter = RateLimiter::builder(Arc::new(MemoryStore::new()) as DynStore).build();
-    let public = serve(limiter, &["s3cret"], Permissions::default(), true);
+    let public = serve(limiter, full(&["s3cret"]), Permissions::default(), true);
     assert_eq!(get(&public, "/metrics").await.status, StatusCode::OK);
     assert_eq!(get(&public, "/v1/config").await.status, StatusCode::UNAUTHORIZED);
     // Its document says so.

@@ -94,7 +94,17 @@ fn start(store: &str, tokens: &[&str]) -> Server {
     let settings = Settings {
         listen: "127.0.0.1:0".parse().unwrap(),
         store: store.to_owned(),
-        tokens: tokens.iter().map(|t| (*t).to_owned()).collect(),
+        // `read:T` is T as a read token.
+        tokens: tokens
+            .iter()
+            .filter(|t| !t.starts_with("read:"))
+            .map(|t| (*t).to_owned())
+            .collect(),
+        read_tokens: tokens
+            .iter()
+            .filter_map(|t| t.strip_prefix("read:"))
+            .map(Into::into)
+            .collect(),
         allow_inline_config: true,
         allow_config_override: false,
         max_keys: None,
@@ -115,7 +125,7 @@ fn start(store: &str, tokens: &[&str]) -> Server {
     let rls = listener.local_addr().unwrap();
     let service = tollgate_server::rls::service::Service::new(
         Arc::clone(app.rls.as_ref().unwrap()),
-        settings.tokens.clone(),
+        app.tokens.clone(),
         Arc::clone(&app.errors),
     );
     runtime.spawn(tollgate_server::rls::service::serve(
@@ -369,8 +379,8 @@ fn errors_are_grpc_statuses() {
         (e.code(), e.message()),
         (tonic::Code::InvalidArgument, "rate limit descriptor list must not be empty")
     );
-    // With tokens, a call without one is refused.
-    let s = start("memory", &["s3cret"]);
+    // With tokens, a call without one is refused; so is one with a read token (a call takes).
+    let s = start("memory", &["s3cret", "read:r3ad"]);
     let e = s.try_ask(vec![descriptor(&[("user", "x")])], 0).unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unauthenticated);
     let mut client = s.client();
@@ -381,6 +391,14 @@ fn errors_are_grpc_statuses() {
     });
     request.metadata_mut().insert("authorization", "bearer s3cret".parse().unwrap());
     assert!(s.runtime.block_on(client.should_rate_limit(request)).is_ok());
+    let mut request = tonic::Request::new(RateLimitRequest {
+        domain: s.domain.clone(),
+        descriptors: vec![descriptor(&[("user", "x")])],
+        hits_addend: 0,
+    });
+    request.metadata_mut().insert("authorization", "Bearer r3ad".parse().unwrap());
+    let e = s.runtime.block_on(client.should_rate_limit(request)).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
 }
 
 /// A call over 64 KiB (the HTTP API's body limit) is refused with OUT_OF_RANGE and takes

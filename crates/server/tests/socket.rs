@@ -19,6 +19,7 @@ fn settings(store: String) -> Settings {
         listen: "127.0.0.1:0".parse().unwrap(),
         store,
         tokens: Vec::new(),
+        read_tokens: Vec::new(),
         allow_inline_config: true,
         allow_config_override: false,
         max_keys: None,

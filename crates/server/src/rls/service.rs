@@ -31,15 +31,16 @@ pub const MAX_REQUEST: usize = crate::engine::MAX_BODY;
 /// failed calls it shares with the HTTP side.
 pub struct Service {
     rls: Arc<Rls>,
-    tokens: Vec<String>,
+    tokens: crate::http::Tokens,
     errors: Arc<ErrorLog>,
 }
 
 impl Service {
     /// The service answering from `rls`; with `tokens`, a call must carry
-    /// `authorization: Bearer <token>` metadata (checked by [`serve`], on the call's headers).
+    /// `authorization: Bearer <token>` metadata with a full token (checked by [`serve`], on
+    /// the call's headers): a call takes tokens, so a read token is refused.
     /// Calls the store failed go to `errors` (summed up, not a line each).
-    pub fn new(rls: Arc<Rls>, tokens: Vec<String>, errors: Arc<ErrorLog>) -> Self {
+    pub fn new(rls: Arc<Rls>, tokens: crate::http::Tokens, errors: Arc<ErrorLog>) -> Self {
         Service { rls, tokens, errors }
     }
 }
@@ -243,8 +244,8 @@ pub async fn serve(
 
 /// With tokens, a call must carry `authorization: Bearer <token>` with one of them, checked
 /// on the call's headers (before its body is read).
-fn authorize(tokens: &[String], request: Request<()>) -> Result<Request<()>, Status> {
-    if tokens.is_empty() {
+fn authorize(tokens: &crate::http::Tokens, request: Request<()>) -> Result<Request<()>, Status> {
+    if !tokens.required() {
         return Ok(request);
     }
     let values = request.metadata().get_all("authorization").iter().map(|v| v.to_str().ok());
@@ -257,6 +258,9 @@ fn authorize(tokens: &[String], request: Request<()>) -> Result<Request<()>, Sta
             Err(Status::unauthenticated("expected authorization: Bearer <token>"))
         }
         Credential::Wrong => Err(Status::unauthenticated("wrong bearer token")),
+        Credential::Read => Err(Status::permission_denied(
+            "a read token cannot take from limits; use a token of [server] tokens",
+        )),
     }
 }
 

@@ -1,0 +1,126 @@
+//! `tollgate types`: the limits a server defines, as a TypeScript declaration for the
+//! `tollgate-client` npm package, so that its compiler accepts those names (and no misspelling
+//! of them) without a config in the call.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use serde_json::Value;
+
+use crate::config::FileConfig;
+
+/// Where the limits come from: a config file, or a running server.
+#[derive(Debug, Args)]
+pub struct TypesArgs {
+    /// The server's config file (its `[limits.NAME]` tables).
+    #[arg(long, required_unless_present = "url", conflicts_with = "url")]
+    config: Option<PathBuf>,
+    /// A running server: its `GET /v1/config`.
+    #[arg(long, required_unless_present = "config")]
+    url: Option<String>,
+    /// A bearer token for `--url`, if the server wants one (a read token is enough).
+    #[arg(long, env = "TOLLGATE_TOKEN")]
+    token: Option<String>,
+}
+
+/// Prints the declaration.
+///
+/// # Errors
+///
+/// The file cannot be read or is invalid, or the server cannot be reached or refuses.
+pub fn run(args: &TypesArgs) -> anyhow::Result<()> {
+    let (limits, source) = match (&args.config, &args.url) {
+        (Some(path), _) => {
+            let limits = FileConfig::load(path)?.named_limits()?;
+            let object: serde_json::Map<String, Value> = limits
+                .iter()
+                .map(|(name, config)| Ok((name.clone(), serde_json::to_value(config)?)))
+                .collect::<anyhow::Result<_>>()?;
+            (object, format!("--config {}", path.display()))
+        }
+        (None, Some(url)) => (fetch(url, args.token.as_deref())?, format!("--url {url}")),
+        (None, None) => bail!("give --config FILE or --url URL"),
+    };
+    print!("{}", declaration(&limits, &source));
+    Ok(())
+}
+
+/// `GET /v1/config` of the server at `url`.
+fn fetch(url: &str, token: Option<&str>) -> anyhow::Result<serde_json::Map<String, Value>> {
+    let url = format!("{}/v1/config", url.trim_end_matches('/'));
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let mut request = agent.get(&url);
+    if let Some(token) = token {
+        request = request.header("Authorization", &format!("Bearer {token}"));
+    }
+    let mut response = request.call().with_context(|| format!("cannot reach {url}"))?;
+    let status = response.status().as_u16();
+    let answer: Value =
+        response.body_mut().read_json().with_context(|| format!("{url} did not answer JSON"))?;
+    match answer {
+        Value::Object(limits) if status == 200 => Ok(limits),
+        answer => {
+            let error = answer.get("error").and_then(Value::as_str).unwrap_or("no message");
+            bail!("{url} answered {status}: {error}")
+        }
+    }
+}
+
+/// The declaration: an augmentation of the package's `ServerLimits` interface, one member per
+/// limit, its config as literal types.
+pub fn declaration(limits: &serde_json::Map<String, Value>, source: &str) -> String {
+    let mut out = String::new();
+    out.push_str(
+        "// The limits a tollgate server defines, for tollgate-client: names the compiler\n",
+    );
+    let _ = writeln!(out, "// accepts without a config. Made by `tollgate types {source}`;");
+    out.push_str("// make it again when the server's limits change.\n");
+    out.push_str("export {};\n\ndeclare module \"tollgate-client\" {\n");
+    out.push_str("  interface ServerLimits {\n");
+    for (name, config) in limits {
+        let _ = writeln!(out, "    {}: {};", Value::String(name.clone()), literal(config));
+    }
+    out.push_str("  }\n}\n");
+    out
+}
+
+/// A JSON value as a TypeScript type: its literal type (`"token bucket"`, `10`), objects
+/// with readonly members.
+fn literal(value: &Value) -> String {
+    match value {
+        Value::Object(members) => {
+            let members: Vec<String> =
+                members.iter().map(|(k, v)| format!("readonly {k}: {}", literal(v))).collect();
+            format!("{{ {} }}", members.join("; "))
+        }
+        // Numbers, strings, booleans and null are their own literal types in TypeScript's
+        // syntax, written as JSON writes them.
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_declaration_names_each_limit_with_its_config() {
+        let limits = serde_json::json!({
+            "sendMessage": { "kind": "token bucket", "rate": 10, "period": 60000, "capacity": 3 },
+            "odd \"name\"": { "kind": "fixed window", "rate": 1.5, "period": 1000 },
+        });
+        let text = declaration(limits.as_object().unwrap(), "--config t.toml");
+        assert!(
+            text.contains("declare module \"tollgate-client\" {\n  interface ServerLimits {\n")
+        );
+        assert!(text.contains(
+            "    \"sendMessage\": { readonly capacity: 3; readonly kind: \"token bucket\"; \
+             readonly period: 60000; readonly rate: 10 };\n"
+        ));
+        assert!(text.contains("    \"odd \\\"name\\\"\": { readonly kind: \"fixed window\";"));
+        assert!(text.contains("`tollgate types --config t.toml`"));
+    }
+}
