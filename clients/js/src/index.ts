@@ -1,0 +1,332 @@
+// tollgate-client: the API of tollgate's server (SPEC §4 and §6) for TypeScript and
+// JavaScript, on the platform's fetch (Node >= 20, browsers), with no runtime dependency.
+
+import type { RateLimitConfig } from "./algebra.js";
+import { NoAnswer, type Reply, type Send, fetchSend, nodeSend, onNode } from "./transport.js";
+
+export {
+  calculateRateLimit,
+  nextUp,
+  SECOND,
+  MINUTE,
+  HOUR,
+  DAY,
+} from "./algebra.js";
+export type {
+  Calculation,
+  FixedWindowConfig,
+  RateLimitConfig,
+  RateLimitState,
+  TokenBucketConfig,
+} from "./algebra.js";
+
+/**
+ * The limits the server defines, by name. Empty here: `tollgate types --config FILE` (or
+ * `--url URL`) prints a declaration that fills it in, so that the compiler accepts those names
+ * without a config. Put its output in a `.d.ts` file of your project.
+ */
+// eslint-disable-next-line @typescript-eslint/no-empty-interface
+export interface ServerLimits {}
+
+/** The names a limiter knows: those named in code, and those the server defines. */
+export type LimitName<Limits> = (keyof Limits | keyof ServerLimits) & string;
+
+/** How to reach the server. */
+export interface ClientOptions {
+  /** The server's base URL, such as `http://127.0.0.1:8787`. */
+  url: string;
+  /** A bearer token, if the server asks for one (a read token can `check` and `getValue`). */
+  token?: string;
+  /** Milliseconds to wait for an answer before failing with a `TollgateError`; default 10,000. */
+  timeoutMs?: number;
+  /** A fetch to send requests with. Default: on Node, Node's own http module with a pool of
+   *  keep-alive connections (faster there than the platform's fetch); elsewhere `fetch`. */
+  fetch?: typeof fetch;
+}
+
+/** The options of `limit` and `check`. */
+export interface LimitOptions {
+  /** The key (a user, an IP); none: one shared value for the name. */
+  key?: string;
+  /** Tokens to take; default 1. */
+  count?: number;
+  /** Book a shortfall ahead instead of refusing: granted with a `retryAfter` to wait. */
+  reserve?: boolean;
+  /** Reject with a `RateLimitError` instead of answering `{ ok: false }`. */
+  throws?: boolean;
+}
+
+/** The options of `getValue`. */
+export interface ValueOptions {
+  key?: string;
+  /** For a sharded limit: how many shards to sample for the estimate; default 1. */
+  sampleShards?: number;
+}
+
+/** A config for the call: required for a name the limiter does not know. */
+type ConfigFor<Limits, Name extends string> = Name extends LimitName<Limits>
+  ? { config?: RateLimitConfig }
+  : { config: RateLimitConfig };
+
+/** The options argument: optional for known names, required (for its config) otherwise. */
+type Args<Limits, Name extends string, Options> = Name extends LimitName<Limits>
+  ? [options?: Options & ConfigFor<Limits, Name>]
+  : [options: Options & ConfigFor<Limits, Name>];
+
+/** The answer of `limit` and `check`. */
+export interface RateLimitResult {
+  /** Whether the tokens were (for `check`: would be) granted. */
+  ok: boolean;
+  /** Milliseconds: when refused, until a retry succeeds; when a reservation was granted, until
+   *  the work may be done. Absent when granted with tokens on hand. */
+  retryAfter?: number;
+}
+
+/** The answer of `transaction`: `ok` when every limit granted (then all were taken). */
+export interface TransactionResult extends RateLimitResult {
+  /** One answer per request, in order. */
+  results: RateLimitResult[];
+}
+
+/** One request of a transaction. */
+export interface TransactionRequest<Name extends string = string> {
+  name: Name;
+  key?: string;
+  count?: number;
+  reserve?: boolean;
+  config?: RateLimitConfig;
+}
+
+/** A limit's state as the server reports it (SPEC §4's `value`). */
+export interface RateLimitValue {
+  /** Tokens available at `ts` (for a sharded limit, the total estimated from the sampled
+   *  shards); a key without a state reports `capacity`. */
+  value: number;
+  /** Milliseconds since the Unix epoch; 0 for a key without a state. */
+  ts: number;
+  /** The shard read (the fullest sampled). */
+  shard: number;
+  /** The config with every default filled in (a fixed window's `start` included). */
+  config: RateLimitConfig & { capacity: number; shards: number };
+}
+
+/** A refusal, with `throws: true`. */
+export class RateLimitError extends Error {
+  /** Always `"RateLimited"`. */
+  readonly kind = "RateLimited" as const;
+  /** Milliseconds until a retry succeeds. */
+  readonly retryAfter: number;
+  /**
+   * The limit's name. (It takes the place of `Error.name`, as in the API this client
+   * follows; `kind` tells the error apart.)
+   */
+  override name: string;
+
+  constructor(name: string, retryAfter: number) {
+    super(`Rate limit ${name} exceeded; retry in ${retryAfter} ms`);
+    this.name = name;
+    this.retryAfter = retryAfter;
+  }
+}
+
+/** Whether `e` is a `RateLimitError` (or its plain-object form `{ kind: "RateLimited" }`). */
+export function isRateLimitError(
+  e: unknown,
+): e is { kind: "RateLimited"; name: string; retryAfter: number } {
+  return (
+    e instanceof RateLimitError ||
+    (typeof e === "object" && e !== null && (e as { kind?: unknown }).kind === "RateLimited")
+  );
+}
+
+/** Every failure but a refusal: an error answer, a timeout, a connection that failed. */
+export class TollgateError extends Error {
+  override name = "TollgateError";
+  /** The HTTP status; undefined when no answer came (timeout, connection failed). */
+  readonly status: number | undefined;
+  /**
+   * Whether tokens may have been taken all the same: the server said so on a 503 (its store
+   * failed after the write may have happened), or a write timed out or lost its connection
+   * after it was sent. False when nothing can have been taken.
+   */
+  readonly mayHaveTaken: boolean;
+  /** The answer's body, if it was JSON. */
+  readonly body: unknown;
+
+  constructor(message: string, status: number | undefined, mayHaveTaken: boolean, body?: unknown) {
+    super(message);
+    this.status = status;
+    this.mayHaveTaken = mayHaveTaken;
+    this.body = body;
+  }
+}
+
+const DEFAULT_TIMEOUT_MS = 10_000;
+
+/** What `useRateLimit` (tollgate-client/react) reads from: this client, or your own backend. */
+export interface RateLimitSource {
+  getValue(name: string, options?: ValueOptions & { config?: RateLimitConfig }): Promise<RateLimitValue>;
+  getServerTime(): Promise<number>;
+}
+
+/**
+ * A client of a tollgate server. `limits` names configs in code, which travel with each call;
+ * names the server's config file defines need none (declare them with `tollgate types`).
+ *
+ * ```ts
+ * const limiter = new RateLimiter({ url: "http://127.0.0.1:8787" }, {
+ *   sendMessage: { kind: "token bucket", rate: 10, period: MINUTE, capacity: 3 },
+ * });
+ * const { ok, retryAfter } = await limiter.limit("sendMessage", { key: userId });
+ * ```
+ */
+export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
+  readonly #url: string;
+  readonly #headers: Record<string, string>;
+  readonly #timeoutMs: number;
+  readonly #send: Send;
+  readonly #limits: Partial<Record<string, RateLimitConfig>>;
+
+  constructor(options: ClientOptions, limits?: Limits) {
+    if (typeof options?.url !== "string" || !/^https?:\/\//.test(options.url)) {
+      throw new TypeError(`url must be an http:// or https:// URL; got ${String(options?.url)}`);
+    }
+    this.#url = options.url.replace(/\/+$/, "");
+    this.#headers = { "content-type": "application/json" };
+    if (options.token !== undefined) {
+      this.#headers.authorization = `Bearer ${options.token}`;
+    }
+    this.#timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    this.#send = options.fetch
+      ? fetchSend(options.fetch)
+      : onNode()
+        ? nodeSend()
+        : fetchSend(globalThis.fetch.bind(globalThis));
+    this.#limits = { ...limits };
+  }
+
+  /** Takes `count` tokens (default 1) from `name`'s limit for `key`. */
+  async limit<Name extends string>(
+    name: Name,
+    ...[options]: Args<Limits, Name, LimitOptions>
+  ): Promise<RateLimitResult> {
+    return this.#take("/v1/limit", name, options);
+  }
+
+  /** Whether `limit` would grant, taking nothing. */
+  async check<Name extends string>(
+    name: Name,
+    ...[options]: Args<Limits, Name, LimitOptions>
+  ): Promise<RateLimitResult> {
+    return this.#take("/v1/check", name, options);
+  }
+
+  /** Forgets every shard's state of (`name`, `key`): the next request starts full. */
+  async reset<Name extends string>(
+    name: Name,
+    ...[options]: Args<Limits, Name, { key?: string }>
+  ): Promise<void> {
+    await this.#post("/v1/reset", { name, key: options?.key }, true);
+  }
+
+  /** The limit's stored state and full config, to evaluate it locally (`calculateRateLimit`). */
+  async getValue<Name extends string>(
+    name: Name,
+    ...[options]: Args<Limits, Name, ValueOptions>
+  ): Promise<RateLimitValue> {
+    const body = {
+      name,
+      key: options?.key,
+      sampleShards: options?.sampleShards,
+      config: options?.config ?? this.#limits[name],
+    };
+    return (await this.#post("/v1/value", body, false)) as RateLimitValue;
+  }
+
+  /** The server's clock, in ms since the Unix epoch. */
+  async getServerTime(): Promise<number> {
+    const answer = (await this.#request("GET", "/v1/time", undefined, false)) as { now: number };
+    return answer.now;
+  }
+
+  /** The limits the server defines (its config file), with their configs. */
+  async getServerLimits(): Promise<Record<string, RateLimitConfig>> {
+    return (await this.#request("GET", "/v1/config", undefined, false)) as Record<
+      string,
+      RateLimitConfig
+    >;
+  }
+
+  /** Takes from several limits all or nothing: if any refuses, none is taken. */
+  async transaction<Name extends LimitName<Limits> | (string & {})>(
+    requests: ReadonlyArray<TransactionRequest<Name>>,
+  ): Promise<TransactionResult> {
+    const limits = requests.map((r) => ({
+      name: r.name,
+      key: r.key,
+      count: r.count,
+      reserve: r.reserve,
+      config: r.config ?? this.#limits[r.name],
+    }));
+    return (await this.#post("/v1/transaction", { limits }, true)) as TransactionResult;
+  }
+
+  async #take(
+    path: string,
+    name: string,
+    options: (LimitOptions & { config?: RateLimitConfig }) | undefined,
+  ): Promise<RateLimitResult> {
+    const body = {
+      name,
+      key: options?.key,
+      count: options?.count,
+      reserve: options?.reserve,
+      throws: options?.throws,
+      config: options?.config ?? this.#limits[name],
+    };
+    return (await this.#post(path, body, path === "/v1/limit")) as RateLimitResult;
+  }
+
+  #post(path: string, body: object, writes: boolean): Promise<unknown> {
+    return this.#request("POST", path, JSON.stringify(body), writes);
+  }
+
+  async #request(method: string, path: string, body: string | undefined, writes: boolean) {
+    const url = this.#url + path;
+    let response: Reply;
+    try {
+      response = await this.#send(method, url, this.#headers, body, this.#timeoutMs);
+    } catch (e) {
+      // A request that went out may have been applied: a write's tokens may be gone.
+      const sent = !(e instanceof NoAnswer && e.why === "unsent");
+      throw new TollgateError((e as Error).message, undefined, writes && sent);
+    }
+    const text = response.text;
+    let answer: unknown;
+    try {
+      answer = JSON.parse(text);
+    } catch {
+      throw new TollgateError(
+        `${url} answered ${response.status} with a body that is not JSON: ${text.slice(0, 200)}`,
+        response.status,
+        writes && response.status >= 500,
+        text,
+      );
+    }
+    if (response.status === 200) {
+      return answer;
+    }
+    const fields = (typeof answer === "object" && answer !== null ? answer : {}) as {
+      kind?: unknown;
+      name?: unknown;
+      retryAfter?: unknown;
+      error?: unknown;
+      mayHaveTaken?: unknown;
+    };
+    if (response.status === 429 && fields.kind === "RateLimited") {
+      throw new RateLimitError(String(fields.name), Number(fields.retryAfter));
+    }
+    const message = typeof fields.error === "string" ? fields.error : text;
+    throw new TollgateError(message, response.status, fields.mayHaveTaken === true, answer);
+  }
+}
