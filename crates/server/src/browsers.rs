@@ -174,7 +174,14 @@ where
         match self.rules.judge(request.headers()) {
             Ok(None) => GuardFuture::inner(self.inner.call(request), None),
             Err(message) => {
-                GuardFuture::answered(Answer::error(StatusCode::FORBIDDEN, message).into_response())
+                let mut refusal = Answer::error(StatusCode::FORBIDDEN, message).into_response();
+                if crate::http::has_body(request.headers()) {
+                    // Its body unread: the connection closes after the answer, and says so.
+                    refusal
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                GuardFuture::answered(refusal)
             }
             Ok(Some(origin)) if request.method() == Method::OPTIONS => {
                 // A preflight: what a page of this origin may send.

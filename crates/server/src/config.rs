@@ -285,7 +285,8 @@ impl FileConfig {
         )?;
         if !read_tokens.is_empty() && tokens.is_empty() {
             bail!(
-                "readTokens are set but tokens are not: a server without tokens asks for none,                  so read tokens would mean nothing; set [server] tokens (or TOLLGATE_TOKENS) too"
+                "readTokens are set but tokens are not: a server without tokens asks for none, \
+                 so read tokens would mean nothing; set [server] tokens (or TOLLGATE_TOKENS) too"
             );
         }
         if let Some(both) = read_tokens.iter().find(|t| tokens.contains(t)) {

@@ -271,9 +271,11 @@ fn too_large(e: &axum::Error) -> bool {
 
 async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     let values = request.headers().get_all(header::AUTHORIZATION).iter().map(|v| v.to_str().ok());
-    match credential(&app.tokens, values) {
-        Credential::Good => next.run(request).await,
-        Credential::Read if READ_PATHS.contains(&request.uri().path()) => next.run(request).await,
+    let mut refusal = match credential(&app.tokens, values) {
+        Credential::Good => return next.run(request).await,
+        Credential::Read if READ_PATHS.contains(&request.uri().path()) => {
+            return next.run(request).await;
+        }
         Credential::Read => Answer::error(
             StatusCode::FORBIDDEN,
             format!(
@@ -293,7 +295,19 @@ async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next)
             unauthorized("expected a Bearer token: Authorization: Bearer <token>")
         }
         Credential::Wrong => unauthorized("wrong bearer token"),
+    };
+    if has_body(request.headers()) {
+        // Refused before its body was read: the connection is closed after the answer, and
+        // says so, so that a client does not send its next request on it.
+        refusal.headers_mut().insert(CLOSE.0, HeaderValue::from_static(CLOSE.1));
     }
+    refusal
+}
+
+/// Whether a request comes with a body (that a refusal would leave unread).
+pub fn has_body(headers: &axum::http::HeaderMap) -> bool {
+    headers.contains_key(header::TRANSFER_ENCODING)
+        || headers.get(header::CONTENT_LENGTH).is_some_and(|length| length.as_bytes() != b"0")
 }
 
 /// What a read token may call: what a web page needs to show a limit, and nothing that

@@ -1,0 +1,340 @@
+"""What the sync and async clients share: request bodies, reading answers, errors.
+
+Nothing here does I/O, so both clients build the same requests and read answers the same
+way; each of them only adds its own ``send``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields as dataclass_fields
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import httpx
+
+from ._types import Decision, LimitCall, TransactionResult, ValueReading
+from ._version import __version__
+from .errors import RateLimitError, TollgateError
+
+__all__ = ["Core", "TransactionCall", "Limits"]
+
+#: A transaction's limit: a :class:`LimitCall`, or a mapping with the same keys.
+TransactionCall = Union[LimitCall, Mapping[str, Any]]
+#: Configs in code: limit name -> config.
+Limits = Mapping[str, Mapping[str, Any]]
+
+# Compact and strict: NaN and infinities are not JSON (the server could only call the body
+# malformed), so they are refused before anything is sent.
+_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_decode = json.loads
+
+# At most this much of an answer that is not what the API sends is quoted in an error.
+_SNIPPET = 200
+
+_LIMIT_CALL_FIELDS = tuple(f.name for f in dataclass_fields(LimitCall))
+
+
+def camel(key: str) -> str:
+    """``max_reserved`` -> ``maxReserved``; camelCase keys come back unchanged."""
+    if "_" not in key:
+        return key
+    head, *rest = key.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def normalize_config(config: Mapping[str, Any]) -> Dict[str, Any]:
+    """A config with its keys in the API's camelCase; values are not checked here (the
+    server checks them, and its 400 names the field)."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"a limit config is a mapping (dict), not {type(config).__name__}")
+    return {camel(key): value for key, value in config.items()}
+
+
+def _number(x: object) -> Optional[float]:
+    """`x` as a float if it is a JSON number, else None."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return None
+
+
+def _snippet(response: httpx.Response) -> str:
+    text = response.content[:_SNIPPET].decode("utf-8", "replace").strip()
+    return text if text else "(empty body)"
+
+
+def _unexpected(response: httpx.Response, what: str) -> TollgateError:
+    return TollgateError(
+        f"unexpected answer from {response.request.url.path}: {what}: {_snippet(response)}",
+        response.status_code,
+    )
+
+
+def error_of(response: httpx.Response) -> Union[RateLimitError, TollgateError]:
+    """The exception for an answer that is not a 200."""
+    status = response.status_code
+    try:
+        body = _decode(response.content)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        if status == 429 and body.get("kind") == "RateLimited":
+            name, wait = body.get("name"), _number(body.get("retryAfter"))
+            if isinstance(name, str) and wait is not None:
+                return RateLimitError(name, wait, "RateLimited")
+        message = body.get("error")
+        if isinstance(message, str):
+            # True only when the server says so, and only on a 503.
+            may_have_taken = status == 503 and body.get("mayHaveTaken") is True
+            return TollgateError(message, status, may_have_taken)
+    reason = response.reason_phrase or "error"
+    return TollgateError(f"HTTP {status} {reason}: {_snippet(response)}", status)
+
+
+def transport_error(exc: Exception, url: Any) -> TollgateError:
+    """An httpx exception (or a closed client) as a :class:`TollgateError` without a
+    status: the request got no answer."""
+    if isinstance(exc, httpx.TimeoutException):
+        phase = {
+            httpx.ConnectTimeout: "connecting to",
+            httpx.ReadTimeout: "waiting for the answer of",
+            httpx.WriteTimeout: "sending the request to",
+            httpx.PoolTimeout: "waiting for a free connection to",
+        }.get(type(exc), "talking to")
+        return TollgateError(f"timed out {phase} {url} (the client's timeout)")
+    if isinstance(exc, httpx.ConnectError):
+        return TollgateError(f"cannot connect to {url}: {exc or type(exc).__name__}")
+    if isinstance(exc, RuntimeError):
+        return TollgateError(f"the client is closed; cannot send to {url}")
+    return TollgateError(f"request to {url} failed: {type(exc).__name__}: {exc}")
+
+
+def answer(response: httpx.Response) -> Dict[str, Any]:
+    """The JSON object of a 200 answer; anything else raises."""
+    if response.status_code != 200:
+        raise error_of(response)
+    try:
+        body = _decode(response.content)
+    except ValueError:
+        raise _unexpected(response, "not JSON") from None
+    if not isinstance(body, dict):
+        raise _unexpected(response, "not a JSON object")
+    return body
+
+
+def decision_of(body: Dict[str, Any], response: httpx.Response) -> Decision:
+    ok, wait = body.get("ok"), body.get("retryAfter")
+    if isinstance(ok, bool):
+        if wait is None:
+            return Decision(ok)
+        number = _number(wait)
+        if number is not None:
+            return Decision(ok, number)
+    raise _unexpected(response, "not a decision")
+
+
+def decision(response: httpx.Response) -> Decision:
+    return decision_of(answer(response), response)
+
+
+def transaction_result(response: httpx.Response) -> TransactionResult:
+    body = answer(response)
+    overall = decision_of(body, response)
+    results = body.get("results")
+    if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+        raise _unexpected(response, "no results")
+    return TransactionResult(
+        overall.ok, overall.retry_after, [decision_of(r, response) for r in results]
+    )
+
+
+def value_reading(response: httpx.Response) -> ValueReading:
+    body = answer(response)
+    value, ts, shard = (_number(body.get(k)) for k in ("value", "ts", "shard"))
+    config = body.get("config")
+    if value is not None and ts is not None and shard is not None and isinstance(config, dict):
+        return ValueReading(value, ts, int(shard), config)
+    raise _unexpected(response, "not a value")
+
+
+def server_time(response: httpx.Response) -> float:
+    now = _number(answer(response).get("now"))
+    if now is not None:
+        return now
+    raise _unexpected(response, "no time")
+
+
+def encode(body: Any) -> bytes:
+    try:
+        return _encode(body).encode()
+    except (TypeError, ValueError) as e:
+        # Nothing was sent: a NaN count, a key that is not a string or number, ...
+        raise TollgateError(f"the request cannot be sent as JSON: {e}") from None
+
+
+class Core:
+    """A client's URLs, its configs in code, and how it builds request bodies."""
+
+    __slots__ = (
+        "base",
+        "limits",
+        "limit_url",
+        "check_url",
+        "transaction_url",
+        "reset_url",
+        "value_url",
+        "time_url",
+        "config_url",
+    )
+
+    def __init__(self, url: str, limits: Optional[Limits]) -> None:
+        if not isinstance(url, str):
+            raise TypeError(f"url is a string such as 'http://127.0.0.1:8787', not {url!r}")
+        base = url.rstrip("/")
+        try:
+            parsed = httpx.URL(base)
+        except httpx.InvalidURL as e:
+            raise ValueError(f"url {url!r} is not a URL: {e}") from None
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"url {url!r} must be http:// or https:// with a host")
+        if parsed.query or parsed.fragment:
+            raise ValueError(f"url {url!r} must have no query or fragment")
+        self.base = base
+        self.limits: Dict[str, Dict[str, Any]] = {
+            name: normalize_config(config) for name, config in (limits or {}).items()
+        }
+        # Parsed once: each request takes the URL object as it is.
+        self.limit_url = httpx.URL(base + "/v1/limit")
+        self.check_url = httpx.URL(base + "/v1/check")
+        self.transaction_url = httpx.URL(base + "/v1/transaction")
+        self.reset_url = httpx.URL(base + "/v1/reset")
+        self.value_url = httpx.URL(base + "/v1/value")
+        self.time_url = httpx.URL(base + "/v1/time")
+        self.config_url = httpx.URL(base + "/v1/config")
+
+    def config_for(
+        self, name: str, config: Optional[Mapping[str, Any]]
+    ) -> Optional[Dict[str, Any]]:
+        """The config to send inline: the call's own, else the one given in code for this
+        name, else none (a name the server defines)."""
+        if config is not None:
+            return normalize_config(config)
+        return self.limits.get(name)
+
+    def single(
+        self,
+        name: str,
+        key: Optional[str],
+        count: Optional[float],
+        reserve: bool,
+        throws: bool,
+        config: Optional[Mapping[str, Any]],
+    ) -> bytes:
+        body: Dict[str, Any] = {"name": name}
+        if key is not None:
+            body["key"] = key
+        if count is not None:
+            body["count"] = count
+        if reserve:
+            body["reserve"] = True
+        if throws:
+            body["throws"] = True
+        inline = self.config_for(name, config)
+        if inline is not None:
+            body["config"] = inline
+        return encode(body)
+
+    def transaction(self, calls: Sequence[TransactionCall], throws: bool) -> bytes:
+        if isinstance(calls, (str, bytes, Mapping, LimitCall)):
+            raise TypeError("transaction takes a list of limits (LimitCall or dict)")
+        limits: List[Dict[str, Any]] = [self._entry(call) for call in calls]
+        if throws and limits:
+            # The server raises the 429 if any limit of the transaction has throws.
+            limits[0]["throws"] = True
+        return encode({"limits": limits})
+
+    def _entry(self, call: TransactionCall) -> Dict[str, Any]:
+        if isinstance(call, LimitCall):
+            items: Any = ((f, getattr(call, f)) for f in _LIMIT_CALL_FIELDS)
+        elif isinstance(call, Mapping):
+            items = call.items()
+        else:
+            raise TypeError(
+                f"a transaction's limit is a LimitCall or a dict, not {type(call).__name__}"
+            )
+        entry: Dict[str, Any] = {}
+        for key, value in items:
+            # Unset fields are not sent; nor is reserve/throws False (the default).
+            if value is None or value is False:
+                continue
+            key = camel(key)
+            entry[key] = normalize_config(value) if key == "config" else value
+        name = entry.get("name")
+        if not isinstance(name, str):
+            raise ValueError(f"a transaction's limit needs a name: {call!r}")
+        if "config" not in entry and name in self.limits:
+            entry["config"] = self.limits[name]
+        return entry
+
+    def reset(self, name: str, key: Optional[str]) -> bytes:
+        body: Dict[str, Any] = {"name": name}
+        if key is not None:
+            body["key"] = key
+        return encode(body)
+
+    def value(
+        self,
+        name: str,
+        key: Optional[str],
+        sample_shards: Optional[int],
+        config: Optional[Mapping[str, Any]],
+    ) -> bytes:
+        body: Dict[str, Any] = {"name": name}
+        if key is not None:
+            body["key"] = key
+        if sample_shards is not None:
+            body["sampleShards"] = sample_shards
+        inline = self.config_for(name, config)
+        if inline is not None:
+            body["config"] = inline
+        return encode(body)
+
+
+def headers(token: Optional[str]) -> Dict[str, str]:
+    result = {
+        "Content-Type": "application/json",
+        "Accept": "application/json",
+        "User-Agent": f"tollgate-client-python/{__version__}",
+    }
+    if token is not None:
+        if not isinstance(token, str) or not token or not all(" " < c < "\x7f" for c in token):
+            raise ValueError("token must be a non-empty string of visible ASCII characters")
+        result["Authorization"] = f"Bearer {token}"
+    return result
+
+
+def timeout_of(timeout: Optional[float]) -> httpx.Timeout:
+    return httpx.Timeout(timeout)
+
+
+#: Connections per client: with a server about a millisecond away, 10 carry more than an
+#: httpx client can send (more connections only cost httpcore's pool more work per request).
+DEFAULT_MAX_CONNECTIONS = 10
+
+
+def check_max_connections(max_connections: int) -> int:
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+        raise TypeError("max_connections is an int")
+    if max_connections < 1:
+        raise ValueError("max_connections must be at least 1")
+    return max_connections
+
+
+def pool_limits(max_connections: int) -> httpx.Limits:
+    """Every connection of the pool is kept alive (httpx keeps only 20 by default and closes
+    the rest after each use: a busy client would keep opening connections). Idle ones are
+    closed after 5 s, before the server's 10 s idle timeout can close them under a request."""
+    return httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_connections,
+        keepalive_expiry=5.0,
+    )

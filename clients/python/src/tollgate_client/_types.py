@@ -1,0 +1,87 @@
+"""The values the client returns and takes: decisions, readings, transaction calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, TypedDict, Union
+
+__all__ = [
+    "DAY",
+    "HOUR",
+    "MINUTE",
+    "SECOND",
+    "Decision",
+    "LimitCall",
+    "LimitConfig",
+    "TransactionResult",
+    "ValueReading",
+]
+
+#: One second in milliseconds (every period and wait of the API is in ms).
+SECOND: float = 1_000.0
+#: One minute in milliseconds.
+MINUTE: float = 60 * SECOND
+#: One hour in milliseconds.
+HOUR: float = 60 * MINUTE
+#: One day in milliseconds.
+DAY: float = 24 * HOUR
+
+
+class LimitConfig(TypedDict, total=False):
+    """A limit's config as the API spells it (SPEC §1). ``kind``, ``rate`` and ``period``
+    are needed; the rest have defaults on the server. ``max_reserved`` is accepted for
+    ``maxReserved`` too (any snake_case key is sent in camelCase)."""
+
+    kind: str  # "token bucket" or "fixed window"
+    rate: float  # tokens per period
+    period: Union[float, str]  # milliseconds, or a duration such as "10s"
+    capacity: float  # default: rate
+    maxReserved: float  # default: unbounded
+    shards: int  # default: 1
+    start: float  # fixed windows only: alignment, ms since the Unix epoch
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer to ``limit`` or ``check``: granted (``ok``) or not, and how long to wait
+    in milliseconds (``retry_after``; ``None`` when the server sent none: nothing to wait
+    for). A granted reservation (``reserve=True``) is ``ok`` with a ``retry_after``: the
+    time at which the booked tokens are there."""
+
+    ok: bool
+    retry_after: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class TransactionResult:
+    """The answer to a ``transaction``: ``ok`` when every limit granted (and then all of them
+    took), else nothing was taken anywhere. ``results`` has one :class:`Decision` per limit,
+    in the order sent; ``retry_after`` is the longest wait among them."""
+
+    ok: bool
+    retry_after: Optional[float] = None
+    results: List[Decision] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ValueReading:
+    """The stored state of a limit (``get_value``): ``value`` tokens at time ``ts`` (ms since
+    the Unix epoch; 0 for a key with no state yet), the ``shard`` read, and the ``config``
+    with every default filled in (a fixed window's ``start`` set), as the server sent it."""
+
+    value: float
+    ts: float
+    shard: int
+    config: Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LimitCall:
+    """One limit of a ``transaction``. Plain dicts work too, with the same keys (snake_case
+    or camelCase)."""
+
+    name: str
+    key: Optional[str] = None
+    count: Optional[float] = None
+    reserve: bool = False
+    config: Optional[Mapping[str, Any]] = None
