@@ -6,8 +6,6 @@ import * as https from "node:https";
 
 import { NoAnswer, type Send } from "./transport.js";
 
-const UNSENT = new Set(["ECONNREFUSED", "ENOTFOUND", "EAI_AGAIN"]);
-
 export function httpSend(): Send {
   const agents = {
     "http:": new http.Agent({ keepAlive: true }),
@@ -29,14 +27,12 @@ export function httpSend(): Send {
         headers: body === undefined ? headers : { ...headers, "content-length": Buffer.byteLength(body) },
       });
       const timer = setTimeout(() => {
-        request.destroy(new NoAnswer("timeout", `no answer from ${url} in time`));
+        request.destroy(NoAnswer.timeout(url));
       }, timeoutMs);
       request.on("error", (e: Error & { code?: string }) => {
         clearTimeout(timer);
         if (e instanceof NoAnswer) return reject(e);
-        // Refused, or no such host: the request never left.
-        const unsent = UNSENT.has(e.code ?? "");
-        reject(new NoAnswer(unsent ? "unsent" : "lost", `cannot reach ${url}: ${e.code ?? e.message}`));
+        reject(NoAnswer.failed(url, e.code, e.code ?? e.message));
       });
       request.on("response", (response) => {
         const chunks: Buffer[] = [];

@@ -8,6 +8,9 @@ export interface Reply {
   text: string;
 }
 
+/** Refused, or no such host: errors of a request that never left. */
+const UNSENT = new Set(["ECONNREFUSED", "ENOTFOUND", "EAI_AGAIN"]);
+
 /** Why no answer came. */
 export class NoAnswer extends Error {
   /** `timeout`: the deadline passed after the request went out. `unsent`: it never reached
@@ -16,6 +19,18 @@ export class NoAnswer extends Error {
   constructor(why: "timeout" | "unsent" | "lost", message: string) {
     super(message);
     this.why = why;
+  }
+
+  /** The deadline passed with no answer from `url`. */
+  static timeout(url: string): NoAnswer {
+    return new NoAnswer("timeout", `no answer from ${url} in time`);
+  }
+
+  /** A request to `url` failed with the system error `code` (`why` says it in words): never
+   *  sent when refused or the host is unknown, lost midway otherwise. */
+  static failed(url: string, code: string | undefined, why: string): NoAnswer {
+    const unsent = UNSENT.has(code ?? "");
+    return new NoAnswer(unsent ? "unsent" : "lost", `cannot reach ${url}: ${why}`);
   }
 }
 
@@ -27,8 +42,6 @@ export type Send = (
   body: string | undefined,
   timeoutMs: number,
 ) => Promise<Reply>;
-
-const UNSENT = new Set(["ECONNREFUSED", "ENOTFOUND", "EAI_AGAIN"]);
 
 /** A transport on a fetch function. */
 export function fetchSend(fetcher: typeof fetch): Send {
@@ -44,11 +57,9 @@ export function fetchSend(fetcher: typeof fetch): Send {
     } catch (e) {
       const error = e as { name?: string; message?: string; cause?: { code?: string; message?: string } };
       if (error?.name === "TimeoutError" || error?.name === "AbortError") {
-        throw new NoAnswer("timeout", `no answer from ${url} in time`);
+        throw NoAnswer.timeout(url);
       }
-      const why = error?.cause?.message ?? error?.message ?? String(e);
-      const unsent = UNSENT.has(error?.cause?.code ?? "");
-      throw new NoAnswer(unsent ? "unsent" : "lost", `cannot reach ${url}: ${why}`);
+      throw NoAnswer.failed(url, error?.cause?.code, error?.cause?.message ?? error?.message ?? String(e));
     }
   };
 }

@@ -175,12 +175,7 @@ where
             Ok(None) => GuardFuture::inner(self.inner.call(request), None),
             Err(message) => {
                 let mut refusal = Answer::error(StatusCode::FORBIDDEN, message).into_response();
-                if crate::http::has_body(request.headers()) {
-                    // Its body unread: the connection closes after the answer, and says so.
-                    refusal
-                        .headers_mut()
-                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-                }
+                crate::http::close_if_unread(&mut refusal, request.headers());
                 GuardFuture::answered(refusal)
             }
             Ok(Some(origin)) if request.method() == Method::OPTIONS => {

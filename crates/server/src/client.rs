@@ -53,16 +53,7 @@ pub fn run(op: &str, args: ClientArgs) -> anyhow::Result<ExitCode> {
         bail!("--count and --reserve apply to limit and check only");
     }
     let url = format!("{}/v1/{op}", args.server.trim_end_matches('/'));
-    let agent: ureq::Agent =
-        ureq::Agent::config_builder().http_status_as_error(false).build().into();
-    let mut request = agent.post(&url);
-    if let Some(token) = &args.token {
-        request = request.header("Authorization", &format!("Bearer {token}"));
-    }
-    let mut response = request.send_json(&body).with_context(|| format!("cannot reach {url}"))?;
-    let status = response.status().as_u16();
-    let answer: Value =
-        response.body_mut().read_json().with_context(|| format!("{url} did not answer JSON"))?;
+    let (status, answer) = call(&url, args.token.as_deref(), Some(&body))?;
     if args.json {
         println!("{answer}");
     }
@@ -77,6 +68,38 @@ pub fn run(op: &str, args: ClientArgs) -> anyhow::Result<ExitCode> {
         println!("{}", describe(op, &answer));
     }
     Ok(if granted { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+/// Sends a request to `url` (a POST of `body`, or a GET without one), with `token` as a
+/// bearer token if given: the answer's status and JSON body, whatever the status.
+///
+/// # Errors
+///
+/// The server cannot be reached, or its answer is not JSON.
+pub fn call(url: &str, token: Option<&str>, body: Option<&Value>) -> anyhow::Result<(u16, Value)> {
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let authorization = token.map(|token| format!("Bearer {token}"));
+    let sent = match body {
+        Some(body) => {
+            let mut request = agent.post(url);
+            if let Some(value) = &authorization {
+                request = request.header("Authorization", value);
+            }
+            request.send_json(body)
+        }
+        None => {
+            let mut request = agent.get(url);
+            if let Some(value) = &authorization {
+                request = request.header("Authorization", value);
+            }
+            request.call()
+        }
+    };
+    let mut response = sent.with_context(|| format!("cannot reach {url}"))?;
+    let answer =
+        response.body_mut().read_json().with_context(|| format!("{url} did not answer JSON"))?;
+    Ok((response.status().as_u16(), answer))
 }
 
 fn describe(op: &str, answer: &Value) -> String {

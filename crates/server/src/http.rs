@@ -296,18 +296,19 @@ async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next)
         }
         Credential::Wrong => unauthorized("wrong bearer token"),
     };
-    if has_body(request.headers()) {
-        // Refused before its body was read: the connection is closed after the answer, and
-        // says so, so that a client does not send its next request on it.
-        refusal.headers_mut().insert(CLOSE.0, HeaderValue::from_static(CLOSE.1));
-    }
+    close_if_unread(&mut refusal, request.headers());
     refusal
 }
 
-/// Whether a request comes with a body (that a refusal would leave unread).
-pub fn has_body(headers: &axum::http::HeaderMap) -> bool {
-    headers.contains_key(header::TRANSFER_ENCODING)
-        || headers.get(header::CONTENT_LENGTH).is_some_and(|length| length.as_bytes() != b"0")
+/// A refusal of a request whose body it did not read: if the request has one (by
+/// `Transfer-Encoding` or a `Content-Length` other than 0), the connection is closed after
+/// the answer, and the answer says so, so that a client does not send its next request on it.
+pub fn close_if_unread(refusal: &mut Response, request: &axum::http::HeaderMap) {
+    let body = request.contains_key(header::TRANSFER_ENCODING)
+        || request.get(header::CONTENT_LENGTH).is_some_and(|length| length.as_bytes() != b"0");
+    if body {
+        refusal.headers_mut().insert(CLOSE.0, HeaderValue::from_static(CLOSE.1));
+    }
 }
 
 /// What a read token may call: what a web page needs to show a limit, and nothing that

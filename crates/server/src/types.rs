@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::Args;
 use serde_json::Value;
 
@@ -50,16 +50,7 @@ pub fn run(args: &TypesArgs) -> anyhow::Result<()> {
 /// `GET /v1/config` of the server at `url`.
 fn fetch(url: &str, token: Option<&str>) -> anyhow::Result<serde_json::Map<String, Value>> {
     let url = format!("{}/v1/config", url.trim_end_matches('/'));
-    let agent: ureq::Agent =
-        ureq::Agent::config_builder().http_status_as_error(false).build().into();
-    let mut request = agent.get(&url);
-    if let Some(token) = token {
-        request = request.header("Authorization", &format!("Bearer {token}"));
-    }
-    let mut response = request.call().with_context(|| format!("cannot reach {url}"))?;
-    let status = response.status().as_u16();
-    let answer: Value =
-        response.body_mut().read_json().with_context(|| format!("{url} did not answer JSON"))?;
+    let (status, answer) = crate::client::call(&url, token, None)?;
     match answer {
         Value::Object(limits) if status == 200 => Ok(limits),
         answer => {
