@@ -131,7 +131,17 @@ fn host_name(host: &str) -> &str {
 /// `Router::layer`, which wraps and boxes every route once more: 2 to 4% of a request's
 /// time, measured.)
 #[derive(Clone)]
-pub struct GuardLayer(pub std::sync::Arc<BrowserRules>);
+pub struct GuardLayer(pub SharedRules);
+
+/// The rules served now: a reload of the config swaps them whole.
+pub type SharedRules = std::sync::Arc<arc_swap::ArcSwap<BrowserRules>>;
+
+impl BrowserRules {
+    /// These rules, to be swapped by a reload.
+    pub fn shared(self) -> SharedRules {
+        std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(self))
+    }
+}
 
 impl<S> tower_layer::Layer<S> for GuardLayer {
     type Service = Guard<S>;
@@ -145,7 +155,7 @@ impl<S> tower_layer::Layer<S> for GuardLayer {
 #[derive(Clone)]
 pub struct Guard<S> {
     inner: S,
-    rules: std::sync::Arc<BrowserRules>,
+    rules: SharedRules,
 }
 
 /// The CORS fields of an answer to an allowed origin.
@@ -153,7 +163,9 @@ fn cors(headers: &mut HeaderMap, origin: HeaderValue) {
     headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, origin);
     headers.insert(
         header::ACCESS_CONTROL_EXPOSE_HEADERS,
-        HeaderValue::from_static("RateLimit, RateLimit-Policy, Retry-After"),
+        HeaderValue::from_static(
+            "RateLimit, RateLimit-Policy, Retry-After, Tollgate-Config-Version",
+        ),
     );
     headers.append(header::VARY, HeaderValue::from_static("Origin"));
 }
@@ -171,7 +183,7 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        match self.rules.judge(request.headers()) {
+        match self.rules.load().judge(request.headers()) {
             Ok(None) => GuardFuture::inner(self.inner.call(request), None),
             Err(message) => {
                 let mut refusal = Answer::error(StatusCode::FORBIDDEN, message).into_response();

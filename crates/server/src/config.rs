@@ -52,7 +52,7 @@ impl<'de> Deserialize<'de> for LimitTable {
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct ServerSection {
     listen: Option<String>,
@@ -72,7 +72,77 @@ struct ServerSection {
     cors_origins: Option<Vec<String>>,
     allowed_hosts: Option<Vec<String>>,
     public_metrics: Option<bool>,
+    drain_delay: Option<Period>,
+    /// Where each setting overridden by a flag or the environment came from, to name it in
+    /// errors: `--listen`, `TOLLGATE_MAX_KEYS`.
+    #[serde(skip)]
+    from: BTreeMap<&'static str, String>,
 }
+
+impl ServerSection {
+    /// How errors name `field`: the flag or variable it came from, or `[server] field`.
+    fn label(&self, field: &str) -> String {
+        self.from.get(field).cloned().unwrap_or_else(|| format!("[server] {field}"))
+    }
+}
+
+/// How a setting is written in a variable or flag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// As it is.
+    Text,
+    /// Comma-separated.
+    List,
+    /// `true` or `false`.
+    Bool,
+    /// A whole number.
+    Count,
+    /// Milliseconds (`250`) or a duration (`10s`, `1m`).
+    Duration,
+}
+
+/// One `[server]` setting: its field in the file, its environment variable, how it is
+/// written there, and whether a reload applies it (or it waits for a restart).
+#[derive(Clone, Copy, Debug)]
+pub struct Setting {
+    /// The field of `[server]`.
+    pub field: &'static str,
+    /// The environment variable.
+    pub var: &'static str,
+    /// How the variable is written.
+    pub kind: Kind,
+    /// A reload applies it while serving; otherwise it takes a restart.
+    pub live: bool,
+}
+
+const fn setting(field: &'static str, var: &'static str, kind: Kind, live: bool) -> Setting {
+    Setting { field, var, kind, live }
+}
+
+/// Every `[server]` setting, in the order `serve --help` lists them.
+pub const SETTINGS: [Setting; 18] = [
+    setting("listen", "TOLLGATE_LISTEN", Kind::Text, false),
+    setting("store", "TOLLGATE_STORE", Kind::Text, false),
+    setting("tokens", "TOLLGATE_TOKENS", Kind::List, false),
+    setting("readTokens", "TOLLGATE_READ_TOKENS", Kind::List, false),
+    setting("allowInlineConfig", "TOLLGATE_ALLOW_INLINE_CONFIG", Kind::Bool, true),
+    setting("allowConfigOverride", "TOLLGATE_ALLOW_CONFIG_OVERRIDE", Kind::Bool, true),
+    setting("maxKeys", "TOLLGATE_MAX_KEYS", Kind::Count, false),
+    setting("storeDeadline", "TOLLGATE_STORE_DEADLINE", Kind::Duration, false),
+    setting("headerTimeout", "TOLLGATE_HEADER_TIMEOUT", Kind::Duration, false),
+    setting("bodyTimeout", "TOLLGATE_BODY_TIMEOUT", Kind::Duration, false),
+    setting("maxConnections", "TOLLGATE_MAX_CONNECTIONS", Kind::Count, false),
+    setting("shutdownDeadline", "TOLLGATE_SHUTDOWN_DEADLINE", Kind::Duration, false),
+    setting("drainDelay", "TOLLGATE_DRAIN_DELAY", Kind::Duration, false),
+    setting("rlsListen", "TOLLGATE_RLS_LISTEN", Kind::Text, false),
+    setting("rlsConfig", "TOLLGATE_RLS_CONFIG", Kind::Text, false),
+    setting("corsOrigins", "TOLLGATE_CORS_ORIGINS", Kind::List, true),
+    setting("allowedHosts", "TOLLGATE_ALLOWED_HOSTS", Kind::List, true),
+    setting("publicMetrics", "TOLLGATE_PUBLIC_METRICS", Kind::Bool, false),
+];
+
+/// The variable that names the config file (`--config` overrides it).
+pub const CONFIG_VAR: &str = "TOLLGATE_CONFIG";
 
 /// Everything `tollgate serve` runs with.
 #[derive(Debug, Clone, PartialEq)]
@@ -128,6 +198,10 @@ pub struct HttpLimits {
     /// After SIGTERM, requests in flight have this long to finish; then every connection is
     /// cut and the process exits.
     pub shutdown_deadline: Duration,
+    /// After SIGTERM, how long the listeners go on accepting while `/healthz` says
+    /// `draining` (and gRPC health `NOT_SERVING`), so that load balancers stop sending
+    /// before they close; 0: they close at once.
+    pub drain_delay: Duration,
 }
 
 impl Default for HttpLimits {
@@ -137,6 +211,7 @@ impl Default for HttpLimits {
             body_timeout: Duration::from_secs(10),
             max_connections: 10_000,
             shutdown_deadline: Duration::from_secs(10),
+            drain_delay: Duration::ZERO,
         }
     }
 }
@@ -145,18 +220,28 @@ impl Default for HttpLimits {
 /// than a user notices.
 pub const DEFAULT_STORE_DEADLINE: Duration = Duration::from_millis(250);
 
-/// A duration of the `[server]` table: more than 0, at most a day.
-fn duration(field: &str, value: Option<&Period>, default: Duration) -> anyhow::Result<Duration> {
+/// A duration of the `[server]` table (or of the flag or variable `label` names): more than
+/// 0 (or 0 too, with `zero`), at most a day.
+fn duration(
+    label: &str,
+    value: Option<&Period>,
+    default: Duration,
+    zero: bool,
+) -> anyhow::Result<Duration> {
     let Some(value) = value else { return Ok(default) };
     let ms = value.millis().map_err(|_| {
         let written = match value {
             Period::Millis(ms) => ms.to_string(),
             Period::Text(text) => format!("{text:?}"),
         };
-        anyhow::anyhow!("[server] {field}: {written} is not a duration such as 250 (ms) or \"10s\"")
+        anyhow::anyhow!("{label}: {written} is not a duration such as 250 (ms) or \"10s\"")
     })?;
+    if zero && ms == 0.0 {
+        return Ok(Duration::ZERO);
+    }
     if !(ms > 0.0 && ms <= tollgate::DAY) {
-        bail!("[server] {field} is {ms} ms; it must be more than 0 and at most a day");
+        let least = if zero { "at least 0" } else { "more than 0" };
+        bail!("{label} is {ms} ms; it must be {least} and at most a day");
     }
     Ok(Duration::from_secs_f64(ms / 1_000.0))
 }
@@ -198,21 +283,97 @@ fn token_list(
     Ok(tokens)
 }
 
-/// What the command line says, to override the file.
+/// What the command line and the environment say, to override the file: flags first, then
+/// variables.
 #[derive(Debug, Default, Clone)]
 pub struct Overrides {
-    /// `--listen`.
-    pub listen: Option<String>,
-    /// `--store`.
-    pub store: Option<String>,
-    /// `TOLLGATE_TOKENS`, comma-separated.
+    /// `TOLLGATE_TOKENS`, comma-separated (added to the file's).
     pub tokens_env: Option<String>,
-    /// `TOLLGATE_READ_TOKENS`, comma-separated.
+    /// `TOLLGATE_READ_TOKENS`, comma-separated (added to the file's).
     pub read_tokens_env: Option<String>,
-    /// `--rls-listen`.
-    pub rls_listen: Option<String>,
-    /// `--rls-config`.
-    pub rls_config: Option<std::path::PathBuf>,
+    /// Other settings: (field, value, the flag or variable it came from), flags first.
+    values: Vec<(&'static str, String, String)>,
+}
+
+impl Overrides {
+    /// The variables of [`SETTINGS`] among `vars` (the process's environment).
+    pub fn from_env(vars: impl IntoIterator<Item = (String, String)>) -> Self {
+        let mut overrides = Overrides::default();
+        for (var, value) in vars {
+            match var.as_str() {
+                "TOLLGATE_TOKENS" => overrides.tokens_env = Some(value),
+                "TOLLGATE_READ_TOKENS" => overrides.read_tokens_env = Some(value),
+                _ => {
+                    if let Some(s) = SETTINGS.iter().find(|s| s.var == var) {
+                        overrides.values.push((s.field, value, var));
+                    }
+                }
+            }
+        }
+        overrides
+    }
+
+    /// The setting `field` as the flag `flag` gives it, if it does: it overrides the
+    /// variable.
+    #[must_use]
+    pub fn flag(mut self, field: &'static str, flag: &str, value: Option<String>) -> Self {
+        if let Some(value) = value {
+            self.values.retain(|(f, _, _)| *f != field);
+            self.values.insert(0, (field, value, flag.to_owned()));
+        }
+        self
+    }
+
+    /// `server` with these values in place of its own.
+    fn apply(&self, server: &mut ServerSection) -> anyhow::Result<()> {
+        for (field, value, from) in &self.values {
+            let Some(setting) = SETTINGS.iter().find(|s| s.field == *field) else { continue };
+            let list = || -> anyhow::Result<Vec<String>> {
+                let items: Vec<String> = value.split(',').map(|v| v.trim().to_owned()).collect();
+                if let Some(i) = items.iter().position(String::is_empty) {
+                    bail!("{from}: item {} is empty (\"a,,b\" or a trailing comma?)", i + 1);
+                }
+                Ok(items)
+            };
+            let boolean = || match value.trim() {
+                "true" | "1" => Ok(true),
+                "false" | "0" => Ok(false),
+                _ => Err(anyhow::anyhow!("{from} is {value:?}; it must be true or false")),
+            };
+            let count = || {
+                value
+                    .trim()
+                    .parse::<usize>()
+                    .map_err(|_| anyhow::anyhow!("{from} is {value:?}; it must be a whole number"))
+            };
+            let period = || match value.trim().parse::<f64>() {
+                Ok(ms) => Period::Millis(ms),
+                Err(_) => Period::Text(value.trim().to_owned()),
+            };
+            match *field {
+                "listen" => server.listen = Some(value.clone()),
+                "store" => server.store = Some(value.clone()),
+                "allowInlineConfig" => server.allow_inline_config = Some(boolean()?),
+                "allowConfigOverride" => server.allow_config_override = Some(boolean()?),
+                "maxKeys" => server.max_keys = Some(count()?),
+                "storeDeadline" => server.store_deadline = Some(period()),
+                "headerTimeout" => server.header_timeout = Some(period()),
+                "bodyTimeout" => server.body_timeout = Some(period()),
+                "maxConnections" => server.max_connections = Some(count()?),
+                "shutdownDeadline" => server.shutdown_deadline = Some(period()),
+                "drainDelay" => server.drain_delay = Some(period()),
+                "rlsListen" => server.rls_listen = Some(value.clone()),
+                "rlsConfig" => server.rls_config = Some(value.into()),
+                "corsOrigins" => server.cors_origins = Some(list()?),
+                "allowedHosts" => server.allowed_hosts = Some(list()?),
+                "publicMetrics" => server.public_metrics = Some(boolean()?),
+                _ => continue,
+            }
+            // A flag comes first: a variable of the same setting does not rename it.
+            server.from.entry(setting.field).or_insert_with(|| from.clone());
+        }
+        Ok(())
+    }
 }
 
 impl FileConfig {
@@ -259,27 +420,23 @@ impl FileConfig {
     ///
     /// An address that does not parse, or an invalid limit.
     pub fn settings(&self, overrides: &Overrides, examples: bool) -> anyhow::Result<Settings> {
-        let listen = overrides
-            .listen
-            .clone()
-            .or_else(|| self.server.listen.clone())
-            .unwrap_or_else(|| DEFAULT_LISTEN.into());
-        let listen: SocketAddr =
-            listen.parse().with_context(|| format!("listen address {listen:?} is not IP:PORT"))?;
-        let store = overrides
-            .store
-            .clone()
-            .or_else(|| self.server.store.clone())
-            .unwrap_or_else(|| DEFAULT_STORE.into());
+        let mut server = self.server.clone();
+        overrides.apply(&mut server)?;
+        let server = &server;
+        let listen = server.listen.clone().unwrap_or_else(|| DEFAULT_LISTEN.into());
+        let listen: SocketAddr = listen.parse().with_context(|| {
+            format!("{}: listen address {listen:?} is not IP:PORT", server.label("listen"))
+        })?;
+        let store = server.store.clone().unwrap_or_else(|| DEFAULT_STORE.into());
         let tokens = token_list(
             "tokens",
-            self.server.tokens.as_deref(),
+            server.tokens.as_deref(),
             "TOLLGATE_TOKENS",
             overrides.tokens_env.as_deref(),
         )?;
         let read_tokens = token_list(
             "readTokens",
-            self.server.read_tokens.as_deref(),
+            server.read_tokens.as_deref(),
             "TOLLGATE_READ_TOKENS",
             overrides.read_tokens_env.as_deref(),
         )?;
@@ -296,38 +453,42 @@ impl FileConfig {
                  must be one of its own"
             );
         }
-        if self.server.max_connections == Some(0) {
-            bail!("[server] maxConnections is 0; it must be at least 1");
+        if server.max_connections == Some(0) {
+            bail!("{} is 0; it must be at least 1", server.label("maxConnections"));
         }
         let defaults = HttpLimits::default();
-        let server = &self.server;
+        let time = |field: &str, value: &Option<Period>, default: Duration, zero: bool| {
+            duration(&server.label(field), value.as_ref(), default, zero)
+        };
         let http = HttpLimits {
-            header_timeout: duration(
+            header_timeout: time(
                 "headerTimeout",
-                server.header_timeout.as_ref(),
+                &server.header_timeout,
                 defaults.header_timeout,
+                false,
             )?,
-            body_timeout: duration(
-                "bodyTimeout",
-                server.body_timeout.as_ref(),
-                defaults.body_timeout,
-            )?,
+            body_timeout: time("bodyTimeout", &server.body_timeout, defaults.body_timeout, false)?,
             max_connections: server.max_connections.unwrap_or(defaults.max_connections),
-            shutdown_deadline: duration(
+            shutdown_deadline: time(
                 "shutdownDeadline",
-                server.shutdown_deadline.as_ref(),
+                &server.shutdown_deadline,
                 defaults.shutdown_deadline,
+                false,
             )?,
+            drain_delay: time("drainDelay", &server.drain_delay, defaults.drain_delay, true)?,
         };
         let store_deadline =
-            duration("storeDeadline", server.store_deadline.as_ref(), DEFAULT_STORE_DEADLINE)?;
-        let rls_listen = match overrides.rls_listen.clone().or_else(|| server.rls_listen.clone()) {
+            time("storeDeadline", &server.store_deadline, DEFAULT_STORE_DEADLINE, false)?;
+        let rls_listen = match server.rls_listen.clone() {
             None => None,
             Some(addr) => Some(addr.parse::<SocketAddr>().with_context(|| {
-                format!("the rate limit service's address {addr:?} is not IP:PORT")
+                format!(
+                    "{}: the rate limit service's address {addr:?} is not IP:PORT",
+                    server.label("rlsListen")
+                )
             })?),
         };
-        let rls_config = overrides.rls_config.clone().or_else(|| server.rls_config.clone());
+        let rls_config = server.rls_config.clone();
         if rls_listen.is_some() && rls_config.is_none() {
             bail!(
                 "the rate limit service needs its configuration: give --rls-config PATH (or \
@@ -338,9 +499,10 @@ impl FileConfig {
         for origin in &cors_origins {
             if origin != "*" && !is_origin(origin) {
                 bail!(
-                    "[server] corsOrigins: {origin:?} is not an origin such as \
-                     \"https://app.example\" or \"http://localhost:3000\" (a scheme, a host \
-                     and an optional port; no path), nor \"*\""
+                    "{}: {origin:?} is not an origin such as \"https://app.example\" or \
+                     \"http://localhost:3000\" (a scheme, a host and an optional port; no \
+                     path), nor \"*\"",
+                    server.label("corsOrigins")
                 );
             }
         }
@@ -350,8 +512,9 @@ impl FileConfig {
                 || !host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b))
             {
                 bail!(
-                    "[server] allowedHosts: {host:?} is not a host name such as \
-                     \"tollgate.internal\" (no scheme, port or path)"
+                    "{}: {host:?} is not a host name such as \"tollgate.internal\" (no \
+                     scheme, port or path)",
+                    server.label("allowedHosts")
                 );
             }
         }
@@ -360,9 +523,9 @@ impl FileConfig {
             store,
             tokens,
             read_tokens,
-            allow_inline_config: self.server.allow_inline_config.unwrap_or(true),
-            allow_config_override: self.server.allow_config_override.unwrap_or(false),
-            max_keys: self.server.max_keys,
+            allow_inline_config: server.allow_inline_config.unwrap_or(true),
+            allow_config_override: server.allow_config_override.unwrap_or(false),
+            max_keys: server.max_keys,
             store_deadline,
             http,
             rls_listen,
@@ -455,12 +618,9 @@ mod tests {
             s.limits,
             vec![("send".into(), Config::token_bucket(10.0, MINUTE).with_capacity(3.0))]
         );
-        let o = Overrides {
-            listen: Some("127.0.0.1:9001".into()),
-            store: Some("sqlite://x.db".into()),
-            tokens_env: Some("b, c".into()),
-            ..Overrides::default()
-        };
+        let o = Overrides { tokens_env: Some("b, c".into()), ..Overrides::default() }
+            .flag("listen", "--listen", Some("127.0.0.1:9001".into()))
+            .flag("store", "--store", Some("sqlite://x.db".into()));
         let s = file.settings(&o, true).unwrap();
         assert_eq!((s.listen.port(), s.store.as_str()), (9001, "sqlite://x.db"));
         assert_eq!(s.tokens, ["a", "b", "c"]);
@@ -484,9 +644,12 @@ mod tests {
                 .contains("unknown field `port`")
         );
         let err = FileConfig::default()
-            .settings(&Overrides { listen: Some("localhost".into()), ..Overrides::default() }, true)
+            .settings(
+                &Overrides::default().flag("listen", "--listen", Some("localhost".into())),
+                true,
+            )
             .unwrap_err();
-        assert!(err.to_string().contains("is not IP:PORT"), "{err}");
+        assert_eq!(err.to_string(), "--listen: listen address \"localhost\" is not IP:PORT");
     }
 
     #[test]
@@ -581,6 +744,7 @@ mod tests {
                 body_timeout: Duration::from_secs(60),
                 max_connections: 5,
                 shutdown_deadline: Duration::from_millis(1500),
+                drain_delay: Duration::ZERO,
             }
         );
         for (text, message) in [
@@ -627,6 +791,116 @@ mod tests {
             ),
         ] {
             assert_eq!(settings(text).unwrap_err().to_string(), message, "{text}");
+        }
+    }
+
+    #[test]
+    fn every_setting_from_the_environment_flags_first() {
+        let env = |vars: &[(&str, &str)]| {
+            Overrides::from_env(vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())))
+        };
+        let file = FileConfig::parse(
+            "[server]\nlisten = \"127.0.0.1:9000\"\nstore = \"memory\"\nmaxKeys = 5\n\
+             storeDeadline = 100\npublicMetrics = false\ntokens = [\"w\"]\n",
+        )
+        .unwrap();
+        let vars = [
+            ("TOLLGATE_LISTEN", "127.0.0.1:9001"),
+            ("TOLLGATE_STORE", "sqlite://env.db"),
+            ("TOLLGATE_TOKENS", "x"),
+            ("TOLLGATE_READ_TOKENS", "r"),
+            ("TOLLGATE_ALLOW_INLINE_CONFIG", "false"),
+            ("TOLLGATE_ALLOW_CONFIG_OVERRIDE", "1"),
+            ("TOLLGATE_MAX_KEYS", "7"),
+            ("TOLLGATE_STORE_DEADLINE", "2s"),
+            ("TOLLGATE_HEADER_TIMEOUT", "3000"),
+            ("TOLLGATE_BODY_TIMEOUT", "4s"),
+            ("TOLLGATE_MAX_CONNECTIONS", "9"),
+            ("TOLLGATE_SHUTDOWN_DEADLINE", "5s"),
+            ("TOLLGATE_DRAIN_DELAY", "0"),
+            ("TOLLGATE_RLS_LISTEN", "127.0.0.1:9002"),
+            ("TOLLGATE_RLS_CONFIG", "rls.yaml"),
+            ("TOLLGATE_CORS_ORIGINS", "https://a.example, http://localhost:3000"),
+            ("TOLLGATE_ALLOWED_HOSTS", "tollgate.internal"),
+            ("TOLLGATE_PUBLIC_METRICS", "true"),
+            ("OTHER", "ignored"),
+        ];
+        assert_eq!(vars.len(), SETTINGS.len() + 1, "a variable of every setting");
+        let s = file.settings(&env(&vars), false).unwrap();
+        assert_eq!(s.listen.to_string(), "127.0.0.1:9001");
+        assert_eq!(s.store, "sqlite://env.db");
+        assert_eq!((s.tokens, s.read_tokens), (vec!["w".into(), "x".into()], vec!["r".into()]));
+        assert_eq!((s.allow_inline_config, s.allow_config_override), (false, true));
+        assert_eq!(s.max_keys, Some(7));
+        assert_eq!(s.store_deadline, Duration::from_secs(2));
+        assert_eq!(
+            s.http,
+            HttpLimits {
+                header_timeout: Duration::from_secs(3),
+                body_timeout: Duration::from_secs(4),
+                max_connections: 9,
+                shutdown_deadline: Duration::from_secs(5),
+                drain_delay: Duration::ZERO,
+            }
+        );
+        assert_eq!(s.rls_listen, Some("127.0.0.1:9002".parse().unwrap()));
+        assert_eq!(s.rls_config, Some("rls.yaml".into()));
+        assert_eq!(s.cors_origins, ["https://a.example", "http://localhost:3000"]);
+        assert_eq!(s.allowed_hosts, ["tollgate.internal"]);
+        assert!(s.public_metrics);
+        // A flag over its variable, the variable over the file.
+        let o = env(&vars[..2]).flag("listen", "--listen", Some("127.0.0.1:9003".into()));
+        let s = file.settings(&o, false).unwrap();
+        assert_eq!(
+            (s.listen.port(), s.store.as_str(), s.max_keys),
+            (9003, "sqlite://env.db", Some(5))
+        );
+        // A bad value names its variable (or flag).
+        for (var, value, message) in [
+            (
+                "TOLLGATE_MAX_KEYS",
+                "many",
+                "TOLLGATE_MAX_KEYS is \"many\"; it must be a whole number",
+            ),
+            (
+                "TOLLGATE_PUBLIC_METRICS",
+                "yes",
+                "TOLLGATE_PUBLIC_METRICS is \"yes\"; it must be true or false",
+            ),
+            (
+                "TOLLGATE_HEADER_TIMEOUT",
+                "soon",
+                "TOLLGATE_HEADER_TIMEOUT: \"soon\" is not a duration such as 250 (ms) or \"10s\"",
+            ),
+            (
+                "TOLLGATE_BODY_TIMEOUT",
+                "0",
+                "TOLLGATE_BODY_TIMEOUT is 0 ms; it must be more than 0 and at most a day",
+            ),
+            (
+                "TOLLGATE_DRAIN_DELAY",
+                "-1",
+                "TOLLGATE_DRAIN_DELAY is -1 ms; it must be at least 0 and at most a day",
+            ),
+            (
+                "TOLLGATE_MAX_CONNECTIONS",
+                "0",
+                "TOLLGATE_MAX_CONNECTIONS is 0; it must be at least 1",
+            ),
+            (
+                "TOLLGATE_LISTEN",
+                "localhost",
+                "TOLLGATE_LISTEN: listen address \"localhost\" is not IP:PORT",
+            ),
+            (
+                "TOLLGATE_CORS_ORIGINS",
+                "a.example",
+                "TOLLGATE_CORS_ORIGINS: \"a.example\" is not an origin",
+            ),
+            ("TOLLGATE_ALLOWED_HOSTS", "a,,b", "TOLLGATE_ALLOWED_HOSTS: item 2 is empty"),
+        ] {
+            let err = file.settings(&env(&[(var, value)]), false).unwrap_err().to_string();
+            assert!(err.starts_with(message), "{var}={value}: {err}");
         }
     }
 }

@@ -4,6 +4,9 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use arc_swap::ArcSwap;
 
 use axum::http::{HeaderName, StatusCode};
 use serde::Deserialize;
@@ -15,6 +18,8 @@ use tollgate::{Call, Config, Error, RateLimiter, RawConfig, Request, Status, Tar
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 const RETRY_AFTER: HeaderName = HeaderName::from_static("retry-after");
+/// The version of the config a `GET /v1/config` shows.
+pub const CONFIG_VERSION: HeaderName = HeaderName::from_static("tollgate-config-version");
 
 /// The largest request body accepted, in bytes.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -238,18 +243,32 @@ impl Default for Permissions {
     }
 }
 
-/// Runs the operations of the API over a limiter.
+/// Runs the operations of the API over the limits defined now: a reload of the config
+/// ([`Engine::replace`]) swaps them at once, and a request finishes under the ones it
+/// started with (one atomic load of an `Arc` per request, no lock).
 pub struct Engine {
-    limiter: RateLimiter<DynStore>,
-    permissions: Permissions,
-    /// `RateLimit-Policy` members of the defined limits, made once, with their capacities.
-    policies: std::collections::HashMap<String, (String, f64)>,
+    current: ArcSwap<Defined>,
+    /// Requests granted by limiters replaced since (each counts its own).
+    failed_open_before: AtomicU64,
     /// Per name, what `limit` and `transaction` requests took, for the dashboard.
     pub stats: crate::stats::Stats,
 }
 
-impl Engine {
-    /// An engine over `limiter`, with what requests may carry as the config file's
+/// The limits of one config: the limiter with its defined names, what requests may carry,
+/// and the `RateLimit-Policy` members of the names.
+pub struct Defined {
+    limiter: RateLimiter<DynStore>,
+    permissions: Permissions,
+    /// `RateLimit-Policy` members of the defined limits, made once, with their capacities.
+    policies: std::collections::HashMap<String, (String, f64)>,
+    /// The version of the config they come from (a digest of what was read), if any.
+    pub version: String,
+    /// When they were loaded (Unix ms).
+    pub loaded_at: u64,
+}
+
+impl Defined {
+    /// The limits of `limiter`, with what requests may carry as the config file's
     /// `[server]` says.
     pub fn new(limiter: RateLimiter<DynStore>, permissions: Permissions) -> Self {
         let policies = limiter
@@ -258,7 +277,54 @@ impl Engine {
                 (name.to_owned(), (fields::policy_member(name, config), config.capacity()))
             })
             .collect();
-        Engine { limiter, permissions, policies, stats: crate::stats::Stats::default() }
+        Defined { limiter, permissions, policies, version: String::new(), loaded_at: now_ms() }
+    }
+
+    /// The same, marked as the config of `version`.
+    #[must_use]
+    pub fn with_version(mut self, version: String) -> Self {
+        self.version = version;
+        self
+    }
+
+    /// The limiter.
+    pub fn limiter(&self) -> &RateLimiter<DynStore> {
+        &self.limiter
+    }
+}
+
+impl Engine {
+    /// An engine over `limiter`, with what requests may carry as the config file's
+    /// `[server]` says.
+    pub fn new(limiter: RateLimiter<DynStore>, permissions: Permissions) -> Self {
+        Self::serving(Defined::new(limiter, permissions))
+    }
+
+    /// An engine serving `defined`.
+    pub fn serving(defined: Defined) -> Self {
+        Engine {
+            current: ArcSwap::from_pointee(defined),
+            failed_open_before: AtomicU64::new(0),
+            stats: crate::stats::Stats::default(),
+        }
+    }
+
+    /// The limits defined now.
+    pub fn current(&self) -> Arc<Defined> {
+        self.current.load_full()
+    }
+
+    /// Serves `defined` from the next request on (requests in flight finish under
+    /// the old ones); every state in the store is kept.
+    pub fn replace(&self, defined: Defined) {
+        let old = self.current.swap(Arc::new(defined));
+        self.failed_open_before.fetch_add(old.limiter.failed_open(), Ordering::Relaxed);
+    }
+
+    /// How many requests were granted because the store failed and their limits fail open,
+    /// under every config served.
+    pub fn failed_open(&self) -> u64 {
+        self.failed_open_before.load(Ordering::Relaxed) + self.current().limiter.failed_open()
     }
 
     /// `GET /v1/stats`: every defined limit (its config, and in words) and every name
@@ -270,7 +336,8 @@ impl Engine {
             self.stats.snapshot(now).into_iter().collect();
         let zeros = || vec![0u64; crate::stats::BUCKETS];
         let mut limits = Vec::new();
-        let mut defined: Vec<(&str, &Config)> = self.limiter.defined().collect();
+        let current = self.current();
+        let mut defined: Vec<(&str, &Config)> = current.limiter.defined().collect();
         defined.sort_by_key(|(name, _)| *name);
         let entry = |name: &str, config: Option<&Config>, counts: Option<crate::stats::Counts>| {
             let counts = counts.unwrap_or(crate::stats::Counts {
@@ -300,11 +367,6 @@ impl Engine {
         }))
     }
 
-    /// The limiter.
-    pub fn limiter(&self) -> &RateLimiter<DynStore> {
-        &self.limiter
-    }
-
     /// Answers `op` with the JSON `body`. Nothing is consumed by a request answered with an
     /// error.
     pub async fn run(&self, op: Op, body: &[u8]) -> Answer {
@@ -314,25 +376,27 @@ impl Engine {
                 format!("request body is {} bytes; the most is {MAX_BODY}", body.len()),
             );
         }
+        let defined = self.current();
+        let (d, stats) = (&*defined, &self.stats);
         let result = match op {
             Op::Limit => match parse(body) {
-                Ok(b) => self.single(b, true).await,
+                Ok(b) => d.single(b, true, stats).await,
                 Err(answer) => Err(answer),
             },
             Op::Check => match parse(body) {
-                Ok(b) => self.single(b, false).await,
+                Ok(b) => d.single(b, false, stats).await,
                 Err(answer) => Err(answer),
             },
             Op::Transaction => match parse(body) {
-                Ok(b) => self.transaction(b).await,
+                Ok(b) => d.transaction(b, stats).await,
                 Err(answer) => Err(answer),
             },
             Op::Reset => match parse(body) {
-                Ok(b) => self.reset(b).await,
+                Ok(b) => d.reset(b).await,
                 Err(answer) => Err(answer),
             },
             Op::Value => match parse(body) {
-                Ok(b) => self.value(b).await,
+                Ok(b) => d.value(b).await,
                 Err(answer) => Err(answer),
             },
         };
@@ -341,18 +405,26 @@ impl Engine {
 
     /// `GET /v1/time`: the store's clock.
     pub async fn time(&self) -> Answer {
-        match self.limiter.store().read_boxed(&[]).await {
+        match self.current().limiter.store().read_boxed(&[]).await {
             Ok((now, _)) => Answer::ok(json!({ "now": number(now) })),
             Err(err) => store_failed(&err),
         }
     }
 
-    /// `GET /v1/config`: the named limits, every default filled in.
+    /// `GET /v1/config`: the named limits, every default filled in, and the version of the
+    /// config they come from (`Tollgate-Config-Version`).
     pub fn config(&self) -> Answer {
-        let limits: BTreeMap<&str, &Config> = self.limiter.defined().collect();
-        Answer::ok(serde_json::to_value(limits).unwrap_or_default())
+        let current = self.current();
+        let limits: BTreeMap<&str, &Config> = current.limiter.defined().collect();
+        let mut answer = Answer::ok(serde_json::to_value(limits).unwrap_or_default());
+        if !current.version.is_empty() {
+            answer.headers.push((CONFIG_VERSION, current.version.clone()));
+        }
+        answer
     }
+}
 
+impl Defined {
     fn target<'a>(&self, name: &'a str, config: Option<&RawConfig>) -> Result<Target<'a>, Answer> {
         if name.is_empty() {
             // With a config or without: no limit has no name.
@@ -393,7 +465,12 @@ impl Engine {
         request
     }
 
-    async fn single(&self, body: LimitBody<'_>, writes: bool) -> Result<Answer, Answer> {
+    async fn single(
+        &self,
+        body: LimitBody<'_>,
+        writes: bool,
+        stats: &crate::stats::Stats,
+    ) -> Result<Answer, Answer> {
         let target = self.target(&body.name, body.config.as_ref())?;
         let request = Self::request(&body);
         let taken = if writes {
@@ -404,7 +481,7 @@ impl Engine {
         let taken = taken.map_err(|e| self.error(e))?;
         let (ok, retry_after) = (taken.decision.ok, taken.decision.retry_after);
         if writes {
-            self.stats.record(&body.name, crate::stats::Taken::of(ok, retry_after), now_ms());
+            stats.record(&body.name, crate::stats::Taken::of(ok, retry_after), now_ms());
         }
         let mut answer = if !ok && body.throws {
             rate_limited(&body.name, retry_after.unwrap_or(0.0))
@@ -426,7 +503,11 @@ impl Engine {
         Ok(answer)
     }
 
-    async fn transaction(&self, body: TransactionBody<'_>) -> Result<Answer, Answer> {
+    async fn transaction(
+        &self,
+        body: TransactionBody<'_>,
+        stats: &crate::stats::Stats,
+    ) -> Result<Answer, Answer> {
         if body.limits.is_empty() {
             return Err(Answer::error(
                 StatusCode::BAD_REQUEST,
@@ -447,7 +528,7 @@ impl Engine {
         for (l, result) in body.limits.iter().zip(&t.results) {
             // A refused transaction takes nothing: only the limits that refused it count.
             if t.ok || !result.ok {
-                self.stats.record(
+                stats.record(
                     &l.name,
                     crate::stats::Taken::of(result.ok && t.ok, result.retry_after),
                     now,

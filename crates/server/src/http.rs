@@ -39,12 +39,14 @@ pub struct App {
     pub sqlite_states: Arc<std::sync::atomic::AtomicUsize>,
     /// The rate limit service, with `--rls-config`: `POST /json` and its metrics.
     pub rls: Option<Arc<crate::rls::Rls>>,
-    /// What web pages may ask (`Origin`, and without tokens `Host`).
-    pub browsers: Arc<crate::browsers::BrowserRules>,
+    /// What web pages may ask (`Origin`, and without tokens `Host`); swapped by a reload.
+    pub browsers: crate::browsers::SharedRules,
     /// `/metrics` without a token even when the API asks for one (`publicMetrics`).
     pub public_metrics: bool,
     /// The SQLite store, if that is the store: `/healthz` checks that it can still write.
     pub sqlite: Option<Arc<tollgate::store::SqliteStore>>,
+    /// Reloads of the config, and whether the server is draining.
+    pub live: Arc<crate::live::Status>,
 }
 
 /// How often a run of failed requests is summed up in the log.
@@ -395,8 +397,22 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 /// `/healthz`: the store answers (a read of nothing) within the store deadline, or 503;
 /// SQLite must also still be able to write to the file at its path (see
-/// `SqliteStore::check`).
+/// `SqliteStore::check`). 503 `draining` at once after SIGTERM. The body says which config
+/// is serving (its version, and when it was loaded).
 async fn healthz(State(app): State<Arc<App>>) -> Response {
+    let defined = app.engine.current();
+    let config = serde_json::json!({ "version": defined.version, "loadedAt": defined.loaded_at });
+    let answer = |status: StatusCode, body: serde_json::Value| {
+        let mut body = body;
+        body["config"] = config.clone();
+        (status, axum::Json(body)).into_response()
+    };
+    if app.live.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        return answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({ "status": "draining", "store": "not checked" }),
+        );
+    }
     let late = || {
         tollgate::StoreError::new(format!(
             "the store did not answer within {:?}",
@@ -414,7 +430,7 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
             }
         }
         None => {
-            let probe = app.engine.limiter().store().read_boxed(&[]);
+            let probe = defined.limiter().store().read_boxed(&[]);
             match tokio::time::timeout(app.health_deadline, probe).await {
                 Ok(read) => read.map(drop),
                 Err(_) => Err(late()),
@@ -422,15 +438,11 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
         }
     };
     match result {
-        Ok(()) => {
-            (StatusCode::OK, axum::Json(serde_json::json!({ "status": "ok", "store": "ok" })))
-                .into_response()
-        }
-        Err(e) => (
+        Ok(()) => answer(StatusCode::OK, serde_json::json!({ "status": "ok", "store": "ok" })),
+        Err(e) => answer(
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(serde_json::json!({ "status": "degraded", "store": e.to_string() })),
-        )
-            .into_response(),
+            serde_json::json!({ "status": "degraded", "store": e.to_string() }),
+        ),
     }
 }
 
@@ -490,9 +502,10 @@ fn metrics(app: &App) -> Response {
     let sqlite = app.sqlite_states.load(std::sync::atomic::Ordering::Relaxed);
     let live = app.memory.as_ref().map(|m| m.len()).or((sqlite != usize::MAX).then_some(sqlite));
     let breaker = app.breaker.as_ref().map(|b| b.stats());
-    let failed_open = app.engine.limiter().failed_open();
+    let failed_open = app.engine.failed_open();
     let names = app.memory.as_ref().map(|m| m.names());
     let mut text = app.metrics.render(failed_open, live, names, breaker);
+    config_metrics(app, &mut text);
     if let Some(rls) = &app.rls {
         rls.metrics.render(&mut text);
     }
@@ -501,6 +514,33 @@ fn metrics(app: &App) -> Response {
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     response
+}
+
+/// The config serving, and its reloads.
+fn config_metrics(app: &App, out: &mut String) {
+    use std::fmt::Write as _;
+    use std::sync::atomic::Ordering::Relaxed;
+    let defined = app.engine.current();
+    let _ = write!(
+        out,
+        "# HELP tollgate_config_info The config serving: its version (a digest of its files).\n\
+         # TYPE tollgate_config_info gauge\n\
+         tollgate_config_info{{version=\"{}\"}} 1\n\
+         # HELP tollgate_config_loaded_timestamp_seconds When the config serving was loaded.\n\
+         # TYPE tollgate_config_loaded_timestamp_seconds gauge\n\
+         tollgate_config_loaded_timestamp_seconds {}\n\
+         # HELP tollgate_config_reloads_total Reloads of the config applied.\n\
+         # TYPE tollgate_config_reloads_total counter\n\
+         tollgate_config_reloads_total {}\n\
+         # HELP tollgate_config_reload_errors_total Reloads of the config refused (the old one \
+         went on serving).\n\
+         # TYPE tollgate_config_reload_errors_total counter\n\
+         tollgate_config_reload_errors_total {}\n",
+        defined.version,
+        defined.loaded_at as f64 / 1_000.0,
+        app.live.reloads.load(Relaxed),
+        app.live.reload_errors.load(Relaxed),
+    );
 }
 
 /// The OpenAPI document of this server: `/v1/*` (and `/metrics`, unless `public_metrics`)

@@ -17,6 +17,7 @@ pub mod engine;
 pub mod fields;
 pub mod http;
 pub mod listen;
+pub mod live;
 pub mod metrics;
 pub mod plot;
 pub mod rls;
@@ -27,7 +28,6 @@ pub mod types;
 
 use config::{FileConfig, Overrides, Settings};
 use engine::Engine;
-use tollgate::RateLimiter;
 
 /// Rate limits as a service: token buckets and fixed windows stored as two numbers.
 #[derive(Debug, Parser)]
@@ -65,11 +65,26 @@ enum Command {
     /// Print the limits a server defines as a TypeScript declaration for the
     /// `tollgate-client` npm package (its compiler then accepts those names).
     Types(types::TypesArgs),
+    /// Load the config as `serve` would (file, RLS config, flags, environment) and say
+    /// whether it is valid: exit 0 if it is, 1 with each error if not. Opens no store.
+    CheckConfig(CheckArgs),
 }
 
 #[derive(Debug, Args, Default)]
+struct CheckArgs {
+    /// The config file (default: TOLLGATE_CONFIG, if set).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// envoyproxy/ratelimit's configuration: a YAML file, or a directory of them.
+    #[arg(long, value_name = "PATH")]
+    rls_config: Option<PathBuf>,
+}
+
+#[derive(Debug, Args, Default)]
+#[command(after_help = environment_help())]
 struct ServeArgs {
-    /// The config file (TOML: [server] and [limits.<name>] tables).
+    /// The config file (TOML: [server] and [limits.<name>] tables); read again on SIGHUP
+    /// and when it changes.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The address to listen on (default 127.0.0.1:8787).
@@ -89,9 +104,52 @@ struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     rls_listen: Option<String>,
     /// envoyproxy/ratelimit's configuration: a YAML file, or a directory of them (one domain
-    /// each). Also enables `POST /json` on the HTTP listener.
+    /// each); read again on SIGHUP and when it changes. Also enables `POST /json` on the
+    /// HTTP listener.
     #[arg(long, value_name = "PATH")]
     rls_config: Option<PathBuf>,
+}
+
+/// `serve --help`'s list of variables.
+fn environment_help() -> String {
+    let mut help = String::from(
+        "Environment (a flag overrides its variable, which overrides the file's [server]):\n",
+    );
+    help.push_str(&format!("  {:<32} the config file (--config)\n", config::CONFIG_VAR));
+    for s in config::SETTINGS {
+        let how = match s.kind {
+            config::Kind::Text => "",
+            config::Kind::List => ", comma-separated",
+            config::Kind::Bool => ", true or false",
+            config::Kind::Count => ", a whole number",
+            config::Kind::Duration => ", ms or 10s, 1m",
+        };
+        let added = if s.field.ends_with("okens") { ", added to the file's" } else { "" };
+        let reload = if s.live { "; a reload applies it" } else { "" };
+        help.push_str(&format!("  {:<32} [server] {}{how}{added}{reload}\n", s.var, s.field));
+    }
+    help.push_str(
+        "\nSIGHUP, or a change of the config's files, reloads the limits, allowInlineConfig, \
+         allowConfigOverride, corsOrigins, allowedHosts and the RLS rules at once, keeping every \
+         state; an invalid config is refused whole. SIGTERM drains: /healthz answers 503 for \
+         drainDelay, then requests in flight get shutdownDeadline to finish.",
+    );
+    help
+}
+
+/// Where `serve` and `check-config` read their config: the file, flags, the environment.
+fn sources(
+    config: Option<PathBuf>,
+    flags: [(&'static str, &str, Option<String>); 4],
+) -> live::Sources {
+    let vars = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+    let mut overrides = Overrides::from_env(vars);
+    for (field, flag, value) in flags {
+        overrides = overrides.flag(field, flag, value);
+    }
+    let config = config.or_else(|| std::env::var_os(config::CONFIG_VAR).map(PathBuf::from));
+    live::Sources { config, overrides }
 }
 
 /// Runs the command line; what `main` calls.
@@ -129,23 +187,63 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Reset(args) => client::run("reset", args),
         Command::Value(args) => client::run("value", args),
         Command::Types(args) => types::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::CheckConfig(args) => Ok(check_config(args)),
+    }
+}
+
+fn check_config(args: CheckArgs) -> ExitCode {
+    let rls_config = args.rls_config.map(|p| p.display().to_string());
+    let sources = sources(
+        args.config,
+        [
+            ("rlsConfig", "--rls-config", rls_config),
+            ("listen", "--listen", None),
+            ("store", "--store", None),
+            ("rlsListen", "--rls-listen", None),
+        ],
+    );
+    match sources.load() {
+        Ok(loaded) => {
+            let file = match &sources.config {
+                Some(path) => path.display().to_string(),
+                None => "no config file (the example limits)".to_owned(),
+            };
+            let names: Vec<&str> = loaded.settings.limits.iter().map(|(n, _)| n.as_str()).collect();
+            println!("{file}: ok, version {}", loaded.version);
+            println!(
+                "  limits: {}",
+                if names.is_empty() { "(none defined)".to_owned() } else { names.join(", ") }
+            );
+            if let (Some(path), Some(rls)) = (&loaded.settings.rls_config, &loaded.rls) {
+                println!(
+                    "  rls:    {} (domains: {})",
+                    path.display(),
+                    rls.domain_names().join(", ")
+                );
+            }
+            println!("  store:  {} (not opened)", loaded.settings.store);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let file = match &args.config {
-        Some(path) => FileConfig::load(path)?,
-        None => FileConfig::default(),
-    };
-    let overrides = Overrides {
-        listen: args.listen.clone(),
-        store: args.store.clone(),
-        tokens_env: std::env::var("TOLLGATE_TOKENS").ok(),
-        read_tokens_env: std::env::var("TOLLGATE_READ_TOKENS").ok(),
-        rls_listen: args.rls_listen.clone(),
-        rls_config: args.rls_config.clone(),
-    };
-    let settings = file.settings(&overrides, args.config.is_none())?;
+    let rls_config = args.rls_config.map(|p| p.display().to_string());
+    let sources = sources(
+        args.config,
+        [
+            ("listen", "--listen", args.listen),
+            ("store", "--store", args.store),
+            ("rlsListen", "--rls-listen", args.rls_listen),
+            ("rlsConfig", "--rls-config", rls_config),
+        ],
+    );
+    let loaded = sources.load()?;
+    let settings = &loaded.settings;
     for addr in std::iter::once(settings.listen).chain(settings.rls_listen) {
         if settings.tokens.is_empty()
             && !addr.ip().is_loopback()
@@ -166,7 +264,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(serve_async(settings))?;
+    runtime.block_on(serve_async(sources, loaded))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -174,32 +272,32 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
 ///
 /// # Errors
 ///
-/// The store cannot be opened.
+/// The store cannot be opened, or the RLS config loaded.
 pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)> {
-    let opened = store::open(&settings.store, settings.max_keys, settings.store_deadline).await?;
-    let mut builder = RateLimiter::builder(opened.store);
-    for (name, config) in &settings.limits {
-        builder = builder.define(name.as_str(), *config);
-    }
-    for name in &settings.fail_open {
-        builder = builder.fail_open(name.as_str());
-    }
-    let permissions = engine::Permissions {
-        inline_config: settings.allow_inline_config,
-        config_override: settings.allow_config_override,
-    };
-    let engine = Arc::new(Engine::new(builder.build(), permissions));
     let rls = match &settings.rls_config {
         None => None,
-        Some(path) => {
-            let config = rls::RlsConfig::load(path)?;
-            Some(Arc::new(rls::Rls::new(Arc::clone(&engine), config)))
-        }
+        Some(path) => Some(rls::RlsConfig::load(path)?),
     };
+    app_of(settings, rls, String::new()).await
+}
+
+/// Builds the app for `settings` and `rls`, the config of `version`.
+///
+/// # Errors
+///
+/// The store cannot be opened.
+pub async fn app_of(
+    settings: &Settings,
+    rls: Option<rls::RlsConfig>,
+    version: String,
+) -> anyhow::Result<(Arc<http::App>, Sweeps)> {
+    let opened = store::open(&settings.store, settings.max_keys, settings.store_deadline).await?;
+    let engine = Arc::new(Engine::serving(live::defined(opened.store, settings, version)));
+    let rls = rls.map(|config| Arc::new(rls::Rls::new(Arc::clone(&engine), config)));
     // usize::MAX until the first sweep has counted the file's states.
     let sqlite_states = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
     let app = http::App {
-        engine,
+        engine: Arc::clone(&engine),
         rls,
         tokens: http::Tokens { full: settings.tokens.clone(), read: settings.read_tokens.clone() },
         metrics: metrics::Metrics::default(),
@@ -210,21 +308,18 @@ pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)
         accept_errors: Arc::new(http::ErrorLog::new("connections could not be accepted")),
         body_timeout: settings.http.body_timeout,
         sqlite_states: Arc::clone(&sqlite_states),
-        browsers: Arc::new(browsers::BrowserRules::new(
+        browsers: browsers::BrowserRules::new(
             !settings.tokens.is_empty(),
             settings.listen,
             &settings.cors_origins,
             &settings.allowed_hosts,
-        )),
+        )
+        .shared(),
         public_metrics: settings.public_metrics,
         sqlite: opened.sqlite.clone(),
+        live: Arc::default(),
     };
-    let sweeps = Sweeps {
-        sqlite: opened.sqlite,
-        memory: opened.memory,
-        limits: settings.limits.clone(),
-        sqlite_states,
-    };
+    let sweeps = Sweeps { sqlite: opened.sqlite, memory: opened.memory, engine, sqlite_states };
     Ok((Arc::new(app), sweeps))
 }
 
@@ -233,7 +328,8 @@ pub async fn app(settings: &Settings) -> anyhow::Result<(Arc<http::App>, Sweeps)
 pub struct Sweeps {
     sqlite: Option<Arc<tollgate::store::SqliteStore>>,
     memory: Option<Arc<tollgate::MemoryStore>>,
-    limits: Vec<(String, tollgate::Config)>,
+    /// The limits defined now (a reload changes them).
+    engine: Arc<Engine>,
     /// The SQLite file's states after the last sweep, for `/metrics`.
     sqlite_states: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -290,12 +386,15 @@ impl Sweeps {
             });
         }
         if let Some(sqlite) = self.sqlite {
-            let (limits, states) = (self.limits, self.sqlite_states);
+            let (engine, states) = (self.engine, self.sqlite_states);
             tokio::spawn(async move {
                 let mut every = tokio::time::interval(SQLITE_SWEEP);
                 loop {
                     every.tick().await;
-                    let (sqlite, limits) = (Arc::clone(&sqlite), limits.clone());
+                    let defined = engine.current();
+                    let limits: Vec<(String, tollgate::Config)> =
+                        defined.limiter().defined().map(|(n, c)| (n.to_owned(), *c)).collect();
+                    let sqlite = Arc::clone(&sqlite);
                     let states = Arc::clone(&states);
                     let swept = tokio::task::spawn_blocking(move || {
                         // Every state with its time to be full; then, by name, the states an
@@ -316,8 +415,9 @@ impl Sweeps {
     }
 }
 
-async fn serve_async(settings: Settings) -> anyhow::Result<()> {
-    let (app, sweeps) = app(&settings).await?;
+async fn serve_async(sources: live::Sources, loaded: live::Loaded) -> anyhow::Result<()> {
+    let settings = loaded.settings;
+    let (app, sweeps) = app_of(&settings, loaded.rls, loaded.version).await?;
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen))?;
@@ -343,18 +443,39 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
     };
     // Full states carry no information: delete them now and then.
     sweeps.start();
-    // One signal stops both listeners.
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        shutdown().await;
-        let _ = stop_tx.send(true);
-    });
-    let stopped = move || {
-        let mut stop_rx = stop_rx.clone();
-        async move {
-            let _ = stop_rx.wait_for(|stop| *stop).await;
+    // SIGHUP, or a change of the files, reloads the config.
+    let reloader = Arc::new(live::Reloader::new(sources, settings.clone(), Arc::clone(&app)));
+    reloader.on_hangup();
+    let _watcher = match reloader.on_change() {
+        Ok(watcher) => watcher,
+        Err(e) => {
+            tracing::warn!("{e:#}; reload with SIGHUP");
+            None
         }
     };
+    // One signal drains both listeners, then stops them: /healthz (and gRPC health) say so
+    // at once, and the listeners go on accepting for drainDelay.
+    let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let drain_delay = settings.http.drain_delay;
+    let live = Arc::clone(&app.live);
+    tokio::spawn(async move {
+        shutdown().await;
+        live.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = drain_tx.send(true);
+        if !drain_delay.is_zero() {
+            tracing::info!("draining: /healthz says so; accepting for {drain_delay:?} more");
+            tokio::time::sleep(drain_delay).await;
+        }
+        let _ = stop_tx.send(true);
+    });
+    let when = |rx: tokio::sync::watch::Receiver<bool>| {
+        let mut rx = rx.clone();
+        async move {
+            let _ = rx.wait_for(|yes| *yes).await;
+        }
+    };
+    let stopped = || when(stop_rx.clone());
     let rls_server = match (rls_listener, &app.rls) {
         (Some(listener), Some(rls)) => {
             let service = rls::service::Service::new(
@@ -369,6 +490,7 @@ async fn serve_async(settings: Settings) -> anyhow::Result<()> {
                 http_limits,
                 deadline,
                 Arc::clone(&app.accept_errors),
+                when(drain_rx.clone()),
                 stopped(),
             )))
         }

@@ -49,14 +49,16 @@ fn serve(
         body_timeout: std::time::Duration::from_secs(10),
         sqlite_states: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
         rls: None,
-        browsers: Arc::new(BrowserRules::new(
+        browsers: BrowserRules::new(
             required,
             "127.0.0.1:8787".parse().unwrap(),
             &["https://app.example".to_owned()],
             &[],
-        )),
+        )
+        .shared(),
         public_metrics,
         sqlite: None,
+        live: Arc::default(),
     }))
 }
 

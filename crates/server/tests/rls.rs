@@ -135,6 +135,7 @@ fn start(store: &str, tokens: &[&str]) -> Server {
         std::time::Duration::from_secs(1),
         Arc::clone(&app.accept_errors),
         std::future::pending(),
+        std::future::pending(),
     ));
     Server { runtime, rls, http: tollgate_server::http::router(app), domain }
 }

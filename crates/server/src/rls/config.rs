@@ -211,6 +211,19 @@ impl RlsConfig {
     /// A file that cannot be read, or that envoyproxy/ratelimit would reject (or whose
     /// tollgate fields are not a valid config): the file, the path in it and why.
     pub fn load(path: &Path) -> anyhow::Result<RlsConfig> {
+        Self::load_observed(path, &mut |_, _| {})
+    }
+
+    /// As [`RlsConfig::load`], showing `observe` each file read and its text (for the
+    /// config's version).
+    ///
+    /// # Errors
+    ///
+    /// As for [`RlsConfig::load`].
+    pub fn load_observed(
+        path: &Path,
+        observe: &mut dyn FnMut(&Path, &str),
+    ) -> anyhow::Result<RlsConfig> {
         let mut files = Vec::new();
         collect_files(path, &mut files)
             .with_context(|| format!("cannot read the RLS config {}", path.display()))?;
@@ -222,6 +235,7 @@ impl RlsConfig {
         for file in files {
             let text = std::fs::read_to_string(&file)
                 .with_context(|| format!("cannot read {}", file.display()))?;
+            observe(&file, &text);
             config.add(&file.display().to_string(), &text)?;
         }
         Ok(config)
@@ -292,7 +306,14 @@ impl RlsConfig {
         None
     }
 
-    /// Whether `domain` is configured.
+    /// The domains configured, in order.
+    pub fn domain_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.domains.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Whether `domain` has a configuration.
     pub fn has_domain(&self, domain: &str) -> bool {
         self.domains.contains_key(domain)
     }

@@ -192,7 +192,8 @@ enum Outcome {
 /// The rate limit service: a configuration and the server's limiter.
 pub struct Rls {
     engine: Arc<Engine>,
-    config: RlsConfig,
+    /// Swapped whole by a reload ([`Rls::replace`]); a request keeps the one it started with.
+    config: arc_swap::ArcSwap<RlsConfig>,
     /// Counts for `/metrics`.
     pub metrics: RlsMetrics,
 }
@@ -222,7 +223,16 @@ impl Matched<'_> {
 impl Rls {
     /// The service over the store of `engine`'s limiter, with `config`.
     pub fn new(engine: Arc<Engine>, config: RlsConfig) -> Self {
-        Rls { engine, config, metrics: RlsMetrics::default() }
+        Rls {
+            engine,
+            config: arc_swap::ArcSwap::from_pointee(config),
+            metrics: RlsMetrics::default(),
+        }
+    }
+
+    /// Serves `config` from the next request on.
+    pub fn replace(&self, config: RlsConfig) {
+        self.config.store(Arc::new(config));
     }
 
     /// Answers one request: every matched descriptor taken all or nothing.
@@ -239,9 +249,13 @@ impl Rls {
         }
         let mut statuses: Vec<DescriptorStatus> =
             request.descriptors.iter().map(|_| DescriptorStatus::no_limit()).collect();
+        // One configuration, and one set of defined limits, for the whole request.
+        let config = self.config.load_full();
+        let defined = self.engine.current();
+        let limiter = defined.limiter();
         let mut matched = Vec::new();
         for (index, descriptor) in request.descriptors.iter().enumerate() {
-            if let Some(m) = self.matched(request, index, descriptor)? {
+            if let Some(m) = Self::matched(&config, request, index, descriptor)? {
                 matched.push(m);
             }
         }
@@ -331,12 +345,7 @@ impl Rls {
         for (m, c) in &never {
             let (target, _) = m.ask(c.config);
             let look = Request::new().key(&m.key).count(0.0);
-            let t = self
-                .engine
-                .limiter()
-                .check_with_status_async(target, look)
-                .await
-                .map_err(store_error)?;
+            let t = limiter.check_with_status_async(target, look).await.map_err(store_error)?;
             let over = !m.rule.shadow;
             over_limit |= over;
             can_never |= over;
@@ -365,9 +374,7 @@ impl Rls {
         } else if enforced_calls.is_empty() {
             true
         } else {
-            let t = self
-                .engine
-                .limiter()
+            let t = limiter
                 .transaction_with_status_async(&enforced_calls)
                 .await
                 .map_err(store_error)?;
@@ -389,9 +396,9 @@ impl Rls {
             // Shadows are counted when the request is admitted; only looked at when it is
             // not, as are the enforced limits when one was blocked.
             let t = if admitted {
-                self.engine.limiter().limit_with_status_async(target, ask).await
+                limiter.limit_with_status_async(target, ask).await
             } else {
-                self.engine.limiter().check_with_status_async(target, ask).await
+                limiter.check_with_status_async(target, ask).await
             }
             .map_err(store_error)?;
             taken.push((m, *c, t.status));
@@ -436,12 +443,12 @@ impl Rls {
     /// The descriptor's limit, if it has one: the request's own (`limit`), or the
     /// configuration's.
     fn matched<'r>(
-        &'r self,
+        config: &'r RlsConfig,
         request: &RlsRequest,
         index: usize,
         descriptor: &Descriptor,
     ) -> Result<Option<Matched<'r>>, RlsError> {
-        if !self.config.has_domain(&request.domain) {
+        if !config.has_domain(&request.domain) {
             return Ok(None);
         }
         let hits = descriptor.hits_addend.unwrap_or(u64::from(request.hits_addend.max(1)));
@@ -512,7 +519,7 @@ impl Rls {
                 metric: bounded_label(keys),
             }));
         }
-        let Some(rule) = self.config.find(&request.domain, &entries) else { return Ok(None) };
+        let Some(rule) = config.find(&request.domain, &entries) else { return Ok(None) };
         // With share_threshold, every value that matches the wildcard shares one state.
         let key = if rule.share_threshold { "shared".to_owned() } else { key() };
         let metric =

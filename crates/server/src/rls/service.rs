@@ -165,7 +165,8 @@ const CONNECTION_WINDOW: u32 = 1024 * 1024;
 /// at most [`MAX_STREAMS`] calls open, and every call answered within `call_deadline`
 /// (`DEADLINE_EXCEEDED` if its body or the store is slower). With tokens, a call without a
 /// good one is refused on its headers, before its body is read. Once `stop` resolves, calls
-/// in flight get `limits.shutdown_deadline` to finish.
+/// in flight get `limits.shutdown_deadline` to finish. Once `draining` resolves (before
+/// `stop`), gRPC health says `NOT_SERVING`.
 ///
 /// # Errors
 ///
@@ -176,6 +177,7 @@ pub async fn serve(
     limits: HttpLimits,
     call_deadline: Duration,
     accept_errors: Arc<ErrorLog>,
+    draining: impl std::future::Future<Output = ()> + Send + 'static,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -183,6 +185,13 @@ pub async fn serve(
 
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<RateLimitServiceServer<Service>>().await;
+    // Draining: health says NOT_SERVING at once (the service's name and the server's, ""),
+    // while calls are still answered until `stop`.
+    tokio::spawn(async move {
+        draining.await;
+        reporter.set_not_serving::<RateLimitServiceServer<Service>>().await;
+        reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+    });
     let tokens = service.tokens.clone();
     let rls = InterceptedService::new(
         RateLimitServiceServer::new(service).max_decoding_message_size(MAX_REQUEST),

@@ -1,0 +1,325 @@
+//! Live configuration: the config file and the RLS config read again on SIGHUP, or when
+//! either changes on disk, and applied whole or not at all.
+//!
+//! A reload reads and validates everything first, off the runtime's threads: a config with
+//! any error is refused whole (the log names the file, the place in it and why; the old one
+//! goes on serving). A valid one is swapped in at once (the defined limits, what requests
+//! may carry, the RLS rules, the web origins and host names): a request finishes under the
+//! config it started with, the next one sees the new one, and every state in the store is
+//! kept. Settings that cannot change while serving (listen addresses, the store, tokens,
+//! timeouts) are logged as waiting for a restart; the rest of the reload is applied.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use sha2::{Digest, Sha256};
+use tollgate::RateLimiter;
+
+use crate::config::{FileConfig, Overrides, SETTINGS, Settings};
+use crate::engine::{Defined, DynStore, Permissions};
+use crate::rls::RlsConfig;
+
+/// Where the config comes from: the file (if any), and the flags and environment read once
+/// at start.
+#[derive(Clone, Debug, Default)]
+pub struct Sources {
+    /// `--config` (or `TOLLGATE_CONFIG`).
+    pub config: Option<PathBuf>,
+    /// Flags and variables.
+    pub overrides: Overrides,
+}
+
+/// A config read and validated, ready to serve.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The settings and limits.
+    pub settings: Settings,
+    /// The RLS configuration, with `rlsConfig`.
+    pub rls: Option<RlsConfig>,
+    /// A digest of every file read (their paths and texts): 12 hex digits.
+    pub version: String,
+}
+
+impl Sources {
+    /// Reads and validates what `tollgate serve` serves. Blocking: it reads files.
+    ///
+    /// # Errors
+    ///
+    /// A file that cannot be read, or any error in it: the file, the place in it and why.
+    pub fn load(&self) -> anyhow::Result<Loaded> {
+        let mut digest = Sha256::new();
+        let mut read = |path: &Path, text: &str| {
+            digest.update(path.as_os_str().as_encoded_bytes());
+            digest.update([0]);
+            digest.update(text.as_bytes());
+            digest.update([0]);
+        };
+        let file = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                read(path, &text);
+                FileConfig::parse(&text).with_context(|| format!("in {}", path.display()))?
+            }
+            None => FileConfig::default(),
+        };
+        let settings =
+            file.settings(&self.overrides, self.config.is_none()).with_context(|| {
+                match &self.config {
+                    Some(path) => format!("in {}", path.display()),
+                    None => "in the flags and environment".to_owned(),
+                }
+            })?;
+        let rls = match &settings.rls_config {
+            Some(path) => Some(RlsConfig::load_observed(path, &mut read)?),
+            None => None,
+        };
+        let version = digest.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect();
+        Ok(Loaded { settings, rls, version })
+    }
+
+    /// What to watch for changes: the directory of the config file, and the RLS config's
+    /// (whole directories, so that a file replaced by a rename, or a Kubernetes ConfigMap's
+    /// symlink swapped, is seen).
+    fn watched(&self, rls: Option<&Path>) -> Watched {
+        let mut watched = Watched::default();
+        let mut file = |path: &Path| {
+            let dir = match path.parent() {
+                Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
+                _ => PathBuf::from("."),
+            };
+            let dir = std::fs::canonicalize(&dir).unwrap_or(dir);
+            if !watched.dirs.contains(&dir) {
+                watched.dirs.push(dir);
+            }
+            if let Some(name) = path.file_name() {
+                watched.names.push(name.to_owned());
+            }
+        };
+        if let Some(config) = &self.config {
+            file(config);
+            // A symlink to a file elsewhere, written in place there, changes it too.
+            if let Ok(target) = std::fs::canonicalize(config) {
+                file(&target);
+            }
+        }
+        match rls {
+            Some(rls) if rls.is_dir() => {
+                watched.trees.push(std::fs::canonicalize(rls).unwrap_or_else(|_| rls.to_owned()));
+            }
+            Some(rls) => file(rls),
+            None => {}
+        }
+        watched
+    }
+}
+
+/// The directories a server watches, and what in them is its config.
+#[derive(Debug, Default)]
+struct Watched {
+    /// Directories holding a file of the config, watched alone (not what is under them).
+    dirs: Vec<PathBuf>,
+    /// The names of those files.
+    names: Vec<std::ffi::OsString>,
+    /// Directories of RLS files, watched with all under them.
+    trees: Vec<PathBuf>,
+}
+
+impl Watched {
+    /// Whether a change of `path` may change the config: one of its files, anything under
+    /// an RLS directory, or a ConfigMap's `..data` (and the `..<time>` directories that
+    /// Kubernetes swaps in). Not a store's file beside the config (SQLite writes it all
+    /// the time).
+    fn concerns(&self, path: &Path) -> bool {
+        let name = path.file_name().unwrap_or_default();
+        self.names.iter().any(|n| n == name)
+            || name.as_encoded_bytes().starts_with(b"..")
+            || self.trees.iter().any(|tree| path.starts_with(tree))
+    }
+}
+
+/// The limiter of `settings` over `store`, marked with `version`.
+pub fn defined(store: DynStore, settings: &Settings, version: String) -> Defined {
+    let mut builder = RateLimiter::builder(store);
+    for (name, config) in &settings.limits {
+        builder = builder.define(name.as_str(), *config);
+    }
+    for name in &settings.fail_open {
+        builder = builder.fail_open(name.as_str());
+    }
+    let permissions = Permissions {
+        inline_config: settings.allow_inline_config,
+        config_override: settings.allow_config_override,
+    };
+    Defined::new(builder.build(), permissions).with_version(version)
+}
+
+/// The `[server]` settings that differ between `old` and `new` and that a reload does not
+/// apply (their names in the file).
+pub fn restart_needed(old: &Settings, new: &Settings) -> Vec<&'static str> {
+    let changed = |field: &str| match field {
+        "listen" => old.listen != new.listen,
+        "store" => old.store != new.store,
+        "tokens" => old.tokens != new.tokens,
+        "readTokens" => old.read_tokens != new.read_tokens,
+        "maxKeys" => old.max_keys != new.max_keys,
+        "storeDeadline" => old.store_deadline != new.store_deadline,
+        "headerTimeout" => old.http.header_timeout != new.http.header_timeout,
+        "bodyTimeout" => old.http.body_timeout != new.http.body_timeout,
+        "maxConnections" => old.http.max_connections != new.http.max_connections,
+        "shutdownDeadline" => old.http.shutdown_deadline != new.http.shutdown_deadline,
+        "drainDelay" => old.http.drain_delay != new.http.drain_delay,
+        "rlsListen" => old.rls_listen != new.rls_listen,
+        "rlsConfig" => old.rls_config != new.rls_config,
+        "publicMetrics" => old.public_metrics != new.public_metrics,
+        _ => false,
+    };
+    SETTINGS.iter().filter(|s| !s.live && changed(s.field)).map(|s| s.field).collect()
+}
+
+/// What `/healthz` and `/metrics` tell of reloads and of stopping.
+#[derive(Debug, Default)]
+pub struct Status {
+    /// Reloads applied.
+    pub reloads: AtomicU64,
+    /// Reloads refused.
+    pub reload_errors: AtomicU64,
+    /// SIGTERM came: `/healthz` answers 503.
+    pub draining: AtomicBool,
+}
+
+/// Reloads the config of a running server.
+pub struct Reloader {
+    sources: Sources,
+    /// What the server started with: the settings a reload cannot change.
+    started: Settings,
+    app: Arc<crate::http::App>,
+    /// One reload at a time.
+    one: tokio::sync::Mutex<()>,
+}
+
+/// How long the files must be quiet before a change is read: an editor's write, or a
+/// ConfigMap's swap, is several events.
+const QUIET: Duration = Duration::from_millis(150);
+
+impl Reloader {
+    /// A reloader of `app`, which was started with `started` from `sources`.
+    pub fn new(sources: Sources, started: Settings, app: Arc<crate::http::App>) -> Self {
+        Reloader { sources, started, app, one: tokio::sync::Mutex::new(()) }
+    }
+
+    /// Reads the config again and applies it, or refuses it whole; `why` says what asked.
+    /// An unchanged config (the same version) is left as it is.
+    pub async fn reload(&self, why: &str) {
+        let _one = self.one.lock().await;
+        let sources = self.sources.clone();
+        let loaded = tokio::task::spawn_blocking(move || sources.load()).await;
+        let serving = self.app.engine.current().version.clone();
+        match loaded.map_err(anyhow::Error::from).and_then(|loaded| loaded) {
+            Ok(loaded) if loaded.version == serving => {
+                tracing::debug!(version = serving, "config unchanged ({why})");
+            }
+            Ok(loaded) => self.apply(loaded, why),
+            Err(e) => {
+                self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    version = serving,
+                    "config reload ({why}) refused, version {serving} goes on serving: {e:#}"
+                );
+            }
+        }
+    }
+
+    fn apply(&self, loaded: Loaded, why: &str) {
+        let new = &loaded.settings;
+        for field in restart_needed(&self.started, new) {
+            tracing::warn!(
+                setting = field,
+                "[server] {field} changed: it takes a restart to apply; the rest of this \
+                 reload is applied"
+            );
+        }
+        let store = self.app.engine.current().limiter().store().clone();
+        self.app.engine.replace(defined(store, new, loaded.version.clone()));
+        if let (Some(rls), Some(config)) = (&self.app.rls, loaded.rls) {
+            rls.replace(config);
+        }
+        self.app.browsers.store(Arc::new(crate::browsers::BrowserRules::new(
+            !self.started.tokens.is_empty(),
+            self.started.listen,
+            &new.cors_origins,
+            &new.allowed_hosts,
+        )));
+        self.app.live.reloads.fetch_add(1, Ordering::Relaxed);
+        let names: Vec<&str> = new.limits.iter().map(|(n, _)| n.as_str()).collect();
+        tracing::info!(
+            version = loaded.version,
+            "config reloaded ({why}): version {}, limits: {}",
+            loaded.version,
+            if names.is_empty() { "(none defined)".to_owned() } else { names.join(", ") }
+        );
+    }
+
+    /// Reloads on SIGHUP, until the process ends.
+    pub fn on_hangup(self: &Arc<Self>) {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let Ok(mut hangup) = signal(SignalKind::hangup()) else {
+                tracing::warn!("cannot listen for SIGHUP: reload by changing the files");
+                return;
+            };
+            let reloader = Arc::clone(self);
+            tokio::spawn(async move {
+                while hangup.recv().await.is_some() {
+                    reloader.reload("SIGHUP").await;
+                }
+            });
+        }
+    }
+
+    /// Reloads when the config file or the RLS config changes on disk (a write in place,
+    /// a file renamed over it, a ConfigMap's symlink swapped), once the files have been
+    /// quiet for [`QUIET`]. The watcher stops when what is returned is dropped.
+    ///
+    /// # Errors
+    ///
+    /// A directory cannot be watched.
+    pub fn on_change(self: &Arc<Self>) -> anyhow::Result<Option<notify::RecommendedWatcher>> {
+        use notify::{EventKind, RecursiveMode, Watcher as _};
+        let watched = self.sources.watched(self.started.rls_config.as_deref());
+        if watched.dirs.is_empty() && watched.trees.is_empty() {
+            return Ok(None);
+        }
+        let dirs: Vec<(PathBuf, RecursiveMode)> = (watched.dirs.iter())
+            .map(|d| (d.clone(), RecursiveMode::NonRecursive))
+            .chain(watched.trees.iter().map(|d| (d.clone(), RecursiveMode::Recursive)))
+            .collect();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let mut watcher =
+            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+                // Reading the files is an access too: only changes count.
+                let Ok(event) = event else { return };
+                if !matches!(event.kind, EventKind::Access(_))
+                    && event.paths.iter().any(|p| watched.concerns(p))
+                {
+                    let _ = tx.send(());
+                }
+            })
+            .context("cannot watch the config's files")?;
+        for (dir, mode) in dirs {
+            watcher.watch(&dir, mode).with_context(|| format!("cannot watch {}", dir.display()))?;
+        }
+        let reloader = Arc::clone(self);
+        tokio::spawn(async move {
+            while rx.recv().await.is_some() {
+                while let Ok(Some(())) = tokio::time::timeout(QUIET, rx.recv()).await {}
+                reloader.reload("a file changed").await;
+            }
+        });
+        Ok(Some(watcher))
+    }
+}
