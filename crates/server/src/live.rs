@@ -283,7 +283,7 @@ impl Reloader {
 
     /// Reloads when the config file or the RLS config changes on disk (a write in place,
     /// a file renamed over it, a ConfigMap's symlink swapped), once the files have been
-    /// quiet for [`QUIET`]. The watcher stops when what is returned is dropped.
+    /// quiet for 150 ms. The watcher stops when what is returned is dropped.
     ///
     /// # Errors
     ///
