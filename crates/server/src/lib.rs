@@ -434,7 +434,6 @@ async fn serve_async(sources: live::Sources, loaded: live::Loaded) -> anyhow::Re
         Some(listener) => Some(listener.local_addr()?),
         None => None,
     };
-    print_banner(&settings, addr, rls_addr);
     // Each listener may hold maxConnections; both must fit in the open files allowed.
     let listeners = if rls_addr.is_some() { 2 } else { 1 };
     let http_limits = config::HttpLimits {
@@ -459,8 +458,9 @@ async fn serve_async(sources: live::Sources, loaded: live::Loaded) -> anyhow::Re
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let drain_delay = settings.http.drain_delay;
     let live = Arc::clone(&app.live);
+    let signalled = shutdown();
     tokio::spawn(async move {
-        shutdown().await;
+        signalled.await;
         live.draining.store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = drain_tx.send(true);
         if !drain_delay.is_zero() {
@@ -507,6 +507,8 @@ async fn serve_async(sources: live::Sources, loaded: live::Loaded) -> anyhow::Re
         }
     });
     let accept_errors = Arc::clone(&app.accept_errors);
+    // Last, once every signal has its handler: whoever reads the banner may send them.
+    print_banner(&settings, addr, rls_addr);
     serve_http(listener, http::router(app), http_limits, accept_errors, stopped()).await?;
     if let Some(rls_server) = rls_server {
         rls_server.await??;
@@ -583,23 +585,31 @@ fn print_banner(settings: &Settings, addr: SocketAddr, rls: Option<SocketAddr>) 
     }
 }
 
-/// Resolves on Ctrl-C or SIGTERM; in-flight requests are then finished before exit.
-async fn shutdown() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Resolves on Ctrl-C or SIGTERM; in-flight requests are then finished before exit. The
+/// handlers are installed when this is called, not when the future is first polled, so that
+/// a signal sent as soon as the banner is out is caught.
+fn shutdown() -> impl std::future::Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
-    let term = async {
-        if let Ok(mut term) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        {
-            term.recv().await;
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let term = signal(SignalKind::terminate());
+        let interrupt = signal(SignalKind::interrupt());
+        async move {
+            match (term, interrupt) {
+                (Ok(mut term), Ok(mut interrupt)) => {
+                    tokio::select! {
+                        _ = term.recv() => {},
+                        _ = interrupt.recv() => {},
+                    }
+                }
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
         }
-    };
+    }
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
+    async {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
