@@ -327,7 +327,6 @@ impl Overrides {
     /// `server` with these values in place of its own.
     fn apply(&self, server: &mut ServerSection) -> anyhow::Result<()> {
         for (field, value, from) in &self.values {
-            let Some(setting) = SETTINGS.iter().find(|s| s.field == *field) else { continue };
             let list = || -> anyhow::Result<Vec<String>> {
                 let items: Vec<String> = value.split(',').map(|v| v.trim().to_owned()).collect();
                 if let Some(i) = items.iter().position(String::is_empty) {
@@ -370,7 +369,7 @@ impl Overrides {
                 _ => continue,
             }
             // A flag comes first: a variable of the same setting does not rename it.
-            server.from.entry(setting.field).or_insert_with(|| from.clone());
+            server.from.entry(field).or_insert_with(|| from.clone());
         }
         Ok(())
     }

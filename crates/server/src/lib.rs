@@ -140,7 +140,7 @@ fn environment_help() -> String {
 /// Where `serve` and `check-config` read their config: the file, flags, the environment.
 fn sources(
     config: Option<PathBuf>,
-    flags: [(&'static str, &str, Option<String>); 4],
+    flags: Vec<(&'static str, &str, Option<String>)>,
 ) -> live::Sources {
     let vars = std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
@@ -193,15 +193,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 
 fn check_config(args: CheckArgs) -> ExitCode {
     let rls_config = args.rls_config.map(|p| p.display().to_string());
-    let sources = sources(
-        args.config,
-        [
-            ("rlsConfig", "--rls-config", rls_config),
-            ("listen", "--listen", None),
-            ("store", "--store", None),
-            ("rlsListen", "--rls-listen", None),
-        ],
-    );
+    let sources = sources(args.config, vec![("rlsConfig", "--rls-config", rls_config)]);
     match sources.load() {
         Ok(loaded) => {
             let file = match &sources.config {
@@ -235,7 +227,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let rls_config = args.rls_config.map(|p| p.display().to_string());
     let sources = sources(
         args.config,
-        [
+        vec![
             ("listen", "--listen", args.listen),
             ("store", "--store", args.store),
             ("rlsListen", "--rls-listen", args.rls_listen),

@@ -212,53 +212,17 @@ struct Answered {
 /// One call on a connection of its own: its headers (with `authorization`), and its body
 /// if `body` (a request for `user=alice` in domain `edge`), else none ever.
 fn call(addr: SocketAddr, authorization: Option<&str>, body: bool) -> Answered {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    runtime.block_on(async move {
-        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (client, connection) = h2::client::handshake(tcp).await.unwrap();
-        tokio::spawn(connection);
-        let mut client = client.ready().await.unwrap();
-        let mut request = http::Request::post(format!(
-            "http://{addr}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
-        ))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers");
-        if let Some(value) = authorization {
-            request = request.header("authorization", value);
-        }
-        let start = Instant::now();
-        let (response, mut stream) = client.send_request(request.body(()).unwrap(), false).unwrap();
-        if body {
-            // RateLimitRequest { domain: "edge", descriptors: [{ entries: [{ "user", "alice" }] }] }
-            let entry = [&[0x0a, 4][..], b"user", &[0x12, 5], b"alice"].concat();
-            let descriptor = [&[0x0a, entry.len() as u8][..], &entry].concat();
-            let message =
-                [&[0x0a, 4][..], b"edge", &[0x12, descriptor.len() as u8], &descriptor].concat();
-            let mut framed = vec![0, 0, 0, 0, message.len() as u8];
-            framed.extend(message);
-            stream.send_data(framed.into(), true).unwrap();
-        }
-        let response = tokio::time::timeout(Duration::from_secs(10), response)
-            .await
-            .expect("an answer within 10 s")
-            .unwrap();
-        let took = start.elapsed();
-        let header =
-            |name: &str| response.headers().get(name).map(|v| decoded(v.to_str().unwrap()));
-        let (mut grpc_status, mut message) = (header("grpc-status"), header("grpc-message"));
-        if grpc_status.is_none() {
-            // Not trailers-only: the status is in the trailers, after the body.
-            let mut body = response.into_body();
-            while let Some(chunk) = body.data().await {
-                let chunk = chunk.unwrap();
-                let _ = body.flow_control().release_capacity(chunk.len());
-            }
-            let trailers = body.trailers().await.unwrap().unwrap_or_default();
-            let get = |name: &str| trailers.get(name).map(|v| decoded(v.to_str().unwrap()));
-            (grpc_status, message) = (get("grpc-status"), get("grpc-message"));
-        }
-        Answered { grpc_status, message, took }
-    })
+    // RateLimitRequest { domain: "edge", descriptors: [{ entries: [{ "user", "alice" }] }] }
+    let entry = [&[0x0a, 4][..], b"user", &[0x12, 5], b"alice"].concat();
+    let descriptor = [&[0x0a, entry.len() as u8][..], &entry].concat();
+    let message = [&[0x0a, 4][..], b"edge", &[0x12, descriptor.len() as u8], &descriptor].concat();
+    let path = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+    let answer = common::grpc_call(addr, path, authorization, body.then_some(&message[..]));
+    Answered {
+        grpc_status: answer.field("grpc-status").map(decoded),
+        message: answer.field("grpc-message").map(decoded),
+        took: answer.took,
+    }
 }
 
 /// A `grpc-message` with its percent-encoding undone.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use common::Served;
+use common::{RLS_CONFIG, Served};
 
 /// `tollgate serve --listen 127.0.0.1:0 --store STORE --config CONFIG ARGS`, with `envs`,
 /// in `dir`.
@@ -56,9 +56,7 @@ fn serving(served: &Served) -> (Value, String) {
 
 /// A metric's value.
 fn metric(served: &Served, series: &str) -> f64 {
-    let (_, _, text) = get(served, "/metrics");
-    let line = text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("{series}"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
+    common::metric(&get(served, "/metrics").2, series)
 }
 
 /// Waits at most `within` for `done`; false if it never was.
@@ -199,8 +197,10 @@ fn each_kind_of_write_is_served_keeping_every_state_sqlite() {
     each_kind_of_write("sqlite://DIR/states.db");
 }
 
-const RLS_V1: &str = "domain: edge\ndescriptors:\n  - key: user\n    rate_limit:\n      unit: minute\n      requests_per_unit: 3\n";
-const RLS_V2: &str = "domain: edge\ndescriptors:\n  - key: user\n    rate_limit:\n      unit: minute\n      requests_per_unit: 5\n";
+/// [`RLS_CONFIG`] with `user` at 5 a minute.
+fn rls_v2() -> String {
+    RLS_CONFIG.replace("requests_per_unit: 3", "requests_per_unit: 5")
+}
 
 /// The limit `POST /json` applies to `user` in `edge` (a user of its own each time).
 fn rls_limit(served: &Served) -> Value {
@@ -220,14 +220,14 @@ fn sighup_reloads_the_limits_and_the_rls_rules() {
     let config = dir.path().join("tollgate.toml");
     std::fs::write(&config, limits(10, 10)).unwrap();
     let rls = dir.path().join("rls.yaml");
-    std::fs::write(&rls, RLS_V1).unwrap();
+    std::fs::write(&rls, RLS_CONFIG).unwrap();
     let served =
         serve(dir.path(), "memory", &config, &["--rls-config", rls.to_str().unwrap()], &[]);
     assert_eq!(rls_limit(&served), json!(3));
     let (_, first) = serving(&served);
 
     std::fs::write(&config, format!("[server]\nstoreDeadline = 100\n\n{}", limits(10, 5))).unwrap();
-    std::fs::write(&rls, RLS_V2).unwrap();
+    std::fs::write(&rls, rls_v2()).unwrap();
     signal(&served, "-HUP");
     assert!(within(Duration::from_secs(2), || serving(&served).1 != first), "{}", served.stderr());
     assert_eq!(serving(&served).0["api"]["capacity"], json!(5));
@@ -275,7 +275,7 @@ fn an_invalid_config_is_refused_whole() {
     let good = limits(10, 10);
     std::fs::write(&config, &good).unwrap();
     let rls = dir.path().join("rls.yaml");
-    std::fs::write(&rls, RLS_V1).unwrap();
+    std::fs::write(&rls, RLS_CONFIG).unwrap();
     let served =
         serve(dir.path(), "memory", &config, &["--rls-config", rls.to_str().unwrap()], &[]);
     let (defined, version) = serving(&served);
@@ -287,7 +287,7 @@ fn an_invalid_config_is_refused_whole() {
         "{}\n[limits.new]\nkind = \"fixed window\"\nrate = 1\nperiod = 1000\n",
         good.replace("rate = 10\nperiod = \"1m\"", "rate = -1\nperiod = \"1m\"")
     );
-    let broken_rls = RLS_V1.replace("unit: minute", "unit: fortnight");
+    let broken_rls = RLS_CONFIG.replace("unit: minute", "unit: fortnight");
     let bad: [(&Path, String, &str, Vec<String>); 4] = [
         (
             &config,
@@ -336,7 +336,7 @@ fn an_invalid_config_is_refused_whole() {
         }
         // Back to the good files (the same version: nothing to reload).
         std::fs::write(&config, &good).unwrap();
-        std::fs::write(&rls, RLS_V1).unwrap();
+        std::fs::write(&rls, RLS_CONFIG).unwrap();
         std::thread::sleep(Duration::from_millis(400));
     }
     assert_eq!(metric(&served, "tollgate_config_reloads_total"), 0.0);
@@ -493,7 +493,7 @@ fn check_config_exits_0_or_1_with_the_error() {
     let config = dir.path().join("tollgate.toml");
     let rls = dir.path().join("rls.yaml");
     std::fs::write(&config, limits(10, 10)).unwrap();
-    std::fs::write(&rls, RLS_V1).unwrap();
+    std::fs::write(&rls, RLS_CONFIG).unwrap();
     let (c, r) = (config.to_str().unwrap(), rls.to_str().unwrap());
     let (code, out, err) = check_config(&["--config", c, "--rls-config", r], &[]);
     assert_eq!(code, 0, "{err}");
@@ -507,15 +507,15 @@ fn check_config_exits_0_or_1_with_the_error() {
     drop(served);
 
     for (text, yaml, message) in [
-        ("[limits.x\n", RLS_V1, format!("error: in {c}: TOML parse error at line 1")),
+        ("[limits.x\n", RLS_CONFIG, format!("error: in {c}: TOML parse error at line 1")),
         (
             "[limits.x]\nkind = \"leaky bucket\"\nrate = 1\nperiod = 1000\n",
-            RLS_V1,
+            RLS_CONFIG,
             format!("error: in {c}: [limits.x]"),
         ),
         (
             "[limits.x]\nkind = \"token bucket\"\nrate = -1\nperiod = 1000\n",
-            RLS_V1,
+            RLS_CONFIG,
             format!("error: in {c}: [limits.x]: invalid config: rate is -1"),
         ),
         ("", "domain: edge\ndescriptors: [\n", format!("error: {r}: error loading config file")),
@@ -596,31 +596,12 @@ fn serve_reads_every_setting_from_the_environment() {
 
 /// gRPC health of the server (`""`): 1 SERVING, 2 NOT_SERVING.
 fn grpc_health(addr: std::net::SocketAddr) -> u8 {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    runtime.block_on(async move {
-        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (client, connection) = h2::client::handshake(tcp).await.unwrap();
-        tokio::spawn(connection);
-        let mut client = client.ready().await.unwrap();
-        let request = http::Request::post(format!("http://{addr}/grpc.health.v1.Health/Check"))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .unwrap();
-        let (response, mut stream) = client.send_request(request, false).unwrap();
-        // HealthCheckRequest { service: "" }: an empty message.
-        stream.send_data(vec![0, 0, 0, 0, 0].into(), true).unwrap();
-        let mut body = response.await.unwrap().into_body();
-        let mut bytes = Vec::new();
-        while let Some(chunk) = body.data().await {
-            let chunk = chunk.unwrap();
-            let _ = body.flow_control().release_capacity(chunk.len());
-            bytes.extend_from_slice(&chunk);
-        }
-        // A 5-byte frame header, then field 1 (status) as a varint: 0x08, the value.
-        assert_eq!(&bytes[..7], &[0, 0, 0, 0, 2, 0x08, bytes[6]], "{bytes:?}");
-        bytes[6]
-    })
+    // HealthCheckRequest { service: "" }: an empty message.
+    let answer = common::grpc_call(addr, "/grpc.health.v1.Health/Check", None, Some(&[]));
+    let bytes = answer.body;
+    // A 5-byte frame header, then field 1 (status) as a varint: 0x08, the value.
+    assert_eq!(&bytes[..7], &[0, 0, 0, 0, 2, 0x08, bytes[6]], "{bytes:?}");
+    bytes[6]
 }
 
 /// After SIGTERM, `/healthz` answers 503 `draining` (within 100 ms) and gRPC health
@@ -636,7 +617,7 @@ fn sigterm_drains() {
     )
     .unwrap();
     let rls = dir.path().join("rls.yaml");
-    std::fs::write(&rls, RLS_V1).unwrap();
+    std::fs::write(&rls, RLS_CONFIG).unwrap();
     let mut served = serve(
         dir.path(),
         "memory",

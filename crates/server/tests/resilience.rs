@@ -4,6 +4,8 @@
 //! the server's own deadlines with a wide margin (a request that waited seconds before the
 //! deadlines existed), not speed targets.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -46,10 +48,7 @@ impl Server {
 
     /// The value of the Prometheus sample `name` in `/metrics`.
     fn metric(&self, name: &str) -> f64 {
-        let (_, _, text) = self.exchange("GET", "/metrics", "");
-        text.lines()
-            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in {text}"))
+        common::metric(&self.exchange("GET", "/metrics", "").2, name)
     }
 
     /// One request on a connection of its own: status, headers (lower case) and JSON body.

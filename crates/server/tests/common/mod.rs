@@ -23,6 +23,83 @@ pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// The value of the Prometheus sample `series` (a name, with its labels if it has any) in the
+/// exposition `text`.
+pub(crate) fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in {text}"))
+}
+
+/// The answer to one gRPC call by the `h2` crate's client ([`grpc_call`]).
+#[derive(Debug)]
+pub(crate) struct GrpcAnswer {
+    /// The answer's header fields (a trailers-only answer's status is here).
+    pub(crate) headers: http::HeaderMap,
+    /// Its body, the frames as sent.
+    pub(crate) body: Vec<u8>,
+    /// Its trailers, if any.
+    pub(crate) trailers: http::HeaderMap,
+    /// From the call's headers sent to the answer's received.
+    pub(crate) took: std::time::Duration,
+}
+
+impl GrpcAnswer {
+    /// A field of the trailers, or of the headers of a trailers-only answer.
+    pub(crate) fn field(&self, name: &str) -> Option<&str> {
+        let value = self.trailers.get(name).or_else(|| self.headers.get(name));
+        value.map(|v| v.to_str().unwrap())
+    }
+}
+
+/// One gRPC call on an HTTP/2 connection of its own to `addr`: `path` (with `authorization`,
+/// if any) and `message` framed as its body, or with `None` no body ever; answered within
+/// 10 s.
+pub(crate) fn grpc_call(
+    addr: std::net::SocketAddr,
+    path: &str,
+    authorization: Option<&str>,
+    message: Option<&[u8]>,
+) -> GrpcAnswer {
+    use std::time::{Duration, Instant};
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(connection);
+        let mut client = client.ready().await.unwrap();
+        let mut request = http::Request::post(format!("http://{addr}{path}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers");
+        if let Some(value) = authorization {
+            request = request.header("authorization", value);
+        }
+        let start = Instant::now();
+        let (response, mut stream) = client.send_request(request.body(()).unwrap(), false).unwrap();
+        if let Some(message) = message {
+            let mut framed = vec![0];
+            framed.extend((message.len() as u32).to_be_bytes());
+            framed.extend(message);
+            stream.send_data(framed.into(), true).unwrap();
+        }
+        let response = tokio::time::timeout(Duration::from_secs(10), response)
+            .await
+            .expect("an answer within 10 s")
+            .unwrap();
+        let took = start.elapsed();
+        let headers = response.headers().clone();
+        let mut body = response.into_body();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk.unwrap();
+            let _ = body.flow_control().release_capacity(chunk.len());
+            bytes.extend_from_slice(&chunk);
+        }
+        let trailers = body.trailers().await.unwrap().unwrap_or_default();
+        GrpcAnswer { headers, body: bytes, trailers, took }
+    })
+}
+
 /// A rate limit service config: domain `edge`, `user` at 3 a minute.
 pub(crate) const RLS_CONFIG: &str = "
 domain: edge
