@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import IO, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import IO, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 BIN = os.environ.get(
     "TOLLGATE_BIN", str(Path(__file__).resolve().parents[3] / "target" / "debug" / "tollgate")
@@ -92,9 +92,14 @@ def tollgate(config: str, directory: Path, store: str = "memory") -> Iterator[Se
 
 
 @contextlib.contextmanager
-def silent_server() -> Iterator[Tuple[str, List[socket.socket]]]:
-    """A loopback socket that accepts connections and reads them, and never answers."""
+def _accepting(
+    serve: Optional[Callable[[socket.socket, threading.Event], None]] = None,
+) -> Iterator[Tuple[int, List[socket.socket]]]:
+    """A loopback listener: its port, and the connections it has accepted, each kept (and,
+    with `serve`, served on a thread of its own until the event is set) until the block
+    ends; then every one is shut down and closed."""
     listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     listener.settimeout(0.1)
@@ -110,18 +115,28 @@ def silent_server() -> Iterator[Tuple[str, List[socket.socket]]]:
             except OSError:
                 return
             held.append(conn)
+            if serve is not None:
+                threading.Thread(target=serve, args=(conn, stop), daemon=True).start()
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     try:
-        host, port = listener.getsockname()
-        yield f"http://{host}:{port}", held
+        yield listener.getsockname()[1], held
     finally:
         stop.set()
         thread.join()
         listener.close()
         for conn in held:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
             conn.close()
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[Tuple[str, List[socket.socket]]]:
+    """A loopback socket that accepts connections and reads them, and never answers."""
+    with _accepting() as (port, held):
+        yield f"http://127.0.0.1:{port}", held
 
 
 @contextlib.contextmanager
@@ -143,14 +158,6 @@ def fake_redis_that_hangs() -> Iterator[int]:
     connects (CLIENT SETINFO, PING, SELECT, ...), so the connection is made, and never
     answers anything else. A store request sent to it reaches the store and its answer
     never comes back: the case where tokens may have been taken."""
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    listener.settimeout(0.1)
-    stop = threading.Event()
-    conns: List[socket.socket] = []
-
     def commands(buffer: bytes) -> Tuple[List[List[bytes]], bytes]:
         """The whole RESP arrays at the front of `buffer`, and what is left."""
         done: List[List[bytes]] = []
@@ -174,7 +181,7 @@ def fake_redis_that_hangs() -> Iterator[int]:
             buffer = buffer[pos:]
         return done, buffer
 
-    def serve(conn: socket.socket) -> None:
+    def serve(conn: socket.socket, stop: threading.Event) -> None:
         buffer = b""
         while not stop.is_set():
             try:
@@ -192,29 +199,8 @@ def fake_redis_that_hangs() -> Iterator[int]:
                     conn.sendall(b"+OK\r\n")
                 # Anything else (the script that takes tokens): no answer, ever.
 
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            conns.append(conn)
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield listener.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join()
-        listener.close()
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
+    with _accepting(serve) as (port, _):
+        yield port
 
 
 class Recorded(NamedTuple):
