@@ -51,6 +51,17 @@ impl Op {
         }
     }
 
+    /// The method and path it is asked on, which names its span when tracing.
+    pub fn route(self) -> &'static str {
+        match self {
+            Op::Limit => "POST /v1/limit",
+            Op::Check => "POST /v1/check",
+            Op::Transaction => "POST /v1/transaction",
+            Op::Reset => "POST /v1/reset",
+            Op::Value => "POST /v1/value",
+        }
+    }
+
     /// The operation named `name`.
     pub fn parse(name: &str) -> Option<Op> {
         [Op::Limit, Op::Check, Op::Transaction, Op::Reset, Op::Value]
@@ -93,6 +104,15 @@ impl Body {
         match self {
             Body::Json(value) => value,
             Body::Decision { ok, retry_after } => decision_json(ok, retry_after),
+        }
+    }
+
+    /// Whether it grants the request, if it is a decision (of a limit, a check, a
+    /// transaction).
+    pub fn ok(&self) -> Option<bool> {
+        match self {
+            Body::Json(value) => value.get("ok")?.as_bool(),
+            Body::Decision { ok, .. } => Some(*ok),
         }
     }
 
@@ -471,6 +491,7 @@ impl Defined {
         writes: bool,
         stats: &crate::stats::Stats,
     ) -> Result<Answer, Answer> {
+        crate::otel::note("tollgate.limits", || body.name.to_string());
         let target = self.target(&body.name, body.config.as_ref())?;
         let request = Self::request(&body);
         let taken = if writes {
@@ -514,6 +535,9 @@ impl Defined {
                 "limits: a transaction needs at least one limit",
             ));
         }
+        crate::otel::note("tollgate.limits", || {
+            body.limits.iter().map(|l| &*l.name).collect::<Vec<_>>().join(",")
+        });
         let targets = body
             .limits
             .iter()
@@ -553,6 +577,7 @@ impl Defined {
     /// name that only ever came with inline configs, or whose shards changed, is reset too.
     /// A config in the body is not needed; if there is one, it must be valid.
     async fn reset(&self, body: ResetBody) -> Result<Answer, Answer> {
+        crate::otel::note("tollgate.limits", || body.name.clone());
         if let Some(raw) = &body.config {
             Config::try_from(raw)
                 .map_err(|e| Answer::error(StatusCode::BAD_REQUEST, e.to_string()))?;
@@ -563,6 +588,7 @@ impl Defined {
     }
 
     async fn value(&self, body: ValueBody) -> Result<Answer, Answer> {
+        crate::otel::note("tollgate.limits", || body.name.clone());
         let target = self.target(&body.name, body.config.as_ref())?;
         let sample = match body.sample_shards {
             None => 1,

@@ -207,6 +207,22 @@ fn routes(app: Arc<App>) -> Router {
 const CLOSE: (HeaderName, &str) = (header::CONNECTION, "close");
 
 async fn operation(State(app): State<Arc<App>>, op: Op, request: Request) -> Answer {
+    let span =
+        crate::otel::on().then(|| crate::otel::span(op.route(), op.name(), request.headers()));
+    crate::otel::traced(span, operate(app, op, request), |span, answer: &Answer| {
+        span.record("http.response.status_code", i64::from(answer.status.as_u16()));
+        span.record("tollgate.outcome", answer.outcome);
+        if let Some(ok) = answer.body.ok() {
+            span.record("tollgate.granted", ok);
+        }
+        if answer.status.is_server_error() {
+            span.record("otel.status_code", "error");
+        }
+    })
+    .await
+}
+
+async fn operate(app: Arc<App>, op: Op, request: Request) -> Answer {
     let start = Instant::now();
     let answer = match read_body(&app, request).await {
         Ok(body) => app.engine.run(op, &body).await,
@@ -475,14 +491,19 @@ async fn rls_json(State(app): State<Arc<App>>, request: Request) -> Response {
         )
         .into_response();
     };
+    // The caller's trace context, kept only when there is a span to give it to.
+    let headers = crate::otel::on().then(|| request.headers().clone());
     let body = match read_body(&app, request).await {
         Ok(body) => body,
         Err(answer) => return answer.into_response(),
     };
-    let answer = match crate::rls::json::parse(&body) {
-        Ok(request) => rls.should_rate_limit(&request).await,
-        Err(e) => Err(e),
-    };
+    let answer = rls
+        .traced(
+            crate::rls::Via::Json,
+            || headers.unwrap_or_default(),
+            crate::rls::json::parse(&body),
+        )
+        .await;
     match answer {
         Ok(answer) => {
             let status =

@@ -19,6 +19,7 @@ pub mod http;
 pub mod listen;
 pub mod live;
 pub mod metrics;
+pub mod otel;
 pub mod plot;
 pub mod rls;
 pub mod simulate;
@@ -134,6 +135,17 @@ fn environment_help() -> String {
          state; an invalid config is refused whole. SIGTERM drains: /healthz answers 503 for \
          drainDelay, then requests in flight get shutdownDeadline to finish.",
     );
+    if cfg!(feature = "otel") {
+        help.push_str(
+            "\n\nTracing (OpenTelemetry): with OTEL_EXPORTER_OTLP_ENDPOINT (or \
+             OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) set, each rate-limit request is a span \
+             exported over OTLP/HTTP, its parent the caller's traceparent. The standard \
+             OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf or http/json), _HEADERS, _TIMEOUT, \
+             OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG), OTEL_BSP_*, \
+             OTEL_TRACES_EXPORTER=none and OTEL_SDK_DISABLED apply. Without an endpoint nothing \
+             is exported.",
+        );
+    }
     help
 }
 
@@ -248,16 +260,38 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+    // Before the runtime: the exporter's blocking client must not be made on one of its
+    // threads.
+    let telemetry = otel::start()?;
+    init_log(telemetry.as_ref());
+    let tracing = telemetry.as_ref().map(otel::Exporting::describe);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let served = runtime.block_on(serve_async(sources, loaded, tracing));
+    drop(runtime);
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown();
+    }
+    served?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The log on stderr (`RUST_LOG`, `info` by default), and the exporter of request spans if
+/// there is one; the log leaves request spans out, and the exporter takes nothing else.
+fn init_log(telemetry: Option<&otel::Exporting>) {
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let filter = match format!("{}=off", otel::TARGET).parse() {
+        Ok(directive) => filter.add_directive(directive),
+        Err(_) => filter,
+    };
+    let log = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
-        .init();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(serve_async(sources, loaded))?;
-    Ok(ExitCode::SUCCESS)
+        .with_filter(filter);
+    tracing_subscriber::registry().with(log).with(telemetry.map(otel::Exporting::layer)).init();
 }
 
 /// Builds the app for `settings`: the store, the limiter, the router's state.
@@ -284,7 +318,9 @@ pub async fn app_of(
     version: String,
 ) -> anyhow::Result<(Arc<http::App>, Sweeps)> {
     let opened = store::open(&settings.store, settings.max_keys, settings.store_deadline).await?;
-    let engine = Arc::new(Engine::serving(live::defined(opened.store, settings, version)));
+    // When tracing, a request's time in the store is one of its span's fields.
+    let store = otel::Timed::wrap(opened.store);
+    let engine = Arc::new(Engine::serving(live::defined(store, settings, version)));
     let rls = rls.map(|config| Arc::new(rls::Rls::new(Arc::clone(&engine), config)));
     // usize::MAX until the first sweep has counted the file's states.
     let sqlite_states = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
@@ -407,7 +443,11 @@ impl Sweeps {
     }
 }
 
-async fn serve_async(sources: live::Sources, loaded: live::Loaded) -> anyhow::Result<()> {
+async fn serve_async(
+    sources: live::Sources,
+    loaded: live::Loaded,
+    tracing: Option<String>,
+) -> anyhow::Result<()> {
     let settings = loaded.settings;
     let (app, sweeps) = app_of(&settings, loaded.rls, loaded.version).await?;
     let listener = tokio::net::TcpListener::bind(settings.listen)
@@ -500,7 +540,7 @@ async fn serve_async(sources: live::Sources, loaded: live::Loaded) -> anyhow::Re
     });
     let accept_errors = Arc::clone(&app.accept_errors);
     // Last, once every signal has its handler: whoever reads the banner may send them.
-    print_banner(&settings, addr, rls_addr);
+    print_banner(&settings, addr, rls_addr, tracing.as_deref());
     serve_http(listener, http::router(app), http_limits, accept_errors, stopped()).await?;
     if let Some(rls_server) = rls_server {
         rls_server.await??;
@@ -552,7 +592,12 @@ pub async fn serve_http(
     .await
 }
 
-fn print_banner(settings: &Settings, addr: SocketAddr, rls: Option<SocketAddr>) {
+fn print_banner(
+    settings: &Settings,
+    addr: SocketAddr,
+    rls: Option<SocketAddr>,
+    tracing: Option<&str>,
+) {
     let names: Vec<&str> = settings.limits.iter().map(|(n, _)| n.as_str()).collect();
     println!("tollgate listening on http://{addr}");
     let memory = settings.store == "memory" || settings.store == "memory://";
@@ -563,6 +608,9 @@ fn print_banner(settings: &Settings, addr: SocketAddr, rls: Option<SocketAddr>) 
         "  limits: {}",
         if names.is_empty() { "(none defined)".into() } else { names.join(", ") }
     );
+    if let Some(tracing) = tracing {
+        println!("  traces: {tracing}");
+    }
     println!("  auth:   {}", if settings.tokens.is_empty() { "none" } else { "bearer tokens" });
     if let Some(rls) = rls {
         println!("  rls:    grpc://{rls} (envoy.service.ratelimit.v3)");

@@ -217,7 +217,8 @@ fn call(addr: SocketAddr, authorization: Option<&str>, body: bool) -> Answered {
     let descriptor = [&[0x0a, entry.len() as u8][..], &entry].concat();
     let message = [&[0x0a, 4][..], b"edge", &[0x12, descriptor.len() as u8], &descriptor].concat();
     let path = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
-    let answer = common::grpc_call(addr, path, authorization, body.then_some(&message[..]));
+    let metadata: Vec<_> = authorization.iter().map(|value| ("authorization", *value)).collect();
+    let answer = common::grpc_call(addr, path, &metadata, body.then_some(&message[..]));
     Answered {
         grpc_status: answer.field("grpc-status").map(decoded),
         message: answer.field("grpc-message").map(decoded),

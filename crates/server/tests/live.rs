@@ -597,7 +597,7 @@ fn serve_reads_every_setting_from_the_environment() {
 /// gRPC health of the server (`""`): 1 SERVING, 2 NOT_SERVING.
 fn grpc_health(addr: std::net::SocketAddr) -> u8 {
     // HealthCheckRequest { service: "" }: an empty message.
-    let answer = common::grpc_call(addr, "/grpc.health.v1.Health/Check", None, Some(&[]));
+    let answer = common::grpc_call(addr, "/grpc.health.v1.Health/Check", &[], Some(&[]));
     let bytes = answer.body;
     // A 5-byte frame header, then field 1 (status) as a varint: 0x08, the value.
     assert_eq!(&bytes[..7], &[0, 0, 0, 0, 2, 0x08, bytes[6]], "{bytes:?}");

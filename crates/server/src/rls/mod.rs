@@ -91,6 +91,15 @@ impl DescriptorStatus {
     }
 }
 
+/// How a request of the rate limit service came: over gRPC or as `POST /json`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// `ShouldRateLimit`, on the rate limit service's port.
+    Grpc,
+    /// `POST /json`, on the HTTP port.
+    Json,
+}
+
 /// Why a request could not be answered.
 #[derive(Debug)]
 pub enum RlsError {
@@ -235,6 +244,55 @@ impl Rls {
         self.config.store(Arc::new(config));
     }
 
+    /// Answers `request` (or the reason it could not be read) as [`Rls::should_rate_limit`]
+    /// does; when tracing is on, inside a span named for `via` whose parent is the caller's
+    /// (the trace context in `headers`).
+    ///
+    /// # Errors
+    ///
+    /// As [`Rls::should_rate_limit`].
+    pub async fn traced(
+        &self,
+        via: Via,
+        headers: impl FnOnce() -> axum::http::HeaderMap,
+        request: Result<RlsRequest, RlsError>,
+    ) -> Result<RlsAnswer, RlsError> {
+        let span = crate::otel::on().then(|| {
+            let name = match via {
+                Via::Grpc => "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+                Via::Json => "POST /json",
+            };
+            crate::otel::span(name, "should_rate_limit", &headers())
+        });
+        let answer = async {
+            match request {
+                Ok(request) => self.should_rate_limit(&request).await,
+                Err(e) => Err(e),
+            }
+        };
+        crate::otel::traced(span, answer, |span, answer: &Result<RlsAnswer, RlsError>| {
+            // The outcome, and the gRPC and HTTP statuses that say it.
+            let (outcome, granted, grpc, http) = match answer {
+                Ok(answer) if answer.over_limit => ("over_limit", Some(false), 0, 429),
+                Ok(_) => ("ok", Some(true), 0, 200),
+                Err(RlsError::Invalid(_)) => ("invalid", None, 3, 400),
+                Err(RlsError::Store(_)) => ("store_error", None, 14, 503),
+            };
+            match via {
+                Via::Grpc => span.record("rpc.grpc.status_code", grpc),
+                Via::Json => span.record("http.response.status_code", http),
+            };
+            span.record("tollgate.outcome", outcome);
+            if let Some(granted) = granted {
+                span.record("tollgate.granted", granted);
+            }
+            if outcome == "store_error" {
+                span.record("otel.status_code", "error");
+            }
+        })
+        .await
+    }
+
     /// Answers one request: every matched descriptor taken all or nothing.
     ///
     /// # Errors
@@ -247,6 +305,7 @@ impl Rls {
         if request.descriptors.is_empty() {
             return Err(RlsError::Invalid("rate limit descriptor list must not be empty".into()));
         }
+        crate::otel::note("tollgate.domain", || request.domain.clone());
         let mut statuses: Vec<DescriptorStatus> =
             request.descriptors.iter().map(|_| DescriptorStatus::no_limit()).collect();
         // One configuration, and one set of defined limits, for the whole request.
@@ -267,6 +326,9 @@ impl Rls {
             .filter(|m| m.rule.name.is_empty() || !replaced.contains(m.rule.name.as_str()))
             .collect();
 
+        crate::otel::note("tollgate.limits", || {
+            matched.iter().map(|m| &*m.name).collect::<Vec<_>>().join(",")
+        });
         let mut over_limit = false;
         let mut retry_after: f64 = 0.0;
         let mut taken: Vec<(&Matched<'_>, Numbers, Status)> = Vec::new();

@@ -116,8 +116,12 @@ impl RateLimitService for Service {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let request = from_proto(request.into_inner()).map_err(status)?;
-        match self.rls.should_rate_limit(&request).await {
+        // The caller's trace context, kept only when there is a span to give it to.
+        let metadata = crate::otel::on().then(|| request.metadata().clone());
+        let request = from_proto(request.into_inner());
+        let headers =
+            || metadata.map(tonic::metadata::MetadataMap::into_headers).unwrap_or_default();
+        match self.rls.traced(super::Via::Grpc, headers, request).await {
             Ok(answer) => Ok(Response::new(to_proto(answer))),
             Err(e) => {
                 if let RlsError::Store(_) = &e {

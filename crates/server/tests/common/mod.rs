@@ -52,13 +52,13 @@ impl GrpcAnswer {
     }
 }
 
-/// One gRPC call on an HTTP/2 connection of its own to `addr`: `path` (with `authorization`,
-/// if any) and `message` framed as its body, or with `None` no body ever; answered within
-/// 10 s.
+/// One gRPC call on an HTTP/2 connection of its own to `addr`: `path` with `metadata`
+/// (`authorization`, `traceparent`) and `message` framed as its body, or with `None` no body
+/// ever; answered within 10 s.
 pub(crate) fn grpc_call(
     addr: std::net::SocketAddr,
     path: &str,
-    authorization: Option<&str>,
+    metadata: &[(&str, &str)],
     message: Option<&[u8]>,
 ) -> GrpcAnswer {
     use std::time::{Duration, Instant};
@@ -71,8 +71,8 @@ pub(crate) fn grpc_call(
         let mut request = http::Request::post(format!("http://{addr}{path}"))
             .header("content-type", "application/grpc")
             .header("te", "trailers");
-        if let Some(value) = authorization {
-            request = request.header("authorization", value);
+        for (name, value) in metadata {
+            request = request.header(*name, *value);
         }
         let start = Instant::now();
         let (response, mut stream) = client.send_request(request.body(()).unwrap(), false).unwrap();
@@ -149,6 +149,8 @@ pub(crate) struct Served {
     pub(crate) http: std::net::SocketAddr,
     /// The rate limit service's address, if it serves one.
     pub(crate) rls: Option<std::net::SocketAddr>,
+    /// The banner's lines, up to `auth:` (or `rls:`).
+    pub(crate) banner: String,
     stderr: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
@@ -171,8 +173,9 @@ impl Served {
         });
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let (mut http, mut rls) = (None, None);
-        let mut line = String::new();
+        let (mut line, mut banner) = (String::new(), String::new());
         while out.read_line(&mut line).unwrap_or(0) > 0 {
+            banner.push_str(&line);
             if let Some(addr) = line.trim().strip_prefix("tollgate listening on http://") {
                 http = Some(addr.parse().unwrap());
             }
@@ -192,7 +195,7 @@ impl Served {
             std::thread::sleep(std::time::Duration::from_millis(100));
             panic!("no banner; stderr: {}", stderr.lock().unwrap());
         };
-        Served { child, http, rls, stderr }
+        Served { child, http, rls, banner, stderr }
     }
 
     /// What the server wrote to stderr so far.

@@ -1,0 +1,369 @@
+//! Tracing with OpenTelemetry: a span per rate-limit request (its operation, limit names,
+//! outcome and time in the store), exported over OTLP/HTTP when the standard `OTEL_*`
+//! variables name a collector, with the caller's `traceparent` as its parent.
+//!
+//! When no endpoint is set (or the server is built without the `otel` feature), nothing is
+//! started: no span is made, no store call is timed, no connection is ever opened. What a
+//! request pays then is one relaxed load of [`on`].
+
+use std::cell::Cell;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
+use tollgate::store::{BoxFuture, DynAsyncStore};
+use tracing::Span;
+use tracing::field::Empty;
+
+use crate::engine::DynStore;
+
+/// The target of request spans: the exporter takes these and nothing else, and the log
+/// leaves them out.
+pub const TARGET: &str = "tollgate_request";
+
+/// Whether spans are exported: set once at start, before any request.
+static ON: AtomicBool = AtomicBool::new(false);
+
+/// Whether requests are traced (an exporter was started).
+#[inline]
+pub fn on() -> bool {
+    ON.load(Ordering::Relaxed)
+}
+
+tokio::task_local! {
+    /// The time the request being traced has spent in the store so far.
+    static STORE_TIME: Cell<Duration>;
+}
+
+/// A request's span, named `name` (`POST /v1/limit`, or the gRPC method), with the fields a
+/// request fills in as it goes, and the caller's span (W3C `traceparent` and `tracestate` in
+/// `headers`) as its parent.
+pub fn span(name: &'static str, operation: &'static str, headers: &http::HeaderMap) -> Span {
+    let span = tracing::info_span!(
+        target: TARGET,
+        "request",
+        otel.name = name,
+        otel.kind = "server",
+        otel.status_code = Empty,
+        tollgate.operation = operation,
+        tollgate.limits = Empty,
+        tollgate.domain = Empty,
+        tollgate.outcome = Empty,
+        tollgate.granted = Empty,
+        tollgate.store_ms = Empty,
+        http.response.status_code = Empty,
+        rpc.grpc.status_code = Empty,
+    );
+    #[cfg(feature = "otel")]
+    exporting::follow(&span, headers);
+    #[cfg(not(feature = "otel"))]
+    let _ = headers;
+    span
+}
+
+/// Runs `work` inside `span` (made by [`span`] when [`on`]), with its time in the store
+/// summed up in `tollgate.store_ms` and `finish` recording its outcome; without a span,
+/// `work` alone.
+pub async fn traced<T>(
+    span: Option<Span>,
+    work: impl Future<Output = T>,
+    finish: impl FnOnce(&Span, &T),
+) -> T {
+    let Some(span) = span else {
+        return work.await;
+    };
+    use tracing::Instrument as _;
+    let timed = async {
+        let out = work.await;
+        (out, STORE_TIME.with(Cell::get))
+    };
+    let (out, store) =
+        STORE_TIME.scope(Cell::new(Duration::ZERO), timed).instrument(span.clone()).await;
+    span.record("tollgate.store_ms", store.as_secs_f64() * 1_000.0);
+    finish(&span, &out);
+    out
+}
+
+/// Records `field` of the request being traced as `value()`; nothing (not even `value`) when
+/// tracing is off.
+pub fn note(field: &'static str, value: impl FnOnce() -> String) {
+    if on() {
+        Span::current().record(field, value());
+    }
+}
+
+/// A store whose calls are timed into the traced request that makes them; the store of a
+/// server that traces.
+pub struct Timed(pub DynStore);
+
+impl Timed {
+    /// `store`, timed when tracing is on; as it is otherwise.
+    pub fn wrap(store: DynStore) -> DynStore {
+        if on() { Arc::new(Timed(store)) } else { store }
+    }
+}
+
+async fn timed<T>(call: impl Future<Output = T>) -> T {
+    let start = Instant::now();
+    let out = call.await;
+    // Outside a traced request (a sweep, a health check) there is nothing to add it to.
+    let _ = STORE_TIME.try_with(|t| t.set(t.get() + start.elapsed()));
+    out
+}
+
+impl DynAsyncStore for Timed {
+    fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        Box::pin(timed(self.0.execute_boxed(plan)))
+    }
+    fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(timed(self.0.execute_one_boxed(take)))
+    }
+    fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        Box::pin(timed(self.0.read_boxed(slots)))
+    }
+    fn delete_boxed<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        shards: u16,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(timed(self.0.delete_boxed(name, key, shards)))
+    }
+}
+
+/// The exporter, when one was started: its layer goes into the subscriber, and it is shut
+/// down (what it holds sent) when the server stops.
+#[cfg(feature = "otel")]
+pub use exporting::Exporting;
+
+/// Without the `otel` feature there is never an exporter.
+#[cfg(not(feature = "otel"))]
+pub enum Exporting {}
+
+#[cfg(not(feature = "otel"))]
+impl Exporting {
+    /// Never called: there is no exporter.
+    pub fn layer(&self) -> tracing_subscriber::layer::Identity {
+        match *self {}
+    }
+
+    /// Never called: there is no exporter.
+    pub fn describe(&self) -> String {
+        match *self {}
+    }
+
+    /// Never called: there is no exporter.
+    pub fn shutdown(self) {
+        match self {}
+    }
+}
+
+/// Starts exporting spans if the environment asks for it: `OTEL_EXPORTER_OTLP_ENDPOINT` (or
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, and neither `OTEL_SDK_DISABLED=true` nor
+/// `OTEL_TRACES_EXPORTER=none` turns it off. `None`: nothing is exported.
+///
+/// # Errors
+///
+/// A variable asks for what this build cannot do (another exporter or protocol, an
+/// `https` endpoint), or the exporter cannot be built from them; the message names it.
+#[cfg(feature = "otel")]
+pub fn start() -> anyhow::Result<Option<Exporting>> {
+    let started = exporting::start(&|name| std::env::var(name).ok())?;
+    ON.store(started.is_some(), Ordering::Relaxed);
+    Ok(started)
+}
+
+/// Without the `otel` feature nothing is ever exported; an endpoint set anyway is said so
+/// in the log.
+#[cfg(not(feature = "otel"))]
+pub fn start() -> anyhow::Result<Option<Exporting>> {
+    if let Some(name) =
+        [ENDPOINT, TRACES_ENDPOINT].into_iter().find(|v| std::env::var_os(v).is_some())
+    {
+        tracing::warn!(
+            "{name} is set, but this tollgate is built without the otel feature: no spans are exported"
+        );
+    }
+    Ok(None)
+}
+
+const ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+const TRACES_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
+
+#[cfg(feature = "otel")]
+mod exporting {
+    use anyhow::{Context as _, bail};
+    use opentelemetry::propagation::TextMapPropagator as _;
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+    use opentelemetry_sdk::trace::SdkTracerProvider;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    use super::{ENDPOINT, TARGET, TRACES_ENDPOINT};
+
+    /// A started exporter.
+    pub struct Exporting {
+        provider: SdkTracerProvider,
+        /// Where spans go.
+        endpoint: String,
+        /// `http/protobuf` or `http/json`.
+        protocol: String,
+    }
+
+    /// How long the last spans may take to be sent when the server stops.
+    const LAST_EXPORT: std::time::Duration = std::time::Duration::from_secs(5);
+
+    impl Exporting {
+        /// Where spans go, and how: for the banner.
+        pub fn describe(&self) -> String {
+            format!("{} (OTLP/HTTP, {})", self.endpoint, self.protocol)
+        }
+
+        /// The subscriber's layer that turns request spans (and nothing else) into
+        /// OpenTelemetry spans.
+        pub fn layer<S>(&self) -> impl tracing_subscriber::Layer<S> + use<S>
+        where
+            S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+        {
+            use tracing_subscriber::Layer as _;
+            let tracer = self.provider.tracer("tollgate");
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_location(false)
+                .with_threads(false)
+                .with_target(false)
+                .with_level(false)
+                .with_tracked_inactivity(false)
+                .with_filter(
+                    tracing_subscriber::filter::Targets::new()
+                        .with_target(TARGET, tracing::Level::INFO),
+                )
+        }
+
+        /// Sends what is still held (for at most 5 s) and stops; outside the runtime, as it
+        /// blocks.
+        pub fn shutdown(self) {
+            if let Err(e) = self.provider.shutdown_with_timeout(LAST_EXPORT) {
+                tracing::warn!("tracing: the last spans may not have been exported: {e}");
+            }
+        }
+    }
+
+    pub(super) fn start(var: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<Option<Exporting>> {
+        let var = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        if var("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true")) {
+            return Ok(None);
+        }
+        match var("OTEL_TRACES_EXPORTER").as_deref().map(str::trim) {
+            None | Some("otlp") => {}
+            Some("none") => return Ok(None),
+            Some(other) => bail!(
+                "OTEL_TRACES_EXPORTER={other:?}: tollgate exports traces over OTLP only; \
+                 use otlp (the default) or none"
+            ),
+        }
+        let endpoint = match (var(TRACES_ENDPOINT), var(ENDPOINT)) {
+            (Some(traces), _) => (TRACES_ENDPOINT, traces),
+            (None, Some(base)) => (ENDPOINT, format!("{}/v1/traces", base.trim_end_matches('/'))),
+            (None, None) => return Ok(None),
+        };
+        if endpoint.1.starts_with("https:") {
+            bail!(
+                "{}={:?}: this tollgate exports over plain HTTP only; send spans to a collector \
+                 beside it (http://HOST:4318), which may forward them over TLS",
+                endpoint.0,
+                endpoint.1
+            );
+        }
+        let protocol = ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"]
+            .into_iter()
+            .find_map(|name| var(name).map(|value| (name, value)));
+        let protocol = match protocol {
+            None => "http/protobuf".to_owned(),
+            Some((_, value)) if value == "http/protobuf" || value == "http/json" => value,
+            Some((name, value)) => bail!(
+                "{name}={value:?}: tollgate exports over OTLP/HTTP: use http/protobuf (the \
+                 default) or http/json, with the collector's HTTP port (4318)"
+            ),
+        };
+        use opentelemetry_otlp::WithExportConfig as _;
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_endpoint(endpoint.1.clone())
+            .with_protocol(if protocol == "http/json" {
+                opentelemetry_otlp::Protocol::HttpJson
+            } else {
+                opentelemetry_otlp::Protocol::HttpBinary
+            })
+            .build()
+            .with_context(|| {
+                format!("tracing: cannot export to {}={:?}", endpoint.0, endpoint.1)
+            })?;
+        let named = var("OTEL_SERVICE_NAME").is_some()
+            || var("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|a| {
+                a.split(',').any(|kv| kv.trim_start().starts_with("service.name="))
+            });
+        let mut resource = opentelemetry_sdk::Resource::builder();
+        if !named {
+            resource = resource.with_service_name("tollgate");
+        }
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(resource.build())
+            .build();
+        Ok(Some(Exporting { provider, endpoint: endpoint.1, protocol }))
+    }
+
+    pub(super) fn follow(span: &tracing::Span, headers: &http::HeaderMap) {
+        if headers.contains_key("traceparent") {
+            let parent = TraceContextPropagator::new()
+                .extract(&opentelemetry_http::HeaderExtractor(headers));
+            // A span already closed or not exported has no parent to take: nothing to do.
+            let _ = span.set_parent(parent);
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        fn started(vars: &[(&str, &str)]) -> anyhow::Result<Option<Exporting>> {
+            let vars: Vec<(String, String)> =
+                vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+            start(&|name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+        }
+
+        #[test]
+        fn nothing_is_exported_without_an_endpoint_or_when_turned_off() {
+            assert!(started(&[]).unwrap().is_none());
+            assert!(started(&[("OTEL_SERVICE_NAME", "x")]).unwrap().is_none());
+            let endpoint = (ENDPOINT, "http://127.0.0.1:4318");
+            assert!(started(&[endpoint, ("OTEL_SDK_DISABLED", "true")]).unwrap().is_none());
+            assert!(started(&[endpoint, ("OTEL_TRACES_EXPORTER", "none")]).unwrap().is_none());
+        }
+
+        #[test]
+        fn what_this_build_cannot_do_is_refused_by_the_name_of_its_variable() {
+            let endpoint = (ENDPOINT, "http://127.0.0.1:4318");
+            let refused = |vars: &[(&str, &str)]| started(vars).err().expect("refused").to_string();
+            let e = refused(&[endpoint, ("OTEL_TRACES_EXPORTER", "zipkin")]);
+            assert!(e.starts_with("OTEL_TRACES_EXPORTER=\"zipkin\""), "{e}");
+            let e = refused(&[endpoint, ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")]);
+            assert!(e.starts_with("OTEL_EXPORTER_OTLP_PROTOCOL=\"grpc\""), "{e}");
+            let e = refused(&[(TRACES_ENDPOINT, "https://collector:4318/v1/traces")]);
+            assert!(e.starts_with("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=\"https:"), "{e}");
+        }
+
+        #[test]
+        fn the_traces_path_is_added_to_the_base_endpoint_only() {
+            let base = started(&[(ENDPOINT, "http://127.0.0.1:1/")]).unwrap().unwrap();
+            assert_eq!(base.endpoint, "http://127.0.0.1:1/v1/traces");
+            let traces = (TRACES_ENDPOINT, "http://127.0.0.1:1/spans");
+            let full = started(&[traces, (ENDPOINT, "http://127.0.0.1:2")]).unwrap().unwrap();
+            assert_eq!(full.endpoint, "http://127.0.0.1:1/spans");
+            assert_eq!(full.protocol, "http/protobuf");
+        }
+    }
+}
