@@ -26,6 +26,8 @@
 mod clock;
 mod config;
 mod eval;
+#[cfg(test)]
+mod lease;
 mod plan;
 
 pub use clock::{Clock, ManualClock, SystemClock};

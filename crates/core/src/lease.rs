@@ -1,0 +1,444 @@
+//! Leases (issue 34, first step): the store's side of `LEASES.md` as pure functions over one
+//! shard's state and the records of its holders, and the property that proves the design
+//! before any store runs it: with holders that spend their leases locally, crash, pause past
+//! their deadline and lose replies, no interval admits more than one shared bucket would.
+//!
+//! Nothing outside the tests uses it yet; the stores, the holder and the plan step that
+//! carries a grant or a return come next (see issue 34's note).
+//!
+//! The model found two rules of the holder that `LEASES.md` does not state: a grant's reply
+//! says how much of the holder's earlier lease the store still counts (`Grant::kept`), and
+//! the holder keeps no more than that of what it holds; and a reply that arrives after the
+//! holder returned its lease is dropped. Without either, the property below fails.
+//!
+//! A lease moves tokens out of the shared `value` into one holder's record (`tokens`,
+//! `expiry`). The cap the shared value refills to is `capacity - outstanding`, and a record's
+//! tokens stop counting only from the moment the store learns so (a renewal's report, a
+//! return) or from its recorded expiry, never earlier: so `value + outstanding <= capacity`
+//! always, and only `value` ever grows, at `rate`.
+
+use crate::config::{Config, Kind};
+use crate::eval::{Decision, State, fresh_state};
+
+/// What the store keeps for one holder of a lease on a shard.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Lease {
+    /// Tokens granted and not known to be spent or returned.
+    pub(crate) tokens: f64,
+    /// When the lease ends, in store time: its tokens count on `[grant, expiry)`.
+    pub(crate) expiry: f64,
+}
+
+/// What a grant gave.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Grant {
+    /// Of what the holder said it still held, what the store still counts: all of it, or
+    /// nothing if its lease had expired. The holder keeps no more than this of what it holds
+    /// (the model's first failure was a holder that added a grant to tokens of a lease the
+    /// store had already let go).
+    pub(crate) kept: f64,
+    /// Tokens added to the holder's lease.
+    pub(crate) tokens: f64,
+    /// When the lease ends, in store time.
+    pub(crate) expiry: f64,
+}
+
+/// One shard's state and the leases on it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Leased {
+    /// `value` and `ts`, as without leases; `None` before the first write.
+    pub(crate) state: Option<State>,
+    /// The records, by holder.
+    pub(crate) leases: Vec<(u64, Lease)>,
+}
+
+impl Leased {
+    /// Tokens leased out and not known spent or returned.
+    pub(crate) fn outstanding(&self) -> f64 {
+        self.leases.iter().map(|(_, lease)| lease.tokens).sum()
+    }
+
+    /// The state at `now`, refilled under the cap `capacity - outstanding`: a lease that
+    /// expired in between raises the cap only from its expiry on, and its record is dropped.
+    pub(crate) fn advance(&mut self, shard: &Config, alignment: f64, now: f64) -> State {
+        let mut state = self.state.unwrap_or_else(|| fresh_state(shard, alignment, now));
+        while let Some(i) = self.first_expired(now) {
+            let expiry = self.leases[i].1.expiry;
+            match shard.kind() {
+                // The lease counted until its expiry: refill under it, then drop it.
+                Kind::TokenBucket => {
+                    state = refill(shard, state, expiry, shard.capacity() - self.outstanding());
+                    self.leases.swap_remove(i);
+                }
+                // A lease ends no later than its window: the refill at that window's end
+                // (if the expiry is it) no longer counts it.
+                Kind::FixedWindow => {
+                    self.leases.swap_remove(i);
+                    state = refill(shard, state, expiry, shard.capacity() - self.outstanding());
+                }
+            }
+        }
+        let state = refill(shard, state, now, shard.capacity() - self.outstanding());
+        self.state = Some(state);
+        state
+    }
+
+    fn first_expired(&self, now: f64) -> Option<usize> {
+        (0..self.leases.len())
+            .filter(|&i| self.leases[i].1.expiry <= now)
+            .min_by(|&a, &b| self.leases[a].1.expiry.total_cmp(&self.leases[b].1.expiry))
+    }
+
+    /// A direct take of `count` (a check when not `writes`), as `evaluate` decides it, from
+    /// the state refilled under the cap.
+    pub(crate) fn take(
+        &mut self,
+        shard: &Config,
+        alignment: f64,
+        now: f64,
+        count: f64,
+        reserve: bool,
+        writes: bool,
+    ) -> Decision {
+        let state = self.advance(shard, alignment, now);
+        let value = state.value - count;
+        let over_reserved = shard.max_reserved().is_some_and(|most| -value > most);
+        let ok = value >= 0.0 || (reserve && !over_reserved);
+        if ok && writes {
+            self.state = Some(State { value, ts: state.ts });
+        }
+        Decision { ok, retry_after: None }
+    }
+
+    /// A grant to `holder`: its record first becomes `unused` (what it says it still holds;
+    /// the rest it spent), then up to `want` tokens move from the shared value to it, never
+    /// from a negative value and never past `share * capacity` outstanding in all. The lease
+    /// then ends at `now + term`, for a fixed window no later than the window's end. A
+    /// renewal is a grant of 0.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn grant(
+        &mut self,
+        shard: &Config,
+        alignment: f64,
+        now: f64,
+        holder: u64,
+        want: f64,
+        unused: f64,
+        term: f64,
+        share: f64,
+    ) -> Grant {
+        let state = self.advance(shard, alignment, now);
+        let kept = match self.leases.iter().position(|(h, _)| *h == holder) {
+            Some(i) => self.leases.swap_remove(i).1.tokens.min(unused.max(0.0)),
+            // No record (never granted, expired, returned): nothing it holds is counted, so
+            // nothing it holds may be spent; it starts again from nothing.
+            None => 0.0,
+        };
+        let room = share * shard.capacity() - self.outstanding() - kept;
+        let tokens = want.min(state.value).min(room).max(0.0);
+        let expiry = match shard.kind() {
+            Kind::TokenBucket => now + term,
+            Kind::FixedWindow => (now + term).min(state.ts + shard.period()),
+        };
+        self.state = Some(State { value: state.value - tokens, ts: state.ts });
+        if kept + tokens > 0.0 {
+            self.leases.push((holder, Lease { tokens: kept + tokens, expiry }));
+        }
+        Grant { kept, tokens, expiry }
+    }
+
+    /// `holder` returns its lease, `unused` of it not spent: those tokens go back to the
+    /// shared value, and the rest stop counting now.
+    pub(crate) fn release(
+        &mut self,
+        shard: &Config,
+        alignment: f64,
+        now: f64,
+        holder: u64,
+        unused: f64,
+    ) {
+        let state = self.advance(shard, alignment, now);
+        if let Some(i) = self.leases.iter().position(|(h, _)| *h == holder) {
+            let lease = self.leases.swap_remove(i).1;
+            let back = lease.tokens.min(unused.max(0.0));
+            self.state = Some(State { value: state.value + back, ts: state.ts });
+        }
+    }
+}
+
+/// `state` refilled to `now` under `cap` (SPEC §2's refill, with `capacity - outstanding`
+/// for `capacity`).
+fn refill(shard: &Config, State { value, ts }: State, now: f64, cap: f64) -> State {
+    if now <= ts {
+        return State { value: value.min(cap), ts };
+    }
+    match shard.kind() {
+        // value' = min(value + (now - ts) * rate / period, cap)
+        Kind::TokenBucket => {
+            State { value: (value + (now - ts) * shard.rate() / shard.period()).min(cap), ts: now }
+        }
+        // windows = floor((now - ts) / period); value' = min(value + rate * windows, cap)
+        Kind::FixedWindow => {
+            let windows = ((now - ts) / shard.period()).floor();
+            if windows < 1.0 {
+                return State { value, ts };
+            }
+            State {
+                value: (value + shard.rate() * windows).min(cap),
+                ts: ts + windows * shard.period(),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A process holding leases, as `LEASES.md` has it: its tokens, spent with no store call
+    /// until its deadline, which it computes from its own clock so that it falls before the
+    /// store's expiry.
+    #[derive(Clone, Debug, Default)]
+    struct Holder {
+        id: u64,
+        /// Tokens it may still spend.
+        local: f64,
+        /// Until when (true time) it may spend them.
+        deadline: f64,
+        /// A grant's reply on its way: when it arrives, the grant, the time it was sent.
+        reply: Option<(f64, Grant, f64)>,
+    }
+
+    /// The drift the holder allows between its clock and the store's, and a margin.
+    const RHO: f64 = 1e-3;
+    const EPS: f64 = 1.0;
+
+    #[derive(Clone, Debug)]
+    enum Step {
+        /// Time passes.
+        Wait(f64),
+        /// A holder is asked for `count`: from its lease if it can, else a direct take.
+        Ask { holder: usize, count: f64 },
+        /// A direct take, maybe a reservation.
+        Direct { count: f64, reserve: bool },
+        /// A holder asks for a grant, reporting what it holds; the request takes `out` to
+        /// reach the store, the reply `back` to return, or is lost.
+        Grant { holder: usize, want: f64, out: f64, back: f64, lost: bool },
+        /// A holder returns what it holds (the reply may be lost: it stops spending either
+        /// way).
+        Release { holder: usize },
+        /// A holder is killed: what it holds is lost; it starts again with a new id.
+        Crash { holder: usize },
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            3 => prop_oneof![0.0..50.0f64, 0.0..2_000.0f64].prop_map(Step::Wait),
+            6 => (0..4usize, 1.0..4.0f64).prop_map(|(holder, count)| Step::Ask { holder, count: count.floor() }),
+            2 => (1.0..6.0f64, any::<bool>()).prop_map(|(count, reserve)| Step::Direct { count: count.floor(), reserve }),
+            4 => (0..4usize, 1.0..40.0f64, 0.0..30.0f64, 0.0..60.0f64, prop::bool::weighted(0.2))
+                .prop_map(|(holder, want, out, back, lost)| Step::Grant { holder, want: want.floor(), out, back, lost }),
+            2 => (0..4usize).prop_map(|holder| Step::Release { holder }),
+            1 => (0..4usize).prop_map(|holder| Step::Crash { holder }),
+        ]
+    }
+
+    fn config() -> impl Strategy<Value = Config> {
+        (any::<bool>(), 1.0..50.0f64, 1.0..3.0f64, prop::option::of(0.0..10.0f64)).prop_map(
+            |(bucket, rate, burst, reserved)| {
+                let rate = rate.floor();
+                let base = if bucket {
+                    Config::token_bucket(rate, 1_000.0)
+                } else {
+                    Config::fixed_window(rate, 1_000.0)
+                };
+                let config = base.with_capacity((rate * burst).floor());
+                match reserved {
+                    Some(most) => config.with_max_reserved(most.floor()),
+                    None => config,
+                }
+            },
+        )
+    }
+
+    /// The most a single bucket of `config` admits in `[a, b]`: its capacity, what flows in
+    /// meanwhile, and what reservations may book ahead.
+    fn bound(config: &Config, a: f64, b: f64) -> f64 {
+        let reserved = config.max_reserved().unwrap_or(0.0);
+        let inflow = match config.kind() {
+            Kind::TokenBucket => config.rate() * (b - a) / config.period(),
+            // One allowance per window that begins within (a, b].
+            Kind::FixedWindow => {
+                config.rate() * ((b / config.period()).floor() - (a / config.period()).floor())
+            }
+        };
+        config.capacity() + reserved + inflow
+    }
+
+    /// Runs `steps` with four holders on one shard of `config` and returns every admission
+    /// (true time, count), checking the store's invariant on the way.
+    fn run(config: &Config, term: f64, share: f64, steps: &[Step]) -> Vec<(f64, f64)> {
+        let mut store = Leased::default();
+        let mut holders: Vec<Holder> =
+            (0..4).map(|i| Holder { id: i as u64, ..Holder::default() }).collect();
+        let mut next_id = 4;
+        let mut now = 0.0;
+        let mut admitted = Vec::new();
+        for step in steps {
+            // Replies that have arrived are taken in.
+            for h in &mut holders {
+                if let Some((at, grant, sent)) = h.reply
+                    && at <= now
+                {
+                    h.reply = None;
+                    // The grant ran after `sent`: counting from there, with a margin for
+                    // drift, the holder stops before the store frees the tokens.
+                    h.deadline = sent + (grant.expiry - sent) * (1.0 - RHO) - EPS;
+                    h.local = h.local.min(grant.kept) + grant.tokens;
+                }
+            }
+            match *step {
+                Step::Wait(dt) => now += dt,
+                Step::Ask { holder, count } => {
+                    let h = &mut holders[holder];
+                    if h.local >= count && now < h.deadline {
+                        h.local -= count;
+                        admitted.push((now, count));
+                    } else if store.take(config, 0.0, now, count, false, true).ok {
+                        admitted.push((now, count));
+                    }
+                }
+                Step::Direct { count, reserve } => {
+                    // Reservations without a bound (`maxReserved`) have none to check.
+                    let reserve = reserve && config.max_reserved().is_some();
+                    if store.take(config, 0.0, now, count, reserve, true).ok {
+                        admitted.push((now, count));
+                    }
+                }
+                Step::Grant { holder, want, out, back, lost } => {
+                    let h = &mut holders[holder];
+                    if h.reply.is_some() {
+                        continue; // one fetch in flight per holder
+                    }
+                    // Sent `out` ago; run by the store now, reporting what it holds (its
+                    // tokens past its deadline count as nothing).
+                    let sent = now - out;
+                    let unused = if now < h.deadline { h.local } else { 0.0 };
+                    let grant = store.grant(config, 0.0, now, h.id, want, unused, term, share);
+                    if !lost {
+                        h.reply = Some((now + back, grant, sent));
+                    }
+                }
+                Step::Release { holder } => {
+                    let h = &mut holders[holder];
+                    let unused = if now < h.deadline { h.local } else { 0.0 };
+                    store.release(config, 0.0, now, h.id, unused);
+                    h.local = 0.0;
+                    // A grant's reply still on its way is dropped: the return ended its
+                    // lease (see `a_grant_that_arrives_after_a_return_is_dropped`).
+                    h.reply = None;
+                }
+                Step::Crash { holder } => {
+                    holders[holder] = Holder { id: next_id, ..Holder::default() };
+                    next_id += 1;
+                }
+            }
+            let state = store.advance(config, 0.0, now);
+            prop_assert_outstanding(config, &store, state);
+        }
+        admitted
+    }
+
+    fn prop_assert_outstanding(config: &Config, store: &Leased, state: State) {
+        assert!(
+            state.value.max(0.0) + store.outstanding() <= config.capacity() + 1e-9,
+            "value {} + outstanding {} over capacity {}",
+            state.value,
+            store.outstanding(),
+            config.capacity()
+        );
+    }
+
+    /// The largest excess of any interval's admissions over the bound (at most 0 when exact).
+    fn worst_excess(config: &Config, admitted: &[(f64, f64)]) -> f64 {
+        let mut worst = f64::NEG_INFINITY;
+        for (i, &(a, _)) in admitted.iter().enumerate() {
+            let mut sum = 0.0;
+            for &(b, count) in &admitted[i..] {
+                sum += count;
+                worst = worst.max(sum - bound(config, a, b));
+            }
+        }
+        worst
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+        /// No interval admits more than one shared bucket would, whatever the holders do.
+        #[test]
+        fn leases_never_admit_more_than_the_bucket(
+            config in config(),
+            term in 50.0..3_000.0f64,
+            share in prop_oneof![Just(0.5), Just(1.0)],
+            steps in prop::collection::vec(step(), 1..200),
+        ) {
+            let admitted = run(&config, term, share, &steps);
+            let excess = worst_excess(&config, &admitted);
+            prop_assert!(excess <= 1e-6, "{excess} over the bound: {admitted:?}");
+        }
+    }
+
+    /// Without the outstanding term in the cap, the shared bucket refills while leased
+    /// tokens wait, and a holder and another process together admit twice the capacity:
+    /// the reason for the cap, shown on the model.
+    #[test]
+    fn the_cap_is_what_keeps_the_bound() {
+        let config = Config::token_bucket(10.0, 1_000.0).with_capacity(10.0);
+        let mut store = Leased::default();
+        let grant = store.grant(&config, 0.0, 0.0, 1, 10.0, 0.0, 5_000.0, 1.0);
+        assert_eq!(grant.tokens, 10.0);
+        // A second later the shared value would be full again without the cap; with it,
+        // nothing has flowed in: the lease still holds every token the bucket may have.
+        assert!(!store.take(&config, 0.0, 1_000.0, 1.0, false, true).ok);
+        // Once the holder says it spent them, the cap rises from then on, not before.
+        store.grant(&config, 0.0, 1_000.0, 1, 0.0, 0.0, 5_000.0, 1.0);
+        assert!(!store.take(&config, 0.0, 1_000.0, 1.0, false, true).ok);
+        assert!(store.take(&config, 0.0, 1_100.0, 1.0, false, true).ok);
+    }
+
+    /// A grant's reply that arrives after its holder returned the lease must be dropped:
+    /// the return stopped counting those tokens against the cap, so spending them as well
+    /// as a refilled bucket passes the bound. The holder's rule, shown on the store.
+    #[test]
+    fn a_grant_that_arrives_after_a_return_is_dropped() {
+        let config = Config::token_bucket(10.0, 1_000.0).with_capacity(10.0);
+        let mut store = Leased::default();
+        let late = store.grant(&config, 0.0, 0.0, 1, 5.0, 0.0, 5_000.0, 1.0);
+        // The holder returns its lease before the reply is in: it held nothing yet.
+        store.release(&config, 0.0, 0.0, 1, 0.0);
+        assert_eq!(store.outstanding(), 0.0);
+        // A second on, the bucket is full again: 10 direct takes, and the late grant's 5
+        // if it were spent, would be 15 where one bucket admits 10.
+        assert_eq!(store.advance(&config, 0.0, 1_000.0).value, 10.0);
+        assert!(10.0 + late.tokens > bound(&config, 1_000.0, 1_000.0));
+    }
+
+    /// A lost lease counts until its expiry, then its tokens flow back; a returned one at
+    /// once.
+    #[test]
+    fn expired_and_returned_leases_give_the_cap_back() {
+        let config = Config::token_bucket(10.0, 1_000.0).with_capacity(10.0);
+        let mut store = Leased::default();
+        store.grant(&config, 0.0, 0.0, 1, 6.0, 0.0, 500.0, 1.0);
+        store.grant(&config, 0.0, 0.0, 2, 4.0, 0.0, 2_000.0, 1.0);
+        assert_eq!(store.advance(&config, 0.0, 400.0).value, 0.0);
+        // Holder 1's lease ends at 500: 6 tokens of room, filling at 10 a second from then.
+        assert_eq!(store.advance(&config, 0.0, 1_000.0).value, 5.0);
+        assert_eq!(store.advance(&config, 0.0, 1_200.0).value, 6.0);
+        store.release(&config, 0.0, 1_200.0, 2, 3.0);
+        assert_eq!(store.advance(&config, 0.0, 1_200.0).value, 9.0);
+        assert_eq!(store.outstanding(), 0.0);
+    }
+}
