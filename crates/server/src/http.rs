@@ -207,19 +207,21 @@ fn routes(app: Arc<App>) -> Router {
 const CLOSE: (HeaderName, &str) = (header::CONNECTION, "close");
 
 async fn operation(State(app): State<Arc<App>>, op: Op, request: Request) -> Answer {
-    let span =
-        crate::otel::on().then(|| crate::otel::span(op.route(), op.name(), request.headers()));
-    crate::otel::traced(span, operate(app, op, request), |span, answer: &Answer| {
-        span.record("http.response.status_code", i64::from(answer.status.as_u16()));
-        span.record("tollgate.outcome", answer.outcome);
-        if let Some(ok) = answer.body.ok() {
-            span.record("tollgate.granted", ok);
-        }
-        if answer.status.is_server_error() {
-            span.record("otel.status_code", "error");
-        }
-    })
-    .await
+    if crate::otel::on() {
+        let span = crate::otel::span(op.route(), op.name(), request.headers());
+        return crate::otel::traced(span, operate(app, op, request), |span, answer: &Answer| {
+            span.record("http.response.status_code", i64::from(answer.status.as_u16()));
+            span.record("tollgate.outcome", answer.outcome);
+            if let Some(ok) = answer.body.ok() {
+                span.record("tollgate.granted", ok);
+            }
+            if answer.status.is_server_error() {
+                span.record("otel.status_code", "error");
+            }
+        })
+        .await;
+    }
+    operate(app, op, request).await
 }
 
 async fn operate(app: Arc<App>, op: Op, request: Request) -> Answer {

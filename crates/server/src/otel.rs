@@ -63,27 +63,28 @@ pub fn span(name: &'static str, operation: &'static str, headers: &http::HeaderM
     span
 }
 
-/// Runs `work` inside `span` (made by [`span`] when [`on`]), with its time in the store
-/// summed up in `tollgate.store_ms` and `finish` recording its outcome; without a span,
-/// `work` alone.
-pub async fn traced<T>(
-    span: Option<Span>,
-    work: impl Future<Output = T>,
-    finish: impl FnOnce(&Span, &T),
-) -> T {
-    let Some(span) = span else {
-        return work.await;
-    };
+/// `work` inside `span` (made by [`span`] when [`on`]), with its time in the store summed up
+/// in `tollgate.store_ms` and `finish` recording its outcome. Boxed, so that a caller's
+/// future is no larger for the branch that traces: the one that does not (the common one)
+/// awaits `work` as before, and costs as before (a future holding both was measured at 0.94x
+/// on the memory store).
+pub fn traced<'a, T: Send + 'a>(
+    span: Span,
+    work: impl Future<Output = T> + Send + 'a,
+    finish: impl FnOnce(&Span, &T) + Send + 'a,
+) -> std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>> {
     use tracing::Instrument as _;
-    let timed = async {
-        let out = work.await;
-        (out, STORE_TIME.with(Cell::get))
-    };
-    let (out, store) =
-        STORE_TIME.scope(Cell::new(Duration::ZERO), timed).instrument(span.clone()).await;
-    span.record("tollgate.store_ms", store.as_secs_f64() * 1_000.0);
-    finish(&span, &out);
-    out
+    Box::pin(async move {
+        let timed = async {
+            let out = work.await;
+            (out, STORE_TIME.with(Cell::get))
+        };
+        let (out, store) =
+            STORE_TIME.scope(Cell::new(Duration::ZERO), timed).instrument(span.clone()).await;
+        span.record("tollgate.store_ms", store.as_secs_f64() * 1_000.0);
+        finish(&span, &out);
+        out
+    })
 }
 
 /// Records `field` of the request being traced as `value()`; nothing (not even `value`) when

@@ -257,20 +257,21 @@ impl Rls {
         headers: impl FnOnce() -> axum::http::HeaderMap,
         request: Result<RlsRequest, RlsError>,
     ) -> Result<RlsAnswer, RlsError> {
-        let span = crate::otel::on().then(|| {
-            let name = match via {
-                Via::Grpc => "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-                Via::Json => "POST /json",
-            };
-            crate::otel::span(name, "should_rate_limit", &headers())
-        });
         let answer = async {
             match request {
                 Ok(request) => self.should_rate_limit(&request).await,
                 Err(e) => Err(e),
             }
         };
-        crate::otel::traced(span, answer, |span, answer: &Result<RlsAnswer, RlsError>| {
+        if !crate::otel::on() {
+            return answer.await;
+        }
+        let name = match via {
+            Via::Grpc => "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            Via::Json => "POST /json",
+        };
+        let span = crate::otel::span(name, "should_rate_limit", &headers());
+        crate::otel::traced(span, answer, move |span, answer: &Result<RlsAnswer, RlsError>| {
             // The outcome, and the gRPC and HTTP statuses that say it.
             let (outcome, granted, grpc, http) = match answer {
                 Ok(answer) if answer.over_limit => ("over_limit", Some(false), 0, 429),
