@@ -210,13 +210,13 @@ async fn operation(State(app): State<Arc<App>>, op: Op, request: Request) -> Ans
     if crate::otel::on() {
         let span = crate::otel::span(op.route(), op.name(), request.headers());
         return crate::otel::traced(span, operate(app, op, request), |span, answer: &Answer| {
-            span.record("http.response.status_code", i64::from(answer.status.as_u16()));
-            span.record("tollgate.outcome", answer.outcome);
+            span.set("http.response.status_code", i64::from(answer.status.as_u16()));
+            span.set("tollgate.outcome", answer.outcome);
             if let Some(ok) = answer.body.ok() {
-                span.record("tollgate.granted", ok);
+                span.set("tollgate.granted", ok);
             }
             if answer.status.is_server_error() {
-                span.record("otel.status_code", "error");
+                span.failed();
             }
         })
         .await;

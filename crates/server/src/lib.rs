@@ -260,10 +260,16 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
     // Before the runtime: the exporter's blocking client must not be made on one of its
     // threads.
     let telemetry = otel::start()?;
-    init_log(telemetry.as_ref());
     let tracing = telemetry.as_ref().map(otel::Exporting::describe);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let served = runtime.block_on(serve_async(sources, loaded, tracing));
@@ -273,25 +279,6 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     served?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// The log on stderr (`RUST_LOG`, `info` by default), and the exporter of request spans if
-/// there is one; the log leaves request spans out, and the exporter takes nothing else.
-fn init_log(telemetry: Option<&otel::Exporting>) {
-    use tracing_subscriber::Layer as _;
-    use tracing_subscriber::layer::SubscriberExt as _;
-    use tracing_subscriber::util::SubscriberInitExt as _;
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let filter = match format!("{}=off", otel::TARGET).parse() {
-        Ok(directive) => filter.add_directive(directive),
-        Err(_) => filter,
-    };
-    let log = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_filter(filter);
-    tracing_subscriber::registry().with(log).with(telemetry.map(otel::Exporting::layer)).init();
 }
 
 /// Builds the app for `settings`: the store, the limiter, the router's state.

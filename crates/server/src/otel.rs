@@ -4,9 +4,11 @@
 //!
 //! When no endpoint is set (or the server is built without the `otel` feature), nothing is
 //! started: no span is made, no store call is timed, no connection is ever opened. What a
-//! request pays then is one relaxed load of [`on`].
+//! request pays then is one relaxed load of [`on`]. When one is, spans are started on the
+//! OpenTelemetry tracer itself, sampler first: a request the sampler leaves out gets a span
+//! that records nothing, and nothing is measured or formatted for it.
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,14 +16,8 @@ use std::time::{Duration, Instant};
 
 use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
 use tollgate::store::{BoxFuture, DynAsyncStore};
-use tracing::Span;
-use tracing::field::Empty;
 
 use crate::engine::DynStore;
-
-/// The target of request spans: the exporter takes these and nothing else, and the log
-/// leaves them out.
-pub const TARGET: &str = "tollgate_request";
 
 /// Whether spans are exported: set once at start, before any request.
 static ON: AtomicBool = AtomicBool::new(false);
@@ -32,66 +28,154 @@ pub fn on() -> bool {
     ON.load(Ordering::Relaxed)
 }
 
-tokio::task_local! {
-    /// The time the request being traced has spent in the store so far.
-    static STORE_TIME: Cell<Duration>;
+/// An attribute's value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// Text.
+    Text(std::borrow::Cow<'static, str>),
+    /// A whole number.
+    Int(i64),
+    /// A number.
+    Float(f64),
+    /// Yes or no.
+    Bool(bool),
 }
 
-/// A request's span, named `name` (`POST /v1/limit`, or the gRPC method), with the fields a
-/// request fills in as it goes, and the caller's span (W3C `traceparent` and `tracestate` in
-/// `headers`) as its parent.
-pub fn span(name: &'static str, operation: &'static str, headers: &http::HeaderMap) -> Span {
-    let span = tracing::info_span!(
-        target: TARGET,
-        "request",
-        otel.name = name,
-        otel.kind = "server",
-        otel.status_code = Empty,
-        tollgate.operation = operation,
-        tollgate.limits = Empty,
-        tollgate.domain = Empty,
-        tollgate.outcome = Empty,
-        tollgate.granted = Empty,
-        tollgate.store_ms = Empty,
-        http.response.status_code = Empty,
-        rpc.grpc.status_code = Empty,
-    );
+impl From<&'static str> for Value {
+    fn from(text: &'static str) -> Self {
+        Value::Text(text.into())
+    }
+}
+impl From<String> for Value {
+    fn from(text: String) -> Self {
+        Value::Text(text.into())
+    }
+}
+impl From<i64> for Value {
+    fn from(n: i64) -> Self {
+        Value::Int(n)
+    }
+}
+impl From<bool> for Value {
+    fn from(b: bool) -> Self {
+        Value::Bool(b)
+    }
+}
+
+/// A request's span: recording when the sampler took it, otherwise (and without the `otel`
+/// feature) one that keeps nothing.
+pub struct Span {
     #[cfg(feature = "otel")]
-    exporting::follow(&span, headers);
+    inner: Option<opentelemetry_sdk::trace::Span>,
+}
+
+impl Span {
+    /// Whether what is set on it is kept (the request was sampled).
+    pub fn recording(&self) -> bool {
+        #[cfg(feature = "otel")]
+        {
+            use opentelemetry::trace::Span as _;
+            self.inner.as_ref().is_some_and(|span| span.is_recording())
+        }
+        #[cfg(not(feature = "otel"))]
+        false
+    }
+
+    /// Sets the attribute `key` (call only when [`Span::recording`], where making the value
+    /// costs).
+    pub fn set(&mut self, key: &'static str, value: impl Into<Value>) {
+        #[cfg(feature = "otel")]
+        if let Some(span) = &mut self.inner {
+            use opentelemetry::trace::Span as _;
+            let value = match value.into() {
+                Value::Text(text) => opentelemetry::Value::from(text),
+                Value::Int(n) => opentelemetry::Value::I64(n),
+                Value::Float(x) => opentelemetry::Value::F64(x),
+                Value::Bool(b) => opentelemetry::Value::Bool(b),
+            };
+            span.set_attribute(opentelemetry::KeyValue::new(key, value));
+        }
+        #[cfg(not(feature = "otel"))]
+        let _ = (key, value);
+    }
+
+    /// Marks the request as failed (a 5xx, the store down).
+    pub fn failed(&mut self) {
+        #[cfg(feature = "otel")]
+        if let Some(span) = &mut self.inner {
+            use opentelemetry::trace::Span as _;
+            span.set_status(opentelemetry::trace::Status::error(""));
+        }
+    }
+}
+
+/// What the request being traced carries through its tasks: its span, and its time in the
+/// store so far.
+struct Request {
+    span: Span,
+    store: Duration,
+}
+
+tokio::task_local! {
+    static REQUEST: RefCell<Option<Request>>;
+}
+
+/// A request's span (a server span named `name`: `POST /v1/limit`, or the gRPC method),
+/// whose parent is the caller's span when `headers` carry a W3C `traceparent`; with
+/// `tollgate.operation` set if it records.
+pub fn span(name: &'static str, operation: &'static str, headers: &http::HeaderMap) -> Span {
+    #[cfg(feature = "otel")]
+    let mut span = Span { inner: exporting::start_span(name, headers) };
     #[cfg(not(feature = "otel"))]
-    let _ = headers;
+    let mut span = {
+        let _ = (name, headers);
+        Span {}
+    };
+    if span.recording() {
+        span.set("tollgate.operation", operation);
+    }
     span
 }
 
-/// `work` inside `span` (made by [`span`] when [`on`]), with its time in the store summed up
-/// in `tollgate.store_ms` and `finish` recording its outcome. Boxed, so that a caller's
-/// future is no larger for the branch that traces: the one that does not (the common one)
-/// awaits `work` as before, and costs as before (a future holding both was measured at 0.94x
-/// on the memory store).
+/// `work` under `span` (made by [`span`] when [`on`]): if it records, with its time in the
+/// store in `tollgate.store_ms` and `finish` recording its outcome; the span ends when
+/// `work` does. Boxed, so that a caller's future is no larger for the branch that traces:
+/// the one that does not (the common one) awaits `work` as before, and costs as before (a
+/// future holding both was measured at 0.94x on the memory store).
 pub fn traced<'a, T: Send + 'a>(
     span: Span,
     work: impl Future<Output = T> + Send + 'a,
-    finish: impl FnOnce(&Span, &T) + Send + 'a,
+    finish: impl FnOnce(&mut Span, &T) + Send + 'a,
 ) -> std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>> {
-    use tracing::Instrument as _;
     Box::pin(async move {
-        let timed = async {
-            let out = work.await;
-            (out, STORE_TIME.with(Cell::get))
-        };
-        let (out, store) =
-            STORE_TIME.scope(Cell::new(Duration::ZERO), timed).instrument(span.clone()).await;
-        span.record("tollgate.store_ms", store.as_secs_f64() * 1_000.0);
-        finish(&span, &out);
+        if !span.recording() {
+            // Left out by the sampler: nothing is measured or kept.
+            return work.await;
+        }
+        let request = RefCell::new(Some(Request { span, store: Duration::ZERO }));
+        let (out, request) = REQUEST
+            .scope(request, async {
+                let out = work.await;
+                (out, REQUEST.with(|r| r.borrow_mut().take()))
+            })
+            .await;
+        if let Some(Request { mut span, store }) = request {
+            span.set("tollgate.store_ms", Value::Float(store.as_secs_f64() * 1_000.0));
+            finish(&mut span, &out);
+        }
         out
     })
 }
 
-/// Records `field` of the request being traced as `value()`; nothing (not even `value`) when
-/// tracing is off.
+/// Sets `field` on the span of the request being traced to `value()`; nothing (not even
+/// `value`) when tracing is off or the request is not sampled.
 pub fn note(field: &'static str, value: impl FnOnce() -> String) {
     if on() {
-        Span::current().record(field, value());
+        let _ = REQUEST.try_with(|r| {
+            if let Some(request) = r.borrow_mut().as_mut() {
+                request.span.set(field, value());
+            }
+        });
     }
 }
 
@@ -106,23 +190,36 @@ impl Timed {
     }
 }
 
+/// Whether a recording request is being served: outside one (a sweep, a health check, a
+/// request not sampled) there is nothing to add a store call's time to, and the call goes
+/// to the store as it is.
+fn recording() -> bool {
+    REQUEST.try_with(|r| r.borrow().is_some()).unwrap_or(false)
+}
+
 async fn timed<T>(call: impl Future<Output = T>) -> T {
     let start = Instant::now();
     let out = call.await;
-    // Outside a traced request (a sweep, a health check) there is nothing to add it to.
-    let _ = STORE_TIME.try_with(|t| t.set(t.get() + start.elapsed()));
+    let _ = REQUEST.try_with(|r| {
+        if let Some(request) = r.borrow_mut().as_mut() {
+            request.store += start.elapsed();
+        }
+    });
     out
 }
 
 impl DynAsyncStore for Timed {
     fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
-        Box::pin(timed(self.0.execute_boxed(plan)))
+        let call = self.0.execute_boxed(plan);
+        if recording() { Box::pin(timed(call)) } else { call }
     }
     fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
-        Box::pin(timed(self.0.execute_one_boxed(take)))
+        let call = self.0.execute_one_boxed(take);
+        if recording() { Box::pin(timed(call)) } else { call }
     }
     fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
-        Box::pin(timed(self.0.read_boxed(slots)))
+        let call = self.0.read_boxed(slots);
+        if recording() { Box::pin(timed(call)) } else { call }
     }
     fn delete_boxed<'a>(
         &'a self,
@@ -130,12 +227,13 @@ impl DynAsyncStore for Timed {
         key: Option<&'a str>,
         shards: u16,
     ) -> BoxFuture<'a, ()> {
-        Box::pin(timed(self.0.delete_boxed(name, key, shards)))
+        let call = self.0.delete_boxed(name, key, shards);
+        if recording() { Box::pin(timed(call)) } else { call }
     }
 }
 
-/// The exporter, when one was started: its layer goes into the subscriber, and it is shut
-/// down (what it holds sent) when the server stops.
+/// The exporter, when one was started: shut down (what it holds sent) when the server
+/// stops.
 #[cfg(feature = "otel")]
 pub use exporting::Exporting;
 
@@ -145,11 +243,6 @@ pub enum Exporting {}
 
 #[cfg(not(feature = "otel"))]
 impl Exporting {
-    /// Never called: there is no exporter.
-    pub fn layer(&self) -> tracing_subscriber::layer::Identity {
-        match *self {}
-    }
-
     /// Never called: there is no exporter.
     pub fn describe(&self) -> String {
         match *self {}
@@ -172,6 +265,9 @@ impl Exporting {
 #[cfg(feature = "otel")]
 pub fn start() -> anyhow::Result<Option<Exporting>> {
     let started = exporting::start(&|name| std::env::var(name).ok())?;
+    if let Some(exporting) = &started {
+        exporting::serve(exporting);
+    }
     ON.store(started.is_some(), Ordering::Relaxed);
     Ok(started)
 }
@@ -195,14 +291,18 @@ const TRACES_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
 
 #[cfg(feature = "otel")]
 mod exporting {
+    use std::sync::OnceLock;
+
     use anyhow::{Context as _, bail};
     use opentelemetry::propagation::TextMapPropagator as _;
-    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry::trace::{SpanKind, Tracer as _, TracerProvider as _};
     use opentelemetry_sdk::propagation::TraceContextPropagator;
-    use opentelemetry_sdk::trace::SdkTracerProvider;
-    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 
-    use super::{ENDPOINT, TARGET, TRACES_ENDPOINT};
+    use super::{ENDPOINT, TRACES_ENDPOINT};
+
+    /// The tracer of the started exporter.
+    static TRACER: OnceLock<SdkTracer> = OnceLock::new();
 
     /// A started exporter.
     pub struct Exporting {
@@ -220,27 +320,6 @@ mod exporting {
         /// Where spans go, and how: for the banner.
         pub fn describe(&self) -> String {
             format!("{} (OTLP/HTTP, {})", self.endpoint, self.protocol)
-        }
-
-        /// The subscriber's layer that turns request spans (and nothing else) into
-        /// OpenTelemetry spans.
-        pub fn layer<S>(&self) -> impl tracing_subscriber::Layer<S> + use<S>
-        where
-            S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
-        {
-            use tracing_subscriber::Layer as _;
-            let tracer = self.provider.tracer("tollgate");
-            tracing_opentelemetry::layer()
-                .with_tracer(tracer)
-                .with_location(false)
-                .with_threads(false)
-                .with_target(false)
-                .with_level(false)
-                .with_tracked_inactivity(false)
-                .with_filter(
-                    tracing_subscriber::filter::Targets::new()
-                        .with_target(TARGET, tracing::Level::INFO),
-                )
         }
 
         /// Sends what is still held (for at most 5 s) and stops; outside the runtime, as it
@@ -317,13 +396,29 @@ mod exporting {
         Ok(Some(Exporting { provider, endpoint: endpoint.1, protocol }))
     }
 
-    pub(super) fn follow(span: &tracing::Span, headers: &http::HeaderMap) {
-        if headers.contains_key("traceparent") {
-            let parent = TraceContextPropagator::new()
-                .extract(&opentelemetry_http::HeaderExtractor(headers));
-            // A span already closed or not exported has no parent to take: nothing to do.
-            let _ = span.set_parent(parent);
-        }
+    /// Makes spans of the started exporter's provider from now on.
+    pub(super) fn serve(exporting: &Exporting) {
+        let _ = TRACER.set(exporting.provider.tracer("tollgate"));
+    }
+
+    /// A server span named `name`, child of the caller's if `headers` carry its trace
+    /// context; sampled (or not) by the provider's sampler (`OTEL_TRACES_SAMPLER`).
+    pub(super) fn start_span(
+        name: &'static str,
+        headers: &http::HeaderMap,
+    ) -> Option<opentelemetry_sdk::trace::Span> {
+        let tracer = TRACER.get()?;
+        let parent = if headers.contains_key("traceparent") {
+            TraceContextPropagator::new().extract(&opentelemetry_http::HeaderExtractor(headers))
+        } else {
+            opentelemetry::Context::new()
+        };
+        Some(
+            tracer
+                .span_builder(name)
+                .with_kind(SpanKind::Server)
+                .start_with_context(tracer, &parent),
+        )
     }
 
     #[cfg(test)]

@@ -274,21 +274,21 @@ impl Rls {
         crate::otel::traced(span, answer, move |span, answer: &Result<RlsAnswer, RlsError>| {
             // The outcome, and the gRPC and HTTP statuses that say it.
             let (outcome, granted, grpc, http) = match answer {
-                Ok(answer) if answer.over_limit => ("over_limit", Some(false), 0, 429),
+                Ok(answer) if answer.over_limit => ("over_limit", Some(false), 0_i64, 429_i64),
                 Ok(_) => ("ok", Some(true), 0, 200),
                 Err(RlsError::Invalid(_)) => ("invalid", None, 3, 400),
                 Err(RlsError::Store(_)) => ("store_error", None, 14, 503),
             };
             match via {
-                Via::Grpc => span.record("rpc.grpc.status_code", grpc),
-                Via::Json => span.record("http.response.status_code", http),
-            };
-            span.record("tollgate.outcome", outcome);
+                Via::Grpc => span.set("rpc.grpc.status_code", grpc),
+                Via::Json => span.set("http.response.status_code", http),
+            }
+            span.set("tollgate.outcome", outcome);
             if let Some(granted) = granted {
-                span.record("tollgate.granted", granted);
+                span.set("tollgate.granted", granted);
             }
             if outcome == "store_error" {
-                span.record("otel.status_code", "error");
+                span.failed();
             }
         })
         .await
