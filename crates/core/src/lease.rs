@@ -9,7 +9,10 @@
 //! The model found two rules of the holder that `LEASES.md` does not state: a grant's reply
 //! says how much of the holder's earlier lease the store still counts (`Grant::kept`), and
 //! the holder keeps no more than that of what it holds; and a reply that arrives after the
-//! holder returned its lease is dropped. Without either, the property below fails.
+//! holder returned its lease is dropped. Without either, the property below fails; so it does
+//! if the holder counts its deadline from the store's expiry rather than from when it sent
+//! the request. Requests and replies travel for a while in the model (the holder goes on
+//! spending meanwhile, and a killed holder's request still reaches the store).
 //!
 //! A lease moves tokens out of the shared `value` into one holder's record (`tokens`,
 //! `expiry`). The cap the shared value refills to is `capacity - outstanding`, and a record's
@@ -206,8 +209,27 @@ mod tests {
         local: f64,
         /// Until when (true time) it may spend them.
         deadline: f64,
-        /// A grant's reply on its way: when it arrives, the grant, the time it was sent.
-        reply: Option<(f64, Grant, f64)>,
+        /// Bumped by a return: replies to requests sent before it are dropped.
+        generation: u64,
+        /// A grant request on its way to the store.
+        request: Option<Asked>,
+        /// A grant's reply on its way back: when it arrives, the grant, when its request was
+        /// sent, and the generation it was sent in.
+        reply: Option<(f64, Grant, f64, u64)>,
+    }
+
+    /// A grant request in flight.
+    #[derive(Clone, Copy, Debug)]
+    struct Asked {
+        want: f64,
+        /// What the holder held when it sent it (it may spend more before the store runs it).
+        unused: f64,
+        sent: f64,
+        /// When the store runs it.
+        arrives: f64,
+        /// How long its reply takes, or `None` if it is lost.
+        back: Option<f64>,
+        generation: u64,
     }
 
     /// The drift the holder allows between its clock and the store's, and a margin.
@@ -283,19 +305,41 @@ mod tests {
         let mut holders: Vec<Holder> =
             (0..4).map(|i| Holder { id: i as u64, ..Holder::default() }).collect();
         let mut next_id = 4;
+        // Requests of killed holders, still on their way.
+        let mut orphans: Vec<(u64, Asked)> = Vec::new();
         let mut now = 0.0;
         let mut admitted = Vec::new();
         for step in steps {
-            // Replies that have arrived are taken in.
+            orphans.retain(|(id, asked)| {
+                if asked.arrives > now {
+                    return true;
+                }
+                store.grant(config, 0.0, now, *id, asked.want, asked.unused, term, share);
+                false
+            });
             for h in &mut holders {
-                if let Some((at, grant, sent)) = h.reply
+                // Requests that have reached the store are run, at the store's now.
+                if let Some(asked) = h.request
+                    && asked.arrives <= now
+                {
+                    h.request = None;
+                    let Asked { want, unused, .. } = asked;
+                    let grant = store.grant(config, 0.0, now, h.id, want, unused, term, share);
+                    if let Some(back) = asked.back {
+                        h.reply = Some((now + back, grant, asked.sent, asked.generation));
+                    }
+                }
+                // Replies that have arrived are taken in, unless a return came since.
+                if let Some((at, grant, sent, generation)) = h.reply
                     && at <= now
                 {
                     h.reply = None;
-                    // The grant ran after `sent`: counting from there, with a margin for
-                    // drift, the holder stops before the store frees the tokens.
-                    h.deadline = sent + (grant.expiry - sent) * (1.0 - RHO) - EPS;
-                    h.local = h.local.min(grant.kept) + grant.tokens;
+                    if generation == h.generation {
+                        // The grant ran after `sent`: counting from there, with a margin
+                        // for drift, the holder stops before the store frees the tokens.
+                        h.deadline = sent + (grant.expiry - sent) * (1.0 - RHO) - EPS;
+                        h.local = h.local.min(grant.kept) + grant.tokens;
+                    }
                 }
             }
             match *step {
@@ -318,28 +362,37 @@ mod tests {
                 }
                 Step::Grant { holder, want, out, back, lost } => {
                     let h = &mut holders[holder];
-                    if h.reply.is_some() {
+                    if h.request.is_some() || h.reply.is_some() {
                         continue; // one fetch in flight per holder
                     }
-                    // Sent `out` ago; run by the store now, reporting what it holds (its
-                    // tokens past its deadline count as nothing).
-                    let sent = now - out;
+                    // It reports what it holds (its tokens past its deadline count as
+                    // nothing), and goes on spending while the request is on its way.
                     let unused = if now < h.deadline { h.local } else { 0.0 };
-                    let grant = store.grant(config, 0.0, now, h.id, want, unused, term, share);
-                    if !lost {
-                        h.reply = Some((now + back, grant, sent));
-                    }
+                    h.request = Some(Asked {
+                        want,
+                        unused,
+                        sent: now,
+                        arrives: now + out,
+                        back: (!lost).then_some(back),
+                        generation: h.generation,
+                    });
                 }
                 Step::Release { holder } => {
                     let h = &mut holders[holder];
                     let unused = if now < h.deadline { h.local } else { 0.0 };
                     store.release(config, 0.0, now, h.id, unused);
                     h.local = 0.0;
-                    // A grant's reply still on its way is dropped: the return ended its
-                    // lease (see `a_grant_that_arrives_after_a_return_is_dropped`).
-                    h.reply = None;
+                    // A grant's reply still to come is dropped: the return ended its lease
+                    // (see `a_grant_that_arrives_after_a_return_is_dropped`). A request still
+                    // on its way is run by the store all the same; its tokens are lost until
+                    // its lease expires.
+                    h.generation += 1;
                 }
                 Step::Crash { holder } => {
+                    // A request already on its way still reaches the store.
+                    if let Some(asked) = holders[holder].request {
+                        orphans.push((holders[holder].id, asked));
+                    }
                     holders[holder] = Holder { id: next_id, ..Holder::default() };
                     next_id += 1;
                 }
