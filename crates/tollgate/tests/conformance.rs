@@ -410,6 +410,9 @@ fn on_disk(
 conformance!(redis, crate::on_redis::open, crate::on_redis::url().is_some());
 
 #[cfg(feature = "redis")]
+conformance!(redis_acl_user, crate::on_redis::open_as_user, crate::on_redis::url().is_some());
+
+#[cfg(feature = "redis")]
 mod on_redis {
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -442,6 +445,32 @@ mod on_redis {
 
     pub(crate) fn open(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
         open_on(&url().expect("checked"), clock)
+    }
+
+    /// The commands a tollgate user needs, as the README's `ACL SETUSER` gives them (shell
+    /// quotes included: the README is checked to hold this very text).
+    const ACL_COMMANDS: &str = "+evalsha '+script|load' +time +get +mget +set +del";
+
+    /// A store that connects as a Redis ACL user allowed those commands alone, on the
+    /// tests' keys alone (`~tollgate-test:*`), set up (again) by the admin URL's user.
+    pub(crate) fn open_as_user(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
+        static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let url = URL.get_or_init(|| {
+            let readme = include_str!("../../../README.md");
+            assert!(readme.contains(ACL_COMMANDS), "the README's ACL is not {ACL_COMMANDS:?}");
+            let admin = url().expect("checked");
+            let (user, password) = ("tollgate-test-acl", "tollgate-test-acl-password");
+            let mut conn = redis::Client::open(admin.as_str()).unwrap().get_connection().unwrap();
+            let mut setuser = redis::cmd("ACL");
+            setuser.arg(&["SETUSER", user, "reset", "on", &format!(">{password}")][..]);
+            setuser.arg(&["~tollgate-test:*", "resetchannels", "-@all"][..]);
+            setuser.arg(ACL_COMMANDS.split(' ').map(|c| c.trim_matches('\'')).collect::<Vec<_>>());
+            let () = setuser.query(&mut conn).expect("ACL SETUSER");
+            let host = admin.strip_prefix("redis://").expect("a redis:// URL");
+            let host = host.rsplit_once('@').map_or(host, |(_, host)| host);
+            format!("redis://{user}:{password}@{host}")
+        });
+        open_on(url, clock)
     }
 
     /// On Redis Cluster, each state placed by its own key: the shards of a limit spread
