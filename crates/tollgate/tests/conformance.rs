@@ -451,24 +451,60 @@ mod on_redis {
     /// quotes included: the README is checked to hold this very text).
     const ACL_COMMANDS: &str = "+evalsha '+script|load' +time +get +mget +set +del";
 
-    /// A store that connects as a Redis ACL user allowed those commands alone, on the
-    /// tests' keys alone (`~tollgate-test:*`), set up (again) by the admin URL's user.
+    /// What a cluster's user needs besides: the command redis-rs finds the nodes with.
+    #[cfg(feature = "redis-cluster")]
+    const ACL_CLUSTER_COMMANDS: &str = "'+cluster|slots'";
+
+    const ACL_USER: (&str, &str) = ("tollgate-test-acl", "tollgate-test-acl-password");
+
+    /// Makes (again) the ACL user of these tests on the Redis at `admin` (a `redis://` URL
+    /// whose user may): `commands` alone, on the tests' keys alone (`~tollgate-test:*`).
+    fn set_up_user(admin: &str, commands: &str) {
+        let readme = include_str!("../../../README.md");
+        assert!(readme.contains(commands), "the README's ACL does not hold {commands:?}");
+        let (user, password) = ACL_USER;
+        let mut conn = redis::Client::open(admin).unwrap().get_connection().unwrap();
+        let mut setuser = redis::cmd("ACL");
+        setuser.arg(&["SETUSER", user, "reset", "on", &format!(">{password}")][..]);
+        setuser.arg(&["~tollgate-test:*", "resetchannels", "-@all"][..]);
+        setuser.arg(commands.split(' ').map(|c| c.trim_matches('\'')).collect::<Vec<_>>());
+        let () = setuser.query(&mut conn).expect("ACL SETUSER");
+    }
+
+    /// `url` (`redis://HOST:PORT` or `redis+cluster://HOST:PORT,...`) with the tests' ACL
+    /// user's credentials in place of any it has.
+    fn as_user(url: &str) -> String {
+        let (scheme, rest) = url.split_once("://").expect("a URL");
+        let rest = rest.rsplit_once('@').map_or(rest, |(_, hosts)| hosts);
+        let (user, password) = ACL_USER;
+        format!("{scheme}://{user}:{password}@{rest}")
+    }
+
+    /// A store that connects as a Redis ACL user allowed the README's commands alone.
     pub(crate) fn open_as_user(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
         static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let url = URL.get_or_init(|| {
-            let readme = include_str!("../../../README.md");
-            assert!(readme.contains(ACL_COMMANDS), "the README's ACL is not {ACL_COMMANDS:?}");
             let admin = url().expect("checked");
-            let (user, password) = ("tollgate-test-acl", "tollgate-test-acl-password");
-            let mut conn = redis::Client::open(admin.as_str()).unwrap().get_connection().unwrap();
-            let mut setuser = redis::cmd("ACL");
-            setuser.arg(&["SETUSER", user, "reset", "on", &format!(">{password}")][..]);
-            setuser.arg(&["~tollgate-test:*", "resetchannels", "-@all"][..]);
-            setuser.arg(ACL_COMMANDS.split(' ').map(|c| c.trim_matches('\'')).collect::<Vec<_>>());
-            let () = setuser.query(&mut conn).expect("ACL SETUSER");
-            let host = admin.strip_prefix("redis://").expect("a redis:// URL");
-            let host = host.rsplit_once('@').map_or(host, |(_, host)| host);
-            format!("redis://{user}:{password}@{host}")
+            set_up_user(&admin, ACL_COMMANDS);
+            as_user(&admin)
+        });
+        open_on(url, clock)
+    }
+
+    /// The same on Redis Cluster: the user made on every node, with the README's commands
+    /// for a cluster.
+    #[cfg(feature = "redis-cluster")]
+    pub(crate) fn open_cluster_as_user(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
+        static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let url = URL.get_or_init(|| {
+            let admin = cluster_url().expect("checked");
+            let nodes = admin.strip_prefix("redis+cluster://").expect("a redis+cluster:// URL");
+            let nodes = nodes.rsplit_once('@').map_or(nodes, |(_, nodes)| nodes);
+            for node in nodes.split('/').next().unwrap_or_default().split(',') {
+                let commands = format!("{ACL_COMMANDS} {ACL_CLUSTER_COMMANDS}");
+                set_up_user(&format!("redis://{}", node.trim()), &commands);
+            }
+            as_user(&admin)
         });
         open_on(url, clock)
     }
@@ -485,6 +521,13 @@ mod on_redis {
 conformance!(
     redis_cluster,
     crate::on_redis::open_cluster,
+    crate::on_redis::cluster_url().is_some()
+);
+
+#[cfg(feature = "redis-cluster")]
+conformance!(
+    redis_cluster_acl_user,
+    crate::on_redis::open_cluster_as_user,
     crate::on_redis::cluster_url().is_some()
 );
 
