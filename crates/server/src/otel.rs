@@ -190,36 +190,33 @@ impl Timed {
     }
 }
 
-/// Whether a recording request is being served: outside one (a sweep, a health check, a
-/// request not sampled) there is nothing to add a store call's time to, and the call goes
-/// to the store as it is.
-fn recording() -> bool {
-    REQUEST.try_with(|r| r.borrow().is_some()).unwrap_or(false)
-}
-
-async fn timed<T>(call: impl Future<Output = T>) -> T {
-    let start = Instant::now();
-    let out = call.await;
-    let _ = REQUEST.try_with(|r| {
-        if let Some(request) = r.borrow_mut().as_mut() {
-            request.store += start.elapsed();
-        }
-    });
-    out
+/// `call`, its time added to the recording request that makes it; as it is outside one (a
+/// sweep, a health check, a request not sampled), where there is nothing to add it to.
+fn time<'a, T: 'a>(call: BoxFuture<'a, T>) -> BoxFuture<'a, T> {
+    if !REQUEST.try_with(|r| r.borrow().is_some()).unwrap_or(false) {
+        return call;
+    }
+    Box::pin(async move {
+        let start = Instant::now();
+        let out = call.await;
+        let _ = REQUEST.try_with(|r| {
+            if let Some(request) = r.borrow_mut().as_mut() {
+                request.store += start.elapsed();
+            }
+        });
+        out
+    })
 }
 
 impl DynAsyncStore for Timed {
     fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
-        let call = self.0.execute_boxed(plan);
-        if recording() { Box::pin(timed(call)) } else { call }
+        time(self.0.execute_boxed(plan))
     }
     fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
-        let call = self.0.execute_one_boxed(take);
-        if recording() { Box::pin(timed(call)) } else { call }
+        time(self.0.execute_one_boxed(take))
     }
     fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
-        let call = self.0.read_boxed(slots);
-        if recording() { Box::pin(timed(call)) } else { call }
+        time(self.0.read_boxed(slots))
     }
     fn delete_boxed<'a>(
         &'a self,
@@ -227,8 +224,7 @@ impl DynAsyncStore for Timed {
         key: Option<&'a str>,
         shards: u16,
     ) -> BoxFuture<'a, ()> {
-        let call = self.0.delete_boxed(name, key, shards);
-        if recording() { Box::pin(timed(call)) } else { call }
+        time(self.0.delete_boxed(name, key, shards))
     }
 }
 

@@ -34,12 +34,6 @@ fn agent() -> ureq::Agent {
     ureq::Agent::config_builder().http_status_as_error(false).build().into()
 }
 
-fn post(served: &Served, path: &str, body: &Value) -> (u16, Value) {
-    let url = format!("http://{}{path}", served.http);
-    let mut r = agent().post(&url).send_json(body).unwrap();
-    (r.status().as_u16(), r.body_mut().read_json().unwrap_or(Value::Null))
-}
-
 /// `GET path`: the status, the config version header, the body.
 fn get(served: &Served, path: &str) -> (u16, Option<String>, String) {
     let mut r = agent().get(&format!("http://{}{path}", served.http)).call().unwrap();
@@ -138,7 +132,7 @@ fn rewrite(dir: &Path, write: Edit, text: &str) {
 
 /// `value` and `ts` of (name, key).
 fn state(served: &Served, name: &str, key: &str) -> (f64, f64) {
-    let (status, body) = post(served, "/v1/value", &json!({ "name": name, "key": key }));
+    let (status, body) = served.post("/v1/value", &[], &json!({ "name": name, "key": key }));
     assert_eq!(status, 200, "{body}");
     (body["value"].as_f64().unwrap(), body["ts"].as_f64().unwrap())
 }
@@ -156,7 +150,7 @@ fn each_kind_of_write(store: &str) {
         assert_eq!(defined["slow"]["rate"], json!(10));
         for name in ["slow", "api"] {
             let take = json!({ "name": name, "key": "k", "count": 4 });
-            assert_eq!(post(&served, "/v1/limit", &take), (200, json!({ "ok": true })));
+            assert_eq!(served.post("/v1/limit", &[], &take), (200, json!({ "ok": true })));
         }
         let (value, ts) = state(&served, "slow", "k");
         assert_eq!(value, 6.0, "{write:?}");
@@ -172,11 +166,11 @@ fn each_kind_of_write(store: &str) {
 
         // `api`: 6 left of 10, now at most 3 (SPEC §2's min with capacity): 3 - 1.
         let take = json!({ "name": "api", "key": "k", "count": 1 });
-        assert_eq!(post(&served, "/v1/limit", &take), (200, json!({ "ok": true })));
+        assert_eq!(served.post("/v1/limit", &[], &take), (200, json!({ "ok": true })));
         assert_eq!(state(&served, "api", "k").0, 2.0, "{store} {write:?}");
         // `slow`: refilled from its stored value and ts at the new rate, 20 a day.
         let take = json!({ "name": "slow", "key": "k", "count": 1 });
-        assert_eq!(post(&served, "/v1/limit", &take), (200, json!({ "ok": true })));
+        assert_eq!(served.post("/v1/limit", &[], &take), (200, json!({ "ok": true })));
         let (after, now) = state(&served, "slow", "k");
         let per_ms = 20.0 / 86_400_000.0;
         let expected = (value + (now - ts) * per_ms).min(10.0) - 1.0;
@@ -207,7 +201,7 @@ fn rls_limit(served: &Served) -> Value {
     static USERS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let user = USERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed).to_string();
     let request = json!({ "domain": "edge", "descriptors": [{ "entries": [{ "key": "user", "value": user }] }] });
-    let (status, body) = post(served, "/json", &request);
+    let (status, body) = served.post("/json", &[], &request);
     assert_eq!(status, 200, "{body}");
     body["statuses"][0]["currentLimit"]["requestsPerUnit"].clone()
 }
@@ -261,8 +255,8 @@ fn sighup_reloads_the_limits_and_the_rls_rules() {
     std::fs::write(&config, only_api).unwrap();
     signal(&served, "-HUP");
     assert!(within(Duration::from_secs(2), || serving(&served).1 != version));
-    assert_eq!(post(&served, "/v1/limit", &json!({ "name": "slow" })).0, 404);
-    assert_eq!(post(&served, "/v1/limit", &json!({ "name": "api" })).0, 200);
+    assert_eq!(served.post("/v1/limit", &[], &json!({ "name": "slow" })).0, 404);
+    assert_eq!(served.post("/v1/limit", &[], &json!({ "name": "api" })).0, 200);
 }
 
 /// Bad TOML, an unknown kind, a negative rate (beside a new valid limit), a broken RLS
@@ -323,7 +317,7 @@ fn an_invalid_config_is_refused_whole() {
         );
         assert_eq!(rls_limit(&served), json!(3), "{what}");
         let take = json!({ "name": "api", "key": format!("k{i}") });
-        assert_eq!(post(&served, "/v1/limit", &take), (200, json!({ "ok": true })), "{what}");
+        assert_eq!(served.post("/v1/limit", &[], &take), (200, json!({ "ok": true })), "{what}");
         let log = served.stderr();
         let line = log
             .lines()
@@ -467,7 +461,7 @@ fn a_reload_amid_a_thousand_requests_loses_none_and_mixes_none() {
     }
     assert_eq!((answered, old + new), (1_000, 800));
     assert!(within(Duration::from_secs(2), || serving(&served).1 != first));
-    let after = post(&served, "/v1/transaction", &transaction_body("after"));
+    let after = served.post("/v1/transaction", &[], &transaction_body("after"));
     assert_eq!((after.0, which(&after.1)), (200, Some(true)), "{}", after.1);
     eprintln!(
         "in flight during the reload: {old} answered under the old config, {new} under the new"
@@ -564,14 +558,9 @@ fn serve_reads_every_setting_from_the_environment() {
     assert_eq!(get(&served, "/metrics").0, 200);
     let inline =
         json!({ "name": "x", "config": { "kind": "fixed window", "rate": 1, "period": 1000 } });
-    assert_eq!(post(&served, "/v1/limit", &inline).0, 401);
-    let mut r = agent()
-        .post(&format!("http://{}/v1/limit", served.http))
-        .header("Authorization", "Bearer secret")
-        .send_json(&inline)
-        .unwrap();
-    let body: Value = r.body_mut().read_json().unwrap();
-    assert_eq!(r.status(), 400, "TOLLGATE_ALLOW_INLINE_CONFIG=false: {body}");
+    assert_eq!(served.post("/v1/limit", &[], &inline).0, 401);
+    let (status, body) = served.post("/v1/limit", &[("Authorization", "Bearer secret")], &inline);
+    assert_eq!(status, 400, "TOLLGATE_ALLOW_INLINE_CONFIG=false: {body}");
     drop(served);
 
     let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
@@ -649,7 +638,7 @@ fn sigterm_drains() {
     assert_eq!(serde_json::from_str::<Value>(&health).unwrap()["status"], json!("draining"));
     assert_eq!(grpc_health(rls_addr), 2, "NOT_SERVING");
     // Still answering while draining.
-    assert_eq!(post(&served, "/v1/limit", &json!({ "name": "api", "key": "d" })).0, 200);
+    assert_eq!(served.post("/v1/limit", &[], &json!({ "name": "api", "key": "d" })).0, 200);
     // The listeners close after drainDelay; the slow request is still in flight then.
     assert!(within(Duration::from_secs(5), || TcpStream::connect(served.http).is_err()));
     assert!(term.elapsed() >= Duration::from_secs(1), "{:?}", term.elapsed());

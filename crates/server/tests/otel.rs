@@ -17,7 +17,7 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue};
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use prost::Message as _;
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// One request to a receiver, as it came.
 struct Export {
@@ -181,22 +181,6 @@ fn serve(dir: &std::path::Path, otel: &[(&str, &str)]) -> common::Served {
     common::Served::start(command, true)
 }
 
-fn post(
-    served: &common::Served,
-    path: &str,
-    traceparent: Option<&str>,
-    body: &Value,
-) -> (u16, Value) {
-    let agent: ureq::Agent =
-        ureq::Agent::config_builder().http_status_as_error(false).build().into();
-    let mut request = agent.post(&format!("http://{}{path}", served.http));
-    if let Some(traceparent) = traceparent {
-        request = request.header("traceparent", traceparent);
-    }
-    let mut response = request.send_json(body).unwrap();
-    (response.status().as_u16(), response.body_mut().read_json().unwrap_or(Value::Null))
-}
-
 /// `ShouldRateLimit` for `user=alice` in domain `edge`, with `traceparent`.
 fn should_rate_limit(served: &common::Served, traceparent: &str) -> common::GrpcAnswer {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -246,18 +230,20 @@ fn each_request_is_one_span_in_the_callers_trace() {
     let first = traceparent(TRACE[0]);
     let alice = json!({ "name": "api", "key": "alice" });
     let granted: Vec<bool> = (0..3)
-        .map(|_| post(&served, "/v1/limit", Some(&first), &alice).1["ok"].as_bool().unwrap())
+        .map(|_| {
+            served.post("/v1/limit", &[("traceparent", &first)], &alice).1["ok"].as_bool().unwrap()
+        })
         .collect();
     assert_eq!(granted, [true, true, false]);
     let both =
         json!({ "limits": [{ "name": "api", "key": "bob" }, { "name": "other", "key": "bob" }] });
     let second = traceparent(TRACE[1]);
-    assert_eq!(post(&served, "/v1/transaction", Some(&second), &both).0, 200);
-    assert_eq!(post(&served, "/v1/limit", None, &json!({ "name": "nope" })).0, 404);
+    assert_eq!(served.post("/v1/transaction", &[("traceparent", &second)], &both).0, 200);
+    assert_eq!(served.post("/v1/limit", &[], &json!({ "name": "nope" })).0, 404);
     let answer = should_rate_limit(&served, &traceparent(TRACE[2]));
     assert_eq!(answer.field("grpc-status"), Some("0"), "{answer:?}");
     let envoy = json!({ "domain": "edge", "descriptors": [{ "entries": [{ "key": "user", "value": "carol" }] }] });
-    assert_eq!(post(&served, "/json", Some(&traceparent(TRACE[3])), &envoy).0, 200);
+    assert_eq!(served.post("/json", &[("traceparent", &traceparent(TRACE[3]))], &envoy).0, 200);
 
     // The batch is sent every 100 ms.
     let start = Instant::now();
@@ -346,7 +332,7 @@ fn without_an_endpoint_no_connection_is_attempted() {
     assert!(!served.banner.contains("traces:"), "{}", served.banner);
     let alice = json!({ "name": "api", "key": "alice" });
     for _ in 0..5 {
-        post(&served, "/v1/limit", Some(&traceparent(TRACE[0])), &alice);
+        served.post("/v1/limit", &[("traceparent", &traceparent(TRACE[0]))], &alice);
     }
     should_rate_limit(&served, &traceparent(TRACE[1]));
     // Ten batch intervals, and a stop (which would send what is held).

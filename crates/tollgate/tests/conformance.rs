@@ -500,8 +500,8 @@ mod on_redis {
             let admin = cluster_url().expect("checked");
             let nodes = admin.strip_prefix("redis+cluster://").expect("a redis+cluster:// URL");
             let nodes = nodes.rsplit_once('@').map_or(nodes, |(_, nodes)| nodes);
+            let commands = format!("{ACL_COMMANDS} {ACL_CLUSTER_COMMANDS}");
             for node in nodes.split('/').next().unwrap_or_default().split(',') {
-                let commands = format!("{ACL_COMMANDS} {ACL_CLUSTER_COMMANDS}");
                 set_up_user(&format!("redis://{}", node.trim()), &commands);
             }
             as_user(&admin)

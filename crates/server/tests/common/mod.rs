@@ -198,6 +198,25 @@ impl Served {
         Served { child, http, rls, banner, stderr }
     }
 
+    /// `POST path` with `headers` and the JSON `body`: the status, and the JSON answer
+    /// (`null` if it is not JSON).
+    pub(crate) fn post(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &serde_json::Value,
+    ) -> (u16, serde_json::Value) {
+        let agent: ureq::Agent =
+            ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let mut request = agent.post(&format!("http://{}{path}", self.http));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let mut response = request.send_json(body).unwrap();
+        let answer = response.body_mut().read_json().unwrap_or(serde_json::Value::Null);
+        (response.status().as_u16(), answer)
+    }
+
     /// What the server wrote to stderr so far.
     pub(crate) fn stderr(&self) -> String {
         self.stderr.lock().unwrap().clone()
