@@ -92,8 +92,9 @@ struct ServeArgs {
     #[arg(long)]
     listen: Option<String>,
     /// The store: memory, sqlite://PATH[?synchronous=full], redis://HOST:PORT[/DB],
-    /// redis+cluster://HOST:PORT,HOST:PORT or postgres://USER@HOST/DB (default
-    /// sqlite://tollgate.db).
+    /// redis+cluster://HOST:PORT,HOST:PORT, redis+sentinel://HOST:PORT,HOST:PORT/MASTER
+    /// (rediss… over TLS; ?ca=FILE, ?replicas=N and more: see the README) or
+    /// postgres://USER@HOST/DB (default sqlite://tollgate.db).
     #[arg(long)]
     store: Option<String>,
     /// Listen on a non-loopback address without tokens, knowing anyone who can reach it can
@@ -225,7 +226,10 @@ fn check_config(args: CheckArgs) -> ExitCode {
                     rls.domain_names().join(", ")
                 );
             }
-            println!("  store:  {} (not opened)", loaded.settings.store);
+            println!(
+                "  store:  {} (not opened)",
+                tollgate::store::redacted_url(&loaded.settings.store)
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -590,7 +594,7 @@ fn print_banner(
     let memory = settings.store == "memory" || settings.store == "memory://";
     let forgets =
         if memory { " (in this process only: a restart forgets every state)" } else { "" };
-    println!("  store:  {}{forgets}", settings.store);
+    println!("  store:  {}{forgets}", tollgate::store::redacted_url(&settings.store));
     println!(
         "  limits: {}",
         if names.is_empty() { "(none defined)".into() } else { names.join(", ") }

@@ -44,7 +44,8 @@ impl Opened {
 /// Opens `memory` (bounded to `max_keys` live states if given),
 /// `sqlite://PATH[?synchronous=full]` (`sqlite://tollgate.db` is relative to the working
 /// directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB`,
-/// `redis+cluster://HOST:PORT,HOST:PORT` or `postgres://USER@HOST/DB`. Redis and PostgreSQL
+/// `redis+cluster://HOST:PORT,HOST:PORT`, `redis+sentinel://HOST:PORT,…/MASTER` (each
+/// `rediss…` over TLS, checked at start) or `postgres://USER@HOST/DB`. Redis and PostgreSQL
 /// go behind a circuit breaker: a request waits at most `deadline` for them, and after a
 /// few failures in a row they are not asked until they answer again. SQLite waits at most
 /// `deadline` for another process's write lock.
@@ -78,14 +79,15 @@ pub async fn open(
         );
         return Ok(Opened { sqlite: Some(Arc::clone(&sqlite)), ..Opened::local(sqlite) });
     }
-    if url.starts_with("redis://")
-        || url.starts_with("rediss://")
-        || url.starts_with("redis+cluster://")
-    {
+    if REDIS_SCHEMES.iter().any(|scheme| url.starts_with(scheme)) {
         // The store's own timeout at the deadline: a request still waiting for its round trip
         // then is withdrawn, and says that nothing was taken.
         let redis = RedisStore::builder().timeout(deadline).open(url);
-        let redis = redis.with_context(|| format!("store {url:?}"))?;
+        // The URL is in the error, its password left out.
+        let redis = redis.context("the Redis store")?;
+        if url.starts_with("rediss") {
+            tls_verifies(&redis, deadline).await?;
+        }
         return Ok(Opened::networked(Arc::new(redis), deadline));
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
@@ -94,8 +96,46 @@ pub async fn open(
     }
     bail!(
         "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \
-         redis+cluster://HOST:PORT,HOST:PORT or postgres://USER@HOST/DB"
+         redis+cluster://HOST:PORT,HOST:PORT, redis+sentinel://HOST:PORT,HOST:PORT/MASTER (rediss… \
+         for TLS) or postgres://USER@HOST/DB"
     )
+}
+
+/// The schemes of the Redis store: one Redis, a Cluster, a primary behind Sentinels, each
+/// plain or over TLS.
+const REDIS_SCHEMES: [&str; 6] = [
+    "redis://",
+    "rediss://",
+    "redis+cluster://",
+    "rediss+cluster://",
+    "redis+sentinel://",
+    "rediss+sentinel://",
+];
+
+/// A TLS store is asked once at start: a certificate that does not verify (a wrong CA, a
+/// name that does not match, a client certificate refused) stops the server with the
+/// reason, never a silent fallback. A Redis that cannot be reached yet is only a warning:
+/// the server starts and fails closed until it can, as on plain text.
+async fn tls_verifies(redis: &RedisStore, deadline: Duration) -> anyhow::Result<()> {
+    use tollgate::store::AsyncStore;
+    let probe = tokio::time::timeout(deadline, redis.read_async(&[])).await;
+    let error = match probe {
+        Ok(Ok(_)) => return Ok(()),
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => format!("no answer within {deadline:?}"),
+    };
+    let tls = ["certificate", "Certificate", "TLS", "tls", "handshake", "alert"];
+    if tls.iter().any(|word| error.contains(word)) {
+        bail!(
+            "the Redis store over TLS: {error} (the server's certificate must verify against \
+             ca= or the system's roots, and a client certificate, if the server asks for one, \
+             be given by cert= and key=)"
+        );
+    }
+    tracing::warn!(
+        "the Redis store is not reachable at start ({error}); failing closed until it is"
+    );
+    Ok(())
 }
 
 /// The path and options of a SQLite store URL after `sqlite://`: `PATH` or

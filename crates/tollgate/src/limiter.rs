@@ -1142,8 +1142,9 @@ impl<S> RateLimiter<S> {
     /// transaction's plan does.
     #[cold]
     fn never_fits(&self, calls: &[Call<'_>]) -> Result<(), Error> {
-        let mut sums: hashbrown::HashMap<(&str, Option<&str>), (f64, Config)> =
-            hashbrown::HashMap::with_capacity(calls.len());
+        // foldhash's, as elsewhere: hashbrown's own default hasher is a feature left off.
+        let mut sums: HashMap<(&str, Option<&str>), (f64, Config), RandomState> =
+            HashMap::with_capacity_and_hasher(calls.len(), RandomState::default());
         for call in calls {
             let config = *self.resolve(&call.target)?;
             let name = call.target.name();

@@ -455,6 +455,10 @@ mod on_redis {
     #[cfg(feature = "redis-cluster")]
     const ACL_CLUSTER_COMMANDS: &str = "'+cluster|slots'";
 
+    /// What a user behind Sentinel needs besides: `ROLE` (the store checks that the node
+    /// the Sentinels name is the primary) and `WAIT` (for `replicas=N`).
+    const ACL_SENTINEL_COMMANDS: &str = "+role +wait";
+
     const ACL_USER: (&str, &str) = ("tollgate-test-acl", "tollgate-test-acl-password");
 
     /// Makes (again) the ACL user of these tests on the Redis at `admin` (a `redis://` URL
@@ -509,6 +513,98 @@ mod on_redis {
         open_on(url, clock)
     }
 
+    /// One Redis over TLS, asking for a client certificate: `scripts/redis-tls start`.
+    #[cfg(feature = "redis-tls")]
+    pub(crate) fn tls_url() -> Option<String> {
+        super::common::backend_url(
+            "TOLLGATE_REDIS_TLS_URL",
+            "rediss://127.0.0.1:6380?ca=ca.crt&cert=client.crt&key=client.key (scripts/redis-tls start DIR prints one)",
+        )
+    }
+
+    /// A primary, replicas and Sentinels: `scripts/redis-sentinel start`.
+    pub(crate) fn sentinel_url() -> Option<String> {
+        super::common::backend_url(
+            "TOLLGATE_REDIS_SENTINEL_URL",
+            "redis+sentinel://127.0.0.1:26379/tollgate (scripts/redis-sentinel start DIR prints one)",
+        )
+    }
+
+    /// The same over TLS: `scripts/redis-sentinel start DIR CERTS`.
+    #[cfg(feature = "redis-tls")]
+    pub(crate) fn sentinel_tls_url() -> Option<String> {
+        super::common::backend_url(
+            "TOLLGATE_REDIS_SENTINEL_TLS_URL",
+            "rediss+sentinel://127.0.0.1:26379/tollgate?ca=ca.crt (scripts/redis-sentinel start DIR CERTS prints one)",
+        )
+    }
+
+    /// A cluster over TLS: `scripts/redis-cluster start DIR CERTS`.
+    #[cfg(all(feature = "redis-cluster", feature = "redis-tls"))]
+    pub(crate) fn cluster_tls_url() -> Option<String> {
+        super::common::backend_url(
+            "TOLLGATE_REDIS_CLUSTER_TLS_URL",
+            "rediss+cluster://127.0.0.1:7000,127.0.0.1:7001?ca=ca.crt (scripts/redis-cluster start DIR CERTS prints one)",
+        )
+    }
+
+    #[cfg(feature = "redis-tls")]
+    pub(crate) fn open_tls(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
+        open_on(&tls_url().expect("checked"), clock)
+    }
+
+    pub(crate) fn open_sentinel(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
+        open_on(&sentinel_url().expect("checked"), clock)
+    }
+
+    #[cfg(feature = "redis-tls")]
+    pub(crate) fn open_sentinel_tls(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
+        open_on(&sentinel_tls_url().expect("checked"), clock)
+    }
+
+    #[cfg(all(feature = "redis-cluster", feature = "redis-tls"))]
+    pub(crate) fn open_cluster_tls(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
+        open_on(&cluster_tls_url().expect("checked"), clock)
+    }
+
+    /// Behind Sentinel, with `replicas=1`: the user made on the primary and every replica
+    /// (ACLs are not replicated, and any replica may be promoted), with the README's
+    /// commands for Sentinel.
+    pub(crate) fn open_sentinel_as_user(
+        _: &Runtime,
+        clock: ManualClock,
+    ) -> RedisStore<ManualClock> {
+        static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let url = URL.get_or_init(|| {
+            let admin = sentinel_url().expect("checked");
+            let rest = admin.strip_prefix("redis+sentinel://").expect("a redis+sentinel:// URL");
+            let (sentinels, master) = rest.split_once('/').expect("/MASTER");
+            let sentinel = sentinels.rsplit_once('@').map_or(sentinels, |(_, s)| s);
+            let sentinel = format!("redis://{}", sentinel.split(',').next().unwrap());
+            let mut conn = redis::Client::open(sentinel).unwrap().get_connection().unwrap();
+            let primary: Vec<String> = redis::cmd("SENTINEL")
+                .arg(&["get-master-addr-by-name", master][..])
+                .query(&mut conn)
+                .unwrap();
+            let replicas: Vec<Vec<String>> =
+                redis::cmd("SENTINEL").arg(&["replicas", master][..]).query(&mut conn).unwrap();
+            let field = |fields: &[String], name: &str| {
+                let at = fields.iter().position(|f| f == name).expect(name);
+                fields[at + 1].clone()
+            };
+            let mut nodes = vec![format!("{}:{}", primary[0], primary[1])];
+            nodes.extend(
+                replicas.iter().map(|r| format!("{}:{}", field(r, "ip"), field(r, "port"))),
+            );
+            let commands = format!("{ACL_COMMANDS} {ACL_SENTINEL_COMMANDS}");
+            for node in nodes {
+                set_up_user(&format!("redis://{node}"), &commands);
+            }
+            format!("{}?replicas=1", as_user(&admin))
+        });
+        open_on(url, clock)
+    }
+
     /// On Redis Cluster, each state placed by its own key: the shards of a limit spread
     /// over the nodes.
     #[cfg(feature = "redis-cluster")]
@@ -529,6 +625,37 @@ conformance!(
     redis_cluster_acl_user,
     crate::on_redis::open_cluster_as_user,
     crate::on_redis::cluster_url().is_some()
+);
+
+#[cfg(feature = "redis-tls")]
+conformance!(redis_tls, crate::on_redis::open_tls, crate::on_redis::tls_url().is_some());
+
+#[cfg(feature = "redis")]
+conformance!(
+    redis_sentinel,
+    crate::on_redis::open_sentinel,
+    crate::on_redis::sentinel_url().is_some()
+);
+
+#[cfg(feature = "redis")]
+conformance!(
+    redis_sentinel_acl_user_replicas_1,
+    crate::on_redis::open_sentinel_as_user,
+    crate::on_redis::sentinel_url().is_some()
+);
+
+#[cfg(feature = "redis-tls")]
+conformance!(
+    redis_sentinel_tls,
+    crate::on_redis::open_sentinel_tls,
+    crate::on_redis::sentinel_tls_url().is_some()
+);
+
+#[cfg(all(feature = "redis-cluster", feature = "redis-tls"))]
+conformance!(
+    redis_cluster_tls,
+    crate::on_redis::open_cluster_tls,
+    crate::on_redis::cluster_tls_url().is_some()
 );
 
 #[cfg(feature = "postgres")]

@@ -63,10 +63,14 @@ fn main() {
         Some("frozen") if args.len() >= 3 => {
             frozen(&args[1], &args[2], number(3, 5), number(4, 2) as usize);
         }
+        Some("replicas") if args.len() >= 3 => {
+            replicas(&args[1], &args[2], number(3, 5), number(4, 3) as usize);
+        }
         _ => {
             eprintln!("usage: app_bench redis|postgres [SECONDS] [ROUNDS] [GROUP]");
             eprintln!("       app_bench server OLD_TOLLGATE NEW_TOLLGATE [SECONDS] [ROUNDS]");
             eprintln!("       app_bench frozen OLD_TOLLGATE NEW_TOLLGATE [SECONDS] [ROUNDS]");
+            eprintln!("       app_bench replicas TOLLGATE SENTINEL_URL [SECONDS] [ROUNDS]");
             std::process::exit(2);
         }
     }
@@ -410,13 +414,8 @@ fn servers(old: &str, new: &str, secs: u64, rounds: usize) {
     let redis = loopback_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379");
     let delayed = Proxy::start(address(&redis, 6379), Duration::from_micros(500));
     let work = tempfile::tempdir().unwrap();
-    let config = work.path().join("tollgate.toml");
-    std::fs::write(
-        &config,
-        "[limits.bench]\nkind = \"fixed window\"\nrate = 1000000000\nperiod = 1000\n",
-    )
-    .unwrap();
-    let body = r#"{"name":"bench","key":"%s"}"#;
+    let config = generous_config(work.path());
+    let body = BODY;
     println!(
         "tollgate serve, POST /v1/limit: requests per second (p99 latency), wrk -t2 -c256, {secs} s a run"
     );
@@ -487,6 +486,58 @@ fn start_server(
     tollgate_bench::serve(binary, &args, dir, |line| {
         line.strip_prefix("tollgate listening on ").map(|addr| format!("{addr}/v1/limit"))
     })
+}
+
+/// `POST /v1/limit`'s body for wrk, a key per request.
+const BODY: &str = r#"{"name":"bench","key":"%s"}"#;
+
+/// A server config in `dir` whose one limit, `bench`, grants every request.
+fn generous_config(dir: &std::path::Path) -> std::path::PathBuf {
+    let config = dir.join("tollgate.toml");
+    let limit = "[limits.bench]\nkind = \"fixed window\"\nrate = 1000000000\nperiod = 1000\n";
+    std::fs::write(&config, limit).unwrap();
+    config
+}
+
+/// What `?replicas=1` costs: one binary, two servers on the same Sentinel-watched primary
+/// (`scripts/redis-sentinel start DIR` prints its URL), one without the option and one with
+/// it, in paired wrk runs (a key per request, every request granted, so each is a write).
+fn replicas(binary: &str, sentinels: &str, secs: u64, rounds: usize) {
+    let hosts = sentinels.split_once("://").map_or("", |(_, rest)| rest);
+    let hosts = hosts.split('/').next().unwrap_or_default();
+    assert!(
+        hosts.split(',').all(|h| h.starts_with("127.") || h.starts_with("[::1]")),
+        "{sentinels}: loopback Sentinels only"
+    );
+    let binary = std::fs::canonicalize(binary).unwrap().display().to_string();
+    let work = tempfile::tempdir().unwrap();
+    let config = generous_config(work.path());
+    let body = BODY;
+    let waits = format!("{sentinels}{}replicas=1", if sentinels.contains('?') { '&' } else { '?' });
+    let (mut without, without_url) =
+        start_server(&binary, sentinels, &config, &work.path().join("a"));
+    let (mut with, with_url) = start_server(&binary, &waits, &config, &work.path().join("b"));
+    println!(
+        "tollgate serve on Redis behind Sentinel, POST /v1/limit: requests per second (p99 latency), wrk -t2 -c256, {secs} s a run"
+    );
+    println!();
+    println!("| round | without | replicas=1 | replicas=1 / without |");
+    println!("|---:|---:|---:|---:|");
+    wrk(&without_url, 256, 1, Some(body), None);
+    wrk(&with_url, 256, 1, Some(body), None);
+    let mut ratios = Vec::new();
+    for round in 0..rounds {
+        let (a, b) = paired(round, (&without_url, &with_url), 256, secs, body);
+        assert_eq!((a.not_ok, b.not_ok), (0, 0), "answers other than 200");
+        ratios.push(b.rps / a.rps);
+        println!("| {} | {} | {} | {:.2}x |", round + 1, shown(a), shown(b), b.rps / a.rps);
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!("| median | | | **{:.2}x** |", ratios[ratios.len() / 2]);
+    for server in [&mut without, &mut with] {
+        let _ = server.kill();
+        let _ = server.wait();
+    }
 }
 
 /// Two servers on a Redis frozen with SIGSTOP: requests a second to a fail-open and to a

@@ -57,6 +57,8 @@ mod memory;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(feature = "redis")]
+mod redis_url;
 #[cfg(any(
     feature = "sqlite",
     feature = "postgres",
@@ -83,6 +85,45 @@ pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous
 
 use std::future::Future;
 use std::pin::Pin;
+
+/// A store URL fit to print: its password (`USER:PASSWORD@`) and any `…password=` parameter
+/// replaced by `***`.
+///
+/// ```
+/// assert_eq!(
+///     tollgate::store::redacted_url("redis+sentinel://app:s3cret@h:26379/m?sentinel_password=x&replicas=1"),
+///     "redis+sentinel://app:***@h:26379/m?sentinel_password=***&replicas=1"
+/// );
+/// assert_eq!(tollgate::store::redacted_url("sqlite://tollgate.db"), "sqlite://tollgate.db");
+/// ```
+pub fn redacted_url(url: &str) -> String {
+    let (head, query) = url.split_once('?').map_or((url, None), |(h, q)| (h, Some(q)));
+    let mut out = match head.split_once("://") {
+        Some((scheme, rest)) => {
+            let hosts = &rest[..rest.find('/').unwrap_or(rest.len())];
+            match hosts.rsplit_once('@') {
+                Some((auth, _)) => {
+                    let user = auth.split_once(':').map_or("", |(user, _)| user);
+                    format!("{scheme}://{user}:***{}", &rest[auth.len()..])
+                }
+                None => head.to_string(),
+            }
+        }
+        None => head.to_string(),
+    };
+    if let Some(query) = query {
+        let params: Vec<String> = query
+            .split('&')
+            .map(|p| match p.split_once('=') {
+                Some((name, _)) if name.ends_with("password") => format!("{name}=***"),
+                _ => p.to_string(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&params.join("&"));
+    }
+    out
+}
 
 use tollgate_core::{OneTake, Outcome, Plan, Slot, State, Taken};
 

@@ -101,9 +101,9 @@ impl PgStoreBuilder {
                 self.table
             )));
         }
-        let mut config: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e| StoreError::with_source(format!("postgres: {url:?}: {e}"), e))?;
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
+            StoreError::with_source(format!("postgres: {:?}: {e}", super::redacted_url(url)), e)
+        })?;
         config.connect_timeout(self.timeout);
         let shared = Arc::new(Shared {
             config,

@@ -12,12 +12,13 @@ use parking_lot::Mutex;
 use redis::aio::MultiplexedConnection;
 #[cfg(feature = "redis-cluster")]
 use redis::cluster_async::ClusterConnection;
-use redis::{Client, IntoConnectionInfo, Script, Value};
+use redis::{Client, Script, Value};
 use tokio::sync::mpsc;
 #[cfg(feature = "redis-cluster")]
 use tollgate_core::Split;
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
+use super::redis_url::{self, Place};
 use super::ticket::{Ticket, ticket};
 use super::{AsyncStore, Never, OneAnswer};
 use crate::StoreError;
@@ -405,9 +406,33 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// A store on the Redis at `url`, on Redis's own clock: `redis://HOST:PORT/DB`, or
-    /// `redis+cluster://HOST:PORT,HOST:PORT,…` for Redis Cluster (feature `redis-cluster`;
-    /// the nodes to start from, optionally after `USER:PASSWORD@`).
+    /// A store on the Redis at `url`, on Redis's own clock:
+    ///
+    /// - `redis://[USER:PASSWORD@]HOST:PORT[/DB]`: one Redis;
+    /// - `redis+cluster://[USER:PASSWORD@]HOST:PORT,HOST:PORT,…`: a Redis Cluster (feature
+    ///   `redis-cluster`), the nodes to start from;
+    /// - `redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT…]/MASTER[/DB]`: the primary
+    ///   the Sentinels at HOST:PORT name for MASTER (the credentials are the primary's). Each
+    ///   new connection asks them again, so after a failover the store reaches the new
+    ///   primary by itself; a primary that has become a replica (it answers `READONLY`) is
+    ///   left at once. Meanwhile requests fail closed.
+    /// - `rediss://`, `rediss+cluster://`, `rediss+sentinel://`: the same over TLS (feature
+    ///   `redis-tls`, rustls), verified against the system's roots or `ca=`.
+    ///
+    /// Parameters after `?`, joined by `&` (values `%`-escaped where needed); any other is
+    /// refused:
+    ///
+    /// - `ca=FILE`: the CA (PEM) the server's certificate must verify against;
+    /// - `cert=FILE&key=FILE`: a client certificate and its key (PEM), for mutual TLS;
+    /// - `replicas=N`: each write waits (`WAIT`) until N replicas have it, within the
+    ///   store's timeout (counted from the request's start), before its answer is given; if
+    ///   fewer acknowledge, the request fails closed, saying it may have taken its tokens.
+    ///   With `replicas=1` a primary that dies loses no admission (the Sentinels promote
+    ///   the replica furthest along); a failover in which the old primary lives on (asked
+    ///   for, or a network split) loses none only with `replicas=` the number of replicas
+    ///   (README, "What a failover gives back"). A failover leaves one replica fewer, so
+    ///   N+1 replicas keep admitting after one. Not on a cluster;
+    /// - `sentinel_user=U&sentinel_password=P`: the Sentinels' own credentials.
     ///
     /// Nothing is connected here, so a store can be opened anywhere, inside an async runtime
     /// or not. The first request connects, on the Tokio runtime it runs on (the connections'
@@ -416,7 +441,9 @@ impl RedisStoreBuilder {
     ///
     /// # Errors
     ///
-    /// A URL that is not a Redis URL, or a cluster URL without the `redis-cluster` feature.
+    /// A URL that is not one of these, an unknown parameter, a certificate file that cannot
+    /// be read or parsed, a cluster URL without the `redis-cluster` feature, a TLS one
+    /// without `redis-tls`.
     pub fn open(self, url: &str) -> Result<RedisStore, StoreError> {
         self.build(url, None)
     }
@@ -435,25 +462,32 @@ impl RedisStoreBuilder {
     }
 
     fn build<C>(self, url: &str, clock: Option<C>) -> Result<RedisStore<C>, StoreError> {
-        let bad_url =
-            |e: redis::RedisError| StoreError::with_source(format!("redis: {url:?}: {e}"), e);
-        let server = match url.strip_prefix("redis+cluster://") {
-            Some(nodes) => cluster(nodes, self.timeout).map_err(bad_url)?,
-            None => {
-                let info = url.into_connection_info().map_err(bad_url)?;
-                // Each request is one small write: send it at once, not after an ACK.
-                let info =
-                    info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
-                let config = redis::AsyncConnectionConfig::new()
-                    .set_connection_timeout(Some(self.timeout))
-                    .set_response_timeout(Some(self.timeout));
-                Server::One {
-                    client: Client::open(info).map_err(bad_url)?,
-                    config,
-                    connections: (0..self.connections).map(|_| Connection::default()).collect(),
-                    next: AtomicUsize::new(0),
-                }
+        let bad_url = |e: redis::RedisError| {
+            let detail = e.detail().map_or_else(|| e.to_string(), str::to_string);
+            StoreError::new(format!("redis: {:?}: {detail}", super::redacted_url(url)))
+        };
+        let parsed = redis_url::parse(url).map_err(bad_url)?;
+        let one = |source| {
+            let config = redis::AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(self.timeout))
+                .set_response_timeout(Some(self.timeout));
+            Server::One {
+                source,
+                config,
+                connections: (0..self.connections).map(|_| Connection::default()).collect(),
+                next: AtomicUsize::new(0),
             }
+        };
+        let server = match parsed.place {
+            Place::One(client) => one(Source::Fixed(client)),
+            Place::Sentinel(sentinel) => one(Source::Sentinel(tokio::sync::Mutex::new(sentinel))),
+            Place::Cluster(nodes) => cluster(
+                nodes,
+                self.timeout,
+                #[cfg(feature = "redis-tls")]
+                parsed.certificates,
+            )
+            .map_err(bad_url)?,
         };
         let trips = TRIPS_PER_CONNECTION * self.connections;
         let inner = Inner {
@@ -465,6 +499,8 @@ impl RedisStoreBuilder {
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
             clock,
+            replicas: parsed.replicas,
+            timeout: self.timeout,
         };
         Ok(RedisStore {
             inner: Arc::new(inner),
@@ -476,49 +512,79 @@ impl RedisStoreBuilder {
     }
 }
 
-/// The client of a `redis+cluster://` URL: the nodes to start from, each a `redis://` URL
-/// with the same credentials.
+/// The client of a cluster URL: the nodes to start from.
 #[cfg(feature = "redis-cluster")]
-fn cluster(nodes: &str, timeout: Duration) -> redis::RedisResult<Server> {
-    let (auth, nodes) = match nodes.rsplit_once('@') {
-        Some((auth, nodes)) => (format!("{auth}@"), nodes),
-        None => (String::new(), nodes),
-    };
-    let nodes = nodes.split('/').next().unwrap_or_default();
-    let urls: Vec<String> = nodes
-        .split(',')
-        .filter(|n| !n.trim().is_empty())
-        .map(|n| format!("redis://{auth}{}", n.trim()))
-        .collect();
-    if urls.is_empty() {
-        return Err(redis::RedisError::from((
-            redis::ErrorKind::InvalidClientConfig,
-            "no cluster nodes given",
-        )));
-    }
-    let client = redis::cluster::ClusterClient::builder(urls)
+fn cluster(
+    urls: Vec<String>,
+    timeout: Duration,
+    #[cfg(feature = "redis-tls")] certificates: Option<redis::TlsCertificates>,
+) -> redis::RedisResult<Server> {
+    let builder = redis::cluster::ClusterClient::builder(urls)
         .connection_timeout(timeout)
         .response_timeout(timeout)
         .tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
         // Few retries: a request that may have run is not run many times over (a repeat can
         // only take twice, never admit more), and a dead node fails the request in time.
-        .retries(2)
-        .build()?;
-    Ok(Server::Cluster { client, connection: Connection::default() })
+        .retries(2);
+    #[cfg(feature = "redis-tls")]
+    let builder = match certificates {
+        Some(certificates) => builder.certs(certificates),
+        None => builder,
+    };
+    Ok(Server::Cluster { client: builder.build()?, connection: Connection::default() })
 }
 
 #[cfg(not(feature = "redis-cluster"))]
-fn cluster(_: &str, _: Duration) -> redis::RedisResult<Server> {
+fn cluster(
+    _: Vec<String>,
+    _: Duration,
+    #[cfg(feature = "redis-tls")] _: Option<redis::TlsCertificates>,
+) -> redis::RedisResult<Server> {
     Err(redis::RedisError::from((
         redis::ErrorKind::InvalidClientConfig,
         "Redis Cluster needs tollgate's `redis-cluster` feature",
     )))
 }
 
+/// How the one Redis is reached: at its address, or as the primary the Sentinels name.
+enum Source {
+    Fixed(Client),
+    /// Asked again at each new connection, so that after a failover the next connection
+    /// goes to the new primary.
+    Sentinel(tokio::sync::Mutex<redis::sentinel::SentinelClient>),
+}
+
+impl Source {
+    /// A new connection to the Redis (the primary, for Sentinel), within `timeout` in all.
+    async fn connect(
+        &self,
+        config: &redis::AsyncConnectionConfig,
+        timeout: Duration,
+    ) -> redis::RedisResult<MultiplexedConnection> {
+        match self {
+            Source::Fixed(client) => {
+                client.get_multiplexed_async_connection_with_config(config).await
+            }
+            Source::Sentinel(sentinel) => {
+                let found = async {
+                    let primary = sentinel.lock().await.async_get_client().await?;
+                    primary.get_multiplexed_async_connection_with_config(config).await
+                };
+                tokio::time::timeout(timeout, found).await.unwrap_or_else(|_| {
+                    Err(redis::RedisError::from(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no primary found through the Sentinels within {timeout:?}"),
+                    )))
+                })
+            }
+        }
+    }
+}
+
 /// Where the states are: one Redis, or a Redis Cluster.
 enum Server {
     One {
-        client: Client,
+        source: Source,
         config: redis::AsyncConnectionConfig,
         connections: Box<[Connection<MultiplexedConnection>]>,
         /// The connection the next request goes out on, round robin.
@@ -643,6 +709,10 @@ struct Inner<C> {
     prefix: String,
     /// `None`: Redis `TIME`.
     clock: Option<C>,
+    /// How many replicas must acknowledge each write (`WAIT`) before its answer is given.
+    replicas: u32,
+    /// The store's timeout: a write and its `WAIT` together take at most this (about).
+    timeout: Duration,
 }
 
 /// A one-take waiting to be sent with others: its key, its [`one_args`], its caller.
@@ -721,16 +791,66 @@ impl<C: Clock> Inner<C> {
         F: Future<Output = redis::RedisResult<T>>,
     {
         match &self.server {
-            Server::One { client, config, connections, next } => {
+            Server::One { source, config, connections, next } => {
                 let i = next.fetch_add(1, Ordering::Relaxed) % connections.len();
-                let connect = || client.get_multiplexed_async_connection_with_config(config);
-                run_on(&connections[i], connect, |c| request(AnyConnection::One(c)), writes).await
+                let connect = || source.connect(config, self.timeout);
+                if self.replicas == 0 || writes == Writes::No {
+                    return run_on(
+                        &connections[i],
+                        connect,
+                        |c| request(AnyConnection::One(c)),
+                        writes,
+                    )
+                    .await;
+                }
+                let started = std::time::Instant::now();
+                let (answer, conn) = run_on(
+                    &connections[i],
+                    connect,
+                    |c| {
+                        let kept = c.clone();
+                        async move { Ok((request(AnyConnection::One(c)).await?, kept)) }
+                    },
+                    writes,
+                )
+                .await?;
+                self.acknowledged(conn, started).await?;
+                Ok(answer)
             }
             #[cfg(feature = "redis-cluster")]
             Server::Cluster { client, connection } => {
                 let connect = || client.get_async_connection();
                 run_on(connection, connect, |c| request(AnyConnection::Cluster(c)), writes).await
             }
+        }
+    }
+
+    /// Waits (`WAIT`) until `replicas` replicas have every write sent on `conn` so far, for
+    /// what is left of the store's timeout since `started`. Fewer in that time: an error that
+    /// says the write may have run (it did, on the primary), so the request is refused, and
+    /// an answer given is on `replicas` replicas besides the primary.
+    async fn acknowledged(
+        &self,
+        mut conn: MultiplexedConnection,
+        started: std::time::Instant,
+    ) -> Result<(), StoreError> {
+        // Four fifths of what is left, so that the reply comes before the connection's own
+        // timeout; at least 1 ms, since `WAIT n 0` would wait for ever.
+        let left = self.timeout.saturating_sub(started.elapsed()) * 4 / 5;
+        let left = left.max(Duration::from_millis(1));
+        let millis = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(self.replicas).arg(millis);
+        match wait.query_async::<i64>(&mut conn).await {
+            Ok(n) if n >= i64::from(self.replicas) => Ok(()),
+            Ok(n) => Err(StoreError::new(format!(
+                "redis: {n} of the {} replicas asked for (replicas={}) acknowledged the write \
+                 within {left:?}; refused, since a failover could lose it",
+                self.replicas, self.replicas
+            ))
+            .sent()
+            .unavailable()),
+            Err(e) => Err(redis_error("WAIT (replicas=) failed", e).sent().unavailable()),
         }
     }
 
@@ -882,13 +1002,17 @@ where
             || e.is_timeout()
             || e.is_connection_dropped()
             || e.is_unrecoverable_error();
-        if broken {
+        // A primary that has become a replica (after a failover) refuses writes, and has
+        // done none: connect afresh, to the primary the Sentinels name now.
+        let demoted = e.code() == Some("READONLY");
+        if broken || demoted {
             slot.failed(generation);
         }
         let error = redis_error("request failed", e);
         match (broken, writes) {
             (true, Writes::Yes) => error.sent().unavailable(),
             (true, Writes::No) => error.unavailable(),
+            (false, _) if demoted => error.unavailable(),
             (false, _) => error,
         }
     })
@@ -1454,6 +1578,35 @@ mod on_redis_tests {
         assert_eq!(redis.read_async(&slot).await.unwrap().1, [Some(State { value: 8.0, ts: T0 })]);
         redis.delete_async("t", Some("good"), 1).await.unwrap();
         redis.delete_async("t", Some("bad"), 1).await.unwrap();
+    }
+
+    /// `replicas=1` on a Redis with no replica: each write runs on the primary, is not
+    /// acknowledged within the timeout, and fails closed saying it may have taken (it did);
+    /// reads are not held up.
+    #[tokio::test]
+    async fn writes_no_replica_acknowledges_fail_closed_saying_they_may_have_taken() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let waits = format!("{url}{}replicas=1", if url.contains('?') { '&' } else { '?' });
+        let prefix = format!("tollgate-replicas:{}:", std::process::id());
+        let redis = RedisStore::builder()
+            .prefix(&prefix)
+            .timeout(Duration::from_millis(200))
+            .open_with_clock(&waits, clock.clone())
+            .unwrap();
+        let take = Take { name: "t", key: None, config: FOREIGN, count: 1.0, reserve: false };
+        let started = std::time::Instant::now();
+        let error = redis.execute_one_async(&writing(&take)).await.unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(2), "bounded by the timeout");
+        assert!(error.may_have_taken() && error.is_unavailable(), "{error}");
+        assert!(error.message().contains("0 of the 1 replicas"), "{error}");
+        let slot = [writing(&take).slot];
+        let (_, states) = redis.read_async(&slot).await.unwrap();
+        assert_eq!(states, [Some(State { value: 9.0, ts: T0 })], "taken on the primary");
+        // A delete is a write too; without the option it goes through.
+        assert!(redis.delete_async("t", None, 1).await.unwrap_err().may_have_taken());
+        let plain = RedisStore::builder().prefix(prefix).open(&url).unwrap();
+        plain.delete_async("t", None, 1).await.unwrap();
     }
 
     /// The config of the takes of [`with_a_foreign_value`].
