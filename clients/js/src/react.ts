@@ -98,7 +98,17 @@ export function useRateLimit(source: RateLimitSource, options: UseRateLimitOptio
   const retryAt = status?.retryAt;
   useEffect(() => {
     if (retryAt === undefined) return;
-    const timer = setTimeout(rerender, Math.max(0, retryAt - Date.now()));
+    // Re-render once Date.now() is past retryAt. A timer runs on another clock and may fire
+    // a little early by Date.now(); re-rendering then would refuse again with the very same
+    // retryAt (retryAt does not depend on when it is computed), so no new timer would be set
+    // and the status would stay refused for good. Wait out the rest instead.
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const wait = () => {
+      const left = retryAt - Date.now();
+      if (left >= 0) timer = setTimeout(wait, left + 1);
+      else rerender();
+    };
+    wait();
     return () => clearTimeout(timer);
   }, [retryAt]);
 
