@@ -1,10 +1,12 @@
-//! Leases (issue 34, first step): the store's side of `LEASES.md` as pure functions over one
-//! shard's state and the records of its holders, and the property that proves the design
-//! before any store runs it: with holders that spend their leases locally, crash, pause past
-//! their deadline and lose replies, no interval admits more than one shared bucket would.
+//! Leases (issue 34): the store's side of `LEASES.md` as pure functions over one shard's
+//! state and the records of its holders, and the property that proves the design before any
+//! store runs it: with holders that spend their leases locally, crash, pause past their
+//! deadline and lose replies, no interval admits more than one shared bucket would.
 //!
-//! Nothing outside the tests uses it yet; the stores, the holder and the plan step that
-//! carries a grant or a return come next (see issue 34's note).
+//! The Redis store runs the same steps in a script of its own, and answers only what this
+//! module computes from what the script loaded (a differential test keeps the two equal). The
+//! holder (the process's side) and the plan step that carries a grant or a return come next
+//! (see issue 34's note).
 //!
 //! The model found two rules of the holder that `LEASES.md` does not state: a grant's reply
 //! says how much of the holder's earlier lease the store still counts (`Grant::kept`), and
@@ -19,51 +21,55 @@
 //! tokens stop counting only from the moment the store learns so (a renewal's report, a
 //! return) or from its recorded expiry, never earlier: so `value + outstanding <= capacity`
 //! always, and only `value` ever grows, at `rate`.
+//!
+//! Records are kept in the order of their holders' ids, and sums and searches go in that
+//! order, so that a store computing in the same order gets the same doubles.
 
 use crate::config::{Config, Kind};
 use crate::eval::{Decision, State, fresh_state};
 
 /// What the store keeps for one holder of a lease on a shard.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Lease {
+pub struct Lease {
     /// Tokens granted and not known to be spent or returned.
-    pub(crate) tokens: f64,
+    pub tokens: f64,
     /// When the lease ends, in store time: its tokens count on `[grant, expiry)`.
-    pub(crate) expiry: f64,
+    pub expiry: f64,
 }
 
 /// What a grant gave.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Grant {
+pub struct Grant {
     /// Of what the holder said it still held, what the store still counts: all of it, or
     /// nothing if its lease had expired. The holder keeps no more than this of what it holds
     /// (the model's first failure was a holder that added a grant to tokens of a lease the
     /// store had already let go).
-    pub(crate) kept: f64,
+    pub kept: f64,
     /// Tokens added to the holder's lease.
-    pub(crate) tokens: f64,
+    pub tokens: f64,
     /// When the lease ends, in store time.
-    pub(crate) expiry: f64,
+    pub expiry: f64,
 }
 
 /// One shard's state and the leases on it.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Leased {
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Leased {
     /// `value` and `ts`, as without leases; `None` before the first write.
-    pub(crate) state: Option<State>,
-    /// The records, by holder.
-    pub(crate) leases: Vec<(u64, Lease)>,
+    pub state: Option<State>,
+    /// The records, by holder (ids below 2^53, so that a store may keep them as doubles),
+    /// in the order of the ids.
+    pub leases: Vec<(u64, Lease)>,
 }
 
 impl Leased {
     /// Tokens leased out and not known spent or returned.
-    pub(crate) fn outstanding(&self) -> f64 {
+    pub fn outstanding(&self) -> f64 {
         self.leases.iter().map(|(_, lease)| lease.tokens).sum()
     }
 
     /// The state at `now`, refilled under the cap `capacity - outstanding`: a lease that
     /// expired in between raises the cap only from its expiry on, and its record is dropped.
-    pub(crate) fn advance(&mut self, shard: &Config, alignment: f64, now: f64) -> State {
+    pub fn advance(&mut self, shard: &Config, alignment: f64, now: f64) -> State {
         let mut state = self.state.unwrap_or_else(|| fresh_state(shard, alignment, now));
         while let Some(i) = self.first_expired(now) {
             let expiry = self.leases[i].1.expiry;
@@ -71,12 +77,12 @@ impl Leased {
                 // The lease counted until its expiry: refill under it, then drop it.
                 Kind::TokenBucket => {
                     state = refill(shard, state, expiry, shard.capacity() - self.outstanding());
-                    self.leases.swap_remove(i);
+                    self.leases.remove(i);
                 }
                 // A lease ends no later than its window: the refill at that window's end
                 // (if the expiry is it) no longer counts it.
                 Kind::FixedWindow => {
-                    self.leases.swap_remove(i);
+                    self.leases.remove(i);
                     state = refill(shard, state, expiry, shard.capacity() - self.outstanding());
                 }
             }
@@ -94,7 +100,7 @@ impl Leased {
 
     /// A direct take of `count` (a check when not `writes`), as `evaluate` decides it, from
     /// the state refilled under the cap.
-    pub(crate) fn take(
+    pub fn take(
         &mut self,
         shard: &Config,
         alignment: f64,
@@ -119,7 +125,7 @@ impl Leased {
     /// then ends at `now + term`, for a fixed window no later than the window's end. A
     /// renewal is a grant of 0.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn grant(
+    pub fn grant(
         &mut self,
         shard: &Config,
         alignment: f64,
@@ -132,7 +138,7 @@ impl Leased {
     ) -> Grant {
         let state = self.advance(shard, alignment, now);
         let kept = match self.leases.iter().position(|(h, _)| *h == holder) {
-            Some(i) => self.leases.swap_remove(i).1.tokens.min(unused.max(0.0)),
+            Some(i) => self.leases.remove(i).1.tokens.min(unused.max(0.0)),
             // No record (never granted, expired, returned): nothing it holds is counted, so
             // nothing it holds may be spent; it starts again from nothing.
             None => 0.0,
@@ -145,27 +151,59 @@ impl Leased {
         };
         self.state = Some(State { value: state.value - tokens, ts: state.ts });
         if kept + tokens > 0.0 {
-            self.leases.push((holder, Lease { tokens: kept + tokens, expiry }));
+            let at = self.leases.partition_point(|(h, _)| *h < holder);
+            self.leases.insert(at, (holder, Lease { tokens: kept + tokens, expiry }));
         }
         Grant { kept, tokens, expiry }
     }
 
     /// `holder` returns its lease, `unused` of it not spent: those tokens go back to the
     /// shared value, and the rest stop counting now.
-    pub(crate) fn release(
-        &mut self,
-        shard: &Config,
-        alignment: f64,
-        now: f64,
-        holder: u64,
-        unused: f64,
-    ) {
+    pub fn release(&mut self, shard: &Config, alignment: f64, now: f64, holder: u64, unused: f64) {
         let state = self.advance(shard, alignment, now);
         if let Some(i) = self.leases.iter().position(|(h, _)| *h == holder) {
-            let lease = self.leases.swap_remove(i).1;
+            let lease = self.leases.remove(i).1;
             let back = lease.tokens.min(unused.max(0.0));
             self.state = Some(State { value: state.value + back, ts: state.ts });
         }
+    }
+}
+
+impl Leased {
+    /// The stored form: `value` and `ts`, then `holder`, `tokens` and `expiry` of each
+    /// record, each a little-endian double (16 bytes, and 24 a record); `None` when there is
+    /// no state to store.
+    pub fn pack(&self) -> Option<Vec<u8>> {
+        let state = self.state?;
+        let mut out = Vec::with_capacity(16 + 24 * self.leases.len());
+        out.extend(state.value.to_le_bytes());
+        out.extend(state.ts.to_le_bytes());
+        for (holder, lease) in &self.leases {
+            #[allow(clippy::cast_precision_loss)] // ids are below 2^53
+            out.extend((*holder as f64).to_le_bytes());
+            out.extend(lease.tokens.to_le_bytes());
+            out.extend(lease.expiry.to_le_bytes());
+        }
+        Some(out)
+    }
+
+    /// What [`Leased::pack`] made (a plain state is the 16 bytes alone); `None` for anything
+    /// else.
+    pub fn unpack(bytes: &[u8]) -> Option<Leased> {
+        if bytes.len() < 16 || !(bytes.len() - 16).is_multiple_of(24) {
+            return None;
+        }
+        let double = |at: usize| f64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+        let state = State { value: double(0), ts: double(8) };
+        let leases = (16..bytes.len())
+            .step_by(24)
+            .map(|at| {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let holder = double(at) as u64;
+                (holder, Lease { tokens: double(at + 8), expiry: double(at + 16) })
+            })
+            .collect();
+        Some(Leased { state: Some(state), leases })
     }
 }
 

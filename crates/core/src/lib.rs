@@ -26,8 +26,7 @@
 mod clock;
 mod config;
 mod eval;
-#[cfg(test)]
-mod lease;
+pub mod lease;
 mod plan;
 
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -102,6 +102,9 @@ local raw = redis.call('MGET', unpack(KEYS))
 local work, changed = {}, {}
 for i = 1, nslots do
   if raw[i] then
+    if #raw[i] ~= 16 then
+      error('tollgate: ' .. KEYS[i] .. ' holds leases or is not a state; not taken')
+    end
     local v, ts = struct.unpack('<dd', raw[i])
     work[i] = { v, ts }
   end
@@ -211,6 +214,8 @@ end
 local raw = redis.call('GET', key)
 local v, ts
 if raw then
+  -- A state with lease records (or something else) is not this script's to change.
+  if #raw ~= 16 then error('tollgate: ' .. key .. ' holds leases or is not a state; not taken') end
   v, ts = struct.unpack('<dd', raw)
 elseif kind == 0 then
   v, ts = cap, now
@@ -252,6 +257,8 @@ local answer = struct.pack('<d', now) .. wrote .. (raw or '')
 /// `0`), then the state it loaded (16 bytes, or nothing).
 const SCRIPT_ONE: &str =
     concat!("local key, args, time = KEYS[1], ARGV[1], nil\n", lua_one!(), "return answer\n");
+
+mod lease;
 
 /// The most one-takes a grouped round trip carries by default: at about 4 us of Redis time
 /// each (the script's share per take in a group of 32), a full trip holds Redis for about
@@ -495,6 +502,7 @@ impl RedisStoreBuilder {
             script: Script::new(SCRIPT),
             one: Script::new(SCRIPT_ONE),
             one_group: Script::new(SCRIPT_GROUP),
+            lease: Script::new(lease::SCRIPT_LEASE),
             #[cfg(feature = "redis-cluster")]
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
@@ -704,6 +712,8 @@ struct Inner<C> {
     script: Script,
     one: Script,
     one_group: Script,
+    /// [`lease::SCRIPT_LEASE`].
+    lease: Script,
     #[cfg(feature = "redis-cluster")]
     give_back: Script,
     prefix: String,
