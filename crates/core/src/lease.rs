@@ -3,10 +3,11 @@
 //! store runs it: with holders that spend their leases locally, crash, pause past their
 //! deadline and lose replies, no interval admits more than one shared bucket would.
 //!
-//! The Redis store runs the same steps in a script of its own, and answers only what this
-//! module computes from what the script loaded (a differential test keeps the two equal). The
-//! holder (the process's side) and the plan step that carries a grant or a return come next
-//! (see issue 34's note).
+//! The process's side is [`Holder`]: the property drives the production type, not a copy of
+//! its rules. The Redis store runs the store's steps in a script of its own, and answers only
+//! what this module computes from what the script loaded (a differential test keeps the two
+//! equal). Wiring a holder into the limiter (the option, the background fetch, the plan step
+//! that carries a grant or a return) comes next (see issue 34's note).
 //!
 //! The model found two rules of the holder that `LEASES.md` does not state: a grant's reply
 //! says how much of the holder's earlier lease the store still counts (`Grant::kept`), and
@@ -24,6 +25,11 @@
 //!
 //! Records are kept in the order of their holders' ids, and sums and searches go in that
 //! order, so that a store computing in the same order gets the same doubles.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
 
 use crate::config::{Config, Kind};
 use crate::eval::{Decision, State, fresh_state};
@@ -207,6 +213,149 @@ impl Leased {
     }
 }
 
+/// The drift allowed between a holder's clock and the store's: a holder's lease ends
+/// (locally) this fraction of its term early, besides its margin.
+pub const DRIFT: f64 = 1e-3;
+
+/// A process's side of a lease on one shard: tokens it spends with one atomic operation and
+/// no store call, until a deadline on its own clock that falls before the store lets the
+/// lease go. Times are milliseconds on the holder's clock (monotonic), given by the caller.
+///
+/// Its rules, which the property below proves with the store's side ([`Leased`]):
+/// - a take spends from the lease it loaded, and counts as made when the clock is read
+///   *after* the tokens were taken, which must be before that lease's deadline;
+/// - a grant's reply sets the deadline from when its request was *sent*, plus the lease's
+///   term as the store counts it from its own now (`expiry - store_now`), less [`DRIFT`] and
+///   the margin: the grant ran after the request left, so the holder stops first;
+/// - it keeps no more of what it held than the store still counts (`Grant::kept`), and
+///   drops a reply that comes after it returned its lease;
+/// - one grant request on its way at a time.
+#[derive(Debug)]
+pub struct Holder {
+    /// The lease in use; a new one is swapped in whole, so a take never sees one lease's
+    /// tokens with another's deadline.
+    held: ArcSwap<Held>,
+    /// Bumped by a return; held while a reply is taken in or the lease returned, so the two
+    /// never interleave (never on a take's path).
+    generation: Mutex<u64>,
+    /// A grant request is on its way.
+    fetching: AtomicBool,
+    /// Milliseconds the deadline keeps before the lease's end, besides [`DRIFT`].
+    margin: f64,
+}
+
+#[derive(Debug)]
+struct Held {
+    /// Tokens left (the bits of an `f64`).
+    tokens: AtomicU64,
+    /// Until when they may be spent, on the holder's clock.
+    deadline: f64,
+}
+
+impl Held {
+    fn none() -> Held {
+        Held { tokens: AtomicU64::new(0f64.to_bits()), deadline: f64::NEG_INFINITY }
+    }
+
+    fn left(&self) -> f64 {
+        f64::from_bits(self.tokens.load(Ordering::Acquire))
+    }
+}
+
+/// A grant request of a [`Holder`] on its way: what it reported it holds and when it left.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Asked {
+    /// What to report to the store as unused (nothing past the deadline).
+    pub unused: f64,
+    /// When it was sent, on the holder's clock.
+    pub sent: f64,
+    generation: u64,
+}
+
+impl Holder {
+    /// A holder with no lease, whose deadlines keep `margin` ms before a lease's end.
+    pub fn new(margin: f64) -> Holder {
+        Holder {
+            held: ArcSwap::from_pointee(Held::none()),
+            generation: Mutex::new(0),
+            fetching: AtomicBool::new(false),
+            margin,
+        }
+    }
+
+    /// Spends `count` tokens of the lease if it holds that many and the clock (`now`, read
+    /// after they are taken) is before its deadline. Past it, the tokens taken are dropped:
+    /// they are no longer the holder's to spend or to give back.
+    pub fn try_take(&self, count: f64, now: impl FnOnce() -> f64) -> bool {
+        let held = self.held.load();
+        let mut seen = held.tokens.load(Ordering::Acquire);
+        loop {
+            let tokens = f64::from_bits(seen);
+            if tokens < count {
+                return false;
+            }
+            let left = (tokens - count).to_bits();
+            match held.tokens.compare_exchange_weak(seen, left, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                Err(now_seen) => seen = now_seen,
+            }
+        }
+        now() < held.deadline
+    }
+
+    /// Tokens held now (for metrics; some may be past the deadline).
+    pub fn held(&self) -> f64 {
+        self.held.load().left()
+    }
+
+    /// Starts a grant request unless one is on its way: what to report, and the ticket for
+    /// its reply ([`Holder::granted`], or [`Holder::failed`] if none comes).
+    pub fn ask(&self, now: f64) -> Option<Asked> {
+        if self.fetching.swap(true, Ordering::AcqRel) {
+            return None;
+        }
+        let generation = *self.generation.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let held = self.held.load();
+        let unused = if now < held.deadline { held.left() } else { 0.0 };
+        Some(Asked { unused, sent: now, generation })
+    }
+
+    /// The reply to `asked`: `grant`, run at the store's `store_now`. Taken in (the new lease
+    /// swapped in) unless the lease was returned since; says whether it was.
+    pub fn granted(&self, asked: Asked, grant: Grant, store_now: f64) -> bool {
+        let generation = self.generation.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.fetching.store(false, Ordering::Release);
+        if *generation != asked.generation {
+            return false;
+        }
+        let deadline = asked.sent + (grant.expiry - store_now) * (1.0 - DRIFT) - self.margin;
+        // The old lease's tokens are taken out first: no take spends them after this.
+        let old = self.held.load();
+        let left = f64::from_bits(old.tokens.swap(0f64.to_bits(), Ordering::AcqRel));
+        let tokens = left.min(grant.kept) + grant.tokens;
+        self.held.store(Arc::new(Held { tokens: AtomicU64::new(tokens.to_bits()), deadline }));
+        true
+    }
+
+    /// A grant request that got no reply: another may be sent. Its tokens, if it ran, are
+    /// lost until its lease expires.
+    pub fn failed(&self) {
+        self.fetching.store(false, Ordering::Release);
+    }
+
+    /// Returns the lease: the holder stops spending at once; what to report to the store as
+    /// unused (nothing past the deadline). A reply still to come is dropped.
+    pub fn release(&self, now: f64) -> f64 {
+        let mut generation =
+            self.generation.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *generation += 1;
+        let old = self.held.swap(Arc::new(Held::none()));
+        let left = f64::from_bits(old.tokens.swap(0f64.to_bits(), Ordering::AcqRel));
+        if now < old.deadline { left } else { 0.0 }
+    }
+}
+
 /// `state` refilled to `now` under `cap` (SPEC §2's refill, with `capacity - outstanding`
 /// for `capacity`).
 fn refill(shard: &Config, State { value, ts }: State, now: f64, cap: f64) -> State {
@@ -237,42 +386,39 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// A process holding leases, as `LEASES.md` has it: its tokens, spent with no store call
-    /// until its deadline, which it computes from its own clock so that it falls before the
-    /// store's expiry.
-    #[derive(Clone, Debug, Default)]
-    struct Holder {
+    /// A process holding leases: the production [`Holder`], and what travels between it
+    /// and the store.
+    struct Process {
         id: u64,
-        /// Tokens it may still spend.
-        local: f64,
-        /// Until when (true time) it may spend them.
-        deadline: f64,
-        /// Bumped by a return: replies to requests sent before it are dropped.
-        generation: u64,
+        holder: Holder,
         /// A grant request on its way to the store.
-        request: Option<Asked>,
-        /// A grant's reply on its way back: when it arrives, the grant, when its request was
-        /// sent, and the generation it was sent in.
-        reply: Option<(f64, Grant, f64, u64)>,
+        request: Option<Travel>,
+        /// A grant's reply on its way back: when it arrives, the grant, the store's now when
+        /// it ran, and the request's ticket.
+        reply: Option<(f64, Grant, f64, super::Asked)>,
+    }
+
+    impl Process {
+        fn new(id: u64) -> Process {
+            Process { id, holder: Holder::new(MARGIN), request: None, reply: None }
+        }
     }
 
     /// A grant request in flight.
     #[derive(Clone, Copy, Debug)]
-    struct Asked {
+    struct Travel {
         want: f64,
-        /// What the holder held when it sent it (it may spend more before the store runs it).
-        unused: f64,
-        sent: f64,
+        /// The holder's ticket: what it reported (it may spend more before the store runs
+        /// it), and when it was sent.
+        asked: super::Asked,
         /// When the store runs it.
         arrives: f64,
         /// How long its reply takes, or `None` if it is lost.
         back: Option<f64>,
-        generation: u64,
     }
 
-    /// The drift the holder allows between its clock and the store's, and a margin.
-    const RHO: f64 = 1e-3;
-    const EPS: f64 = 1.0;
+    /// The holders' margin before a lease's end, in ms.
+    const MARGIN: f64 = 1.0;
 
     #[derive(Clone, Debug)]
     enum Step {
@@ -340,54 +486,50 @@ mod tests {
     /// (true time, count), checking the store's invariant on the way.
     fn run(config: &Config, term: f64, share: f64, steps: &[Step]) -> Vec<(f64, f64)> {
         let mut store = Leased::default();
-        let mut holders: Vec<Holder> =
-            (0..4).map(|i| Holder { id: i as u64, ..Holder::default() }).collect();
+        let mut processes: Vec<Process> = (0..4).map(Process::new).collect();
         let mut next_id = 4;
         // Requests of killed holders, still on their way.
-        let mut orphans: Vec<(u64, Asked)> = Vec::new();
+        let mut orphans: Vec<(u64, Travel)> = Vec::new();
         let mut now = 0.0;
         let mut admitted = Vec::new();
         for step in steps {
-            orphans.retain(|(id, asked)| {
-                if asked.arrives > now {
+            orphans.retain(|(id, travel)| {
+                if travel.arrives > now {
                     return true;
                 }
-                store.grant(config, 0.0, now, *id, asked.want, asked.unused, term, share);
+                let unused = travel.asked.unused;
+                store.grant(config, 0.0, now, *id, travel.want, unused, term, share);
                 false
             });
-            for h in &mut holders {
+            for p in &mut processes {
                 // Requests that have reached the store are run, at the store's now.
-                if let Some(asked) = h.request
-                    && asked.arrives <= now
+                if let Some(travel) = p.request
+                    && travel.arrives <= now
                 {
-                    h.request = None;
-                    let Asked { want, unused, .. } = asked;
-                    let grant = store.grant(config, 0.0, now, h.id, want, unused, term, share);
-                    if let Some(back) = asked.back {
-                        h.reply = Some((now + back, grant, asked.sent, asked.generation));
+                    p.request = None;
+                    let (want, unused) = (travel.want, travel.asked.unused);
+                    let grant = store.grant(config, 0.0, now, p.id, want, unused, term, share);
+                    match travel.back {
+                        Some(back) => p.reply = Some((now + back, grant, now, travel.asked)),
+                        // No reply will come: the holder gives up on it (a timeout).
+                        None => p.holder.failed(),
                     }
                 }
-                // Replies that have arrived are taken in, unless a return came since.
-                if let Some((at, grant, sent, generation)) = h.reply
+                // Replies that have arrived are taken in (the holder drops one that comes
+                // after a return).
+                if let Some((at, grant, store_now, asked)) = p.reply
                     && at <= now
                 {
-                    h.reply = None;
-                    if generation == h.generation {
-                        // The grant ran after `sent`: counting from there, with a margin
-                        // for drift, the holder stops before the store frees the tokens.
-                        h.deadline = sent + (grant.expiry - sent) * (1.0 - RHO) - EPS;
-                        h.local = h.local.min(grant.kept) + grant.tokens;
-                    }
+                    p.reply = None;
+                    p.holder.granted(asked, grant, store_now);
                 }
             }
             match *step {
                 Step::Wait(dt) => now += dt,
                 Step::Ask { holder, count } => {
-                    let h = &mut holders[holder];
-                    if h.local >= count && now < h.deadline {
-                        h.local -= count;
-                        admitted.push((now, count));
-                    } else if store.take(config, 0.0, now, count, false, true).ok {
+                    if processes[holder].holder.try_take(count, || now)
+                        || store.take(config, 0.0, now, count, false, true).ok
+                    {
                         admitted.push((now, count));
                     }
                 }
@@ -399,39 +541,25 @@ mod tests {
                     }
                 }
                 Step::Grant { holder, want, out, back, lost } => {
-                    let h = &mut holders[holder];
-                    if h.request.is_some() || h.reply.is_some() {
-                        continue; // one fetch in flight per holder
-                    }
-                    // It reports what it holds (its tokens past its deadline count as
-                    // nothing), and goes on spending while the request is on its way.
-                    let unused = if now < h.deadline { h.local } else { 0.0 };
-                    h.request = Some(Asked {
-                        want,
-                        unused,
-                        sent: now,
-                        arrives: now + out,
-                        back: (!lost).then_some(back),
-                        generation: h.generation,
-                    });
+                    let p = &mut processes[holder];
+                    // One fetch in flight per holder: the holder itself refuses a second.
+                    let Some(asked) = p.holder.ask(now) else { continue };
+                    let back = (!lost).then_some(back);
+                    p.request = Some(Travel { want, asked, arrives: now + out, back });
                 }
                 Step::Release { holder } => {
-                    let h = &mut holders[holder];
-                    let unused = if now < h.deadline { h.local } else { 0.0 };
-                    store.release(config, 0.0, now, h.id, unused);
-                    h.local = 0.0;
-                    // A grant's reply still to come is dropped: the return ended its lease
-                    // (see `a_grant_that_arrives_after_a_return_is_dropped`). A request still
-                    // on its way is run by the store all the same; its tokens are lost until
-                    // its lease expires.
-                    h.generation += 1;
+                    let p = &mut processes[holder];
+                    let unused = p.holder.release(now);
+                    store.release(config, 0.0, now, p.id, unused);
+                    // A request still on its way is run by the store all the same; its
+                    // tokens are lost until its lease expires. Its reply is dropped.
                 }
                 Step::Crash { holder } => {
                     // A request already on its way still reaches the store.
-                    if let Some(asked) = holders[holder].request {
-                        orphans.push((holders[holder].id, asked));
+                    if let Some(travel) = processes[holder].request {
+                        orphans.push((processes[holder].id, travel));
                     }
-                    holders[holder] = Holder { id: next_id, ..Holder::default() };
+                    processes[holder] = Process::new(next_id);
                     next_id += 1;
                 }
             }
