@@ -163,6 +163,15 @@ impl Leased {
         Grant { kept, tokens, expiry }
     }
 
+    /// A reset (`reset` of the limit): the state starts again as full as the leases out
+    /// allow, `capacity - outstanding`; the records stay, since their holders may still
+    /// spend them.
+    pub fn reset(&mut self, shard: &Config, alignment: f64, now: f64) {
+        self.advance(shard, alignment, now);
+        let fresh = fresh_state(shard, alignment, now);
+        self.state = Some(State { value: shard.capacity() - self.outstanding(), ts: fresh.ts });
+    }
+
     /// `holder` returns its lease, `unused` of it not spent: those tokens go back to the
     /// shared value, and the rest stop counting now.
     pub fn release(&mut self, shard: &Config, alignment: f64, now: f64, holder: u64, unused: f64) {

@@ -260,6 +260,8 @@ const SCRIPT_ONE: &str =
 
 mod lease;
 
+pub use lease::{LeaseOptions, LeaseStats};
+
 /// The most one-takes a grouped round trip carries by default: at about 4 us of Redis time
 /// each (the script's share per take in a group of 32), a full trip holds Redis for about
 /// 0.3 ms.
@@ -345,6 +347,7 @@ pub struct RedisStoreBuilder {
     timeout: Duration,
     connections: usize,
     group: usize,
+    leases: std::collections::HashMap<String, LeaseOptions>,
 }
 
 impl Default for RedisStoreBuilder {
@@ -354,6 +357,7 @@ impl Default for RedisStoreBuilder {
             timeout: Duration::from_secs(1),
             connections: DEFAULT_CONNECTIONS,
             group: MOST_PER_TRIP,
+            leases: std::collections::HashMap::new(),
         }
     }
 }
@@ -410,6 +414,25 @@ impl RedisStoreBuilder {
     #[must_use]
     pub fn group(mut self, most: usize) -> Self {
         self.group = most.max(1);
+        self
+    }
+
+    /// Serves the limit `name` from leases (issue 34; a first version): this process takes
+    /// a share of the limit's tokens ahead, in the background, and answers `limit` from it
+    /// with one atomic operation and no store call while the lease lasts; the store counts
+    /// leased tokens against the limit, so every process together never admits more than
+    /// the limit (`tollgate_core::lease` has the proof, as a property). Near the limit (below
+    /// [`LeaseOptions::floor`] of the capacity left) no leases are taken and every request
+    /// is a direct take, exact as without leases.
+    ///
+    /// What it does not do yet, and refuses clearly: a leased limit in a transaction or with
+    /// shards; a reset of a leased limit this process has not taken from. A `check`, a
+    /// reservation and a take the lease cannot cover go to the store (direct takes). Call
+    /// [`RedisStore::release_leases`] on a graceful shutdown; a process killed with its
+    /// lease keeps its tokens from the others until the lease's term ends.
+    #[must_use]
+    pub fn lease(mut self, name: impl Into<String>, options: LeaseOptions) -> Self {
+        self.leases.insert(name.into(), options);
         self
     }
 
@@ -507,6 +530,7 @@ impl RedisStoreBuilder {
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
             clock,
+            leases: lease::Leases::new(self.leases),
             replicas: parsed.replicas,
             timeout: self.timeout,
         };
@@ -719,6 +743,8 @@ struct Inner<C> {
     prefix: String,
     /// `None`: Redis `TIME`.
     clock: Option<C>,
+    /// The leased limits and their holders, if any.
+    leases: Option<lease::Leases>,
     /// How many replicas must acknowledge each write (`WAIT`) before its answer is given.
     replicas: u32,
     /// The store's timeout: a write and its `WAIT` together take at most this (about).
@@ -1372,6 +1398,15 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
 
     async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         let inner = &self.inner;
+        if let Some(leases) = &inner.leases
+            && let Some(slot) = plan.slots().iter().find(|s| leases.is_leased(s.name))
+        {
+            return Err(StoreError::new(format!(
+                "redis: {:?} is leased, and a leased limit is not yet taken in a transaction \
+                 or from shards; nothing was taken",
+                slot.name
+            )));
+        }
         let keys: Vec<String> =
             plan.slots().iter().map(|s| inner.key(s.name, s.key, s.shard)).collect();
         #[cfg(feature = "redis-cluster")]
@@ -1385,6 +1420,11 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
     }
 
     async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        if let Some(leases) = &self.inner.leases
+            && leases.is_leased(take.slot.name)
+        {
+            return self.leased_one(leases, take).await;
+        }
         let slot = &take.slot;
         let now = self.inner.clock.as_ref().map_or(f64::NAN, Clock::now);
         let key = self.inner.key(slot.name, slot.key, slot.shard);
@@ -1402,6 +1442,11 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         &self,
         slots: &[Slot<'_>],
     ) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        if let Some(leases) = &self.inner.leases
+            && slots.iter().any(|s| leases.is_leased(s.name))
+        {
+            return self.inner.leased_read(slots).await;
+        }
         let keys: Vec<String> =
             slots.iter().map(|s| self.inner.key(s.name, s.key, s.shard)).collect();
         self.inner.read_keys(&keys).await
@@ -1413,6 +1458,11 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         key: Option<&str>,
         shards: u16,
     ) -> Result<(), StoreError> {
+        if let Some(leases) = &self.inner.leases
+            && leases.is_leased(name)
+        {
+            return self.leased_reset(leases, name, key).await;
+        }
         let keys: Vec<String> = (0..shards).map(|shard| self.inner.key(name, key, shard)).collect();
         self.inner
             .on_connection(Writes::Yes, |conn| async move {

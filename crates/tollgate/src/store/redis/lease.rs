@@ -9,11 +9,20 @@
 //! write, so a leased state is never refilled past its cap by a path that ignores its
 //! records.
 
-use redis::Value;
-use tollgate_core::lease::{Grant, Leased};
-use tollgate_core::{Clock, Slot};
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-use super::{AnyConnection, RedisStore, Writes, disagree, garbage, kind_code, num, unpack_f64};
+use arc_swap::ArcSwap;
+use redis::Value;
+use tollgate_core::lease::{Grant, Holder, Leased};
+use tollgate_core::{Clock, Config, Decision, OneTake, Slot, State, Status, Taken};
+
+use super::{
+    AnyConnection, Inner, RedisStore, Writes, disagree, garbage, kind_code, num, unpack_f64,
+};
 use crate::StoreError;
 
 /// A step on a leased shard.
@@ -26,6 +35,8 @@ pub(crate) enum Step {
     Grant { holder: u64, want: f64, unused: f64, term: f64, share: f64 },
     /// See [`Leased::release`].
     Release { holder: u64, unused: f64 },
+    /// See [`Leased::reset`].
+    Reset,
 }
 
 /// What a step answered.
@@ -146,6 +157,9 @@ elseif step == 'grant' then
     table.insert(recs, at, { holder, kept + tokens, expiry })
   end
   answer = struct.pack('<ddd', kept, tokens, expiry)
+elseif step == 'reset' then
+  v = cap - outstanding()
+  if kind == 0 then ts = now else ts = align + math.floor((now - align) / period) * period end
 elseif step == 'release' then
   local holder, unused = tonumber(ARGV[9]), tonumber(ARGV[10])
   local i = find(holder)
@@ -192,7 +206,18 @@ impl<C: Clock> RedisStore<C> {
         slot: &Slot<'_>,
         step: Step,
     ) -> Result<Answer, StoreError> {
-        let inner = &self.inner;
+        self.inner.lease_step(slot, step).await.map(|(answer, _, _)| answer)
+    }
+}
+
+impl<C: Clock> Inner<C> {
+    /// Sends `step` to the lease script: the time it used, what it loaded, what it said.
+    async fn lease_call(
+        &self,
+        slot: &Slot<'_>,
+        step: Step,
+    ) -> Result<(f64, Leased, Vec<u8>), StoreError> {
+        let inner = self;
         let c = &slot.config;
         let mut invocation = inner.lease.prepare_invoke();
         invocation.key(inner.key(slot.name, slot.key, slot.shard)).arg(inner.now_arg());
@@ -200,6 +225,7 @@ impl<C: Clock> RedisStore<C> {
             Step::Take { .. } => "take",
             Step::Grant { .. } => "grant",
             Step::Release { .. } => "release",
+            Step::Reset => "reset",
         };
         invocation
             .arg(name)
@@ -224,6 +250,7 @@ impl<C: Clock> RedisStore<C> {
                 let holder = holder as f64;
                 invocation.arg(num(holder)).arg(num(unused));
             }
+            Step::Reset => {}
         }
         let reply: Vec<Value> = inner
             .on_connection(Writes::Yes, |mut conn: AnyConnection| async move {
@@ -236,10 +263,23 @@ impl<C: Clock> RedisStore<C> {
             return Err(garbage("not the lease script's three strings"));
         };
         let now = unpack_f64(now).ok_or_else(|| garbage("the time"))?;
-        let mut leased = match loaded.as_slice() {
+        let leased = match loaded.as_slice() {
             [] => Leased::default(),
             bytes => Leased::unpack(bytes).ok_or_else(|| garbage("a leased state"))?,
         };
+        Ok((now, leased, said.clone()))
+    }
+
+    /// Runs `step` on the leased shard of `slot`: the answer (tollgate-core's on what the
+    /// script loaded; one the script disagrees with is an error), the store's time, and the
+    /// shard after it.
+    pub(super) async fn lease_step(
+        &self,
+        slot: &Slot<'_>,
+        step: Step,
+    ) -> Result<(Answer, f64, Leased), StoreError> {
+        let c = &slot.config;
+        let (now, mut leased, said) = self.lease_call(slot, step).await?;
         let answer = match step {
             Step::Take { count, reserve, writes } => {
                 let taken = leased.take(c, slot.alignment, now, count, reserve, writes);
@@ -251,6 +291,10 @@ impl<C: Clock> RedisStore<C> {
             }
             Step::Release { holder, unused } => {
                 leased.release(c, slot.alignment, now, holder, unused);
+                Answer::Released
+            }
+            Step::Reset => {
+                leased.reset(c, slot.alignment, now);
                 Answer::Released
             }
         };
@@ -266,7 +310,390 @@ impl<C: Clock> RedisStore<C> {
         if !agrees {
             return Err(disagree());
         }
-        Ok(answer)
+        Ok((answer, now, leased))
+    }
+
+    /// The states of `slots` as a read sees them: a leased one refilled under its cap (so
+    /// `value` is what may be taken directly; the leased tokens are apart).
+    pub(super) async fn leased_read(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        let mut now = f64::NAN;
+        let mut states = Vec::with_capacity(slots.len());
+        for slot in slots {
+            let look = Step::Take { count: 0.0, reserve: false, writes: false };
+            let (at, mut leased, _) = self.lease_call(slot, look).await?;
+            now = at;
+            states.push(
+                leased.state.is_some().then(|| leased.advance(&slot.config, slot.alignment, at)),
+            );
+        }
+        Ok((now, states))
+    }
+
+    /// A direct take from a leased shard: answered as any take (its `retryAfter` and status
+    /// too) on the state refilled under its cap; also the value it leaves.
+    async fn lease_take(&self, one: &OneTake<'_>) -> Result<(Taken, f64), StoreError> {
+        let step = Step::Take { count: one.count, reserve: one.reserve, writes: one.writes };
+        let (now, mut leased, said) = self.lease_call(&one.slot, step).await?;
+        let state = leased.advance(&one.slot.config, one.slot.alignment, now);
+        let (taken, new) = one.decide(now, Some(state));
+        let wrote: &[u8] = if taken.decision.ok { b"1" } else { b"0" };
+        if said != wrote {
+            return Err(disagree());
+        }
+        Ok((taken, new.map_or(state.value, |s| s.value)))
+    }
+}
+
+/// How a leased limit is served ([`RedisStoreBuilder::lease`](super::RedisStoreBuilder::lease)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LeaseOptions {
+    pub(super) term: Duration,
+    pub(super) share: f64,
+    pub(super) floor: f64,
+}
+
+impl Default for LeaseOptions {
+    fn default() -> Self {
+        LeaseOptions { term: Duration::from_secs(2), share: 0.5, floor: 0.25 }
+    }
+}
+
+impl LeaseOptions {
+    /// The defaults: leases of 2 s, at most half the capacity leased out in all, none while
+    /// the limit has less than a quarter of its capacity left.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How long a lease lasts at the store (default 2 s): a holder killed with its lease
+    /// keeps those tokens from everyone for this long at most.
+    #[must_use]
+    pub fn term(mut self, term: Duration) -> Self {
+        self.term = term;
+        self
+    }
+
+    /// The most of the capacity leased out at once, over every holder (default 0.5).
+    #[must_use]
+    pub fn share(mut self, share: f64) -> Self {
+        self.share = share.clamp(0.0, 1.0);
+        self
+    }
+
+    /// Below this fraction of the capacity left (default 0.25), holders stop leasing and
+    /// return what they hold: every request is a direct take, exact as without leases,
+    /// until the limit has room again.
+    #[must_use]
+    pub fn floor(mut self, floor: f64) -> Self {
+        self.floor = floor.clamp(0.0, 1.0);
+        self
+    }
+}
+
+/// What a leased limit did in this process: grants, returns, answers from the lease, direct
+/// takes, and tokens held now.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LeaseStats {
+    /// Grants received (renewals included).
+    pub grants: u64,
+    /// Leases returned (near the limit, or by [`RedisStore::release_leases`]).
+    pub returns: u64,
+    /// Requests answered from a lease, with no store call.
+    pub local: u64,
+    /// Requests sent to the store as direct takes.
+    pub direct: u64,
+    /// Tokens held now.
+    pub held: f64,
+}
+
+/// The leased limits of a store and their holders in this process.
+pub(super) struct Leases {
+    names: HashMap<String, LeaseOptions>,
+    /// This process's holder id (below 2^53).
+    id: u64,
+    /// The holder's clock: milliseconds since this, unless the store runs on a test's clock.
+    started: Instant,
+    /// The entries by a hash of (name, key), copied on insert (a lookup takes no lock).
+    entries: ArcSwap<Entries>,
+    hasher: foldhash::fast::RandomState,
+    inserting: parking_lot::Mutex<()>,
+}
+
+type Entries = HashMap<u64, Vec<Arc<Entry>>>;
+
+/// One leased (name, key) in this process.
+struct Entry {
+    holder: Holder,
+    name: Box<str>,
+    key: Option<Box<str>>,
+    config: Config,
+    alignment: f64,
+    options: LeaseOptions,
+    /// Near the limit: no leases until it has room again.
+    near: AtomicBool,
+    /// Tokens spent since the last request for a lease (the bits of an `f64`): its size.
+    spent: AtomicU64,
+    grants: AtomicU64,
+    returns: AtomicU64,
+    local: AtomicU64,
+    direct: AtomicU64,
+}
+
+impl Entry {
+    fn slot(&self) -> Slot<'_> {
+        Slot {
+            name: &self.name,
+            key: self.key.as_deref(),
+            shard: 0,
+            config: self.config,
+            alignment: self.alignment,
+        }
+    }
+
+    fn spend(&self, count: f64) {
+        let _ = self.spent.fetch_update(Ordering::AcqRel, Ordering::Acquire, |bits| {
+            Some((f64::from_bits(bits) + count).to_bits())
+        });
+    }
+}
+
+impl Leases {
+    pub(super) fn new(names: HashMap<String, LeaseOptions>) -> Option<Leases> {
+        if names.is_empty() {
+            return None;
+        }
+        // Random enough to tell processes apart; below 2^53 so that Lua keeps it exactly.
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ u64::from(std::process::id()).rotate_left(32);
+        let id = tollgate_core::splitmix64(seed) >> 11;
+        Some(Leases {
+            names,
+            id,
+            started: Instant::now(),
+            entries: ArcSwap::from_pointee(HashMap::new()),
+            hasher: foldhash::fast::RandomState::default(),
+            inserting: parking_lot::Mutex::new(()),
+        })
+    }
+
+    pub(super) fn is_leased(&self, name: &str) -> bool {
+        self.names.contains_key(name)
+    }
+
+    fn entry(&self, slot: &Slot<'_>) -> Arc<Entry> {
+        // Found by a hash of (name, key) and compared: no allocation on the way.
+        let hash = self.hasher.hash_one((slot.name, slot.key));
+        let find = |map: &Entries| {
+            map.get(&hash)?
+                .iter()
+                .find(|e| &*e.name == slot.name && e.key.as_deref() == slot.key)
+                .map(Arc::clone)
+        };
+        if let Some(entry) = find(&self.entries.load()) {
+            return entry;
+        }
+        let _inserting = self.inserting.lock();
+        let map = self.entries.load_full();
+        if let Some(entry) = find(&map) {
+            return entry;
+        }
+        let entry = Arc::new(Entry {
+            holder: Holder::new(MARGIN_MS),
+            name: slot.name.into(),
+            key: slot.key.map(Into::into),
+            config: slot.config,
+            alignment: slot.alignment,
+            options: self.names[slot.name],
+            near: AtomicBool::new(false),
+            spent: AtomicU64::new(0f64.to_bits()),
+            grants: AtomicU64::new(0),
+            returns: AtomicU64::new(0),
+            local: AtomicU64::new(0),
+            direct: AtomicU64::new(0),
+        });
+        let mut next = (*map).clone();
+        next.entry(hash).or_default().push(Arc::clone(&entry));
+        self.entries.store(Arc::new(next));
+        entry
+    }
+
+    fn all(&self) -> Vec<Arc<Entry>> {
+        self.entries.load().values().flatten().map(Arc::clone).collect()
+    }
+
+    fn find(&self, name: &str, key: Option<&str>) -> Option<Arc<Entry>> {
+        self.all().into_iter().find(|e| &*e.name == name && e.key.as_deref() == key)
+    }
+
+    fn now<C: Clock>(&self, inner: &Inner<C>) -> f64 {
+        inner.clock.as_ref().map_or_else(|| self.started.elapsed().as_secs_f64() * 1e3, Clock::now)
+    }
+}
+
+/// Returns what `entry` holds (the holder stops spending it at once).
+async fn release<C: Clock>(inner: &Inner<C>, entry: &Entry, id: u64) {
+    let Some(leases) = &inner.leases else { return };
+    let unused = entry.holder.release(leases.now(inner));
+    if inner.lease_step(&entry.slot(), Step::Release { holder: id, unused }).await.is_ok() {
+        entry.returns.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Milliseconds a holder's deadline keeps before its lease's end, besides the drift.
+const MARGIN_MS: f64 = 5.0;
+
+impl<C: Clock> RedisStore<C> {
+    /// A take from a leased limit: from this process's lease if it holds enough, else a
+    /// direct take; either way the next lease is fetched in the background when this one
+    /// runs low (one request on its way at a time).
+    pub(super) async fn leased_one(
+        &self,
+        leases: &Leases,
+        one: &OneTake<'_>,
+    ) -> Result<Taken, StoreError> {
+        let entry = leases.entry(&one.slot);
+        if one.writes
+            && !one.reserve
+            && entry.holder.try_take(one.count, || leases.now(&self.inner))
+        {
+            entry.local.fetch_add(1, Ordering::Relaxed);
+            entry.spend(one.count);
+            self.fetch_if_low(leases, &entry);
+            let status = Status { remaining: entry.holder.held(), reset_after: 0.0 };
+            return Ok(Taken { decision: Decision { ok: true, retry_after: None }, status });
+        }
+        entry.direct.fetch_add(1, Ordering::Relaxed);
+        let (taken, value) = self.inner.lease_take(one).await?;
+        if taken.decision.ok && one.writes {
+            entry.spend(one.count);
+        }
+        let floor = entry.options.floor * entry.config.capacity();
+        if value < floor {
+            if !entry.near.swap(true, Ordering::AcqRel) {
+                self.give_back(leases, &entry);
+            }
+        } else if value >= 2.0 * floor {
+            entry.near.store(false, Ordering::Release);
+            self.fetch_if_low(leases, &entry);
+        }
+        Ok(taken)
+    }
+
+    /// Asks for the next lease in the background if the one held is below half of what was
+    /// spent since the last ask, and the limit is not near its bound.
+    fn fetch_if_low(&self, leases: &Leases, entry: &Arc<Entry>) {
+        if entry.near.load(Ordering::Acquire) {
+            return;
+        }
+        let spent = f64::from_bits(entry.spent.load(Ordering::Acquire));
+        if entry.holder.held() > spent / 2.0 && entry.holder.held() > 0.0 {
+            return;
+        }
+        let Some(asked) = entry.holder.ask(leases.now(&self.inner)) else { return };
+        // Sized from demand: twice what was spent since the last ask, at least one token
+        // (the store gives no more than the share allows, nor than it has).
+        let spent = f64::from_bits(entry.spent.swap(0f64.to_bits(), Ordering::AcqRel));
+        let want = (2.0 * spent).max(1.0);
+        let (inner, entry, id) = (Arc::clone(&self.inner), Arc::clone(entry), leases.id);
+        tokio::spawn(async move {
+            let term = entry.options.term.as_secs_f64() * 1e3;
+            let step = Step::Grant {
+                holder: id,
+                want,
+                unused: asked.unused,
+                term,
+                share: entry.options.share,
+            };
+            match inner.lease_step(&entry.slot(), step).await {
+                Ok((Answer::Granted(grant), store_now, after)) => {
+                    entry.grants.fetch_add(1, Ordering::Relaxed);
+                    entry.holder.granted(asked, grant, store_now);
+                    let left = after.state.map_or(entry.config.capacity(), |s| s.value);
+                    if left < entry.options.floor * entry.config.capacity()
+                        && !entry.near.swap(true, Ordering::AcqRel)
+                    {
+                        release(&inner, &entry, id).await;
+                    }
+                }
+                _ => entry.holder.failed(),
+            }
+        });
+    }
+
+    /// Returns what `entry` holds, in the background.
+    fn give_back(&self, leases: &Leases, entry: &Arc<Entry>) {
+        let (inner, entry, id) = (Arc::clone(&self.inner), Arc::clone(entry), leases.id);
+        tokio::spawn(async move { release(&inner, &entry, id).await });
+    }
+
+    /// Returns every lease this store holds (for a graceful shutdown: the tokens go back to
+    /// the limit at once instead of when the leases expire). Leases are fetched again on
+    /// the next take.
+    ///
+    /// # Errors
+    ///
+    /// The first store error; the other leases are returned all the same.
+    pub async fn release_leases(&self) -> Result<(), StoreError> {
+        let Some(leases) = &self.inner.leases else { return Ok(()) };
+        let mut first = Ok(());
+        for entry in leases.all() {
+            let unused = entry.holder.release(leases.now(&self.inner));
+            let step = Step::Release { holder: leases.id, unused };
+            match self.inner.lease_step(&entry.slot(), step).await {
+                Ok(_) => {
+                    entry.returns.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) if first.is_ok() => first = Err(e),
+                Err(_) => {}
+            }
+        }
+        first
+    }
+
+    /// What each leased (name, key) did in this process.
+    pub fn lease_stats(&self) -> Vec<(String, Option<String>, LeaseStats)> {
+        let Some(leases) = &self.inner.leases else { return Vec::new() };
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        leases
+            .all()
+            .iter()
+            .map(|e| {
+                let stats = LeaseStats {
+                    grants: load(&e.grants),
+                    returns: load(&e.returns),
+                    local: load(&e.local),
+                    direct: load(&e.direct),
+                    held: e.holder.held(),
+                };
+                (e.name.to_string(), e.key.as_deref().map(str::to_string), stats)
+            })
+            .collect()
+    }
+
+    /// A reset of a leased (name, key): its state starts again at `capacity -
+    /// outstanding`, its records kept (see [`Leased::reset`]).
+    pub(super) async fn leased_reset(
+        &self,
+        leases: &Leases,
+        name: &str,
+        key: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let Some(entry) = leases.find(name, key) else {
+            return Err(StoreError::new(format!(
+                "redis: a reset of the leased limit {name:?} needs its config, known here once \
+                 it has been taken from: take from it first (its leases keep their tokens)"
+            )));
+        };
+        // This process's own lease goes back first.
+        let unused = entry.holder.release(leases.now(&self.inner));
+        let id = leases.id;
+        self.inner.lease_step(&entry.slot(), Step::Release { holder: id, unused }).await?;
+        self.inner.lease_step(&entry.slot(), Step::Reset).await.map(drop)
     }
 }
 
@@ -303,6 +730,7 @@ mod tests {
             1 => (holder, 0.0..20.0f64).prop_map(|(holder, unused)| {
                 Op::Step(Step::Release { holder, unused: unused.floor() })
             }),
+            1 => Just(Op::Step(Step::Reset)),
         ]
     }
 
@@ -394,6 +822,10 @@ mod tests {
                                 model.release(&slot.config, slot.alignment, now, holder, unused);
                                 Answer::Released
                             }
+                            Step::Reset => {
+                                model.reset(&slot.config, slot.alignment, now);
+                                Answer::Released
+                            }
                         };
                         assert_eq!(answer, expected, "{step:?} at {now}");
                     }
@@ -426,6 +858,165 @@ mod tests {
             }
             redis.delete_async("t", None, 1).await.unwrap();
         });
+    }
+
+    /// The most one bucket of `config` admits in `[a, b]` (capacity, inflow, reservations),
+    /// its windows starting at `alignment`.
+    fn bound(config: &Config, alignment: f64, a: f64, b: f64) -> f64 {
+        let window = |t: f64| ((t - alignment) / config.period()).floor();
+        let inflow = match config.kind() {
+            tollgate_core::Kind::TokenBucket => config.rate() * (b - a) / config.period(),
+            tollgate_core::Kind::FixedWindow => config.rate() * (window(b) - window(a)),
+        };
+        config.capacity() + config.max_reserved().unwrap_or(0.0) + inflow
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Act {
+        /// Process `p` takes `count`.
+        Take { p: usize, count: f64 },
+        /// Time passes.
+        Wait(f64),
+        /// The runtime runs what is ready (background fetches and returns).
+        Yield,
+        /// Process `p` is killed: its store (and lease) dropped, a new one started.
+        Kill { p: usize },
+        /// Process `p` returns its leases (a graceful shutdown, then it goes on).
+        Release { p: usize },
+    }
+
+    fn act() -> impl Strategy<Value = Act> {
+        prop_oneof![
+            10 => (0..4usize, 1.0..3.0f64).prop_map(|(p, count)| Act::Take { p, count: count.floor() }),
+            2 => prop_oneof![0.0..50.0f64, 0.0..1_500.0f64].prop_map(Act::Wait),
+            4 => Just(Act::Yield),
+            1 => (0..4usize).prop_map(|p| Act::Kill { p }),
+            1 => (0..4usize).prop_map(|p| Act::Release { p }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Four processes, each its own store with the limit leased, on one Redis and the
+        /// same (manual) clock, take, wait, get killed and return their leases: no interval
+        /// admits more than one bucket would, and some requests are answered from leases.
+        #[test]
+        fn leased_processes_never_admit_more_than_the_limit(
+            bucket in any::<bool>(),
+            acts in prop::collection::vec(act(), 50..250),
+        ) {
+            let Some(url) = url() else { return Ok(()) };
+            let config = if bucket {
+                Config::token_bucket(20.0, 1_000.0).with_capacity(40.0)
+            } else {
+                Config::fixed_window(20.0, 1_000.0)
+            };
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let (admitted, local) = runtime.block_on(processes(&url, config, &acts));
+            let take = Take { name: "hot", key: None, config, count: 1.0, reserve: false };
+            let alignment = writing(&take).slot.alignment;
+            let mut worst = f64::NEG_INFINITY;
+            for (i, &(a, _)) in admitted.iter().enumerate() {
+                let mut sum = 0.0;
+                for &(b, count) in &admitted[i..] {
+                    sum += count;
+                    worst = worst.max(sum - bound(&config, alignment, a, b));
+                }
+            }
+            prop_assert!(worst <= 1e-6, "{worst} over the bound: {admitted:?}");
+            let _ = local;
+        }
+    }
+
+    async fn processes(url: &str, config: Config, acts: &[Act]) -> (Vec<(f64, f64)>, u64) {
+        static CASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let clock = ManualClock::new(T0);
+        let prefix = format!(
+            "tollgate-leased:{}:{}:",
+            std::process::id(),
+            CASE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let options = LeaseOptions::new().term(Duration::from_millis(800));
+        let open = || {
+            RedisStore::builder()
+                .prefix(prefix.clone())
+                .lease("hot", options)
+                .open_with_clock(url, clock.clone())
+                .unwrap()
+        };
+        let mut stores: Vec<RedisStore<ManualClock>> = (0..4).map(|_| open()).collect();
+        let take = |count| Take { name: "hot", key: None, config, count, reserve: false };
+        let mut admitted = Vec::new();
+        let mut local = 0;
+        for act in acts {
+            match *act {
+                Act::Take { p, count } => {
+                    let take = take(count);
+                    let one = writing(&take);
+                    if stores[p].execute_one_async(&one).await.unwrap().decision.ok {
+                        admitted.push((clock.now(), count));
+                    }
+                }
+                Act::Wait(dt) => clock.advance(dt),
+                Act::Yield => tokio::time::sleep(Duration::from_millis(1)).await,
+                Act::Kill { p } => {
+                    local += stores[p].lease_stats().iter().map(|(_, _, s)| s.local).sum::<u64>();
+                    stores[p] = open();
+                }
+                Act::Release { p } => stores[p].release_leases().await.unwrap(),
+            }
+        }
+        for store in &stores {
+            local += store.lease_stats().iter().map(|(_, _, s)| s.local).sum::<u64>();
+        }
+        stores[0].delete_async("hot", None, 1).await.ok();
+        (admitted, local)
+    }
+
+    /// Far from its bound, a hot limit is answered from the lease: few store calls; near it
+    /// (below the floor) every request is a direct take again, and the lease is returned.
+    #[tokio::test]
+    async fn a_hot_limit_is_answered_from_the_lease_until_near_its_bound() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let prefix = format!("tollgate-hot:{}:", std::process::id());
+        let redis = RedisStore::builder()
+            .prefix(prefix)
+            .lease("hot", LeaseOptions::new())
+            .open_with_clock(&url, clock.clone())
+            .unwrap();
+        let config = Config::token_bucket(1_000.0, 1_000.0).with_capacity(1_000.0);
+        let take = Take { name: "hot", key: None, config, count: 1.0, reserve: false };
+        let one = writing(&take);
+        let mut admitted = 0;
+        for i in 0..600 {
+            if redis.execute_one_async(&one).await.unwrap().decision.ok {
+                admitted += 1;
+            }
+            if i % 10 == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let stats = redis.lease_stats()[0].2;
+        assert_eq!(admitted, 600, "far from the bound (1,000 with no time passing)");
+        assert!(stats.local >= 500 && stats.direct <= 100, "{stats:?}");
+        // The limit now holds 400 or so, counting what is leased: under a quarter soon.
+        for _ in 0..300 {
+            redis.execute_one_async(&one).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let before = redis.lease_stats()[0].2;
+        for _ in 0..50 {
+            redis.execute_one_async(&one).await.unwrap();
+        }
+        let after = redis.lease_stats()[0].2;
+        assert!(before.returns >= 1 && after.held == 0.0, "{before:?} {after:?}");
+        assert_eq!(after.local, before.local, "near the bound, direct takes only");
+        let (_, states) = redis.read_async(&[one.slot]).await.unwrap();
+        let taken = 600.0 + 300.0 + 50.0;
+        assert!(states[0].unwrap().value <= 1_000.0 - taken + 1e-9, "{states:?}");
+        redis.delete_async("hot", None, 1).await.unwrap();
     }
 
     /// The take scripts refuse a state that carries leases, before writing: a path that did
