@@ -318,6 +318,11 @@ impl Holder {
         self.held.load().left()
     }
 
+    /// Until when the lease may be spent, on the holder's clock (minus infinity: none).
+    pub fn deadline(&self) -> f64 {
+        self.held.load().deadline
+    }
+
     /// Starts a grant request unless one is on its way: what to report, and the ticket for
     /// its reply ([`Holder::granted`], or [`Holder::failed`] if none comes).
     pub fn ask(&self, now: f64) -> Option<Asked> {

@@ -31,24 +31,26 @@ pub struct FileConfig {
 struct LimitTable {
     config: RawConfig,
     fail_open: bool,
+    /// `lease = true`: served from leases on a Redis store.
+    lease: bool,
 }
 
 impl<'de> Deserialize<'de> for LimitTable {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         use serde::de::Error as _;
         let mut table = toml::Table::deserialize(deserializer)?;
-        let fail_open = match table.remove("failOpen") {
-            None => false,
-            Some(toml::Value::Boolean(open)) => open,
+        let mut flag = |name: &str| match table.remove(name) {
+            None => Ok(false),
+            Some(toml::Value::Boolean(yes)) => Ok(yes),
             Some(other) => {
-                return Err(D::Error::custom(format!(
-                    "failOpen is {other}; it must be true or false"
-                )));
+                Err(D::Error::custom(format!("{name} is {other}; it must be true or false")))
             }
         };
+        let fail_open = flag("failOpen")?;
+        let lease = flag("lease")?;
         // The rest is the config, with its own errors for unknown or invalid fields.
         let config = toml::Value::Table(table).try_into().map_err(D::Error::custom)?;
-        Ok(LimitTable { config, fail_open })
+        Ok(LimitTable { config, fail_open, lease })
     }
 }
 
@@ -182,6 +184,8 @@ pub struct Settings {
     pub limits: Vec<(String, Config)>,
     /// The named limits that fail open (`failOpen = true`).
     pub fail_open: Vec<String>,
+    /// The named limits served from leases (`lease = true`; a Redis store only).
+    pub lease: Vec<String>,
 }
 
 /// How the HTTP side treats slow and idle clients, and how it stops.
@@ -427,6 +431,7 @@ impl FileConfig {
             format!("{}: listen address {listen:?} is not IP:PORT", server.label("listen"))
         })?;
         let store = server.store.clone().unwrap_or_else(|| DEFAULT_STORE.into());
+        let lease = self.leased(&store)?;
         let tokens = token_list(
             "tokens",
             server.tokens.as_deref(),
@@ -539,7 +544,29 @@ impl FileConfig {
                 .filter(|(_, table)| table.fail_open)
                 .map(|(name, _)| name.clone())
                 .collect(),
+            lease,
         })
+    }
+
+    /// The limits with `lease = true`, checked: leases need a Redis store, and a leased
+    /// limit has no shards (yet).
+    fn leased(&self, store: &str) -> anyhow::Result<Vec<String>> {
+        let leased: Vec<String> =
+            self.limits.iter().filter(|(_, t)| t.lease).map(|(name, _)| name.clone()).collect();
+        if let Some(name) = leased.first()
+            && !store.starts_with("redis")
+        {
+            anyhow::bail!(
+                "[limits.{name}] lease = true needs a Redis store (redis://, rediss://, \
+                 redis+cluster://, redis+sentinel://); the store is {store:?}"
+            );
+        }
+        for name in &leased {
+            if self.limits[name].config.shards.is_some_and(|n| n > 1.0) {
+                anyhow::bail!("[limits.{name}] a leased limit cannot have shards yet");
+            }
+        }
+        Ok(leased)
     }
 
     /// The named limits only (for the simulator).

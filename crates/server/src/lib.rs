@@ -308,7 +308,9 @@ pub async fn app_of(
     rls: Option<rls::RlsConfig>,
     version: String,
 ) -> anyhow::Result<(Arc<http::App>, Sweeps)> {
-    let opened = store::open(&settings.store, settings.max_keys, settings.store_deadline).await?;
+    let opened =
+        store::open(&settings.store, settings.max_keys, settings.store_deadline, &settings.lease)
+            .await?;
     // When tracing, a request's time in the store is one of its span's fields.
     let store = otel::Timed::wrap(opened.store);
     let engine = Arc::new(Engine::serving(live::defined(store, settings, version)));
@@ -322,6 +324,7 @@ pub async fn app_of(
         metrics: metrics::Metrics::default(),
         memory: opened.memory.clone(),
         breaker: opened.breaker.clone(),
+        leases: opened.leases.clone(),
         health_deadline: settings.store_deadline,
         errors: Arc::default(),
         accept_errors: Arc::new(http::ErrorLog::new("connections could not be accepted")),
@@ -530,11 +533,20 @@ async fn serve_async(
         }
     });
     let accept_errors = Arc::clone(&app.accept_errors);
+    let leases = app.leases.clone();
     // Last, once every signal has its handler: whoever reads the banner may send them.
     print_banner(&settings, addr, rls_addr, tracing.as_deref());
     serve_http(listener, http::router(app), http_limits, accept_errors, stopped()).await?;
     if let Some(rls_server) = rls_server {
         rls_server.await??;
+    }
+    // Leased tokens go back to the limit now, not when their leases expire.
+    if let Some(redis) = leases {
+        match tokio::time::timeout(settings.store_deadline, redis.release_leases()).await {
+            Ok(Ok(())) => tracing::info!("leases returned"),
+            Ok(Err(e)) => tracing::warn!("leases not returned ({e}); they expire by themselves"),
+            Err(_) => tracing::warn!("leases not returned in time; they expire by themselves"),
+        }
     }
     tracing::info!("stopped");
     Ok(())

@@ -233,7 +233,26 @@ impl Reloader {
         }
     }
 
-    fn apply(&self, loaded: Loaded, why: &str) {
+    fn apply(&self, mut loaded: Loaded, why: &str) {
+        // A leased limit's holders were made with its config at start (the store serves them
+        // with it): a change of it, or of which limits are leased, waits for a restart.
+        let started = &self.started;
+        if loaded.settings.lease != started.lease {
+            tracing::warn!("[limits] lease changed: it takes a restart to apply");
+        }
+        for (name, config) in &mut loaded.settings.limits {
+            let before = started.limits.iter().find(|(n, _)| n == name).map(|(_, c)| *c);
+            if let Some(before) = before
+                && started.lease.contains(name)
+                && *config != before
+            {
+                tracing::warn!(
+                    "[limits.{name}] is leased: its new config takes a restart; it keeps the \
+                     one it started with"
+                );
+                *config = before;
+            }
+        }
         let new = &loaded.settings;
         for field in restart_needed(&self.started, new) {
             tracing::warn!(

@@ -162,6 +162,62 @@ impl Metrics {
     }
 }
 
+/// The leased limits' lines: per (name, key) served from leases in this process, grants and
+/// returns, requests answered from a lease and direct takes, tokens held.
+pub fn render_leases(
+    out: &mut String,
+    stats: &[(String, Option<String>, tollgate::store::LeaseStats)],
+) {
+    type Read = fn(&tollgate::store::LeaseStats) -> f64;
+    let series: [(&str, &str, &str, Read); 5] = [
+        (
+            "tollgate_lease_grants_total",
+            "counter",
+            "Leases granted to this process (renewals too).",
+            |s| s.grants as f64,
+        ),
+        (
+            "tollgate_lease_returns_total",
+            "counter",
+            "Leases this process returned (near the limit, or at shutdown).",
+            |s| s.returns as f64,
+        ),
+        (
+            "tollgate_lease_local_total",
+            "counter",
+            "Requests answered from this process's lease, with no store call.",
+            |s| s.local as f64,
+        ),
+        (
+            "tollgate_lease_direct_total",
+            "counter",
+            "Requests of a leased limit sent to the store as direct takes.",
+            |s| s.direct as f64,
+        ),
+        ("tollgate_lease_tokens_held", "gauge", "Tokens this process holds in leases now.", |s| {
+            s.held
+        }),
+    ];
+    for (name, kind, help, value) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (limit, key, s) in stats {
+            let key = key.as_deref().unwrap_or("");
+            let _ = writeln!(
+                out,
+                "{name}{{name=\"{}\",key=\"{}\"}} {}",
+                escape(limit),
+                escape(key),
+                value(s)
+            );
+        }
+    }
+}
+
+/// A label value escaped for the text exposition (backslash, quote, newline).
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use tollgate::MemoryStore;
-use tollgate::store::{CircuitBreaker, PgStore, RedisStore, SqliteStore, Synchronous};
+use tollgate::store::{
+    CircuitBreaker, LeaseOptions, PgStore, RedisStore, SqliteStore, Synchronous,
+};
 
 use crate::engine::DynStore;
 
@@ -22,11 +24,14 @@ pub struct Opened {
     pub memory: Option<Arc<MemoryStore>>,
     /// The circuit breaker of a networked store (Redis, PostgreSQL), for its metrics.
     pub breaker: Option<Arc<Breaker>>,
+    /// The Redis store when it serves leased limits: their metrics, and their leases given
+    /// back on a graceful shutdown.
+    pub leases: Option<Arc<RedisStore>>,
 }
 
 impl Opened {
     fn local(store: DynStore) -> Self {
-        Opened { store, sqlite: None, memory: None, breaker: None }
+        Opened { store, sqlite: None, memory: None, breaker: None, leases: None }
     }
 
     /// A networked store behind a circuit breaker whose deadline is `deadline`.
@@ -37,6 +42,7 @@ impl Opened {
             sqlite: None,
             memory: None,
             breaker: Some(breaker),
+            leases: None,
         }
     }
 }
@@ -57,6 +63,7 @@ pub async fn open(
     url: &str,
     max_keys: Option<usize>,
     deadline: Duration,
+    leased: &[String],
 ) -> anyhow::Result<Opened> {
     if url == "memory" || url == "memory://" {
         let mut builder = MemoryStore::builder();
@@ -82,13 +89,18 @@ pub async fn open(
     if REDIS_SCHEMES.iter().any(|scheme| url.starts_with(scheme)) {
         // The store's own timeout at the deadline: a request still waiting for its round trip
         // then is withdrawn, and says that nothing was taken.
-        let redis = RedisStore::builder().timeout(deadline).open(url);
+        let mut builder = RedisStore::builder().timeout(deadline);
+        for name in leased {
+            builder = builder.lease(name.as_str(), LeaseOptions::new());
+        }
         // The URL is in the error, its password left out.
-        let redis = redis.context("the Redis store")?;
+        let redis = builder.open(url).context("the Redis store")?;
         if url.starts_with("rediss") {
             tls_verifies(&redis, deadline).await?;
         }
-        return Ok(Opened::networked(Arc::new(redis), deadline));
+        let redis = Arc::new(redis);
+        let leases = (!leased.is_empty()).then(|| Arc::clone(&redis));
+        return Ok(Opened { leases, ..Opened::networked(redis, deadline) });
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         let pg = PgStore::open(url).await.with_context(|| format!("store {url:?}"))?;

@@ -43,6 +43,7 @@ fn serve(
         metrics: Metrics::default(),
         memory: None,
         breaker: None,
+        leases: None,
         health_deadline: std::time::Duration::from_millis(250),
         errors: Arc::default(),
         accept_errors: Arc::default(),

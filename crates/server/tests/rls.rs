@@ -117,6 +117,7 @@ fn start(store: &str, tokens: &[&str]) -> Server {
         public_metrics: false,
         limits: Vec::new(),
         fail_open: Vec::new(),
+        lease: Vec::new(),
     };
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();

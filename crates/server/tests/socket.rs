@@ -32,6 +32,7 @@ fn settings(store: String) -> Settings {
         public_metrics: false,
         limits: vec![("race".into(), Config::token_bucket(100.0, DAY))],
         fail_open: Vec::new(),
+        lease: Vec::new(),
     }
 }
 

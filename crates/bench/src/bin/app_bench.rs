@@ -66,11 +66,13 @@ fn main() {
         Some("replicas") if args.len() >= 3 => {
             replicas(&args[1], &args[2], number(3, 5), number(4, 3) as usize);
         }
+        Some("leased") if args.len() >= 2 => leased(&args[1], number(2, 5), number(3, 3) as usize),
         _ => {
             eprintln!("usage: app_bench redis|postgres [SECONDS] [ROUNDS] [GROUP]");
             eprintln!("       app_bench server OLD_TOLLGATE NEW_TOLLGATE [SECONDS] [ROUNDS]");
             eprintln!("       app_bench frozen OLD_TOLLGATE NEW_TOLLGATE [SECONDS] [ROUNDS]");
             eprintln!("       app_bench replicas TOLLGATE SENTINEL_URL [SECONDS] [ROUNDS]");
+            eprintln!("       app_bench leased TOLLGATE [SECONDS] [ROUNDS]");
             std::process::exit(2);
         }
     }
@@ -88,6 +90,7 @@ enum Backend {
 #[derive(Clone, Copy)]
 struct Run {
     rps: f64,
+    p50_ms: f64,
     p99_ms: f64,
     not_ok: u64,
     app_us: f64,
@@ -141,6 +144,7 @@ fn wrk(url: &str, connections: usize, secs: u64, body: Option<&str>, store: Opti
     };
     let rps = field("Requests/sec:").and_then(|v| v.parse().ok()).unwrap_or(0.0);
     let p99_ms = field("99%").map_or(f64::NAN, |v| duration_ms(&v));
+    let p50_ms = field("50%").map_or(f64::NAN, |v| duration_ms(&v));
     let not_ok = field("Non-2xx or 3xx responses:").and_then(|v| v.parse().ok()).unwrap_or(0)
         + field("Socket errors:").map_or(0, |v| {
             v.split(',')
@@ -150,7 +154,7 @@ fn wrk(url: &str, connections: usize, secs: u64, body: Option<&str>, store: Opti
     let requests = rps * secs as f64;
     let app_us = (cpu_us("self") - app0) / requests;
     let store_us = store.map_or(f64::NAN, |pid| (cpu_us(pid) - store0) / requests);
-    Run { rps, p99_ms, not_ok, app_us, store_us }
+    Run { rps, p50_ms, p99_ms, not_ok, app_us, store_us }
 }
 
 /// A wrk latency (`1.23ms`, `845.00us`, `1.02s`) in ms.
@@ -497,6 +501,74 @@ fn generous_config(dir: &std::path::Path) -> std::path::PathBuf {
     let limit = "[limits.bench]\nkind = \"fixed window\"\nrate = 1000000000\nperiod = 1000\n";
     std::fs::write(&config, limit).unwrap();
     config
+}
+
+/// One hot limit (one key, every request to it, far from its bound) on `tollgate serve`:
+/// the memory store against Redis, Redis with the limit leased (`lease = true`), and the
+/// same behind the bench's proxy with 0.5 ms each way; paired wrk runs, memory first and
+/// second in turn. Redis is `TOLLGATE_REDIS_URL` (loopback only).
+fn leased(binary: &str, secs: u64, rounds: usize) {
+    let binary = std::fs::canonicalize(binary).unwrap().display().to_string();
+    let redis = loopback_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379");
+    let delayed = Proxy::start(address(&redis, 6379), Duration::from_micros(500));
+    let work = tempfile::tempdir().unwrap();
+    let hot = "[limits.hot]\nkind = \"token bucket\"\nrate = 1000000000\nperiod = 1000\n";
+    let config = |name: &str, lease: bool| {
+        let path = work.path().join(name);
+        std::fs::write(&path, format!("{hot}{}", if lease { "lease = true\n" } else { "" }))
+            .unwrap();
+        path
+    };
+    let (plain, leased) = (config("plain.toml", false), config("leased.toml", true));
+    let body = r#"{"name":"hot"}"#;
+    let (mut memory, memory_url) = start_server(&binary, "memory", &plain, &work.path().join("m"));
+    println!(
+        "tollgate serve, POST /v1/limit on one hot limit: requests per second (p50, p99), wrk -t2 -c256, {secs} s a run"
+    );
+    println!();
+    println!("| store | round | memory | store | store / memory |");
+    println!("|---|---:|---:|---:|---:|");
+    let stores = [
+        ("Redis", redis.clone(), &plain),
+        ("Redis, leased", redis.clone(), &leased),
+        ("Redis, leased, 0.5 ms each way", through(&redis, Some(&delayed)), &leased),
+    ];
+    for (i, (name, store, config)) in stores.into_iter().enumerate() {
+        let (mut server, url) =
+            start_server(&binary, &store, config, &work.path().join(i.to_string()));
+        wrk(&memory_url, 256, 1, Some(body), None);
+        wrk(&url, 256, 1, Some(body), None);
+        let mut ratios = Vec::new();
+        for round in 0..rounds {
+            let (m, r) = paired(round, (&memory_url, &url), 256, secs, body);
+            assert_eq!((m.not_ok, r.not_ok), (0, 0), "answers other than 200");
+            ratios.push(r.rps / m.rps);
+            let show =
+                |run: Run| format!("{:.0} ({:.2} ms, {:.1} ms)", run.rps, run.p50_ms, run.p99_ms);
+            println!(
+                "| {name} | {} | {} | {} | {:.2}x |",
+                round + 1,
+                show(m),
+                show(r),
+                r.rps / m.rps
+            );
+        }
+        ratios.sort_by(f64::total_cmp);
+        println!("| {name} | median | | | **{:.2}x** |", ratios[ratios.len() / 2]);
+        let metrics =
+            Command::new("curl").args(["-s", &url.replace("/v1/limit", "/metrics")]).output();
+        if let Ok(out) = metrics {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                if line.starts_with("tollgate_lease_") {
+                    println!("    {line}");
+                }
+            }
+        }
+        let _ = server.kill();
+        let _ = server.wait();
+    }
+    let _ = memory.kill();
+    let _ = memory.wait();
 }
 
 /// What `?replicas=1` costs: one binary, two servers on the same Sentinel-watched primary

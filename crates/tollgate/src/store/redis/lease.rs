@@ -585,16 +585,20 @@ impl<C: Clock> RedisStore<C> {
     }
 
     /// Asks for the next lease in the background if the one held is below half of what was
-    /// spent since the last ask, and the limit is not near its bound.
+    /// spent since the last ask, or past half its term (a renewal, before it runs out), and
+    /// the limit is not near its bound.
     fn fetch_if_low(&self, leases: &Leases, entry: &Arc<Entry>) {
         if entry.near.load(Ordering::Acquire) {
             return;
         }
+        let now = leases.now(&self.inner);
         let spent = f64::from_bits(entry.spent.load(Ordering::Acquire));
-        if entry.holder.held() > spent / 2.0 && entry.holder.held() > 0.0 {
+        let held = entry.holder.held();
+        let renew = entry.holder.deadline() - entry.options.term.as_secs_f64() * 1e3 / 2.0;
+        if held > spent / 2.0 && held > 0.0 && now < renew {
             return;
         }
-        let Some(asked) = entry.holder.ask(leases.now(&self.inner)) else { return };
+        let Some(asked) = entry.holder.ask(now) else { return };
         // Sized from demand: twice what was spent since the last ask, at least one token
         // (the store gives no more than the share allows, nor than it has).
         let spent = f64::from_bits(entry.spent.swap(0f64.to_bits(), Ordering::AcqRel));

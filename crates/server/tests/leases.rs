@@ -1,0 +1,69 @@
+//! `lease = true` in a `[limits.NAME]` table: the limit served from this process's leases on
+//! a Redis store (see `tollgate::store::RedisStoreBuilder::lease`), visible in `/metrics`,
+//! the leases returned on SIGTERM; refused on a store that cannot lease.
+
+mod common;
+
+use std::process::Command;
+
+use serde_json::json;
+
+const CONFIG: &str = r#"
+[limits.hot]
+kind = "token bucket"
+rate = 100000
+period = "1m"
+lease = true
+"#;
+
+fn config_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("tollgate.toml");
+    std::fs::write(&path, CONFIG).unwrap();
+    path
+}
+
+#[test]
+fn a_leased_limit_is_answered_from_the_lease_and_its_lease_returned_on_sigterm() {
+    let Some(url) = common::backend("TOLLGATE_REDIS_URL") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    command.args(["serve", "--listen", "127.0.0.1:0", "--store", &url, "--config"]);
+    command.arg(config_file(dir.path()));
+    let mut served = common::Served::start(command, false);
+    // A key of its own per run: states of earlier runs do not count.
+    let key = format!("run-{}", std::process::id());
+    for _ in 0..300 {
+        let (status, answer) = served.post("/v1/limit", &[], &json!({ "name": "hot", "key": key }));
+        assert_eq!((status, &answer["ok"]), (200, &json!(true)), "{answer}");
+    }
+    let metrics = ureq::get(&format!("http://{}/metrics", served.http))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    let series =
+        |name: &str| common::metric(&metrics, &format!("{name}{{name=\"hot\",key=\"{key}\"}}"));
+    assert!(series("tollgate_lease_grants_total") >= 1.0, "{metrics}");
+    assert!(series("tollgate_lease_local_total") >= 200.0, "{metrics}");
+    assert_eq!(series("tollgate_lease_local_total") + series("tollgate_lease_direct_total"), 300.0);
+    // SIGTERM: the lease goes back, and the limit reads as if only the 300 were taken.
+    let pid = served.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = served.child.wait().unwrap();
+    assert!(status.success(), "{}", served.stderr());
+    assert!(served.stderr().contains("leases returned"), "{}", served.stderr());
+}
+
+#[test]
+fn lease_needs_a_redis_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--store", "memory", "--config"])
+        .arg(config_file(dir.path()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("[limits.hot] lease = true needs a Redis store"), "{stderr}");
+}
