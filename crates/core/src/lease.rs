@@ -257,13 +257,15 @@ pub struct Holder {
 struct Held {
     /// Tokens left (the bits of an `f64`).
     tokens: AtomicU64,
+    /// Tokens it started with.
+    given: f64,
     /// Until when they may be spent, on the holder's clock.
     deadline: f64,
 }
 
 impl Held {
     fn none() -> Held {
-        Held { tokens: AtomicU64::new(0f64.to_bits()), deadline: f64::NEG_INFINITY }
+        Held { tokens: AtomicU64::new(0f64.to_bits()), given: 0.0, deadline: f64::NEG_INFINITY }
     }
 
     fn left(&self) -> f64 {
@@ -318,6 +320,13 @@ impl Holder {
         self.held.load().left()
     }
 
+    /// Tokens spent from the lease in use (what it started with, less what is left): the
+    /// demand a next lease is sized from, counted with no write on a take's path.
+    pub fn spent(&self) -> f64 {
+        let held = self.held.load();
+        (held.given - held.left()).max(0.0)
+    }
+
     /// Until when the lease may be spent, on the holder's clock (minus infinity: none).
     pub fn deadline(&self) -> f64 {
         self.held.load().deadline
@@ -348,7 +357,8 @@ impl Holder {
         let old = self.held.load();
         let left = f64::from_bits(old.tokens.swap(0f64.to_bits(), Ordering::AcqRel));
         let tokens = left.min(grant.kept) + grant.tokens;
-        self.held.store(Arc::new(Held { tokens: AtomicU64::new(tokens.to_bits()), deadline }));
+        let held = Held { tokens: AtomicU64::new(tokens.to_bits()), given: tokens, deadline };
+        self.held.store(Arc::new(held));
         true
     }
 

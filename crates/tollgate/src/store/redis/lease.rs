@@ -434,7 +434,8 @@ struct Entry {
     options: LeaseOptions,
     /// Near the limit: no leases until it has room again.
     near: AtomicBool,
-    /// Tokens spent since the last request for a lease (the bits of an `f64`): its size.
+    /// Tokens taken directly since the last request for a lease (the bits of an `f64`);
+    /// with what was spent from the lease ([`Holder::spent`]), the next lease's size.
     spent: AtomicU64,
     grants: AtomicU64,
     returns: AtomicU64,
@@ -562,7 +563,6 @@ impl<C: Clock> RedisStore<C> {
             && entry.holder.try_take(one.count, || leases.now(&self.inner))
         {
             entry.local.fetch_add(1, Ordering::Relaxed);
-            entry.spend(one.count);
             self.fetch_if_low(leases, &entry);
             let status = Status { remaining: entry.holder.held(), reset_after: 0.0 };
             return Ok(Taken { decision: Decision { ok: true, retry_after: None }, status });
@@ -592,7 +592,7 @@ impl<C: Clock> RedisStore<C> {
             return;
         }
         let now = leases.now(&self.inner);
-        let spent = f64::from_bits(entry.spent.load(Ordering::Acquire));
+        let spent = entry.holder.spent() + f64::from_bits(entry.spent.load(Ordering::Acquire));
         let held = entry.holder.held();
         let renew = entry.holder.deadline() - entry.options.term.as_secs_f64() * 1e3 / 2.0;
         if held > spent / 2.0 && held > 0.0 && now < renew {
@@ -601,8 +601,8 @@ impl<C: Clock> RedisStore<C> {
         let Some(asked) = entry.holder.ask(now) else { return };
         // Sized from demand: twice what was spent since the last ask, at least one token
         // (the store gives no more than the share allows, nor than it has).
-        let spent = f64::from_bits(entry.spent.swap(0f64.to_bits(), Ordering::AcqRel));
-        let want = (2.0 * spent).max(1.0);
+        let direct = f64::from_bits(entry.spent.swap(0f64.to_bits(), Ordering::AcqRel));
+        let want = (2.0 * (entry.holder.spent() + direct)).max(1.0);
         let (inner, entry, id) = (Arc::clone(&self.inner), Arc::clone(entry), leases.id);
         tokio::spawn(async move {
             let term = entry.options.term.as_secs_f64() * 1e3;
