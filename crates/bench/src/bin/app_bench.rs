@@ -533,16 +533,20 @@ fn leased(binary: &str, secs: u64, rounds: usize) {
         ("Redis, leased", redis.clone(), &leased),
         ("Redis, leased, 0.5 ms each way", through(&redis, Some(&delayed)), &leased),
     ];
+    let mut admin = redis::Client::open(redis.as_str()).unwrap().get_connection().unwrap();
     for (i, (name, store, config)) in stores.into_iter().enumerate() {
         let (mut server, url) =
             start_server(&binary, &store, config, &work.path().join(i.to_string()));
         wrk(&memory_url, 256, 1, Some(body), None);
         wrk(&url, 256, 1, Some(body), None);
+        let (calls0, usec0) = script_stats(&mut admin);
+        let mut served = 0.0;
         let mut ratios = Vec::new();
         for round in 0..rounds {
             let (m, r) = paired(round, (&memory_url, &url), 256, secs, body);
             assert_eq!((m.not_ok, r.not_ok), (0, 0), "answers other than 200");
             ratios.push(r.rps / m.rps);
+            served += r.rps * secs as f64;
             let show =
                 |run: Run| format!("{:.0} ({:.2} ms, {:.1} ms)", run.rps, run.p50_ms, run.p99_ms);
             println!(
@@ -555,6 +559,12 @@ fn leased(binary: &str, secs: u64, rounds: usize) {
         }
         ratios.sort_by(f64::total_cmp);
         println!("| {name} | median | | | **{:.2}x** |", ratios[ratios.len() / 2]);
+        let (calls, usec) = script_stats(&mut admin);
+        println!(
+            "    Redis during its rounds: {:.4} script calls and {:.3} us of Redis time a request",
+            (calls - calls0) / served,
+            (usec - usec0) / served
+        );
         let metrics =
             Command::new("curl").args(["-s", &url.replace("/v1/limit", "/metrics")]).output();
         if let Ok(out) = metrics {
@@ -569,6 +579,18 @@ fn leased(binary: &str, secs: u64, rounds: usize) {
     }
     let _ = memory.kill();
     let _ = memory.wait();
+}
+
+/// Script calls (`EVALSHA`) and their microseconds so far, from Redis's `INFO commandstats`.
+fn script_stats(conn: &mut redis::Connection) -> (f64, f64) {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).unwrap();
+    let Some(line) = info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:")) else {
+        return (0.0, 0.0);
+    };
+    let field = |name: &str| {
+        line.split(',').find_map(|kv| kv.strip_prefix(name)).map_or(0.0, |v| v.parse().unwrap())
+    };
+    (field("calls="), field("usec="))
 }
 
 /// What `?replicas=1` costs: one binary, two servers on the same Sentinel-watched primary
