@@ -486,7 +486,9 @@ impl Leases {
         self.names.contains_key(name)
     }
 
-    fn entry(&self, slot: &Slot<'_>) -> Arc<Entry> {
+    /// The entry of `slot`'s (name, key), made if there is room (at most [`MOST_HELD`] in
+    /// a store: a leased limit keyed by users would otherwise hold one per user for ever).
+    fn entry(&self, slot: &Slot<'_>) -> Option<Arc<Entry>> {
         // Found by a hash of (name, key) and compared: no allocation on the way.
         let hash = self.hasher.hash_one((slot.name, slot.key));
         let find = |map: &Entries| {
@@ -496,12 +498,15 @@ impl Leases {
                 .map(Arc::clone)
         };
         if let Some(entry) = find(&self.entries.load()) {
-            return entry;
+            return Some(entry);
         }
         let _inserting = self.inserting.lock();
         let map = self.entries.load_full();
         if let Some(entry) = find(&map) {
-            return entry;
+            return Some(entry);
+        }
+        if map.values().map(Vec::len).sum::<usize>() >= MOST_HELD {
+            return None;
         }
         let entry = Arc::new(Entry {
             holder: Holder::new(MARGIN_MS),
@@ -520,7 +525,7 @@ impl Leases {
         let mut next = (*map).clone();
         next.entry(hash).or_default().push(Arc::clone(&entry));
         self.entries.store(Arc::new(next));
-        entry
+        Some(entry)
     }
 
     fn all(&self) -> Vec<Arc<Entry>> {
@@ -545,6 +550,10 @@ async fn release<C: Clock>(inner: &Inner<C>, entry: &Entry, id: u64) {
     }
 }
 
+/// The most (name, key) pairs a store leases for: past it, a leased limit's other keys are
+/// direct takes (exact; only not from a lease).
+const MOST_HELD: usize = 1_024;
+
 /// Milliseconds a holder's deadline keeps before its lease's end, besides the drift.
 const MARGIN_MS: f64 = 5.0;
 
@@ -557,7 +566,9 @@ impl<C: Clock> RedisStore<C> {
         leases: &Leases,
         one: &OneTake<'_>,
     ) -> Result<Taken, StoreError> {
-        let entry = leases.entry(&one.slot);
+        let Some(entry) = leases.entry(&one.slot) else {
+            return self.inner.lease_take(one).await.map(|(taken, _)| taken);
+        };
         if one.writes
             && !one.reserve
             && entry.holder.try_take(one.count, || leases.now(&self.inner))
@@ -1021,6 +1032,33 @@ mod tests {
         let taken = 600.0 + 300.0 + 50.0;
         assert!(states[0].unwrap().value <= 1_000.0 - taken + 1e-9, "{states:?}");
         redis.delete_async("hot", None, 1).await.unwrap();
+    }
+
+    /// A leased limit keyed by many keys holds leases for at most [`MOST_HELD`] of them; the
+    /// others are direct takes, still exact.
+    #[tokio::test]
+    async fn leases_are_held_for_a_bounded_number_of_keys() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let prefix = format!("tollgate-many:{}:", std::process::id());
+        let redis = RedisStore::builder()
+            .prefix(prefix)
+            .lease("per-user", LeaseOptions::new())
+            .open_with_clock(&url, clock)
+            .unwrap();
+        let config = Config::token_bucket(10.0, 1_000.0);
+        let keys: Vec<String> = (0..MOST_HELD + 50).map(|i| format!("user-{i}")).collect();
+        for key in &keys {
+            let take =
+                Take { name: "per-user", key: Some(key), config, count: 1.0, reserve: false };
+            assert!(redis.execute_one_async(&writing(&take)).await.unwrap().decision.ok);
+        }
+        assert_eq!(redis.lease_stats().len(), MOST_HELD);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        redis.release_leases().await.unwrap();
+        for key in &keys {
+            redis.delete_async("per-user", Some(key), 1).await.ok();
+        }
     }
 
     /// The take scripts refuse a state that carries leases, before writing: a path that did
