@@ -31,8 +31,18 @@ pub struct FileConfig {
 struct LimitTable {
     config: RawConfig,
     fail_open: bool,
-    /// `lease = true`: served from leases on a Redis store.
-    lease: bool,
+    /// `lease = true` or `lease = { term, share, floor }`: served from leases on a Redis
+    /// store.
+    lease: Option<LeaseTable>,
+}
+
+/// The tuning of a leased limit (`tollgate::store::LeaseOptions`); each field optional.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaseTable {
+    term: Option<Period>,
+    share: Option<f64>,
+    floor: Option<f64>,
 }
 
 impl<'de> Deserialize<'de> for LimitTable {
@@ -47,7 +57,20 @@ impl<'de> Deserialize<'de> for LimitTable {
             }
         };
         let fail_open = flag("failOpen")?;
-        let lease = flag("lease")?;
+        let lease = match table.remove("lease") {
+            None | Some(toml::Value::Boolean(false)) => None,
+            Some(toml::Value::Boolean(true)) => Some(LeaseTable::default()),
+            Some(toml::Value::Table(tuning)) => Some(
+                toml::Value::Table(tuning)
+                    .try_into()
+                    .map_err(|e| D::Error::custom(format!("lease: {e}")))?,
+            ),
+            Some(other) => {
+                return Err(D::Error::custom(format!(
+                    "lease is {other}; it must be true, false or {{ term, share, floor }}"
+                )));
+            }
+        };
         // The rest is the config, with its own errors for unknown or invalid fields.
         let config = toml::Value::Table(table).try_into().map_err(D::Error::custom)?;
         Ok(LimitTable { config, fail_open, lease })
@@ -184,8 +207,9 @@ pub struct Settings {
     pub limits: Vec<(String, Config)>,
     /// The named limits that fail open (`failOpen = true`).
     pub fail_open: Vec<String>,
-    /// The named limits served from leases (`lease = true`; a Redis store only).
-    pub lease: Vec<String>,
+    /// The named limits served from leases (`lease = true` or a table of its tuning; a
+    /// Redis store only), with their options.
+    pub lease: Vec<(String, tollgate::store::LeaseOptions)>,
 }
 
 /// How the HTTP side treats slow and idle clients, and how it stops.
@@ -548,23 +572,39 @@ impl FileConfig {
         })
     }
 
-    /// The limits with `lease = true`, checked: leases need a Redis store, and a leased
-    /// limit has no shards (yet).
-    fn leased(&self, store: &str) -> anyhow::Result<Vec<String>> {
-        let leased: Vec<String> =
-            self.limits.iter().filter(|(_, t)| t.lease).map(|(name, _)| name.clone()).collect();
-        if let Some(name) = leased.first()
-            && !store.starts_with("redis")
-        {
-            anyhow::bail!(
-                "[limits.{name}] lease = true needs a Redis store (redis://, rediss://, \
-                 redis+cluster://, redis+sentinel://); the store is {store:?}"
-            );
-        }
-        for name in &leased {
-            if self.limits[name].config.shards.is_some_and(|n| n > 1.0) {
-                anyhow::bail!("[limits.{name}] a leased limit cannot have shards yet");
+    /// The limits with `lease`, checked: leases need a Redis store, a leased limit has no
+    /// shards (yet), and its tuning is in range.
+    fn leased(&self, store: &str) -> anyhow::Result<Vec<(String, tollgate::store::LeaseOptions)>> {
+        let mut leased = Vec::new();
+        for (name, table) in &self.limits {
+            let Some(tuning) = &table.lease else { continue };
+            if !store.starts_with("redis") {
+                bail!(
+                    "[limits.{name}] lease = true needs a Redis store (redis://, rediss://, \
+                     redis+cluster://, redis+sentinel://); the store is {store:?}"
+                );
             }
+            if table.config.shards.is_some_and(|n| n > 1.0) {
+                bail!("[limits.{name}] a leased limit cannot have shards yet");
+            }
+            let label = format!("[limits.{name}] lease.term");
+            let term = duration(&label, tuning.term.as_ref(), Duration::from_secs(2), false)?;
+            let mut options = tollgate::store::LeaseOptions::new().term(term);
+            if let Some(share) = tuning.share {
+                if !(share > 0.0 && share <= 1.0) {
+                    bail!(
+                        "[limits.{name}] lease.share is {share}; it must be more than 0 and at most 1"
+                    );
+                }
+                options = options.share(share);
+            }
+            if let Some(floor) = tuning.floor {
+                if !(0.0..=1.0).contains(&floor) {
+                    bail!("[limits.{name}] lease.floor is {floor}; it must be from 0 to 1");
+                }
+                options = options.floor(floor);
+            }
+            leased.push((name.clone(), options));
         }
         Ok(leased)
     }

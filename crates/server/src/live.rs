@@ -243,7 +243,7 @@ impl Reloader {
         for (name, config) in &mut loaded.settings.limits {
             let before = started.limits.iter().find(|(n, _)| n == name).map(|(_, c)| *c);
             if let Some(before) = before
-                && started.lease.contains(name)
+                && started.lease.iter().any(|(leased, _)| leased == name)
                 && *config != before
             {
                 tracing::warn!(

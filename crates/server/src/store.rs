@@ -63,7 +63,7 @@ pub async fn open(
     url: &str,
     max_keys: Option<usize>,
     deadline: Duration,
-    leased: &[String],
+    leased: &[(String, LeaseOptions)],
 ) -> anyhow::Result<Opened> {
     if url == "memory" || url == "memory://" {
         let mut builder = MemoryStore::builder();
@@ -90,8 +90,8 @@ pub async fn open(
         // The store's own timeout at the deadline: a request still waiting for its round trip
         // then is withdrawn, and says that nothing was taken.
         let mut builder = RedisStore::builder().timeout(deadline);
-        for name in leased {
-            builder = builder.lease(name.as_str(), LeaseOptions::new());
+        for (name, options) in leased {
+            builder = builder.lease(name.as_str(), *options);
         }
         // The URL is in the error, its password left out.
         let redis = builder.open(url).context("the Redis store")?;

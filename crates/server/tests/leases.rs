@@ -67,3 +67,34 @@ fn lease_needs_a_redis_store() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("[limits.hot] lease = true needs a Redis store"), "{stderr}");
 }
+
+/// `lease = { term, share, floor }` tunes it; values out of range, or unknown fields, are
+/// refused with the field named.
+#[test]
+fn lease_tuning_is_read_and_checked() {
+    use std::time::Duration;
+
+    use tollgate::store::LeaseOptions;
+    use tollgate_server::config::{FileConfig, Overrides};
+    let settings = |lease: &str| {
+        let text = format!(
+            "[server]\nstore = \"redis://127.0.0.1:6379\"\n[limits.hot]\nkind = \"token bucket\"\n\
+             rate = 100\nperiod = \"1m\"\nlease = {lease}\n"
+        );
+        FileConfig::parse(&text).and_then(|file| file.settings(&Overrides::default(), false))
+    };
+    let tuned = settings("{ term = \"5s\", share = 0.3, floor = 0.1 }").unwrap();
+    let expected = LeaseOptions::new().term(Duration::from_secs(5)).share(0.3).floor(0.1);
+    assert_eq!(tuned.lease, [("hot".to_string(), expected)]);
+    assert_eq!(settings("true").unwrap().lease, [("hot".to_string(), LeaseOptions::new())]);
+    assert!(settings("false").unwrap().lease.is_empty());
+    let error = |lease: &str| format!("{:#}", settings(lease).unwrap_err());
+    assert!(error("{ share = 2 }").contains("lease.share is 2"), "{}", error("{ share = 2 }"));
+    assert!(
+        error("{ term = \"forever\" }").contains("lease.term"),
+        "{}",
+        error("{ term = \"forever\" }")
+    );
+    assert!(error("{ shares = 0.5 }").contains("unknown field"), "{}", error("{ shares = 0.5 }"));
+    assert!(error("\"yes\"").contains("lease is"), "{}", error("\"yes\""));
+}
