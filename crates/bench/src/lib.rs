@@ -163,6 +163,19 @@ pub fn delete_counters(conn: &mut redis::Connection, keys: &[String]) {
     }
 }
 
+/// Calls and microseconds of `command` so far, from `INFO commandstats`.
+pub fn command_stats(conn: &mut redis::Connection, command: &str) -> (f64, f64) {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).unwrap();
+    let prefix = format!("cmdstat_{command}:");
+    let Some(line) = info.lines().find_map(|l| l.strip_prefix(prefix.as_str())) else {
+        return (0.0, 0.0);
+    };
+    let field = |name: &str| {
+        line.split(',').find_map(|kv| kv.strip_prefix(name)).map_or(0.0, |v| v.parse().unwrap())
+    };
+    (field("calls="), field("usec="))
+}
+
 /// `n` distinct keys shaped like user ids.
 pub fn keys(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("user-{i:08}")).collect()

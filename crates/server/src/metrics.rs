@@ -205,16 +205,16 @@ pub fn render_leases(
             let _ = writeln!(
                 out,
                 "{name}{{name=\"{}\",key=\"{}\"}} {}",
-                escape(limit),
-                escape(key),
+                label(limit),
+                label(key),
                 value(s)
             );
         }
     }
 }
 
-/// A label value escaped for the text exposition (backslash, quote, newline).
-fn escape(value: &str) -> String {
+/// A Prometheus label value: `\`, `"` and newlines escaped.
+pub(crate) fn label(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 

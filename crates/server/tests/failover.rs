@@ -59,17 +59,7 @@ impl Sentinels {
     /// Started, or `None` (the test skips) without redis-server, unless
     /// `TOLLGATE_REQUIRE_BACKENDS=1`.
     fn start() -> Option<Sentinels> {
-        let found = Command::new("redis-server")
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !found {
-            if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") {
-                panic!(
-                    "redis-server is not installed, and TOLLGATE_REQUIRE_BACKENDS=1 requires it"
-                );
-            }
-            eprintln!("skipped: redis-server is not installed");
+        if !common::redis_server_available() {
             return None;
         }
         let dir = tempfile::tempdir().unwrap();

@@ -97,15 +97,6 @@ fn signal(pid: &str, signal: &str) {
     assert!(Command::new("kill").args([signal, pid]).status().unwrap().success());
 }
 
-fn redis_server_available() -> bool {
-    let found =
-        Command::new("redis-server").arg("--version").output().is_ok_and(|o| o.status.success());
-    if !found && std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") {
-        panic!("redis-server is not installed, and TOLLGATE_REQUIRE_BACKENDS=1 requires this test");
-    }
-    found
-}
-
 /// A throwaway Redis on a spare loopback port, keeping nothing on disk.
 struct Redis(Child, u16);
 
@@ -145,7 +136,7 @@ const DEADLINE_MS: u64 = 200;
 /// recovers by itself.
 #[test]
 fn a_frozen_redis_is_answered_within_the_deadline_and_honestly() {
-    if !redis_server_available() {
+    if !common::redis_server_available() {
         return;
     }
     let redis = Redis::start();

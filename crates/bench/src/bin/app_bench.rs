@@ -43,8 +43,8 @@ use axum::response::{IntoResponse, Response};
 use tollgate::store::{PgStore, RedisStore};
 use tollgate::tower::{Key, LimitSpec, RateLimitLayer};
 use tollgate::{AsyncStore, Config, RateLimiter, SECOND};
-use tollgate_bench::loopback_url;
 use tollgate_bench::proxy::Proxy;
+use tollgate_bench::{command_stats, loopback_url};
 
 /// Every request is granted.
 const GENEROUS: Config = Config::fixed_window(1e9, SECOND);
@@ -438,25 +438,36 @@ fn servers(old: &str, new: &str, secs: u64, rounds: usize) {
         let (mut new_server, new_url) = start(new, "new");
         wrk(&old_url, 256, 1, Some(body), None);
         wrk(&new_url, 256, 1, Some(body), None);
-        let mut ratios = Vec::new();
-        for round in 0..rounds {
-            let (o, n) = paired(round, (&old_url, &new_url), 256, secs, body);
-            ratios.push(n.rps / o.rps);
-            println!(
-                "| {name} | {} | {} | {} | {:.2}x |",
-                round + 1,
-                shown(o),
-                shown(n),
-                n.rps / o.rps
-            );
-        }
-        ratios.sort_by(f64::total_cmp);
-        println!("| {name} | median | | | **{:.2}x** |", ratios[ratios.len() / 2]);
+        compare(&format!("| {name} "), (&old_url, &new_url), secs, rounds, body, shown);
         for server in [&mut old_server, &mut new_server] {
             let _ = server.kill();
             let _ = server.wait();
         }
     }
+}
+
+/// `rounds` of [`paired`] runs of two servers, a table row each after `prefix` (`| name `,
+/// or nothing) with `show` of each run and the second's requests a second over the first's,
+/// then the median of those ratios; the runs, in order.
+fn compare(
+    prefix: &str,
+    urls: (&str, &str),
+    secs: u64,
+    rounds: usize,
+    body: &str,
+    show: impl Fn(Run) -> String,
+) -> Vec<(Run, Run)> {
+    let mut runs = Vec::new();
+    let mut ratios = Vec::new();
+    for round in 0..rounds {
+        let (a, b) = paired(round, urls, 256, secs, body);
+        ratios.push(b.rps / a.rps);
+        println!("{prefix}| {} | {} | {} | {:.2}x |", round + 1, show(a), show(b), b.rps / a.rps);
+        runs.push((a, b));
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!("{prefix}| median | | | **{:.2}x** |", ratios[ratios.len() / 2]);
+    runs
 }
 
 /// One wrk run of each of two servers, the order alternating with `round` so that a slow
@@ -539,27 +550,15 @@ fn leased(binary: &str, secs: u64, rounds: usize) {
             start_server(&binary, &store, config, &work.path().join(i.to_string()));
         wrk(&memory_url, 256, 1, Some(body), None);
         wrk(&url, 256, 1, Some(body), None);
-        let (calls0, usec0) = script_stats(&mut admin);
-        let mut served = 0.0;
-        let mut ratios = Vec::new();
-        for round in 0..rounds {
-            let (m, r) = paired(round, (&memory_url, &url), 256, secs, body);
+        let (calls0, usec0) = command_stats(&mut admin, "evalsha");
+        let show =
+            |run: Run| format!("{:.0} ({:.2} ms, {:.1} ms)", run.rps, run.p50_ms, run.p99_ms);
+        let runs = compare(&format!("| {name} "), (&memory_url, &url), secs, rounds, body, show);
+        for (m, r) in &runs {
             assert_eq!((m.not_ok, r.not_ok), (0, 0), "answers other than 200");
-            ratios.push(r.rps / m.rps);
-            served += r.rps * secs as f64;
-            let show =
-                |run: Run| format!("{:.0} ({:.2} ms, {:.1} ms)", run.rps, run.p50_ms, run.p99_ms);
-            println!(
-                "| {name} | {} | {} | {} | {:.2}x |",
-                round + 1,
-                show(m),
-                show(r),
-                r.rps / m.rps
-            );
         }
-        ratios.sort_by(f64::total_cmp);
-        println!("| {name} | median | | | **{:.2}x** |", ratios[ratios.len() / 2]);
-        let (calls, usec) = script_stats(&mut admin);
+        let served: f64 = runs.iter().map(|(_, r)| r.rps * secs as f64).sum();
+        let (calls, usec) = command_stats(&mut admin, "evalsha");
         println!(
             "    Redis during its rounds: {:.4} script calls and {:.3} us of Redis time a request",
             (calls - calls0) / served,
@@ -579,18 +578,6 @@ fn leased(binary: &str, secs: u64, rounds: usize) {
     }
     let _ = memory.kill();
     let _ = memory.wait();
-}
-
-/// Script calls (`EVALSHA`) and their microseconds so far, from Redis's `INFO commandstats`.
-fn script_stats(conn: &mut redis::Connection) -> (f64, f64) {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).unwrap();
-    let Some(line) = info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:")) else {
-        return (0.0, 0.0);
-    };
-    let field = |name: &str| {
-        line.split(',').find_map(|kv| kv.strip_prefix(name)).map_or(0.0, |v| v.parse().unwrap())
-    };
-    (field("calls="), field("usec="))
 }
 
 /// What `?replicas=1` costs: one binary, two servers on the same Sentinel-watched primary
@@ -619,15 +606,9 @@ fn replicas(binary: &str, sentinels: &str, secs: u64, rounds: usize) {
     println!("|---:|---:|---:|---:|");
     wrk(&without_url, 256, 1, Some(body), None);
     wrk(&with_url, 256, 1, Some(body), None);
-    let mut ratios = Vec::new();
-    for round in 0..rounds {
-        let (a, b) = paired(round, (&without_url, &with_url), 256, secs, body);
+    for (a, b) in compare("", (&without_url, &with_url), secs, rounds, body, shown) {
         assert_eq!((a.not_ok, b.not_ok), (0, 0), "answers other than 200");
-        ratios.push(b.rps / a.rps);
-        println!("| {} | {} | {} | {:.2}x |", round + 1, shown(a), shown(b), b.rps / a.rps);
     }
-    ratios.sort_by(f64::total_cmp);
-    println!("| median | | | **{:.2}x** |", ratios[ratios.len() / 2]);
     for server in [&mut without, &mut with] {
         let _ = server.kill();
         let _ = server.wait();

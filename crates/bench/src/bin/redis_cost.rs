@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tollgate::store::RedisStore;
 use tollgate::{RateLimiter, Request};
-use tollgate_bench::{Limit, counter_key, delete_counters, keys, loopback_url};
+use tollgate_bench::{Limit, command_stats, counter_key, delete_counters, keys, loopback_url};
 
 /// User and system CPU time of a process so far, in microseconds.
 fn cpu_us(pid: &str) -> (f64, f64) {
@@ -24,19 +24,6 @@ fn cpu_us(pid: &str) -> (f64, f64) {
     let ticks = |i: usize| fields[i].parse::<f64>().expect("a tick count");
     let us_per_tick = 1e6 / 100.0; // USER_HZ is 100 on Linux
     (ticks(11) * us_per_tick, ticks(12) * us_per_tick)
-}
-
-/// Calls and microseconds of `command` so far, from `INFO commandstats`.
-fn command_stats(conn: &mut redis::Connection, command: &str) -> (f64, f64) {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).unwrap();
-    let prefix = format!("cmdstat_{command}:");
-    let Some(line) = info.lines().find_map(|l| l.strip_prefix(prefix.as_str())) else {
-        return (0.0, 0.0);
-    };
-    let field = |name: &str| {
-        line.split(',').find_map(|kv| kv.strip_prefix(name)).map_or(0.0, |v| v.parse().unwrap())
-    };
-    (field("calls="), field("usec="))
 }
 
 struct Side<'a> {

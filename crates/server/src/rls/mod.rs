@@ -30,6 +30,7 @@ use tollgate::core::{MAX_KEY_BYTES, MAX_NAME_BYTES, Status};
 use tollgate::{Call, Error, Request, Target};
 
 use crate::engine::Engine;
+use crate::metrics::label;
 pub use config::{Limit, RlsConfig, Rule, Unit};
 
 /// A request, from gRPC or JSON.
@@ -184,11 +185,6 @@ impl RlsMetrics {
             }
         }
     }
-}
-
-/// A Prometheus label value: `\`, `"` and newlines escaped.
-fn label(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
 #[derive(Clone, Copy)]

@@ -18,6 +18,24 @@ pub(crate) fn backend(var: &str) -> Option<String> {
     }
 }
 
+/// Whether `redis-server` is installed, for tests that start their own; without it the
+/// caller skips, and this says so, unless `TOLLGATE_REQUIRE_BACKENDS=1` (as in CI), which
+/// makes it a failure.
+pub(crate) fn redis_server_available() -> bool {
+    let found = std::process::Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found && std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") {
+        panic!("redis-server is not installed, and TOLLGATE_REQUIRE_BACKENDS=1 requires this test");
+    }
+    if !found {
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "skipped: redis-server is not installed");
+    }
+    found
+}
+
 /// A loopback port that was free a moment ago.
 pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

@@ -86,6 +86,10 @@ pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous
 use std::future::Future;
 use std::pin::Pin;
 
+use tollgate_core::{OneTake, Outcome, Plan, Slot, State, Taken};
+
+use crate::StoreError;
+
 /// A store URL fit to print: its password (`USER:PASSWORD@`) and any `…password=` parameter
 /// replaced by `***`.
 ///
@@ -99,16 +103,13 @@ use std::pin::Pin;
 pub fn redacted_url(url: &str) -> String {
     let (head, query) = url.split_once('?').map_or((url, None), |(h, q)| (h, Some(q)));
     let mut out = match head.split_once("://") {
-        Some((scheme, rest)) => {
-            let hosts = &rest[..rest.find('/').unwrap_or(rest.len())];
-            match hosts.rsplit_once('@') {
-                Some((auth, _)) => {
-                    let user = auth.split_once(':').map_or("", |(user, _)| user);
-                    format!("{scheme}://{user}:***{}", &rest[auth.len()..])
-                }
-                None => head.to_string(),
+        Some((scheme, rest)) => match credentials_and_hosts(rest).0 {
+            Some(auth) => {
+                let user = auth.split_once(':').map_or("", |(user, _)| user);
+                format!("{scheme}://{user}:***{}", &rest[auth.len()..])
             }
-        }
+            None => head.to_string(),
+        },
         None => head.to_string(),
     };
     if let Some(query) = query {
@@ -125,9 +126,15 @@ pub fn redacted_url(url: &str) -> String {
     out
 }
 
-use tollgate_core::{OneTake, Outcome, Plan, Slot, State, Taken};
-
-use crate::StoreError;
+/// `[USER:PASSWORD@]HOST:PORT[,HOST:PORT…][/…]` (a URL after its scheme): the credentials,
+/// if any, and the hosts.
+pub(crate) fn credentials_and_hosts(rest: &str) -> (Option<&str>, &str) {
+    let head = &rest[..rest.find('/').unwrap_or(rest.len())];
+    match head.rsplit_once('@') {
+        Some((auth, hosts)) => (Some(auth), hosts),
+        None => (None, head),
+    }
+}
 
 /// Loads and saves limit states atomically per request.
 ///

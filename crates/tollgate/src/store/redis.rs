@@ -934,14 +934,7 @@ impl<C: Clock> Inner<C> {
         }
         invocation.arg(self.now_arg()).arg(if plan.writes() { "1" } else { "0" }).arg(slots.len());
         for slot in slots {
-            let c = &slot.config;
-            invocation
-                .arg(kind_code(c.kind()))
-                .arg(num(c.rate()))
-                .arg(num(c.period()))
-                .arg(num(c.capacity()))
-                .arg(c.max_reserved().map(num).unwrap_or_default())
-                .arg(num(slot.alignment));
+            slot_args(&mut invocation, slot);
         }
         let takes: Vec<_> = plan.takes().collect();
         invocation.arg(takes.len());
@@ -1198,6 +1191,19 @@ fn cross_slot(plan: &Plan<'_>, keys: &[String]) -> StoreError {
 
 /// How the scripts name a limit's kind: 0 token bucket, 1 fixed window (a byte in
 /// [`one_args`], its digit as a text argument).
+/// A slot as the scripts take it: kind, rate, period, capacity, maxReserved ("" =
+/// unbounded), alignment.
+fn slot_args(invocation: &mut redis::ScriptInvocation<'_>, slot: &Slot<'_>) {
+    let c = &slot.config;
+    invocation
+        .arg(kind_code(c.kind()))
+        .arg(num(c.rate()))
+        .arg(num(c.period()))
+        .arg(num(c.capacity()))
+        .arg(c.max_reserved().map(num).unwrap_or_default())
+        .arg(num(slot.alignment));
+}
+
 fn kind_code(kind: Kind) -> u8 {
     match kind {
         Kind::TokenBucket => 0,

@@ -3,6 +3,8 @@
 
 use redis::{Client, ConnectionAddr, IntoConnectionInfo, RedisError};
 
+use super::credentials_and_hosts;
+
 /// Where the states are, as a URL says.
 pub(super) enum Place {
     /// `redis://` or `rediss://`: one Redis.
@@ -183,15 +185,6 @@ fn decode(value: &str) -> redis::RedisResult<String> {
         }
     }
     String::from_utf8(out).map_err(|_| invalid(format!("{value:?}: not UTF-8")))
-}
-
-/// `[USER:PASSWORD@]HOST:PORT,HOST:PORT[/…]`: the credentials and the hosts.
-fn credentials_and_hosts(rest: &str) -> (Option<&str>, &str) {
-    let head = &rest[..rest.find('/').unwrap_or(rest.len())];
-    match head.rsplit_once('@') {
-        Some((auth, hosts)) => (Some(auth), hosts),
-        None => (None, head),
-    }
 }
 
 fn hosts(list: &str) -> Vec<&str> {

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -21,7 +21,7 @@ use tollgate_core::lease::{Grant, Holder, Leased};
 use tollgate_core::{Clock, Config, Decision, OneTake, Slot, State, Status, Taken};
 
 use super::{
-    AnyConnection, Inner, RedisStore, Writes, disagree, garbage, kind_code, num, unpack_f64,
+    AnyConnection, Inner, RedisStore, Writes, disagree, garbage, num, slot_args, unpack_f64,
 };
 use crate::StoreError;
 
@@ -217,42 +217,33 @@ impl<C: Clock> Inner<C> {
         slot: &Slot<'_>,
         step: Step,
     ) -> Result<(f64, Leased, Vec<u8>), StoreError> {
-        let inner = self;
-        let c = &slot.config;
-        let mut invocation = inner.lease.prepare_invoke();
-        invocation.key(inner.key(slot.name, slot.key, slot.shard)).arg(inner.now_arg());
+        let mut invocation = self.lease.prepare_invoke();
+        invocation.key(self.key(slot.name, slot.key, slot.shard)).arg(self.now_arg());
         let name = match step {
             Step::Take { .. } => "take",
             Step::Grant { .. } => "grant",
             Step::Release { .. } => "release",
             Step::Reset => "reset",
         };
-        invocation
-            .arg(name)
-            .arg(kind_code(c.kind()))
-            .arg(num(c.rate()))
-            .arg(num(c.period()))
-            .arg(num(c.capacity()))
-            .arg(c.max_reserved().map(num).unwrap_or_default())
-            .arg(num(slot.alignment));
+        invocation.arg(name);
+        slot_args(&mut invocation, slot);
+        // Holder ids are below 2^53: exact as the doubles Lua keeps them in.
+        #[allow(clippy::cast_precision_loss)]
+        let id = |holder: u64| num(holder as f64);
         match step {
             Step::Take { count, reserve, writes } => {
                 invocation.arg(num(count)).arg(u8::from(reserve)).arg(u8::from(writes));
             }
             Step::Grant { holder, want, unused, term, share } => {
-                #[allow(clippy::cast_precision_loss)] // ids are below 2^53
-                let holder = holder as f64;
-                invocation.arg(num(holder)).arg(num(want)).arg(num(unused));
+                invocation.arg(id(holder)).arg(num(want)).arg(num(unused));
                 invocation.arg(num(term)).arg(num(share));
             }
             Step::Release { holder, unused } => {
-                #[allow(clippy::cast_precision_loss)]
-                let holder = holder as f64;
-                invocation.arg(num(holder)).arg(num(unused));
+                invocation.arg(id(holder)).arg(num(unused));
             }
             Step::Reset => {}
         }
-        let reply: Vec<Value> = inner
+        let reply: Vec<Value> = self
             .on_connection(Writes::Yes, |mut conn: AnyConnection| async move {
                 invocation.invoke_async(&mut conn).await
             })
@@ -420,6 +411,8 @@ pub(super) struct Leases {
     entries: ArcSwap<Entries>,
     hasher: foldhash::fast::RandomState,
     inserting: parking_lot::Mutex<()>,
+    /// How many entries there are (at most [`MOST_HELD`]).
+    held_keys: AtomicUsize,
 }
 
 type Entries = HashMap<u64, Vec<Arc<Entry>>>;
@@ -479,6 +472,7 @@ impl Leases {
             entries: ArcSwap::from_pointee(HashMap::new()),
             hasher: foldhash::fast::RandomState::default(),
             inserting: parking_lot::Mutex::new(()),
+            held_keys: AtomicUsize::new(0),
         })
     }
 
@@ -489,23 +483,19 @@ impl Leases {
     /// The entry of `slot`'s (name, key), made if there is room (at most [`MOST_HELD`] in
     /// a store: a leased limit keyed by users would otherwise hold one per user for ever).
     fn entry(&self, slot: &Slot<'_>) -> Option<Arc<Entry>> {
-        // Found by a hash of (name, key) and compared: no allocation on the way.
-        let hash = self.hasher.hash_one((slot.name, slot.key));
-        let find = |map: &Entries| {
-            map.get(&hash)?
-                .iter()
-                .find(|e| &*e.name == slot.name && e.key.as_deref() == slot.key)
-                .map(Arc::clone)
-        };
-        if let Some(entry) = find(&self.entries.load()) {
+        if let Some(entry) = self.lookup(&self.entries.load(), slot.name, slot.key) {
             return Some(entry);
+        }
+        // Full: no lock, no count, for each request of the keys left out.
+        if self.held_keys.load(Ordering::Acquire) >= MOST_HELD {
+            return None;
         }
         let _inserting = self.inserting.lock();
         let map = self.entries.load_full();
-        if let Some(entry) = find(&map) {
+        if let Some(entry) = self.lookup(&map, slot.name, slot.key) {
             return Some(entry);
         }
-        if map.values().map(Vec::len).sum::<usize>() >= MOST_HELD {
+        if self.held_keys.load(Ordering::Acquire) >= MOST_HELD {
             return None;
         }
         let entry = Arc::new(Entry {
@@ -523,17 +513,25 @@ impl Leases {
             direct: AtomicU64::new(0),
         });
         let mut next = (*map).clone();
-        next.entry(hash).or_default().push(Arc::clone(&entry));
+        next.entry(self.hash(slot.name, slot.key)).or_default().push(Arc::clone(&entry));
         self.entries.store(Arc::new(next));
+        self.held_keys.fetch_add(1, Ordering::AcqRel);
         Some(entry)
+    }
+
+    fn hash(&self, name: &str, key: Option<&str>) -> u64 {
+        self.hasher.hash_one((name, key))
+    }
+
+    /// The entry of (name, key) in `map`: found by the hash and compared, with no
+    /// allocation on the way.
+    fn lookup(&self, map: &Entries, name: &str, key: Option<&str>) -> Option<Arc<Entry>> {
+        let entries = map.get(&self.hash(name, key))?;
+        entries.iter().find(|e| &*e.name == name && e.key.as_deref() == key).map(Arc::clone)
     }
 
     fn all(&self) -> Vec<Arc<Entry>> {
         self.entries.load().values().flatten().map(Arc::clone).collect()
-    }
-
-    fn find(&self, name: &str, key: Option<&str>) -> Option<Arc<Entry>> {
-        self.all().into_iter().find(|e| &*e.name == name && e.key.as_deref() == key)
     }
 
     fn now<C: Clock>(&self, inner: &Inner<C>) -> f64 {
@@ -698,7 +696,7 @@ impl<C: Clock> RedisStore<C> {
         name: &str,
         key: Option<&str>,
     ) -> Result<(), StoreError> {
-        let Some(entry) = leases.find(name, key) else {
+        let Some(entry) = leases.lookup(&leases.entries.load(), name, key) else {
             return Err(StoreError::new(format!(
                 "redis: a reset of the leased limit {name:?} needs its config, known here once \
                  it has been taken from: take from it first (its leases keep their tokens)"
@@ -989,18 +987,22 @@ mod tests {
         (admitted, local)
     }
 
+    /// A store on a prefix of `test`'s own, on a manual clock, leasing the limit `name`
+    /// with the default options.
+    fn leasing(url: &str, test: &str, name: &str) -> RedisStore<ManualClock> {
+        RedisStore::builder()
+            .prefix(format!("tollgate-{test}:{}:", std::process::id()))
+            .lease(name, LeaseOptions::new())
+            .open_with_clock(url, ManualClock::new(T0))
+            .unwrap()
+    }
+
     /// Far from its bound, a hot limit is answered from the lease: few store calls; near it
     /// (below the floor) every request is a direct take again, and the lease is returned.
     #[tokio::test]
     async fn a_hot_limit_is_answered_from_the_lease_until_near_its_bound() {
         let Some(url) = url() else { return };
-        let clock = ManualClock::new(T0);
-        let prefix = format!("tollgate-hot:{}:", std::process::id());
-        let redis = RedisStore::builder()
-            .prefix(prefix)
-            .lease("hot", LeaseOptions::new())
-            .open_with_clock(&url, clock.clone())
-            .unwrap();
+        let redis = leasing(&url, "hot", "hot");
         let config = Config::token_bucket(1_000.0, 1_000.0).with_capacity(1_000.0);
         let take = Take { name: "hot", key: None, config, count: 1.0, reserve: false };
         let one = writing(&take);
@@ -1039,13 +1041,7 @@ mod tests {
     #[tokio::test]
     async fn leases_are_held_for_a_bounded_number_of_keys() {
         let Some(url) = url() else { return };
-        let clock = ManualClock::new(T0);
-        let prefix = format!("tollgate-many:{}:", std::process::id());
-        let redis = RedisStore::builder()
-            .prefix(prefix)
-            .lease("per-user", LeaseOptions::new())
-            .open_with_clock(&url, clock)
-            .unwrap();
+        let redis = leasing(&url, "many", "per-user");
         let config = Config::token_bucket(10.0, 1_000.0);
         let keys: Vec<String> = (0..MOST_HELD + 50).map(|i| format!("user-{i}")).collect();
         for key in &keys {
