@@ -572,16 +572,17 @@ impl FileConfig {
         })
     }
 
-    /// The limits with `lease`, checked: leases need a Redis store, a leased limit has no
+    /// The limits with `lease`, checked: leases need a Redis or PostgreSQL store, a leased limit has no
     /// shards (yet), and its tuning is in range.
     fn leased(&self, store: &str) -> anyhow::Result<Vec<(String, tollgate::store::LeaseOptions)>> {
         let mut leased = Vec::new();
         for (name, table) in &self.limits {
             let Some(tuning) = &table.lease else { continue };
-            if !store.starts_with("redis") {
+            if !store.starts_with("redis") && !store.starts_with("postgres") {
                 bail!(
-                    "[limits.{name}] lease = true needs a Redis store (redis://, rediss://, \
-                     redis+cluster://, redis+sentinel://); the store is {store:?}"
+                    "[limits.{name}] lease = true needs a Redis or PostgreSQL store (redis://, \
+                     rediss://, redis+cluster://, redis+sentinel://, postgres://); the store \
+                     is {store:?}"
                 );
             }
             if table.config.shards.is_some_and(|n| n > 1.0) {

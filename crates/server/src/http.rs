@@ -26,8 +26,8 @@ pub struct App {
     pub memory: Option<Arc<tollgate::MemoryStore>>,
     /// The circuit breaker of a networked store, for its metrics.
     pub breaker: Option<Arc<crate::store::Breaker>>,
-    /// The Redis store when it serves leased limits, for their metrics.
-    pub leases: Option<Arc<tollgate::store::RedisStore>>,
+    /// The store when it serves leased limits, for their metrics.
+    pub leases: Option<crate::store::Leasing>,
     /// How long `/healthz` waits for the store.
     pub health_deadline: Duration,
     /// Failed requests, logged without flooding.
@@ -530,8 +530,8 @@ fn metrics(app: &App) -> Response {
     let failed_open = app.engine.failed_open();
     let names = app.memory.as_ref().map(|m| m.names());
     let mut text = app.metrics.render(failed_open, live, names, breaker);
-    if let Some(redis) = &app.leases {
-        crate::metrics::render_leases(&mut text, &redis.lease_stats());
+    if let Some(leasing) = &app.leases {
+        crate::metrics::render_leases(&mut text, &leasing.stats());
     }
     config_metrics(app, &mut text);
     if let Some(rls) = &app.rls {

@@ -541,8 +541,8 @@ async fn serve_async(
         rls_server.await??;
     }
     // Leased tokens go back to the limit now, not when their leases expire.
-    if let Some(redis) = leases {
-        match tokio::time::timeout(settings.store_deadline, redis.release_leases()).await {
+    if let Some(leasing) = leases {
+        match tokio::time::timeout(settings.store_deadline, leasing.release()).await {
             Ok(Ok(())) => tracing::info!("leases returned"),
             Ok(Err(e)) => tracing::warn!("leases not returned ({e}); they expire by themselves"),
             Err(_) => tracing::warn!("leases not returned in time; they expire by themselves"),

@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use tollgate::MemoryStore;
+use tollgate::StoreError;
 use tollgate::store::{
-    CircuitBreaker, LeaseOptions, PgStore, RedisStore, SqliteStore, Synchronous,
+    CircuitBreaker, LeaseOptions, LeaseStats, PgStore, RedisStore, SqliteStore, Synchronous,
 };
 
 use crate::engine::DynStore;
@@ -24,9 +25,40 @@ pub struct Opened {
     pub memory: Option<Arc<MemoryStore>>,
     /// The circuit breaker of a networked store (Redis, PostgreSQL), for its metrics.
     pub breaker: Option<Arc<Breaker>>,
-    /// The Redis store when it serves leased limits: their metrics, and their leases given
-    /// back on a graceful shutdown.
-    pub leases: Option<Arc<RedisStore>>,
+    /// The store when it serves leased limits: their metrics, and their leases given back
+    /// on a graceful shutdown.
+    pub leases: Option<Leasing>,
+}
+
+/// A store that serves leased limits (Redis or PostgreSQL).
+#[derive(Clone)]
+pub enum Leasing {
+    /// On Redis, Redis Cluster or behind Sentinel.
+    Redis(Arc<RedisStore>),
+    /// On PostgreSQL.
+    Postgres(Arc<PgStore>),
+}
+
+impl Leasing {
+    /// What each leased (name, key) did in this process.
+    pub fn stats(&self) -> Vec<(String, Option<String>, LeaseStats)> {
+        match self {
+            Leasing::Redis(redis) => redis.lease_stats(),
+            Leasing::Postgres(pg) => pg.lease_stats(),
+        }
+    }
+
+    /// Returns every lease held.
+    ///
+    /// # Errors
+    ///
+    /// The first store error (the other leases are returned all the same).
+    pub async fn release(&self) -> Result<(), StoreError> {
+        match self {
+            Leasing::Redis(redis) => redis.release_leases().await,
+            Leasing::Postgres(pg) => pg.release_leases().await,
+        }
+    }
 }
 
 impl Opened {
@@ -99,12 +131,17 @@ pub async fn open(
             tls_verifies(&redis, deadline).await?;
         }
         let redis = Arc::new(redis);
-        let leases = (!leased.is_empty()).then(|| Arc::clone(&redis));
+        let leases = (!leased.is_empty()).then(|| Leasing::Redis(Arc::clone(&redis)));
         return Ok(Opened { leases, ..Opened::networked(redis, deadline) });
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let pg = PgStore::open(url).await.with_context(|| format!("store {url:?}"))?;
-        return Ok(Opened::networked(Arc::new(pg), deadline));
+        let mut builder = PgStore::builder();
+        for (name, options) in leased {
+            builder = builder.lease(name.as_str(), *options);
+        }
+        let pg = Arc::new(builder.open(url).await.with_context(|| format!("store {url:?}"))?);
+        let leases = (!leased.is_empty()).then(|| Leasing::Postgres(Arc::clone(&pg)));
+        return Ok(Opened { leases, ..Opened::networked(pg, deadline) });
     }
     bail!(
         "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \

@@ -1,6 +1,6 @@
 //! `lease = true` in a `[limits.NAME]` table: the limit served from this process's leases on
-//! a Redis store (see `tollgate::store::RedisStoreBuilder::lease`), visible in `/metrics`,
-//! the leases returned on SIGTERM; refused on a store that cannot lease.
+//! a Redis or PostgreSQL store (see `tollgate::store::RedisStoreBuilder::lease`), visible in
+//! `/metrics`, the leases returned on SIGTERM; refused on a store that cannot lease.
 
 mod common;
 
@@ -23,11 +23,21 @@ fn config_file(dir: &std::path::Path) -> std::path::PathBuf {
 }
 
 #[test]
-fn a_leased_limit_is_answered_from_the_lease_and_its_lease_returned_on_sigterm() {
+fn a_leased_limit_on_redis_is_answered_from_the_lease_and_returned_on_sigterm() {
     let Some(url) = common::backend("TOLLGATE_REDIS_URL") else { return };
+    answered_from_the_lease_and_returned_on_sigterm(&url);
+}
+
+#[test]
+fn a_leased_limit_on_postgres_is_answered_from_the_lease_and_returned_on_sigterm() {
+    let Some(url) = common::backend("TOLLGATE_POSTGRES_URL") else { return };
+    answered_from_the_lease_and_returned_on_sigterm(&url);
+}
+
+fn answered_from_the_lease_and_returned_on_sigterm(url: &str) {
     let dir = tempfile::tempdir().unwrap();
     let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
-    command.args(["serve", "--listen", "127.0.0.1:0", "--store", &url, "--config"]);
+    command.args(["serve", "--listen", "127.0.0.1:0", "--store", url, "--config"]);
     command.arg(config_file(dir.path()));
     let mut served = common::Served::start(command, false);
     // A key of its own per run: states of earlier runs do not count.
@@ -65,7 +75,10 @@ fn lease_needs_a_redis_store() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("[limits.hot] lease = true needs a Redis store"), "{stderr}");
+    assert!(
+        stderr.contains("[limits.hot] lease = true needs a Redis or PostgreSQL store"),
+        "{stderr}"
+    );
 }
 
 /// `lease = { term, share, floor }` tunes it; values out of range, or unknown fields, are

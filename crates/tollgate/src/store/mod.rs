@@ -52,6 +52,8 @@
 
 #[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
 mod breaker;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod lease;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -75,11 +77,13 @@ mod ticket;
 
 #[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
 pub use breaker::{BreakerStats, CircuitBreaker, CircuitBreakerBuilder};
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub use lease::{LeaseOptions, LeaseStats};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgStore, PgStoreBuilder, PgTransaction};
 #[cfg(feature = "redis")]
-pub use redis::{LeaseOptions, LeaseStats, RedisStore, RedisStoreBuilder};
+pub use redis::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous, create_schema};
 

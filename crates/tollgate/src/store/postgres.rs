@@ -12,8 +12,10 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, GenericClient, NoTls, Row, Statement};
+use tollgate_core::lease::{Lease, Leased};
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
+use super::lease::{self, LeaseOptions, LeaseStats, LeaseStore, Leases, Step};
 use super::sql::{
     LOCK_CLASS, MAX_TABLE, PG_LOCK, PgSql, key_columns, lock_id, lock_ids, saves, valid_table,
 };
@@ -27,6 +29,7 @@ pub struct PgStoreBuilder {
     table: String,
     timeout: Duration,
     connections: usize,
+    leases: std::collections::HashMap<String, LeaseOptions>,
 }
 
 impl Default for PgStoreBuilder {
@@ -35,6 +38,7 @@ impl Default for PgStoreBuilder {
             table: "tollgate_state".into(),
             timeout: Duration::from_secs(2),
             connections: 4,
+            leases: std::collections::HashMap::new(),
         }
     }
 }
@@ -67,6 +71,20 @@ impl PgStoreBuilder {
     #[must_use]
     pub fn connections(mut self, connections: usize) -> Self {
         self.connections = connections.max(1);
+        self
+    }
+
+    /// Serves the limit `name` from leases, as
+    /// [`RedisStoreBuilder::lease`](crate::store::RedisStoreBuilder::lease) does on Redis:
+    /// this process takes a share of the limit's tokens ahead and answers `limit` from it
+    /// with one atomic operation and no database call while the lease lasts; the table
+    /// counts leased tokens against the limit (a state's records are in its `leases`
+    /// column), so every process together never admits more than the limit. Near the limit
+    /// every request is a direct take. A leased limit is never taken in a transaction,
+    /// neither the store's own nor yours ([`PgTransaction`]): that is refused, nothing taken.
+    #[must_use]
+    pub fn lease(mut self, name: impl Into<String>, options: LeaseOptions) -> Self {
+        self.leases.insert(name.into(), options);
         self
     }
 
@@ -113,6 +131,7 @@ impl PgStoreBuilder {
             jobs: Mutex::new(VecDeque::new()),
             ready: Notify::new(),
             closed: AtomicBool::new(false),
+            leases: Leases::new(self.leases),
         });
         create_table(&shared).await?;
         for _ in 0..self.connections {
@@ -135,8 +154,13 @@ async fn create_table<C>(shared: &Shared<C>) -> Result<(), StoreError> {
         // replacing the function, which fails when two do it at once).
         client
             .batch_execute(&format!(
-                "BEGIN; SELECT pg_advisory_xact_lock({LOCK_CLASS}, 0); {}; {}; {}; {}; COMMIT",
-                sql.create, sql.drop_old, sql.create_take, sql.create_takes
+                "BEGIN; SELECT pg_advisory_xact_lock({LOCK_CLASS}, 0); {}; {}; {}; {}; {}; {}; COMMIT",
+                sql.create,
+                sql.add_leases,
+                sql.drop_old,
+                sql.create_lease,
+                sql.create_take,
+                sql.create_takes
             ))
             .await
     };
@@ -223,6 +247,8 @@ struct Shared<C> {
     ready: Notify,
     /// Set when the store is dropped: the workers end.
     closed: AtomicBool,
+    /// The leased limits and this process's holders.
+    leases: Option<Leases>,
 }
 
 /// A request for a worker.
@@ -231,6 +257,7 @@ enum Job {
     Plan(Box<OwnedPlan>, Option<f64>, Ticket<Outcome>),
     Read(OwnedSlots, Option<f64>, Ticket<(f64, Vec<Option<State>>)>),
     Delete(String, Option<String>, u16, Ticket<()>),
+    Lease(Box<LeaseRow>, Ticket<(f64, Leased, Vec<f64>)>),
 }
 
 impl Job {
@@ -241,6 +268,7 @@ impl Job {
             Job::Plan(_, _, t) => t.take(),
             Job::Read(_, _, t) => t.take(),
             Job::Delete(_, _, _, t) => t.take(),
+            Job::Lease(_, t) => t.take(),
         }
     }
 }
@@ -360,6 +388,7 @@ fn text(sql: &PgSql) -> Stmts<'_> {
 struct Conn {
     client: Client,
     takes: Statement,
+    lease: Statement,
     prepared: [Statement; 6],
 }
 
@@ -385,7 +414,8 @@ impl Conn {
                 client.prepare(&sql.delete_all).await?,
             ];
             let takes = client.prepare(&sql.takes).await?;
-            Ok::<_, tokio_postgres::Error>(Conn { client, takes, prepared })
+            let lease = client.prepare(&sql.lease).await?;
+            Ok::<_, tokio_postgres::Error>(Conn { client, takes, lease, prepared })
         };
         match tokio::time::timeout(shared.timeout * 2, connect).await {
             Ok(Ok(conn)) => Ok(conn),
@@ -455,6 +485,7 @@ impl Batch {
             Batch::Other(Job::Plan(_, _, t)) => t.answer(Err(e())),
             Batch::Other(Job::Read(_, _, t)) => t.answer(Err(e())),
             Batch::Other(Job::Delete(_, _, _, t)) => t.answer(Err(e())),
+            Batch::Other(Job::Lease(_, t)) => t.answer(Err(e())),
         }
     }
 
@@ -494,6 +525,13 @@ impl Batch {
                 let request = delete_all(&conn.client, &stmts, &name, key.as_deref(), shards);
                 let (result, healthy) = bounded(timeout, true, request).await;
                 ticket.answer(result);
+                healthy
+            }
+            Batch::Other(Job::Lease(row, ticket)) => {
+                let params = row.params();
+                let request = query(&conn.client, Stmt::Prepared(&conn.lease), &params);
+                let (result, healthy) = bounded(timeout, true, request).await;
+                ticket.answer(result.and_then(|rows| lease_answer(&rows)));
                 healthy
             }
         }
@@ -609,6 +647,74 @@ impl OneRow {
             &self.now,
         ]
     }
+}
+
+/// A step on a leased shard, as the parameters of the table's `lease` function.
+struct LeaseRow {
+    take: OneRow,
+    step: i32,
+    args: Vec<f64>,
+}
+
+impl LeaseRow {
+    fn new(slot: &Slot<'_>, step: Step, now: Option<f64>) -> LeaseRow {
+        // Holder ids are below 2^53: exact as doubles.
+        #[allow(clippy::cast_precision_loss)]
+        let (code, args) = match step {
+            Step::Take { count, reserve, writes } => {
+                (0, vec![count, f64::from(u8::from(reserve)), f64::from(u8::from(writes))])
+            }
+            Step::Grant { holder, want, unused, term, share } => {
+                (1, vec![holder as f64, want, unused, term, share])
+            }
+            Step::Release { holder, unused } => (2, vec![holder as f64, unused]),
+            Step::Reset => (3, Vec::new()),
+        };
+        let one = OneTake { slot: *slot, count: 0.0, reserve: false, writes: true };
+        LeaseRow { take: OneRow::new(&one, now), step: code, args }
+    }
+
+    fn params(&self) -> [&(dyn ToSql + Sync); 14] {
+        let t = &self.take;
+        [
+            &t.lock,
+            &t.name,
+            &t.has_key,
+            &t.key,
+            &t.shard,
+            &t.kind,
+            &t.rate,
+            &t.period,
+            &t.cap,
+            &t.max_reserved,
+            &t.alignment,
+            &t.now,
+            &self.step,
+            &self.args,
+        ]
+    }
+}
+
+/// Reads an answer of the `lease` function: the time it used, what it loaded, what it said.
+fn lease_answer(rows: &[Row]) -> Result<(f64, Leased, Vec<f64>), StoreError> {
+    let garbage = || StoreError::new("postgres: the lease function answered garbage");
+    let [row] = rows else { return Err(garbage()) };
+    let array: Vec<f64> = row.try_get(0).map_err(|_| garbage())?;
+    let [now, had, value, ts, n, ref rest @ ..] = array[..] else { return Err(garbage()) };
+    let n = n as usize;
+    if rest.len() < 3 * n {
+        return Err(garbage());
+    }
+    let (records, said) = rest.split_at(3 * n);
+    let leased = Leased {
+        state: (had == 1.0).then_some(State { value, ts }),
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        leases: records
+            .chunks(3)
+            .map(|r| (r[0] as u64, Lease { tokens: r[1], expiry: r[2] }))
+            .collect(),
+    };
+    Ok((now, leased, said.to_vec()))
 }
 
 /// Reads an answer of the `take` function (a row of `takes`): an array of the time it used,
@@ -846,16 +952,63 @@ fn pg_error(what: &str, e: tokio_postgres::Error) -> StoreError {
     StoreError::with_source(format!("postgres: {what}: {detail}{hint}"), e)
 }
 
-impl<C: Clock> PgStore<C> {
+impl<C: Clock> Shared<C> {
     /// Hands `job` to a worker and awaits its answer.
     async fn submit<T>(&self, job: impl FnOnce(Ticket<T>) -> Job) -> Result<T, StoreError> {
         let (ticket, claim): (Ticket<T>, Claim<T>) = ticket();
-        self.shared.push(job(ticket));
-        claim.answer(Some(self.shared.timeout), "postgres").await
+        self.push(job(ticket));
+        claim.answer(Some(self.timeout), "postgres").await
     }
 
     fn now(&self) -> Option<f64> {
-        self.shared.clock.as_ref().map(Clock::now)
+        self.clock.as_ref().map(Clock::now)
+    }
+}
+
+impl<C: Clock> PgStore<C> {
+    async fn submit<T>(&self, job: impl FnOnce(Ticket<T>) -> Job) -> Result<T, StoreError> {
+        self.shared.submit(job).await
+    }
+
+    fn now(&self) -> Option<f64> {
+        self.shared.now()
+    }
+
+    /// Returns every lease this store holds (for a graceful shutdown: the tokens go back to
+    /// the limit at once instead of when the leases expire). Leases are fetched again on
+    /// the next take.
+    ///
+    /// # Errors
+    ///
+    /// The first store error; the other leases are returned all the same.
+    pub async fn release_leases(&self) -> Result<(), StoreError> {
+        lease::release_all(&*self.shared).await
+    }
+
+    /// What each leased (name, key) did in this process.
+    pub fn lease_stats(&self) -> Vec<(String, Option<String>, LeaseStats)> {
+        lease::stats(self.shared.leases.as_ref())
+    }
+}
+
+impl<C: Clock> LeaseStore for Shared<C> {
+    const NAME: &'static str = "postgres";
+
+    async fn lease_call(
+        &self,
+        slot: &Slot<'_>,
+        step: Step,
+    ) -> Result<(f64, Leased, Vec<f64>), StoreError> {
+        let row = Box::new(LeaseRow::new(slot, step, self.now()));
+        self.submit(|ticket| Job::Lease(row, ticket)).await
+    }
+
+    fn leases(&self) -> Option<&Leases> {
+        self.leases.as_ref()
+    }
+
+    fn clock_now(&self) -> Option<f64> {
+        self.now()
     }
 }
 
@@ -863,6 +1016,15 @@ impl<C: Clock> AsyncStore for PgStore<C> {
     type Immediate = Never;
 
     async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        if let Some(leases) = &self.shared.leases
+            && let Some(slot) = plan.slots().iter().find(|s| leases.is_leased(s.name))
+        {
+            return Err(StoreError::new(format!(
+                "postgres: {:?} is leased, and a leased limit is not yet taken in a \
+                 transaction or from shards; nothing was taken",
+                slot.name
+            )));
+        }
         let (plan, now) = (Box::new(OwnedPlan::new(plan)), self.now());
         self.submit(|ticket| Job::Plan(plan, now, ticket)).await
     }
@@ -870,6 +1032,11 @@ impl<C: Clock> AsyncStore for PgStore<C> {
     /// The common request in one statement (see the `take` function of the table), alone
     /// or grouped with others that wait (see [`PgStoreBuilder::connections`]).
     async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        if let Some(leases) = &self.shared.leases
+            && leases.is_leased(take.slot.name)
+        {
+            return lease::take(&self.shared, leases, take).await;
+        }
         let row = OneRow::new(take, self.now());
         let answer = self.submit(|ticket| Job::One(row, ticket)).await?;
         decided(take, answer)
@@ -879,6 +1046,11 @@ impl<C: Clock> AsyncStore for PgStore<C> {
         &self,
         slots: &[Slot<'_>],
     ) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        if let Some(leases) = &self.shared.leases
+            && slots.iter().any(|s| leases.is_leased(s.name))
+        {
+            return lease::read(&*self.shared, slots).await;
+        }
         let (slots, now) = (OwnedSlots::new(slots), self.now());
         self.submit(|ticket| Job::Read(slots, now, ticket)).await
     }
@@ -889,6 +1061,11 @@ impl<C: Clock> AsyncStore for PgStore<C> {
         key: Option<&str>,
         shards: u16,
     ) -> Result<(), StoreError> {
+        if let Some(leases) = &self.shared.leases
+            && leases.is_leased(name)
+        {
+            return lease::reset(&*self.shared, leases, name, key).await;
+        }
         let (name, key) = (name.to_owned(), key.map(str::to_owned));
         self.submit(|ticket| Job::Delete(name, key, shards, ticket)).await
     }
@@ -1081,7 +1258,9 @@ mod group_tests {
                 &self.url,
                 &format!(
                     "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
-                     DROP FUNCTION IF EXISTS {0}_take",
+                     DROP FUNCTION IF EXISTS {0}_take; DROP FUNCTION IF EXISTS {0}_lease; \
+                     DROP FUNCTION IF EXISTS {0}_lfill; DROP FUNCTION IF EXISTS {0}_lsum; \
+                     DROP FUNCTION IF EXISTS {0}_lheld",
                     self.table
                 ),
             );
@@ -1173,6 +1352,197 @@ mod group_tests {
             let answer = send_group(&conn, &[writing(&take)], clock.now()).await.pop().unwrap();
             let err = answer.and_then(|a| decided(&writing(&take), a)).unwrap_err();
             assert!(err.to_string().contains("garbage"), "{garbage}: {err}");
+        }
+    }
+
+    /// Leases on PostgreSQL (issue 34): the `lease` function against tollgate-core's model,
+    /// several leasing processes against the interval bound, the paths that would ignore
+    /// lease records refused.
+    mod leases {
+        use proptest::prelude::*;
+        use tollgate_core::lease::Leased;
+
+        use super::*;
+        use crate::store::lease::testing::{
+            Leasing, Op, act, config, model_step, op, processes, worst,
+        };
+        use crate::store::lease::{Answer, LeaseOptions, LeaseStats};
+
+        impl OnTable {
+            async fn leasing(url: &str, test: &str, clock: &ManualClock, name: &str) -> Self {
+                let table = format!("tollgate_{test}_{}", std::process::id());
+                let store = PgStore::builder()
+                    .table(&table)
+                    .lease(name, LeaseOptions::new().term(Duration::from_millis(800)))
+                    .open_with_clock(url, clock.clone())
+                    .await;
+                OnTable { store: store.unwrap(), url: url.to_owned(), table }
+            }
+        }
+
+        impl Leasing for PgStore<ManualClock> {
+            fn stats(&self) -> Vec<LeaseStats> {
+                self.lease_stats().into_iter().map(|(_, _, s)| s).collect()
+            }
+
+            async fn release(&self) {
+                self.release_leases().await.unwrap();
+            }
+        }
+
+        fn runtime() -> tokio::runtime::Runtime {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap()
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(100))]
+
+            /// Random steps on one leased shard, in PostgreSQL and in tollgate-core's model:
+            /// every answer the same (checked on each step against what the function
+            /// loaded, too), and what the table keeps is the model's state and records.
+            #[test]
+            fn postgres_runs_lease_steps_as_the_model(
+                config in config(),
+                ops in prop::collection::vec(op(), 1..40),
+            ) {
+                let Some(url) = url() else { return Ok(()) };
+                runtime().block_on(async {
+                    let clock = ManualClock::new(T0);
+                    let on = OnTable::open(&url, "lease_model", &clock).await;
+                    let take = Take { name: "t", key: None, config, count: 1.0, reserve: false };
+                    let slot = writing(&take).slot;
+                    let mut model = Leased::default();
+                    for op in &ops {
+                        match *op {
+                            Op::Wait(dt) => clock.advance(dt),
+                            Op::Step(step) => {
+                                let now = clock.now();
+                                let (answer, _, _) =
+                                    lease::step(&*on.store.shared, &slot, step).await.unwrap();
+                                assert_eq!(answer, model_step(&mut model, &slot, now, step));
+                            }
+                        }
+                    }
+                    // What the table keeps (a look loads it as it is) is the model's.
+                    let look = Step::Take { count: 0.0, reserve: false, writes: false };
+                    let (now, kept, _) = on.store.shared.lease_call(&slot, look).await.unwrap();
+                    let (c, a) = (&slot.config, slot.alignment);
+                    if kept.state.is_some() {
+                        let (mut kept, mut model) = (kept, model.clone());
+                        assert_eq!(kept.advance(c, a, now), model.advance(c, a, now));
+                        assert_eq!(kept.leases, model.leases);
+                    } else {
+                        let mut advanced = model.clone();
+                        let state = advanced.advance(c, a, now);
+                        assert!(advanced.leases.is_empty() && state.value >= c.capacity());
+                    }
+                    on.store.delete_async("t", None, 1).await.unwrap();
+                });
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(16))]
+
+            /// Four processes, each its own store leasing the limit, on one table and one
+            /// (manual) clock, take, wait, get killed and return their leases: no interval
+            /// admits more than one bucket would.
+            #[test]
+            fn leased_processes_never_admit_more_than_the_limit(
+                bucket in any::<bool>(),
+                acts in prop::collection::vec(act(), 50..250),
+            ) {
+                let Some(url) = url() else { return Ok(()) };
+                let config = if bucket {
+                    Config::token_bucket(20.0, 1_000.0).with_capacity(40.0)
+                } else {
+                    Config::fixed_window(20.0, 1_000.0)
+                };
+                let admitted = runtime().block_on(async {
+                    let clock = ManualClock::new(T0);
+                    let on = OnTable::open(&url, "lease_processes", &clock).await;
+                    let table = on.table.clone();
+                    let open = async || {
+                        PgStore::builder()
+                            .table(&table)
+                            .lease("hot", LeaseOptions::new().term(Duration::from_millis(800)))
+                            .open_with_clock(&url, clock.clone())
+                            .await
+                            .unwrap()
+                    };
+                    let (admitted, _) = processes(&clock, config, &acts, open).await;
+                    drop(on);
+                    admitted
+                });
+                let worst = worst(&config, &admitted);
+                prop_assert!(worst <= 1e-6, "{worst} over the bound: {admitted:?}");
+            }
+        }
+
+        /// Far from its bound, a hot limit is answered from the lease, with few calls to
+        /// the database.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_hot_limit_is_answered_from_the_lease() {
+            let Some(url) = url() else { return };
+            let clock = ManualClock::new(T0);
+            let on = OnTable::leasing(&url, "lease_hot", &clock, "hot").await;
+            let config = Config::token_bucket(1_000.0, 1_000.0).with_capacity(1_000.0);
+            let take = Take { name: "hot", key: None, config, count: 1.0, reserve: false };
+            let one = writing(&take);
+            for i in 0..600 {
+                assert!(on.store.execute_one_async(&one).await.unwrap().decision.ok);
+                if i % 10 == 0 {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+            let stats = on.store.lease_stats()[0].2;
+            assert!(stats.local >= 400 && stats.direct <= 200, "mostly from the lease: {stats:?}");
+            // Returned: the table reads as if only the 600 were taken.
+            on.store.release_leases().await.unwrap();
+            let (_, states) = on.store.read_async(&[one.slot]).await.unwrap();
+            assert_eq!(states[0].unwrap().value, 400.0);
+        }
+
+        /// A state with lease records is refused by every path that would ignore them (the
+        /// `take` function, a transaction, a store that does not lease it), before writing.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn paths_that_ignore_leases_refuse_a_leased_state() {
+            let Some(url) = url() else { return };
+            let clock = ManualClock::new(T0);
+            let on = OnTable::open(&url, "lease_refused", &clock).await;
+            let take = Take {
+                name: "t",
+                key: None,
+                config: Config::token_bucket(10.0, 1_000.0),
+                count: 1.0,
+                reserve: false,
+            };
+            let one = writing(&take);
+            let grant =
+                Step::Grant { holder: 7, want: 10.0, unused: 0.0, term: 60_000.0, share: 1.0 };
+            let (Answer::Granted(g), _, _) =
+                lease::step(&*on.store.shared, &one.slot, grant).await.unwrap()
+            else {
+                panic!()
+            };
+            assert_eq!(g.tokens, 10.0);
+            clock.advance(5_000.0);
+            let error = on.store.execute_one_async(&one).await.unwrap_err();
+            assert!(error.message().contains("t holds lease records"), "{error}");
+            let error = on.store.execute_async(&one.to_plan()).await.unwrap_err();
+            assert!(error.message().contains("t holds lease records"), "{error}");
+            // Still leased, and the bucket still capped: nothing has flowed in past the lease.
+            let direct = Step::Take { count: 1.0, reserve: false, writes: true };
+            let (answer, _, _) = lease::step(&*on.store.shared, &one.slot, direct).await.unwrap();
+            assert_eq!(answer, Answer::Taken(false));
+            let back = Step::Release { holder: 7, unused: 10.0 };
+            lease::step(&*on.store.shared, &one.slot, back).await.unwrap();
+            // No records left: a plain take takes it again.
+            assert!(on.store.execute_one_async(&one).await.unwrap().decision.ok);
         }
     }
 }

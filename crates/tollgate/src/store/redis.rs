@@ -260,8 +260,6 @@ const SCRIPT_ONE: &str =
 
 mod lease;
 
-pub use lease::{LeaseOptions, LeaseStats};
-
 /// The most one-takes a grouped round trip carries by default: at about 4 us of Redis time
 /// each (the script's share per take in a group of 32), a full trip holds Redis for about
 /// 0.3 ms.
@@ -347,7 +345,7 @@ pub struct RedisStoreBuilder {
     timeout: Duration,
     connections: usize,
     group: usize,
-    leases: std::collections::HashMap<String, LeaseOptions>,
+    leases: std::collections::HashMap<String, super::LeaseOptions>,
 }
 
 impl Default for RedisStoreBuilder {
@@ -431,7 +429,7 @@ impl RedisStoreBuilder {
     /// [`RedisStore::release_leases`] on a graceful shutdown; a process killed with its
     /// lease keeps its tokens from the others until the lease's term ends.
     #[must_use]
-    pub fn lease(mut self, name: impl Into<String>, options: LeaseOptions) -> Self {
+    pub fn lease(mut self, name: impl Into<String>, options: super::LeaseOptions) -> Self {
         self.leases.insert(name.into(), options);
         self
     }
@@ -530,7 +528,7 @@ impl RedisStoreBuilder {
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
             clock,
-            leases: lease::Leases::new(self.leases),
+            leases: super::lease::Leases::new(self.leases),
             replicas: parsed.replicas,
             timeout: self.timeout,
         };
@@ -744,7 +742,7 @@ struct Inner<C> {
     /// `None`: Redis `TIME`.
     clock: Option<C>,
     /// The leased limits and their holders, if any.
-    leases: Option<lease::Leases>,
+    leases: Option<super::lease::Leases>,
     /// How many replicas must acknowledge each write (`WAIT`) before its answer is given.
     replicas: u32,
     /// The store's timeout: a write and its `WAIT` together take at most this (about).
@@ -1429,7 +1427,7 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         if let Some(leases) = &self.inner.leases
             && leases.is_leased(take.slot.name)
         {
-            return self.leased_one(leases, take).await;
+            return super::lease::take(&self.inner, leases, take).await;
         }
         let slot = &take.slot;
         let now = self.inner.clock.as_ref().map_or(f64::NAN, Clock::now);
@@ -1451,7 +1449,7 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         if let Some(leases) = &self.inner.leases
             && slots.iter().any(|s| leases.is_leased(s.name))
         {
-            return self.inner.leased_read(slots).await;
+            return super::lease::read(&*self.inner, slots).await;
         }
         let keys: Vec<String> =
             slots.iter().map(|s| self.inner.key(s.name, s.key, s.shard)).collect();
@@ -1467,7 +1465,7 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         if let Some(leases) = &self.inner.leases
             && leases.is_leased(name)
         {
-            return self.leased_reset(leases, name, key).await;
+            return super::lease::reset(&*self.inner, leases, name, key).await;
         }
         let keys: Vec<String> = (0..shards).map(|shard| self.inner.key(name, key, shard)).collect();
         self.inner

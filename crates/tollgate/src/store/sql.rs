@@ -180,6 +180,12 @@ pub(crate) struct PgSql {
     pub(crate) upsert: String,
     pub(crate) delete: String,
     pub(crate) delete_all: String,
+    /// Adds the `leases` column to a table of an earlier version.
+    pub(crate) add_leases: String,
+    /// Creates (or replaces) the functions behind [`PgSql::lease`].
+    pub(crate) create_lease: String,
+    /// A step on a leased shard: see [`PgSql::new`].
+    pub(crate) lease: String,
     /// The common request in one statement: see [`PgSql::new`].
     pub(crate) take: String,
     /// Several common requests in one statement, one transaction: see [`PgSql::new`].
@@ -213,6 +219,7 @@ impl PgSql {
                     name text COLLATE \"C\" NOT NULL, has_key boolean NOT NULL,
                     key text COLLATE \"C\" NOT NULL, shard integer NOT NULL,
                     value double precision NOT NULL, ts double precision NOT NULL,
+                    leases double precision[],
                     PRIMARY KEY (name, has_key, key, shard)) WITH (fillfactor = 80)"
             ),
             drop_old: format!(
@@ -233,11 +240,16 @@ impl PgSql {
                 RETURNS float8[] LANGUAGE plpgsql VOLATILE AS $fn$
                 DECLARE row_id tid; o_now float8; o_value float8; o_ts float8; o_wrote bool;
                   v float8; t float8; nv float8; nts float8; w float8; full_at float8;
+                  leased bool;
                 BEGIN
                   PERFORM pg_advisory_xact_lock({LOCK_CLASS}, p_lock);
-                  SELECT s.value, s.ts, s.ctid INTO o_value, o_ts, row_id FROM {table} s
+                  SELECT s.value, s.ts, s.ctid, s.leases IS NOT NULL
+                    INTO o_value, o_ts, row_id, leased FROM {table} s
                     WHERE s.name = p_name AND s.has_key = p_has_key AND s.key = p_key
                       AND s.shard = p_shard;
+                  IF leased THEN
+                    PERFORM {table}_lheld(p_name);
+                  END IF;
                   o_now := coalesce(p_now, date_part('epoch', clock_timestamp()) * 1000);
                   IF o_value IS NOT NULL THEN
                     v := o_value; t := o_ts;
@@ -301,11 +313,22 @@ impl PgSql {
                 params = take_params(true, true),
                 elements = take_args(true),
             ),
+            add_leases: format!(
+                "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS leases double precision[]"
+            ),
+            create_lease: pg_lease_functions(table),
+            lease: format!("SELECT {table}_lease($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"),
             take: format!("SELECT {table}_take({args})", args = take_args(false)),
             takes: format!("SELECT a FROM {table}_takes({args}) a", args = take_args(false)),
             // One row per slot, in order, with the database's time once the locks are held.
+            // A state with lease records is refused (an error that names it), whichever
+            // client runs this, on a table of any version (read through `to_jsonb`, a
+            // table made before leases has no `leases` column).
             load: format!(
-                "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8
+                "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8,
+                        CASE WHEN jsonb_typeof(to_jsonb(t) -> 'leases') = 'array' THEN
+                          ('tollgate: ' || t.name || ' holds lease records: it is taken only by \
+a store that leases it, and never in a transaction; nothing was taken')::int END
                  FROM unnest($1::text[], $2::bool[], $3::text[], $4::int4[])
                       WITH ORDINALITY AS s(name, has_key, key, shard, i)
                  LEFT JOIN {table} t USING (name, has_key, key, shard)
@@ -319,6 +342,184 @@ impl PgSql {
             delete_all: format!("DELETE FROM {table} WHERE name = $1 AND has_key = $2 AND key = $3 AND shard < $4"),
         }
     }
+}
+
+/// The functions of leases on `table` (issue 34), the same steps as `tollgate_core::lease`'s
+/// `Leased` (the same expressions in the same order; the differential test checks them):
+///
+/// - `{table}_lease(lock, name, has_key, key, shard, kind, rate, period, cap, maxr, align,
+///   now, step, args)`: takes the slot's advisory lock, loads the state and its records
+///   (`leases`: holder, tokens, expiry per record, by holder), refills it under the cap
+///   `capacity - outstanding` (each expired record dropped at its expiry), runs the step
+///   (0 take: count, reserve, writes; 1 grant: holder, want, unused, term, share; 2 return:
+///   holder, unused; 3 reset) and saves the state with its records (`leases` NULL when
+///   there are none, so a plain take may take it; the row deleted when it is full and holds
+///   none). Answers the time it used, what it loaded (1 and value, ts, the number of records
+///   and the records; or 0, 0, 0, 0), then what the step said (1 or 0 for a take; kept,
+///   tokens and expiry for a grant).
+/// - `{table}_lfill`: the refill of a state to a time under a cap; `{table}_lsum`: the
+///   tokens of the records; `{table}_lheld(name)`: raises the error of a leased state met by a
+///   plain take or a transaction (a path that would refill it past its cap).
+fn pg_lease_functions(table: &str) -> String {
+    format!(
+        "CREATE OR REPLACE FUNCTION {table}_lheld(p_name text) RETURNS float8
+        LANGUAGE plpgsql VOLATILE AS $fn$
+        BEGIN
+          RAISE EXCEPTION 'tollgate: % holds lease records: it is taken only by a store that \
+leases it, and never in a transaction; nothing was taken', p_name;
+        END $fn$;
+        CREATE OR REPLACE FUNCTION {table}_lsum(recs float8[]) RETURNS float8
+        LANGUAGE plpgsql IMMUTABLE AS $fn$
+        DECLARE total float8 := 0;
+        BEGIN
+          FOR i IN 1 .. coalesce(array_length(recs, 1), 0) / 3 LOOP
+            total := total + recs[3 * i - 1];
+          END LOOP;
+          RETURN total;
+        END $fn$;
+        CREATE OR REPLACE FUNCTION {table}_lfill(p_kind int4, p_rate float8, p_period float8,
+            v float8, t float8, p_to float8, c float8, OUT o_v float8, OUT o_t float8)
+        LANGUAGE plpgsql IMMUTABLE AS $fn$
+        DECLARE w float8;
+        BEGIN
+          o_v := v; o_t := t;
+          IF p_to <= t THEN
+            o_v := least(v, c);
+          ELSIF p_kind = 0 THEN
+            o_v := least(v + (p_to - t) * p_rate / p_period, c);
+            o_t := p_to;
+          ELSE
+            w := floor((p_to - t) / p_period);
+            IF w >= 1 THEN
+              o_v := least(v + p_rate * w, c);
+              o_t := t + w * p_period;
+            END IF;
+          END IF;
+        END $fn$;
+        CREATE OR REPLACE FUNCTION {table}_lease(p_lock int4, p_name text, p_has_key bool,
+            p_key text, p_shard int4, p_kind int4, p_rate float8, p_period float8, p_cap float8,
+            p_maxr float8, p_align float8, p_now float8, p_step int4, p_args float8[])
+        RETURNS float8[] LANGUAGE plpgsql VOLATILE AS $fn$
+        DECLARE o_now float8; v float8; t float8; recs float8[]; loaded float8[];
+          said float8[] := '{{}}'; save bool := true; n int; fi int; e float8;
+          holder float8; kept float8; room float8; tokens float8; expiry float8; pos int;
+          nv float8; ok bool; full_at float8;
+        BEGIN
+          PERFORM pg_advisory_xact_lock({LOCK_CLASS}, p_lock);
+          SELECT s.value, s.ts, s.leases INTO v, t, recs FROM {table} s
+            WHERE s.name = p_name AND s.has_key = p_has_key AND s.key = p_key
+              AND s.shard = p_shard;
+          o_now := coalesce(p_now, date_part('epoch', clock_timestamp()) * 1000);
+          recs := coalesce(recs, '{{}}');
+          IF v IS NOT NULL THEN
+            loaded := ARRAY[1, v, t, coalesce(array_length(recs, 1), 0) / 3]::float8[] || recs;
+          ELSE
+            loaded := ARRAY[0, 0, 0, 0]::float8[];
+            v := p_cap;
+            IF p_kind = 0 THEN
+              t := o_now;
+            ELSE
+              t := p_align + floor((o_now - p_align) / p_period) * p_period;
+            END IF;
+          END IF;
+          -- Each record expired by now counts until its expiry, the first first.
+          LOOP
+            fi := NULL;
+            FOR i IN 1 .. coalesce(array_length(recs, 1), 0) / 3 LOOP
+              IF recs[3 * i] <= o_now AND (fi IS NULL OR recs[3 * i] < recs[3 * fi]) THEN
+                fi := i;
+              END IF;
+            END LOOP;
+            EXIT WHEN fi IS NULL;
+            e := recs[3 * fi];
+            IF p_kind = 0 THEN
+              SELECT * INTO v, t FROM {table}_lfill(p_kind, p_rate, p_period, v, t, e,
+                p_cap - {table}_lsum(recs));
+              recs := recs[1 : 3 * fi - 3] || recs[3 * fi + 1 :];
+            ELSE
+              recs := recs[1 : 3 * fi - 3] || recs[3 * fi + 1 :];
+              SELECT * INTO v, t FROM {table}_lfill(p_kind, p_rate, p_period, v, t, e,
+                p_cap - {table}_lsum(recs));
+            END IF;
+          END LOOP;
+          SELECT * INTO v, t FROM {table}_lfill(p_kind, p_rate, p_period, v, t, o_now,
+            p_cap - {table}_lsum(recs));
+          n := coalesce(array_length(recs, 1), 0) / 3;
+          IF p_step = 0 THEN
+            nv := v - p_args[1];
+            ok := nv >= 0 OR (p_args[2] = 1 AND NOT (p_maxr IS NOT NULL AND -nv > p_maxr));
+            IF ok AND p_args[3] = 1 THEN v := nv; END IF;
+            said := ARRAY[ok::int]::float8[];
+            save := ok AND p_args[3] = 1;
+          ELSIF p_step = 1 THEN
+            holder := p_args[1];
+            kept := 0;
+            FOR i IN 1 .. n LOOP
+              IF recs[3 * i - 2] = holder THEN
+                kept := least(recs[3 * i - 1], greatest(p_args[3], 0));
+                recs := recs[1 : 3 * i - 3] || recs[3 * i + 1 :];
+                n := n - 1;
+                EXIT;
+              END IF;
+            END LOOP;
+            room := p_args[5] * p_cap - {table}_lsum(recs) - kept;
+            tokens := greatest(least(least(p_args[2], v), room), 0);
+            expiry := o_now + p_args[4];
+            IF p_kind <> 0 THEN expiry := least(expiry, t + p_period); END IF;
+            v := v - tokens;
+            IF kept + tokens > 0 THEN
+              pos := n + 1;
+              FOR i IN 1 .. n LOOP
+                IF recs[3 * i - 2] > holder THEN pos := i; EXIT; END IF;
+              END LOOP;
+              recs := recs[1 : 3 * pos - 3] || ARRAY[holder, kept + tokens, expiry]
+                || recs[3 * pos - 2 :];
+            END IF;
+            said := ARRAY[kept, tokens, expiry];
+          ELSIF p_step = 2 THEN
+            FOR i IN 1 .. n LOOP
+              IF recs[3 * i - 2] = p_args[1] THEN
+                v := v + least(recs[3 * i - 1], greatest(p_args[2], 0));
+                recs := recs[1 : 3 * i - 3] || recs[3 * i + 1 :];
+                EXIT;
+              END IF;
+            END LOOP;
+          ELSIF p_step = 3 THEN
+            v := p_cap - {table}_lsum(recs);
+            IF p_kind = 0 THEN
+              t := o_now;
+            ELSE
+              t := p_align + floor((o_now - p_align) / p_period) * p_period;
+            END IF;
+          ELSE
+            RAISE EXCEPTION 'tollgate: unknown lease step %', p_step;
+          END IF;
+          IF save THEN
+            n := coalesce(array_length(recs, 1), 0) / 3;
+            -- Deleted only when it holds no record and is full again: no sooner may a
+            -- missing row read as a full bucket.
+            full_at := t;
+            IF p_cap - v > 0 THEN
+              IF p_kind = 0 THEN
+                full_at := t + (p_cap - v) * p_period / p_rate;
+              ELSE
+                full_at := t + ceil((p_cap - v) / p_rate) * p_period;
+              END IF;
+            END IF;
+            IF n = 0 AND full_at <= o_now THEN
+              DELETE FROM {table} s WHERE s.name = p_name AND s.has_key = p_has_key
+                AND s.key = p_key AND s.shard = p_shard;
+            ELSE
+              INSERT INTO {table} (name, has_key, key, shard, value, ts, leases)
+                VALUES (p_name, p_has_key, p_key, p_shard, v, t,
+                  CASE WHEN n = 0 THEN NULL ELSE recs END)
+                ON CONFLICT (name, has_key, key, shard)
+                DO UPDATE SET value = excluded.value, ts = excluded.ts, leases = excluded.leases;
+            END IF;
+          END IF;
+          RETURN ARRAY[o_now] || loaded || said;
+        END $fn$"
+    )
 }
 
 #[cfg(test)]

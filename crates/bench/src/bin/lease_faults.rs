@@ -1,0 +1,944 @@
+//! The fault harness of leased limits (issue 34): several processes, each its own
+//! `RateLimiter` on one store with the hot limit leased, offered 0.5x, 1x and 10x the limit
+//! (one process 80% of it), while this harness kills random holders with -9, stops one with
+//! SIGSTOP past its lease, restarts Redis (with an append-only file fsynced on each write, so
+//! a restart loses nothing it acknowledged) and, in one scenario, puts 0.5 ms each way between
+//! the processes and Redis. Every request is logged by its process, with the times it was sent
+//! and answered, into a file mapped in memory (what a killed process logged survives it). Then
+//! every interval is checked against the bound and the arrivals are replayed through one
+//! in-memory bucket (the oracle).
+//!
+//! ```text
+//! cargo build --release -p tollgate-bench --bin lease_faults
+//! target/release/lease_faults [--short] [--secs S] [--procs N] [--rate R] [--only SCENARIO]
+//! ```
+//!
+//! Scenarios: `redis` (a Redis of the harness's own, restarted during each run), `redis-0.5ms`
+//! (the same through the delay proxy), `cluster` (`TOLLGATE_REDIS_CLUSTER_URL`, skipped without
+//! it unless `TOLLGATE_REQUIRE_BACKENDS=1`). Loopback only; every run is bounded in time.
+//! Exits 1 on any interval over its bound.
+//!
+//! How an interval is checked: a request was decided somewhere between the moment it was
+//! sent and the moment its answer came (both on the host's real-time clock, the clock Redis's
+//! `TIME` reads). An admission counts in the interval [a, b] only if both lie within it, so a
+//! count over the bound is a certain violation; the check takes the worst interval over all
+//! (a sweep over the answers in time order, with a segment tree over the start times). For a
+//! fixed window the count of each window (admissions wholly inside it) is checked against
+//! the allowance (the capacity equals the rate here, so this is the interval bound).
+
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use memmap2::MmapMut;
+use std::sync::Arc;
+use tollgate::store::{AsyncStore, LeaseOptions, LeaseStats, PgStore, RedisStore};
+
+use tollgate::core::{OneTake, Slot, State, splitmix64};
+use tollgate::{Config, RateLimiter, Request};
+use tollgate_bench::proxy::Proxy;
+
+/// Bytes of one logged request: sent and answered (ns since the run's start), flags in the
+/// top bits of the second.
+const RECORD: usize = 16;
+const ADMITTED: u64 = 1 << 63;
+const ERROR: u64 = 1 << 62;
+const TIME_BITS: u64 = (1 << 62) - 1;
+
+/// Requests a process keeps on their way at once.
+const IN_FLIGHT: usize = 128;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("child") {
+        child(&args[1..]);
+    } else {
+        harness(&args);
+    }
+}
+
+fn flag<T: std::str::FromStr>(args: &[String], name: &str) -> Option<T> {
+    let at = args.iter().position(|a| a == name)?;
+    let value = args.get(at + 1).unwrap_or_else(|| panic!("{name} needs a value"));
+    Some(value.parse().unwrap_or_else(|_| panic!("{name}: cannot read {value}")))
+}
+
+fn real_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Bucket,
+    Window,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Bucket => "token bucket",
+            Kind::Window => "fixed window",
+        }
+    }
+
+    /// The limit: `rate` a second; a bucket holds a tenth of a second's worth, a window
+    /// allows its rate (capacity = rate).
+    fn config(self, rate: f64) -> Config {
+        match self {
+            Kind::Bucket => Config::token_bucket(rate, 1_000.0).with_capacity(rate / 10.0),
+            Kind::Window => Config::fixed_window(rate, 1_000.0),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A process of the harness: one RateLimiter on the store, the limit leased.
+
+fn child(args: &[String]) {
+    let url: String = flag(args, "--url").expect("--url");
+    let prefix: String = flag(args, "--prefix").expect("--prefix");
+    let key: String = flag(args, "--key").expect("--key");
+    let kind = if flag::<String>(args, "--kind").as_deref() == Some("window") {
+        Kind::Window
+    } else {
+        Kind::Bucket
+    };
+    let rate: f64 = flag(args, "--rate").expect("--rate");
+    let offered: f64 = flag(args, "--offered").expect("--offered");
+    let until: u64 = flag(args, "--until").expect("--until");
+    let start: u64 = flag(args, "--start").expect("--start");
+    let term: u64 = flag(args, "--term").expect("--term");
+    let log: PathBuf = flag::<String>(args, "--log").expect("--log").into();
+    let slots: usize = flag(args, "--slots").expect("--slots");
+
+    let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&log);
+    let file = file.unwrap();
+    file.set_len((8 + slots * RECORD) as u64).unwrap();
+    // The file is this process's alone while it runs; the harness reads it after.
+    #[allow(unsafe_code)]
+    let map = unsafe { MmapMut::map_mut(&file) }.unwrap();
+
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let options = LeaseOptions::new().term(Duration::from_millis(term));
+    let config = kind.config(rate);
+    let drive = Drive { map, slots, offered, until, start, key };
+    runtime.block_on(async move {
+        if url.starts_with("postgres") {
+            let store = PgStore::builder().table(TABLE).lease("hot", options).open(&url).await;
+            let limiter = RateLimiter::builder(store.unwrap()).define("hot", config).build();
+            drive.run(limiter).await;
+        } else {
+            let store = RedisStore::builder().prefix(prefix).lease("hot", options).open(&url);
+            let limiter = RateLimiter::builder(store.unwrap()).define("hot", config).build();
+            drive.run(limiter).await;
+        }
+    });
+}
+
+/// The PostgreSQL table of the harness's runs (dropped at its end).
+const TABLE: &str = "tollgate_lease_faults";
+
+/// A store that leases, as a process of the harness uses it.
+trait Leasing: AsyncStore + Send + Sync + 'static {
+    /// Answered from leases, direct takes, grants.
+    fn counts(&self) -> (u64, u64, u64);
+    async fn release(&self);
+}
+
+fn counts(stats: &[(String, Option<String>, LeaseStats)]) -> (u64, u64, u64) {
+    stats.iter().fold((0, 0, 0), |(l, d, g), (_, _, s)| (l + s.local, d + s.direct, g + s.grants))
+}
+
+impl Leasing for RedisStore {
+    fn counts(&self) -> (u64, u64, u64) {
+        counts(&self.lease_stats())
+    }
+
+    async fn release(&self) {
+        let _ = self.release_leases().await;
+    }
+}
+
+impl Leasing for PgStore {
+    fn counts(&self) -> (u64, u64, u64) {
+        counts(&self.lease_stats())
+    }
+
+    async fn release(&self) {
+        let _ = self.release_leases().await;
+    }
+}
+
+/// A request's send and answer times, and its answer.
+type Answered = (u64, u64, Result<tollgate::Decision, tollgate::Error>);
+
+/// A process's load: requests at `offered` a second until `until`, each logged.
+struct Drive {
+    map: MmapMut,
+    slots: usize,
+    offered: f64,
+    until: u64,
+    start: u64,
+    key: String,
+}
+
+impl Drive {
+    async fn run<S: Leasing>(self, limiter: RateLimiter<S>) {
+        let Drive { mut map, slots, offered, until, start, key } = self;
+        let limiter = Arc::new(limiter);
+        let t0 = Instant::now();
+        let mut issued = 0u64;
+        let mut logged = 0usize;
+        let mut pending = FuturesUnordered::new();
+        let send = |limiter: &Arc<RateLimiter<S>>| {
+            let sent = real_ns();
+            let limiter = Arc::clone(limiter);
+            let key = key.clone();
+            async move {
+                let answer = limiter.limit_async("hot", Request::new().key(&key)).await;
+                (sent, real_ns(), answer)
+            }
+        };
+        let mut errors: Vec<(String, u64)> = Vec::new();
+        let mut record = |map: &mut MmapMut, (sent, answered, answer): Answered| {
+            if logged == slots {
+                return;
+            }
+            let flags = match answer {
+                Ok(tollgate::Decision { ok: true, .. }) => ADMITTED,
+                Ok(_) => 0,
+                Err(e) => {
+                    let e = e.to_string();
+                    if !errors.iter().any(|(seen, _)| *seen == e) && errors.len() < 8 {
+                        errors.push((e.clone(), 0));
+                    }
+                    if let Some((_, n)) = errors.iter_mut().find(|(seen, _)| *seen == e) {
+                        *n += 1;
+                    }
+                    ERROR
+                }
+            };
+            let at = 8 + logged * RECORD;
+            map[at..at + 8].copy_from_slice(&(sent - start).to_le_bytes());
+            map[at + 8..at + 16].copy_from_slice(&((answered - start) | flags).to_le_bytes());
+            logged += 1;
+            // The count after the record: a kill between the two loses that one record.
+            map[..8].copy_from_slice(&(logged as u64).to_le_bytes());
+        };
+        while real_ns() < until {
+            let due = (offered * t0.elapsed().as_secs_f64()) as u64;
+            while issued < due && pending.len() < IN_FLIGHT && (issued as usize) < slots {
+                issued += 1;
+                pending.push(send(&limiter));
+            }
+            tokio::select! {
+                biased;
+                Some(done) = pending.next(), if !pending.is_empty() => record(&mut map, done),
+                () = tokio::time::sleep(Duration::from_millis(1)) => {}
+            }
+        }
+        while let Some(done) = pending.next().await {
+            record(&mut map, done);
+        }
+        map.flush().unwrap();
+        if std::env::var_os("LEASE_FAULTS_ERRORS").is_some() {
+            for (error, n) in &errors {
+                eprintln!("{n} x {error}");
+            }
+        }
+        limiter.store().release().await;
+        let (local, direct, grants) = limiter.store().counts();
+        println!("{local} {direct} {grants}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The harness.
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Scenario {
+    Redis,
+    RedisDelayed,
+    Cluster,
+    Postgres,
+}
+
+impl Scenario {
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Redis => "redis",
+            Scenario::RedisDelayed => "redis-0.5ms",
+            Scenario::Cluster => "cluster",
+            Scenario::Postgres => "postgres",
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Plan {
+    secs: f64,
+    procs: usize,
+    rate: f64,
+    term: u64,
+}
+
+/// What one run found.
+#[derive(Default)]
+struct Found {
+    arrivals: u64,
+    admitted: u64,
+    errors: u64,
+    oracle: u64,
+    /// The worst interval: admissions over its bound (at most 0 when exact), and the count
+    /// and bound there.
+    excess: f64,
+    worst: (u64, f64),
+    local: u64,
+    direct: u64,
+    grants: u64,
+    kills: u32,
+    stops: u32,
+    restarts: u32,
+    lost_records: u64,
+}
+
+fn harness(args: &[String]) {
+    let short = args.iter().any(|a| a == "--short");
+    let plan = Plan {
+        secs: flag(args, "--secs").unwrap_or(if short { 3.0 } else { 25.0 }),
+        procs: flag(args, "--procs").unwrap_or(4),
+        rate: flag(args, "--rate").unwrap_or(if short { 4_000.0 } else { 30_000.0 }),
+        term: flag(args, "--term").unwrap_or(1_000),
+    };
+    let only: Option<String> = flag(args, "--only");
+    let require = std::env::var("TOLLGATE_REQUIRE_BACKENDS").is_ok_and(|v| v == "1");
+    let dir = tempfile::Builder::new()
+        .prefix("lease-faults")
+        .tempdir_in(if Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" })
+        .unwrap();
+    println!(
+        "lease_faults: {} processes (one offered 80%), rate {}/s, lease term {} ms, {} s a run",
+        plan.procs, plan.rate, plan.term, plan.secs
+    );
+    let mut redis = OwnRedis::start(dir.path());
+    let restart_postgres = args.iter().any(|a| a == "--restart-postgres");
+    let mut scenarios =
+        vec![Scenario::Redis, Scenario::RedisDelayed, Scenario::Cluster, Scenario::Postgres];
+    if let Some(only) = &only {
+        scenarios.retain(|s| s.name() == only);
+        assert!(!scenarios.is_empty(), "--only: redis, redis-0.5ms, cluster or postgres");
+    }
+    let proxy = Proxy::start(redis.addr(), Duration::from_micros(500));
+    let mut total = Found::default();
+    let mut violations = 0;
+    let mut run = 0u64;
+    println!(
+        "{:<12} {:<13} {:>5} {:>9} {:>9} {:>7} {:>7} {:>8} {:>7} {:>9} {:>6}",
+        "scenario",
+        "limit",
+        "load",
+        "arrived/s",
+        "admitted",
+        "local",
+        "errors",
+        "oracle",
+        "ratio",
+        "excess",
+        "faults"
+    );
+    for &scenario in &scenarios {
+        let url = match scenario {
+            Scenario::Redis => format!("redis://{}", redis.addr()),
+            Scenario::RedisDelayed => format!("redis://{}", proxy.addr),
+            Scenario::Cluster => match std::env::var("TOLLGATE_REDIS_CLUSTER_URL") {
+                Ok(url) => url,
+                Err(_) if require => panic!("TOLLGATE_REDIS_CLUSTER_URL is required"),
+                Err(_) => {
+                    println!("cluster: skipped (no TOLLGATE_REDIS_CLUSTER_URL)");
+                    continue;
+                }
+            },
+            Scenario::Postgres => match std::env::var("TOLLGATE_POSTGRES_URL") {
+                Ok(url) => url,
+                Err(_) if require => panic!("TOLLGATE_POSTGRES_URL is required"),
+                Err(_) => {
+                    println!("postgres: skipped (no TOLLGATE_POSTGRES_URL)");
+                    continue;
+                }
+            },
+        };
+        assert!(url.contains("127.0.0.1") || url.contains("localhost"), "loopback only: {url}");
+        // PostgreSQL serves fewer direct takes a second than Redis on this machine: a
+        // lower limit, so that at 10x its bound is what refuses, not the database's speed.
+        let rate = if scenario == Scenario::Postgres { plan.rate / 6.0 } else { plan.rate };
+        let plan = Plan { rate, ..plan };
+        for kind in [Kind::Bucket, Kind::Window] {
+            for load in [0.5, 1.0, 10.0] {
+                run += 1;
+                let restart = match scenario {
+                    Scenario::Redis | Scenario::RedisDelayed => Restart::Redis(&mut redis),
+                    Scenario::Postgres if restart_postgres => Restart::Postgres,
+                    _ => Restart::None,
+                };
+                let found = one_run(&plan, &url, kind, load, run, dir.path(), restart);
+                if found.excess > 1e-6 {
+                    violations += 1;
+                }
+                let faults = format!("{}k{}s{}r", found.kills, found.stops, found.restarts);
+                println!(
+                    "{:<12} {:<13} {:>4}x {:>9.0} {:>9} {:>6.1}% {:>7} {:>8} {:>7.4} {:>9.2} {:>6}",
+                    scenario.name(),
+                    kind.name(),
+                    load,
+                    found.arrivals as f64 / plan.secs,
+                    found.admitted,
+                    100.0 * found.local as f64 / (found.local + found.direct).max(1) as f64,
+                    found.errors,
+                    found.oracle,
+                    found.admitted as f64 / found.oracle.max(1) as f64,
+                    found.excess,
+                    faults,
+                );
+                if found.excess > 1e-6 {
+                    println!(
+                        "  VIOLATION: {} admissions in an interval whose bound is {:.2}",
+                        found.worst.0, found.worst.1
+                    );
+                }
+                total.arrivals += found.arrivals;
+                total.admitted += found.admitted;
+                total.lost_records += found.lost_records;
+                total.grants += found.grants;
+                total.kills += found.kills;
+                total.stops += found.stops;
+                total.restarts += found.restarts;
+            }
+        }
+    }
+    redis.stop();
+    if scenarios.contains(&Scenario::Postgres)
+        && let Ok(url) = std::env::var("TOLLGATE_POSTGRES_URL")
+    {
+        drop_table(&url);
+    }
+    println!(
+        "total: {} admissions of {} requests checked, {} kills -9, {} SIGSTOPs past the lease, \
+         {} store restarts, {} grants; intervals over the bound: {violations}",
+        total.admitted, total.arrivals, total.kills, total.stops, total.restarts, total.grants
+    );
+    if total.lost_records > 0 {
+        println!("({} requests of killed processes were sent but not logged)", total.lost_records);
+    }
+    if violations > 0 {
+        std::process::exit(1);
+    }
+}
+
+/// A Redis of the harness's own: an append-only file fsynced on every write (so a restart
+/// keeps every state and lease it acknowledged), in `dir`.
+struct OwnRedis {
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl OwnRedis {
+    fn start(dir: &Path) -> OwnRedis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let dir = dir.join("redis");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut redis = OwnRedis { port, dir, child: None };
+        redis.spawn();
+        redis
+    }
+
+    fn addr(&self) -> std::net::SocketAddr {
+        ([127, 0, 0, 1], self.port).into()
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string(), "--save", ""])
+            .args(["--appendonly", "yes", "--appendfsync", "always", "--dir"])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server on the PATH");
+        self.child = Some(child);
+        let url = format!("redis://{}", self.addr());
+        let started = Instant::now();
+        loop {
+            let ping = redis::Client::open(url.as_str())
+                .and_then(|c| c.get_connection())
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+            if ping.is_ok() {
+                return;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills it with -9 and starts it again on its files.
+    fn restart(&mut self, down: Duration) {
+        self.stop();
+        std::thread::sleep(down);
+        self.spawn();
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// What a run restarts halfway through.
+enum Restart<'a> {
+    None,
+    Redis(&'a mut OwnRedis),
+    /// The machine's PostgreSQL (`pg_ctlcluster ... restart -m fast`), with
+    /// `--restart-postgres`.
+    Postgres,
+}
+
+/// Restarts the machine's PostgreSQL cluster (fast: sessions end, committed data stays) and
+/// waits until it answers.
+fn restart_postgres() {
+    let versions = std::fs::read_dir("/etc/postgresql").expect("Debian's /etc/postgresql");
+    let version = versions.flatten().next().expect("a cluster").file_name();
+    let status = Command::new("pg_ctlcluster")
+        .arg("--skip-systemctl-redirect")
+        .arg(&version)
+        .args(["main", "restart", "-m", "fast"])
+        .status()
+        .expect("pg_ctlcluster");
+    assert!(status.success(), "pg_ctlcluster restart: {status}");
+    let started = Instant::now();
+    while !Command::new("pg_isready")
+        .args(["-h", "127.0.0.1", "-q"])
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        assert!(started.elapsed() < Duration::from_secs(30), "PostgreSQL did not come back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Drops the harness's table and its functions.
+fn drop_table(url: &str) {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let Ok((client, connection)) = tokio_postgres::connect(url, tokio_postgres::NoTls).await
+        else {
+            return;
+        };
+        tokio::spawn(connection);
+        let functions = ["take", "takes", "lease", "lfill", "lsum", "lheld"]
+            .map(|f| format!("DROP FUNCTION IF EXISTS {TABLE}_{f};"))
+            .concat();
+        let _ = client.batch_execute(&format!("DROP TABLE IF EXISTS {TABLE}; {functions}")).await;
+    });
+}
+
+/// One process of a run: its log and, while it runs, the process.
+struct Holder {
+    log: PathBuf,
+    child: Option<Child>,
+    stopped_until: Option<Instant>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn spawn_child(
+    url: &str,
+    prefix: &str,
+    kind: Kind,
+    plan: &Plan,
+    offered: f64,
+    until: u64,
+    start: u64,
+    log: &Path,
+) -> Child {
+    let slots = (offered * plan.secs * 1.2) as usize + 10_000;
+    Command::new(std::env::current_exe().unwrap())
+        .arg("child")
+        .args(["--url", url, "--prefix", prefix, "--key", prefix])
+        .args(["--kind", if kind == Kind::Window { "window" } else { "bucket" }])
+        .args(["--rate", &plan.rate.to_string(), "--offered", &offered.to_string()])
+        .args(["--until", &until.to_string(), "--start", &start.to_string()])
+        .args(["--term", &plan.term.to_string(), "--slots", &slots.to_string()])
+        .arg("--log")
+        .arg(log)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn signal(child: &Child, signal: &str) {
+    let _ = Command::new("kill").args([signal, &child.id().to_string()]).status();
+}
+
+#[allow(clippy::too_many_lines)]
+fn one_run(
+    plan: &Plan,
+    url: &str,
+    kind: Kind,
+    load: f64,
+    run: u64,
+    dir: &Path,
+    mut restart: Restart<'_>,
+) -> Found {
+    let prefix = format!("lease-faults:{}:{run}:", std::process::id());
+    let start = real_ns();
+    let until = start + (plan.secs * 1e9) as u64;
+    let offered_all = load * plan.rate;
+    let share = |i: usize| {
+        if i == 0 { 0.8 * offered_all } else { 0.2 * offered_all / (plan.procs - 1) as f64 }
+    };
+    let mut holders: Vec<Vec<Holder>> = Vec::new();
+    for i in 0..plan.procs {
+        let log = dir.join(format!("run{run}-p{i}-0.log"));
+        let child = spawn_child(url, &prefix, kind, plan, share(i), until, start, &log);
+        holders.push(vec![Holder { log, child: Some(child), stopped_until: None }]);
+    }
+    let mut found = Found::default();
+    // The faults: a kill -9 of a random process (started again at once, a new holder) every
+    // second or so, one SIGSTOP past the lease's term, one Redis restart.
+    let mut seed = splitmix64(run ^ start);
+    let mut random = move |n: u64| {
+        seed = splitmix64(seed);
+        seed % n
+    };
+    let secs = plan.secs;
+    let stop_at = secs / 3.0;
+    let restart_at = secs / 2.0;
+    let mut next_kill = 0.5 + random(1000) as f64 / 1000.0;
+    let (mut stopped, mut restarted) = (false, false);
+    let t0 = Instant::now();
+    loop {
+        let elapsed = t0.elapsed().as_secs_f64();
+        if elapsed > secs + 0.2 {
+            break;
+        }
+        for generations in &mut holders {
+            let holder = generations.last_mut().unwrap();
+            if holder.stopped_until.is_some_and(|t| Instant::now() >= t) {
+                signal(holder.child.as_ref().unwrap(), "-CONT");
+                holder.stopped_until = None;
+            }
+        }
+        if elapsed >= next_kill && elapsed < secs - 0.5 {
+            let i = random(plan.procs as u64) as usize;
+            let generation = holders[i].len();
+            let holder = holders[i].last_mut().unwrap();
+            if holder.stopped_until.is_none() {
+                let mut child = holder.child.take().unwrap();
+                signal(&child, "-KILL");
+                let _ = child.wait();
+                found.kills += 1;
+                let log = dir.join(format!("run{run}-p{i}-{generation}.log"));
+                let child = spawn_child(url, &prefix, kind, plan, share(i), until, start, &log);
+                holders[i].push(Holder { log, child: Some(child), stopped_until: None });
+            }
+            next_kill = elapsed + 0.5 + random(1000) as f64 / 1000.0;
+        }
+        if !stopped && elapsed >= stop_at {
+            stopped = true;
+            let i = random(plan.procs as u64) as usize;
+            let holder = holders[i].last_mut().unwrap();
+            signal(holder.child.as_ref().unwrap(), "-STOP");
+            let past = Duration::from_millis(plan.term + 500);
+            holder.stopped_until = Some(Instant::now() + past);
+            found.stops += 1;
+        }
+        if !restarted && elapsed >= restart_at {
+            restarted = true;
+            match &mut restart {
+                Restart::None => {}
+                Restart::Redis(redis) => {
+                    redis.restart(Duration::from_millis(200));
+                    found.restarts += 1;
+                }
+                Restart::Postgres => {
+                    restart_postgres();
+                    found.restarts += 1;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Every process ends by itself at `until`; one still stopped is let go.
+    let mut records = Vec::new();
+    for generations in &mut holders {
+        for holder in generations.iter_mut() {
+            if let Some(mut child) = holder.child.take() {
+                if holder.stopped_until.is_some() {
+                    signal(&child, "-CONT");
+                }
+                let out = wait_with_deadline(&mut child, Duration::from_secs(30));
+                let mut words = out.split_whitespace().map(|w| w.parse::<u64>().unwrap_or(0));
+                found.local += words.next().unwrap_or(0);
+                found.direct += words.next().unwrap_or(0);
+                found.grants += words.next().unwrap_or(0);
+            }
+            read_log(&holder.log, &mut records);
+            let _ = std::fs::remove_file(&holder.log);
+        }
+    }
+    check(kind, plan.rate, start, &prefix, &records, &mut found);
+    found
+}
+
+fn wait_with_deadline(child: &mut Child, deadline: Duration) -> String {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            // A process of the run that failed on its own (its store would not open, say)
+            // makes the run worthless: stop here, its error above.
+            assert!(status.success(), "a process of the run failed: {status}");
+            break;
+        }
+        if started.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return String::new();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut out = String::new();
+    if let Some(mut stdout) = child.stdout.take() {
+        use std::io::Read;
+        let _ = stdout.read_to_string(&mut out);
+    }
+    out
+}
+
+/// A request as logged: sent and answered (ms since the run's start), admitted, failed.
+#[derive(Clone, Copy)]
+struct Logged {
+    sent: f64,
+    answered: f64,
+    admitted: bool,
+    error: bool,
+}
+
+fn read_log(path: &Path, into: &mut Vec<Logged>) {
+    let Ok(bytes) = std::fs::read(path) else { return };
+    if bytes.len() < 8 {
+        return;
+    }
+    let count = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    for i in 0..count {
+        let at = 8 + i * RECORD;
+        let sent = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+        let second = u64::from_le_bytes(bytes[at + 8..at + 16].try_into().unwrap());
+        into.push(Logged {
+            sent: sent as f64 / 1e6,
+            answered: (second & TIME_BITS) as f64 / 1e6,
+            admitted: second & ADMITTED != 0,
+            error: second & ERROR != 0,
+        });
+    }
+}
+
+/// The interval check and the oracle.
+fn check(kind: Kind, rate: f64, start: u64, key: &str, records: &[Logged], found: &mut Found) {
+    let config = kind.config(rate);
+    found.arrivals = records.len() as u64;
+    found.errors = records.iter().filter(|r| r.error).count() as u64;
+    let admitted: Vec<&Logged> = records.iter().filter(|r| r.admitted).collect();
+    found.admitted = admitted.len() as u64;
+    let start_ms = start as f64 / 1e6;
+    // The store's alignment of the limit's windows (store time: epoch milliseconds); the
+    // limiter aligns by the limit's name and key (seed 0, as every process).
+    let alignment = tollgate::core::alignment(&config, 0, "hot", Some(key), 0);
+    match kind {
+        Kind::Bucket => {
+            let per_ms = rate / 1_000.0;
+            let (excess, worst) = worst_interval(&admitted, per_ms, config.capacity());
+            found.excess = excess;
+            found.worst = worst;
+        }
+        Kind::Window => {
+            // Admissions wholly inside each window, against its allowance.
+            let mut per_window = std::collections::HashMap::<i64, u64>::new();
+            for r in &admitted {
+                let window = |t: f64| ((start_ms + t - alignment) / 1_000.0).floor() as i64;
+                let (a, b) = (window(r.sent), window(r.answered));
+                if a == b {
+                    *per_window.entry(a).or_default() += 1;
+                }
+            }
+            let most = per_window.values().copied().max().unwrap_or(0);
+            found.excess = most as f64 - rate;
+            found.worst = (most, rate);
+        }
+    }
+    // The oracle: every arrival, in the order sent, through one bucket; but for those the
+    // store could not answer (down for a restart: refused, fail closed), which no lease
+    // changes and the oracle would count as admitted.
+    let mut arrivals: Vec<f64> =
+        records.iter().filter(|r| !r.error).map(|r| start_ms + r.sent).collect();
+    arrivals.sort_by(f64::total_cmp);
+    let slot = Slot { name: "hot", key: Some(key), shard: 0, config, alignment };
+    let take = OneTake { slot, count: 1.0, reserve: false, writes: true };
+    let mut state: Option<State> = None;
+    for now in arrivals {
+        let (taken, next) = take.decide(now, state);
+        if taken.decision.ok {
+            found.oracle += 1;
+        }
+        if next.is_some() {
+            state = next;
+        }
+    }
+}
+
+/// The interval [a, b] (a a request's send time, b an answer's time) with the most
+/// admissions wholly inside it over `capacity + rate (b - a)`: that excess (at most 0 when
+/// exact), with the count and bound there.
+fn worst_interval(admitted: &[&Logged], rate: f64, capacity: f64) -> (f64, (u64, f64)) {
+    if admitted.is_empty() {
+        return (f64::NEG_INFINITY, (0, capacity));
+    }
+    let mut starts: Vec<f64> = admitted.iter().map(|r| r.sent).collect();
+    starts.sort_by(f64::total_cmp);
+    let mut by_answer: Vec<&Logged> = admitted.to_vec();
+    by_answer.sort_by(|x, y| x.answered.total_cmp(&y.answered));
+    // tree[i] = count of admissions inside [starts[i], b] + rate * starts[i]
+    let mut tree = MaxAdd::new(&starts.iter().map(|a| rate * a).collect::<Vec<_>>());
+    let mut worst = (f64::NEG_INFINITY, (0, capacity));
+    for r in by_answer {
+        // Every interval starting at or before r.sent now holds r.
+        let upto = starts.partition_point(|&a| a <= r.sent);
+        tree.add(0, upto, 1.0);
+        let b = r.answered;
+        let candidates = starts.partition_point(|&a| a <= b);
+        let (best, at) = tree.max(0, candidates);
+        let excess = best - rate * b - capacity;
+        if excess > worst.0 {
+            let count = (best - rate * starts[at]).round() as u64;
+            worst = (excess, (count, capacity + rate * (b - starts[at])));
+        }
+    }
+    worst
+}
+
+/// A segment tree of values with "add to a range" and "the largest in a range (and where)".
+struct MaxAdd {
+    n: usize,
+    max: Vec<(f64, usize)>,
+    pending: Vec<f64>,
+}
+
+impl MaxAdd {
+    fn new(values: &[f64]) -> MaxAdd {
+        let n = values.len();
+        let mut tree = MaxAdd { n, max: vec![(0.0, 0); 4 * n], pending: vec![0.0; 4 * n] };
+        tree.build(1, 0, n, values);
+        tree
+    }
+
+    fn build(&mut self, node: usize, lo: usize, hi: usize, values: &[f64]) {
+        if hi - lo == 1 {
+            self.max[node] = (values[lo], lo);
+            return;
+        }
+        let mid = usize::midpoint(lo, hi);
+        self.build(2 * node, lo, mid, values);
+        self.build(2 * node + 1, mid, hi, values);
+        self.max[node] = larger(self.max[2 * node], self.max[2 * node + 1]);
+    }
+
+    fn add(&mut self, from: usize, to: usize, value: f64) {
+        if from < to {
+            self.add_in(1, 0, self.n, from, to, value);
+        }
+    }
+
+    fn add_in(&mut self, node: usize, lo: usize, hi: usize, from: usize, to: usize, value: f64) {
+        if to <= lo || hi <= from {
+            return;
+        }
+        if from <= lo && hi <= to {
+            self.max[node].0 += value;
+            self.pending[node] += value;
+            return;
+        }
+        let mid = usize::midpoint(lo, hi);
+        self.add_in(2 * node, lo, mid, from, to, value);
+        self.add_in(2 * node + 1, mid, hi, from, to, value);
+        let (m, at) = larger(self.max[2 * node], self.max[2 * node + 1]);
+        self.max[node] = (m + self.pending[node], at);
+    }
+
+    fn max(&self, from: usize, to: usize) -> (f64, usize) {
+        if from >= to {
+            return (f64::NEG_INFINITY, 0);
+        }
+        self.max_in(1, 0, self.n, from, to)
+    }
+
+    fn max_in(&self, node: usize, lo: usize, hi: usize, from: usize, to: usize) -> (f64, usize) {
+        if to <= lo || hi <= from {
+            return (f64::NEG_INFINITY, 0);
+        }
+        if from <= lo && hi <= to {
+            return self.max[node];
+        }
+        let mid = usize::midpoint(lo, hi);
+        let (m, at) = larger(
+            self.max_in(2 * node, lo, mid, from, to),
+            self.max_in(2 * node + 1, mid, hi, from, to),
+        );
+        (m + self.pending[node], at)
+    }
+}
+
+fn larger(a: (f64, usize), b: (f64, usize)) -> (f64, usize) {
+    if b.0 > a.0 { b } else { a }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admitted(times: &[(f64, f64)]) -> Vec<Logged> {
+        times
+            .iter()
+            .map(|&(sent, answered)| Logged { sent, answered, admitted: true, error: false })
+            .collect()
+    }
+
+    /// The check finds an interval over the bound, and only one that certainly is.
+    #[test]
+    fn the_interval_check_finds_the_worst_interval() {
+        // Capacity 2, rate 1 a ms: three at once is one too many; three a ms apart are not.
+        let burst = admitted(&[(0.0, 0.1), (0.0, 0.1), (0.0, 0.1), (5.0, 5.1)]);
+        let refs: Vec<&Logged> = burst.iter().collect();
+        let (excess, (count, _)) = worst_interval(&refs, 1.0, 2.0);
+        assert!((excess - 0.9).abs() < 1e-9, "{excess}");
+        assert_eq!(count, 3);
+        let spread = admitted(&[(0.0, 0.0), (1.0, 1.0), (2.0, 2.0), (3.0, 3.0)]);
+        let refs: Vec<&Logged> = spread.iter().collect();
+        assert!(worst_interval(&refs, 1.0, 2.0).0 <= 0.0);
+        // Four in [10, 11] with capacity 2 and rate 1/ms: 4 - (2 + 1) = 1 over, found even
+        // with admissions before and after.
+        let later = admitted(&[(0.0, 0.5), (10.0, 10.2), (10.3, 10.5), (10.6, 10.8), (10.9, 11.0)]);
+        let refs: Vec<&Logged> = later.iter().collect();
+        let (excess, (count, bound)) = worst_interval(&refs, 1.0, 2.0);
+        assert!((excess - 1.0).abs() < 1e-9, "{excess}");
+        assert_eq!((count, bound), (4, 3.0));
+        // A request whose answer took long may have been decided at either end: it counts
+        // only in intervals that hold all of it.
+        let slow = admitted(&[(0.0, 10.0), (10.0, 10.0), (10.0, 10.0), (10.0, 10.0)]);
+        let refs: Vec<&Logged> = slow.iter().collect();
+        let (excess, (count, _)) = worst_interval(&refs, 1.0, 2.0);
+        assert!((excess - 1.0).abs() < 1e-9, "{excess}");
+        assert_eq!(count, 3);
+    }
+}

@@ -1,0 +1,687 @@
+//! Leases (issue 34), whichever store keeps them: the holder's side. A store that keeps leases
+//! (Redis, PostgreSQL) runs one [`Step`] on a leased shard atomically and says what it loaded
+//! and what it answered ([`LeaseStore::lease_call`]); everything else is here, the same for
+//! every store: the answer is `tollgate_core::lease`'s on what the store loaded (a store that
+//! disagrees is an error), and a process's holders answer `limit` from their leases, fetch
+//! the next in the background and return them near the limit.
+//!
+//! The store seam does not widen: a leasing store's `execute_one_async` sends a leased
+//! limit's takes here.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use tollgate_core::lease::{Grant, Holder, Leased};
+use tollgate_core::{Config, Decision, OneTake, Slot, State, Status, Taken};
+
+use crate::StoreError;
+
+/// A step on a leased shard.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Step {
+    /// A direct take of `count` (a check when not `writes`).
+    Take { count: f64, reserve: bool, writes: bool },
+    /// See [`Leased::grant`].
+    Grant { holder: u64, want: f64, unused: f64, term: f64, share: f64 },
+    /// See [`Leased::release`].
+    Release { holder: u64, unused: f64 },
+    /// See [`Leased::reset`].
+    Reset,
+}
+
+/// What a step answered.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Answer {
+    Taken(bool),
+    Granted(Grant),
+    Released,
+}
+
+/// A store that keeps leases.
+pub(crate) trait LeaseStore: Send + Sync + 'static {
+    /// The store's name in messages (`redis`, `postgres`).
+    const NAME: &'static str;
+
+    /// Runs `step` on the leased shard of `slot` in one atomic unit: loads the state and
+    /// its records, refills it under the cap `capacity - outstanding` (each expired record
+    /// dropped at its expiry), runs the step and saves the result, exactly as
+    /// [`Leased`]'s methods do. Answers the time it used, what it loaded, and what it said:
+    /// `[1]` or `[0]` for a take, `[kept, tokens, expiry]` for a grant, nothing otherwise.
+    fn lease_call(
+        &self,
+        slot: &Slot<'_>,
+        step: Step,
+    ) -> impl Future<Output = Result<(f64, Leased, Vec<f64>), StoreError>> + Send;
+
+    /// The leased limits, if the store has any.
+    fn leases(&self) -> Option<&Leases>;
+
+    /// The store's test clock, if it runs on one.
+    fn clock_now(&self) -> Option<f64>;
+}
+
+/// Runs `step` on the leased shard of `slot`: the answer (tollgate-core's on what the store
+/// loaded; one the store disagrees with is an error), the store's time, and the shard after.
+pub(crate) async fn step<S: LeaseStore>(
+    store: &S,
+    slot: &Slot<'_>,
+    step: Step,
+) -> Result<(Answer, f64, Leased), StoreError> {
+    let c = &slot.config;
+    let (now, mut leased, said) = store.lease_call(slot, step).await?;
+    let answer = match step {
+        Step::Take { count, reserve, writes } => {
+            let taken = leased.take(c, slot.alignment, now, count, reserve, writes);
+            Answer::Taken(taken.ok)
+        }
+        Step::Grant { holder, want, unused, term, share } => {
+            let grant = leased.grant(c, slot.alignment, now, holder, want, unused, term, share);
+            Answer::Granted(grant)
+        }
+        Step::Release { holder, unused } => {
+            leased.release(c, slot.alignment, now, holder, unused);
+            Answer::Released
+        }
+        Step::Reset => {
+            leased.reset(c, slot.alignment, now);
+            Answer::Released
+        }
+    };
+    // Compared as numbers: the store's max and Rust's may differ on the sign of a zero.
+    let agrees = match answer {
+        Answer::Taken(ok) => said == [if ok { 1.0 } else { 0.0 }],
+        Answer::Granted(g) => said == [g.kept, g.tokens, g.expiry],
+        Answer::Released => said.is_empty(),
+    };
+    if !agrees {
+        return Err(disagree(S::NAME));
+    }
+    Ok((answer, now, leased))
+}
+
+fn disagree(store: &str) -> StoreError {
+    StoreError::new(format!(
+        "{store}: the store's lease step and tollgate-core disagree (a store function or \
+         script of another version?)"
+    ))
+}
+
+/// The states of `slots` as a read sees them: a leased one refilled under its cap (so
+/// `value` is what may be taken directly; the leased tokens are apart).
+pub(crate) async fn read<S: LeaseStore>(
+    store: &S,
+    slots: &[Slot<'_>],
+) -> Result<(f64, Vec<Option<State>>), StoreError> {
+    let mut now = f64::NAN;
+    let mut states = Vec::with_capacity(slots.len());
+    for slot in slots {
+        let look = Step::Take { count: 0.0, reserve: false, writes: false };
+        let (at, mut leased, _) = store.lease_call(slot, look).await?;
+        now = at;
+        states
+            .push(leased.state.is_some().then(|| leased.advance(&slot.config, slot.alignment, at)));
+    }
+    Ok((now, states))
+}
+
+/// A direct take from a leased shard: answered as any take (its `retryAfter` and status
+/// too) on the state refilled under its cap; also the value it leaves.
+async fn direct<S: LeaseStore>(store: &S, one: &OneTake<'_>) -> Result<(Taken, f64), StoreError> {
+    let step = Step::Take { count: one.count, reserve: one.reserve, writes: one.writes };
+    let (now, mut leased, said) = store.lease_call(&one.slot, step).await?;
+    let state = leased.advance(&one.slot.config, one.slot.alignment, now);
+    let (taken, new) = one.decide(now, Some(state));
+    if said != [if taken.decision.ok { 1.0 } else { 0.0 }] {
+        return Err(disagree(S::NAME));
+    }
+    Ok((taken, new.map_or(state.value, |s| s.value)))
+}
+
+/// How a leased limit is served (`RedisStoreBuilder::lease`, `PgStoreBuilder::lease`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LeaseOptions {
+    pub(crate) term: Duration,
+    pub(crate) share: f64,
+    pub(crate) floor: f64,
+}
+
+impl Default for LeaseOptions {
+    fn default() -> Self {
+        LeaseOptions { term: Duration::from_secs(2), share: 0.5, floor: 0.25 }
+    }
+}
+
+impl LeaseOptions {
+    /// The defaults: leases of 2 s, at most half the capacity leased out in all, none while
+    /// the limit has less than a quarter of its capacity left.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How long a lease lasts at the store (default 2 s): a holder killed with its lease
+    /// keeps those tokens from everyone for this long at most.
+    #[must_use]
+    pub fn term(mut self, term: Duration) -> Self {
+        self.term = term;
+        self
+    }
+
+    /// The most of the capacity leased out at once, over every holder (default 0.5).
+    #[must_use]
+    pub fn share(mut self, share: f64) -> Self {
+        self.share = share.clamp(0.0, 1.0);
+        self
+    }
+
+    /// Below this fraction of the capacity left (default 0.25), holders stop leasing and
+    /// return what they hold: every request is a direct take, exact as without leases,
+    /// until the limit has room again.
+    #[must_use]
+    pub fn floor(mut self, floor: f64) -> Self {
+        self.floor = floor.clamp(0.0, 1.0);
+        self
+    }
+}
+
+/// What a leased limit did in this process: grants, returns, answers from the lease, direct
+/// takes, and tokens held now.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LeaseStats {
+    /// Grants received (renewals included).
+    pub grants: u64,
+    /// Leases returned (near the limit, or by `release_leases`).
+    pub returns: u64,
+    /// Requests answered from a lease, with no store call.
+    pub local: u64,
+    /// Requests sent to the store as direct takes.
+    pub direct: u64,
+    /// Tokens held now.
+    pub held: f64,
+}
+
+/// The leased limits of a store and their holders in this process.
+pub(crate) struct Leases {
+    names: HashMap<String, LeaseOptions>,
+    /// This process's holder id (below 2^53).
+    id: u64,
+    /// The holder's clock: milliseconds since this, unless the store runs on a test's clock.
+    started: Instant,
+    /// The entries by a hash of (name, key), copied on insert (a lookup takes no lock).
+    entries: ArcSwap<Entries>,
+    hasher: foldhash::fast::RandomState,
+    inserting: parking_lot::Mutex<()>,
+    /// How many entries there are (at most [`MOST_HELD`]).
+    held_keys: AtomicUsize,
+}
+
+type Entries = HashMap<u64, Vec<Arc<Entry>>>;
+
+/// One leased (name, key) in this process.
+struct Entry {
+    holder: Holder,
+    name: Box<str>,
+    key: Option<Box<str>>,
+    config: Config,
+    alignment: f64,
+    options: LeaseOptions,
+    /// Near the limit: no leases until it has room again.
+    near: AtomicBool,
+    /// Tokens taken directly since the last request for a lease (the bits of an `f64`);
+    /// with what was spent from the lease ([`Holder::spent`]), the next lease's size.
+    spent: AtomicU64,
+    grants: AtomicU64,
+    returns: AtomicU64,
+    local: AtomicU64,
+    direct: AtomicU64,
+}
+
+impl Entry {
+    fn slot(&self) -> Slot<'_> {
+        Slot {
+            name: &self.name,
+            key: self.key.as_deref(),
+            shard: 0,
+            config: self.config,
+            alignment: self.alignment,
+        }
+    }
+
+    fn spend(&self, count: f64) {
+        let _ = self.spent.fetch_update(Ordering::AcqRel, Ordering::Acquire, |bits| {
+            Some((f64::from_bits(bits) + count).to_bits())
+        });
+    }
+}
+
+impl Leases {
+    pub(crate) fn new(names: HashMap<String, LeaseOptions>) -> Option<Leases> {
+        if names.is_empty() {
+            return None;
+        }
+        // Random enough to tell processes apart; below 2^53 so that Lua keeps it exactly.
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ u64::from(std::process::id()).rotate_left(32);
+        let id = tollgate_core::splitmix64(seed) >> 11;
+        Some(Leases {
+            names,
+            id,
+            started: Instant::now(),
+            entries: ArcSwap::from_pointee(HashMap::new()),
+            hasher: foldhash::fast::RandomState::default(),
+            inserting: parking_lot::Mutex::new(()),
+            held_keys: AtomicUsize::new(0),
+        })
+    }
+
+    pub(crate) fn is_leased(&self, name: &str) -> bool {
+        self.names.contains_key(name)
+    }
+
+    /// The entry of `slot`'s (name, key), made if there is room (at most [`MOST_HELD`] in
+    /// a store: a leased limit keyed by users would otherwise hold one per user for ever).
+    fn entry(&self, slot: &Slot<'_>) -> Option<Arc<Entry>> {
+        if let Some(entry) = self.lookup(&self.entries.load(), slot.name, slot.key) {
+            return Some(entry);
+        }
+        // Full: no lock, no count, for each request of the keys left out.
+        if self.held_keys.load(Ordering::Acquire) >= MOST_HELD {
+            return None;
+        }
+        let _inserting = self.inserting.lock();
+        let map = self.entries.load_full();
+        if let Some(entry) = self.lookup(&map, slot.name, slot.key) {
+            return Some(entry);
+        }
+        if self.held_keys.load(Ordering::Acquire) >= MOST_HELD {
+            return None;
+        }
+        let entry = Arc::new(Entry {
+            holder: Holder::new(MARGIN_MS),
+            name: slot.name.into(),
+            key: slot.key.map(Into::into),
+            config: slot.config,
+            alignment: slot.alignment,
+            options: self.names[slot.name],
+            near: AtomicBool::new(false),
+            spent: AtomicU64::new(0f64.to_bits()),
+            grants: AtomicU64::new(0),
+            returns: AtomicU64::new(0),
+            local: AtomicU64::new(0),
+            direct: AtomicU64::new(0),
+        });
+        let mut next = (*map).clone();
+        next.entry(self.hash(slot.name, slot.key)).or_default().push(Arc::clone(&entry));
+        self.entries.store(Arc::new(next));
+        self.held_keys.fetch_add(1, Ordering::AcqRel);
+        Some(entry)
+    }
+
+    fn hash(&self, name: &str, key: Option<&str>) -> u64 {
+        self.hasher.hash_one((name, key))
+    }
+
+    /// The entry of (name, key) in `map`: found by the hash and compared, with no
+    /// allocation on the way.
+    fn lookup(&self, map: &Entries, name: &str, key: Option<&str>) -> Option<Arc<Entry>> {
+        let entries = map.get(&self.hash(name, key))?;
+        entries.iter().find(|e| &*e.name == name && e.key.as_deref() == key).map(Arc::clone)
+    }
+
+    fn all(&self) -> Vec<Arc<Entry>> {
+        self.entries.load().values().flatten().map(Arc::clone).collect()
+    }
+
+    /// The holder's clock: the store's test clock if it runs on one, else milliseconds
+    /// since the store was made.
+    fn now<S: LeaseStore>(&self, store: &S) -> f64 {
+        store.clock_now().unwrap_or_else(|| self.started.elapsed().as_secs_f64() * 1e3)
+    }
+}
+
+/// The most (name, key) pairs a store leases for: past it, a leased limit's other keys are
+/// direct takes (exact; only not from a lease).
+pub(crate) const MOST_HELD: usize = 1_024;
+
+/// Milliseconds a holder's deadline keeps before its lease's end, besides the drift.
+const MARGIN_MS: f64 = 5.0;
+
+/// Returns what `entry` holds (the holder stops spending it at once).
+async fn release<S: LeaseStore>(store: &S, leases: &Leases, entry: &Entry) {
+    let unused = entry.holder.release(leases.now(store));
+    if step(store, &entry.slot(), Step::Release { holder: leases.id, unused }).await.is_ok() {
+        entry.returns.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A take from a leased limit: from this process's lease if it holds enough, else a direct
+/// take; either way the next lease is fetched in the background when this one runs low (one
+/// request on its way at a time).
+pub(crate) async fn take<S: LeaseStore>(
+    store: &Arc<S>,
+    leases: &Leases,
+    one: &OneTake<'_>,
+) -> Result<Taken, StoreError> {
+    let Some(entry) = leases.entry(&one.slot) else {
+        return direct(&**store, one).await.map(|(taken, _)| taken);
+    };
+    if one.writes && !one.reserve && entry.holder.try_take(one.count, || leases.now(&**store)) {
+        entry.local.fetch_add(1, Ordering::Relaxed);
+        fetch_if_low(store, leases, &entry);
+        let status = Status { remaining: entry.holder.held(), reset_after: 0.0 };
+        return Ok(Taken { decision: Decision { ok: true, retry_after: None }, status });
+    }
+    entry.direct.fetch_add(1, Ordering::Relaxed);
+    let (taken, value) = direct(&**store, one).await?;
+    if taken.decision.ok && one.writes {
+        entry.spend(one.count);
+    }
+    let floor = entry.options.floor * entry.config.capacity();
+    if value < floor {
+        if !entry.near.swap(true, Ordering::AcqRel) {
+            let (store, entry) = (Arc::clone(store), Arc::clone(&entry));
+            tokio::spawn(async move {
+                if let Some(leases) = store.leases() {
+                    release(&*store, leases, &entry).await;
+                }
+            });
+        }
+    } else if value >= 2.0 * floor {
+        entry.near.store(false, Ordering::Release);
+        fetch_if_low(store, leases, &entry);
+    }
+    Ok(taken)
+}
+
+/// Asks for the next lease in the background if the one held is below half of what was
+/// spent since the last ask, or past half its term (a renewal, before it runs out), and the
+/// limit is not near its bound.
+fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entry>) {
+    if entry.near.load(Ordering::Acquire) {
+        return;
+    }
+    let now = leases.now(&**store);
+    let spent = entry.holder.spent() + f64::from_bits(entry.spent.load(Ordering::Acquire));
+    let held = entry.holder.held();
+    let renew = entry.holder.deadline() - entry.options.term.as_secs_f64() * 1e3 / 2.0;
+    if held > spent / 2.0 && held > 0.0 && now < renew {
+        return;
+    }
+    let Some(asked) = entry.holder.ask(now) else { return };
+    // Sized from demand: twice what was spent since the last ask, at least one token (the
+    // store gives no more than the share allows, nor than it has).
+    let direct = f64::from_bits(entry.spent.swap(0f64.to_bits(), Ordering::AcqRel));
+    let want = (2.0 * (entry.holder.spent() + direct)).max(1.0);
+    let (store, entry, id) = (Arc::clone(store), Arc::clone(entry), leases.id);
+    tokio::spawn(async move {
+        let term = entry.options.term.as_secs_f64() * 1e3;
+        let grant = Step::Grant {
+            holder: id,
+            want,
+            unused: asked.unused,
+            term,
+            share: entry.options.share,
+        };
+        match step(&*store, &entry.slot(), grant).await {
+            Ok((Answer::Granted(grant), store_now, after)) => {
+                entry.grants.fetch_add(1, Ordering::Relaxed);
+                entry.holder.granted(asked, grant, store_now);
+                let left = after.state.map_or(entry.config.capacity(), |s| s.value);
+                if left < entry.options.floor * entry.config.capacity()
+                    && !entry.near.swap(true, Ordering::AcqRel)
+                    && let Some(leases) = store.leases()
+                {
+                    release(&*store, leases, &entry).await;
+                }
+            }
+            _ => entry.holder.failed(),
+        }
+    });
+}
+
+/// Returns every lease the store holds (for a graceful shutdown). The first error; the
+/// other leases are returned all the same.
+pub(crate) async fn release_all<S: LeaseStore>(store: &S) -> Result<(), StoreError> {
+    let Some(leases) = store.leases() else { return Ok(()) };
+    let mut first = Ok(());
+    for entry in leases.all() {
+        let unused = entry.holder.release(leases.now(store));
+        match step(store, &entry.slot(), Step::Release { holder: leases.id, unused }).await {
+            Ok(_) => {
+                entry.returns.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) if first.is_ok() => first = Err(e),
+            Err(_) => {}
+        }
+    }
+    first
+}
+
+/// What each leased (name, key) did in this process.
+pub(crate) fn stats(leases: Option<&Leases>) -> Vec<(String, Option<String>, LeaseStats)> {
+    let Some(leases) = leases else { return Vec::new() };
+    let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    leases
+        .all()
+        .iter()
+        .map(|e| {
+            let stats = LeaseStats {
+                grants: load(&e.grants),
+                returns: load(&e.returns),
+                local: load(&e.local),
+                direct: load(&e.direct),
+                held: e.holder.held(),
+            };
+            (e.name.to_string(), e.key.as_deref().map(str::to_string), stats)
+        })
+        .collect()
+}
+
+/// A reset of a leased (name, key): its state starts again at `capacity - outstanding`, its
+/// records kept (see [`Leased::reset`]).
+pub(crate) async fn reset<S: LeaseStore>(
+    store: &S,
+    leases: &Leases,
+    name: &str,
+    key: Option<&str>,
+) -> Result<(), StoreError> {
+    let Some(entry) = leases.lookup(&leases.entries.load(), name, key) else {
+        return Err(StoreError::new(format!(
+            "{}: a reset of the leased limit {name:?} needs its config, known here once it has \
+             been taken from: take from it first (its leases keep their tokens)",
+            S::NAME
+        )));
+    };
+    // This process's own lease goes back first.
+    let unused = entry.holder.release(leases.now(store));
+    step(store, &entry.slot(), Step::Release { holder: leases.id, unused }).await?;
+    step(store, &entry.slot(), Step::Reset).await.map(drop)
+}
+
+/// What the leasing stores' tests share (Redis, PostgreSQL): random steps on one leased shard
+/// against `tollgate_core`'s model, and several processes on one store checked against the
+/// interval bound.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+    use tollgate_core::{Clock, Config, ManualClock, Slot, Take};
+
+    use super::{Answer, LeaseStats, Leased, Step};
+    use crate::store::AsyncStore;
+    use crate::store::testing::writing;
+
+    #[derive(Clone, Copy, Debug)]
+    pub(crate) enum Op {
+        Wait(f64),
+        Step(Step),
+    }
+
+    pub(crate) fn op() -> impl Strategy<Value = Op> {
+        let holder = 0..3u64;
+        prop_oneof![
+            2 => prop_oneof![0.0..300.0f64, 0.0..3_000.0f64].prop_map(Op::Wait),
+            3 => (1.0..5.0f64, any::<bool>(), any::<bool>()).prop_map(|(count, reserve, writes)| {
+                Op::Step(Step::Take { count: count.floor(), reserve, writes })
+            }),
+            3 => (holder.clone(), 0.0..30.0f64, 0.0..20.0f64, 50.0..3_000.0f64, prop_oneof![Just(0.5), Just(1.0)])
+                .prop_map(|(holder, want, unused, term, share)| {
+                    Op::Step(Step::Grant { holder, want: want.floor(), unused: unused.floor(), term, share })
+                }),
+            1 => (holder, 0.0..20.0f64).prop_map(|(holder, unused)| {
+                Op::Step(Step::Release { holder, unused: unused.floor() })
+            }),
+            1 => Just(Op::Step(Step::Reset)),
+        ]
+    }
+
+    pub(crate) fn config() -> impl Strategy<Value = Config> {
+        (any::<bool>(), 1.0..40.0f64, 1.0..3.0f64, prop::option::of(0.0..10.0f64)).prop_map(
+            |(bucket, rate, burst, reserved)| {
+                let rate = rate.floor();
+                let base = if bucket {
+                    Config::token_bucket(rate, 1_000.0)
+                } else {
+                    Config::fixed_window(rate, 1_000.0)
+                };
+                let config = base.with_capacity((rate * burst).floor());
+                match reserved {
+                    Some(most) => config.with_max_reserved(most.floor()),
+                    None => config,
+                }
+            },
+        )
+    }
+
+    /// The most one bucket of `config` admits in `[a, b]` (capacity, inflow, reservations),
+    /// its windows starting at `alignment`.
+    pub(crate) fn bound(config: &Config, alignment: f64, a: f64, b: f64) -> f64 {
+        let window = |t: f64| ((t - alignment) / config.period()).floor();
+        let inflow = match config.kind() {
+            tollgate_core::Kind::TokenBucket => config.rate() * (b - a) / config.period(),
+            tollgate_core::Kind::FixedWindow => config.rate() * (window(b) - window(a)),
+        };
+        config.capacity() + config.max_reserved().unwrap_or(0.0) + inflow
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    pub(crate) enum Act {
+        /// Process `p` takes `count`.
+        Take { p: usize, count: f64 },
+        /// Time passes.
+        Wait(f64),
+        /// The runtime runs what is ready (background fetches and returns).
+        Yield,
+        /// Process `p` is killed: its store (and lease) dropped, a new one started.
+        Kill { p: usize },
+        /// Process `p` returns its leases (a graceful shutdown, then it goes on).
+        Release { p: usize },
+    }
+
+    pub(crate) fn act() -> impl Strategy<Value = Act> {
+        prop_oneof![
+            10 => (0..4usize, 1.0..3.0f64).prop_map(|(p, count)| Act::Take { p, count: count.floor() }),
+            2 => prop_oneof![0.0..50.0f64, 0.0..1_500.0f64].prop_map(Act::Wait),
+            4 => Just(Act::Yield),
+            1 => (0..4usize).prop_map(|p| Act::Kill { p }),
+            1 => (0..4usize).prop_map(|p| Act::Release { p }),
+        ]
+    }
+
+    /// What `tollgate_core`'s model answers to `step` at `now` (it keeps only what the
+    /// store would save: a take that did not write leaves it as it was).
+    pub(crate) fn model_step(model: &mut Leased, slot: &Slot<'_>, now: f64, step: Step) -> Answer {
+        let (c, a) = (&slot.config, slot.alignment);
+        match step {
+            Step::Take { count, reserve, writes } => {
+                // The store saves only what it changed: the model keeps no more (a refill
+                // saved or not may round apart).
+                let before = model.clone();
+                let ok = model.take(c, a, now, count, reserve, writes).ok;
+                if !(ok && writes) {
+                    *model = before;
+                }
+                Answer::Taken(ok)
+            }
+            Step::Grant { holder, want, unused, term, share } => {
+                Answer::Granted(model.grant(c, a, now, holder, want, unused, term, share))
+            }
+            Step::Release { holder, unused } => {
+                model.release(c, a, now, holder, unused);
+                Answer::Released
+            }
+            Step::Reset => {
+                model.reset(c, a, now);
+                Answer::Released
+            }
+        }
+    }
+
+    /// A store that leases, as the processes below use it.
+    pub(crate) trait Leasing: AsyncStore {
+        fn stats(&self) -> Vec<LeaseStats>;
+        async fn release(&self);
+    }
+
+    /// The worst interval of `admitted` (time, count) over the bound of `config`: at most 0
+    /// when exact.
+    pub(crate) fn worst(config: &Config, admitted: &[(f64, f64)]) -> f64 {
+        let take = Take { name: "hot", key: None, config: *config, count: 1.0, reserve: false };
+        let alignment = writing(&take).slot.alignment;
+        let mut worst = f64::NEG_INFINITY;
+        for (i, &(a, _)) in admitted.iter().enumerate() {
+            let mut sum = 0.0;
+            for &(b, count) in &admitted[i..] {
+                sum += count;
+                worst = worst.max(sum - bound(config, alignment, a, b));
+            }
+        }
+        worst
+    }
+
+    /// Four processes, each its own store from `open` (leasing `hot`) on `clock`, run
+    /// `acts`: what each admitted (time, count), and how many were answered from leases.
+    pub(crate) async fn processes<S: Leasing>(
+        clock: &ManualClock,
+        config: Config,
+        acts: &[Act],
+        open: impl AsyncFn() -> S,
+    ) -> (Vec<(f64, f64)>, u64) {
+        let mut stores = Vec::new();
+        for _ in 0..4 {
+            stores.push(open().await);
+        }
+        let take = |count| Take { name: "hot", key: None, config, count, reserve: false };
+        let local = |store: &S| store.stats().iter().map(|s| s.local).sum::<u64>();
+        let mut admitted = Vec::new();
+        let mut answered_locally = 0;
+        for act in acts {
+            match *act {
+                Act::Take { p, count } => {
+                    let take = take(count);
+                    let one = writing(&take);
+                    if stores[p].execute_one_async(&one).await.unwrap().decision.ok {
+                        admitted.push((clock.now(), count));
+                    }
+                }
+                Act::Wait(dt) => clock.advance(dt),
+                Act::Yield => tokio::time::sleep(Duration::from_millis(1)).await,
+                Act::Kill { p } => {
+                    answered_locally += local(&stores[p]);
+                    stores[p] = open().await;
+                }
+                Act::Release { p } => stores[p].release().await,
+            }
+        }
+        answered_locally += stores.iter().map(local).sum::<u64>();
+        stores[0].delete_async("hot", None, 1).await.ok();
+        (admitted, answered_locally)
+    }
+}
