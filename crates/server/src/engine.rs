@@ -272,6 +272,8 @@ pub struct Engine {
     failed_open_before: AtomicU64,
     /// Per name, what `limit` and `transaction` requests took, for the dashboard.
     pub stats: crate::stats::Stats,
+    /// The store's leased limits, if it has any: `/v1/value` and `/v1/stats` report them.
+    pub leases: Option<crate::store::Leasing>,
 }
 
 /// The limits of one config: the limiter with its defined names, what requests may carry,
@@ -326,6 +328,7 @@ impl Engine {
             current: ArcSwap::from_pointee(defined),
             failed_open_before: AtomicU64::new(0),
             stats: crate::stats::Stats::default(),
+            leases: None,
         }
     }
 
@@ -358,6 +361,7 @@ impl Engine {
         let mut limits = Vec::new();
         let current = self.current();
         let mut defined: Vec<(&str, &Config)> = current.limiter.defined().collect();
+        let leased = self.lease_stats();
         defined.sort_by_key(|(name, _)| *name);
         let entry = |name: &str, config: Option<&Config>, counts: Option<crate::stats::Counts>| {
             let counts = counts.unwrap_or(crate::stats::Counts {
@@ -365,14 +369,18 @@ impl Engine {
                 refused: zeros(),
                 reserved: zeros(),
             });
-            json!({
+            let mut entry = json!({
                 "name": name,
                 "config": config.map(Config::to_raw),
                 "words": config.map(crate::plot::describe),
                 "granted": counts.granted,
                 "refused": counts.refused,
                 "reserved": counts.reserved,
-            })
+            });
+            if let Some(lease) = leased.get(name) {
+                entry["lease"] = lease.clone();
+            }
+            entry
         };
         for (name, config) in defined {
             limits.push(entry(name, Some(config), counted.remove(name)));
@@ -385,6 +393,36 @@ impl Engine {
             "bucketMs": crate::stats::BUCKET_MS,
             "limits": limits,
         }))
+    }
+
+    /// Per leased name, what its leases did in this process, summed over its keys.
+    fn lease_stats(&self) -> std::collections::HashMap<String, Value> {
+        let Some(leasing) = &self.leases else { return std::collections::HashMap::new() };
+        let mut sums: std::collections::HashMap<String, tollgate::store::LeaseStats> =
+            std::collections::HashMap::new();
+        for (name, _, s) in leasing.stats() {
+            let sum = sums.entry(name).or_default();
+            sum.grants += s.grants;
+            sum.returns += s.returns;
+            sum.local += s.local;
+            sum.direct += s.direct;
+            sum.held += s.held;
+        }
+        for (name, _) in self.current().limiter.defined() {
+            if leasing.leases(name) {
+                sums.entry(name.to_owned()).or_default();
+            }
+        }
+        let lease = |s: tollgate::store::LeaseStats| {
+            json!({
+                "grants": s.grants,
+                "returns": s.returns,
+                "local": s.local,
+                "direct": s.direct,
+                "held": number(s.held),
+            })
+        };
+        sums.into_iter().map(|(name, s)| (name, lease(s))).collect()
     }
 
     /// Answers `op` with the JSON `body`. Nothing is consumed by a request answered with an
@@ -416,7 +454,7 @@ impl Engine {
                 Err(answer) => Err(answer),
             },
             Op::Value => match parse(body) {
-                Ok(b) => d.value(b).await,
+                Ok(b) => d.value(b, self.leases.as_ref()).await,
                 Err(answer) => Err(answer),
             },
         };
@@ -587,7 +625,11 @@ impl Defined {
         Ok(Answer::ok(json!({})))
     }
 
-    async fn value(&self, body: ValueBody) -> Result<Answer, Answer> {
+    async fn value(
+        &self,
+        body: ValueBody,
+        leases: Option<&crate::store::Leasing>,
+    ) -> Result<Answer, Answer> {
         crate::otel::note("tollgate.limits", || body.name.clone());
         let target = self.target(&body.name, body.config.as_ref())?;
         let sample = match body.sample_shards {
@@ -605,12 +647,22 @@ impl Defined {
             .value_sampled_async(target, body.key.as_deref(), sample)
             .await
             .map_err(|e| self.error(e))?;
-        Ok(Answer::ok(json!({
+        let mut answer = json!({
             "value": number(reading.value),
             "ts": number(reading.ts),
             "shard": reading.shard,
             "config": reading.config,
-        })))
+        });
+        // A leased limit: the tokens leased out to every process, apart from the value
+        // (what a direct take may take now).
+        if let Some(leasing) = leases.filter(|l| l.leases(&body.name)) {
+            let leased = leasing
+                .leased_out(&body.name, body.key.as_deref(), &reading.config)
+                .await
+                .map_err(|e| self.error(tollgate::Error::Store(e)))?;
+            answer["leased"] = number(leased);
+        }
+        Ok(Answer::ok(answer))
     }
 
     /// The IETF header fields for the limits of a request (the tightest, if they are many:

@@ -313,7 +313,9 @@ pub async fn app_of(
             .await?;
     // When tracing, a request's time in the store is one of its span's fields.
     let store = otel::Timed::wrap(opened.store);
-    let engine = Arc::new(Engine::serving(live::defined(store, settings, version)));
+    let mut engine = Engine::serving(live::defined(store, settings, version));
+    engine.leases = opened.leases.clone();
+    let engine = Arc::new(engine);
     let rls = rls.map(|config| Arc::new(rls::Rls::new(Arc::clone(&engine), config)));
     // usize::MAX until the first sweep has counted the file's states.
     let sqlite_states = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));

@@ -30,9 +30,15 @@ pub struct Opened {
     pub leases: Option<Leasing>,
 }
 
-/// A store that serves leased limits (Redis or PostgreSQL).
+/// A store that serves leased limits (Redis or PostgreSQL), and the names it leases.
 #[derive(Clone)]
-pub enum Leasing {
+pub struct Leasing {
+    store: LeasingStore,
+    names: Arc<[String]>,
+}
+
+#[derive(Clone)]
+enum LeasingStore {
     /// On Redis, Redis Cluster or behind Sentinel.
     Redis(Arc<RedisStore>),
     /// On PostgreSQL.
@@ -40,11 +46,38 @@ pub enum Leasing {
 }
 
 impl Leasing {
+    fn new(store: LeasingStore, leased: &[(String, LeaseOptions)]) -> Option<Leasing> {
+        let names: Arc<[String]> = leased.iter().map(|(name, _)| name.clone()).collect();
+        (!names.is_empty()).then_some(Leasing { store, names })
+    }
+
+    /// Whether `name` is leased.
+    pub fn leases(&self, name: &str) -> bool {
+        self.names.iter().any(|n| n == name)
+    }
+
     /// What each leased (name, key) did in this process.
     pub fn stats(&self) -> Vec<(String, Option<String>, LeaseStats)> {
-        match self {
-            Leasing::Redis(redis) => redis.lease_stats(),
-            Leasing::Postgres(pg) => pg.lease_stats(),
+        match &self.store {
+            LeasingStore::Redis(redis) => redis.lease_stats(),
+            LeasingStore::Postgres(pg) => pg.lease_stats(),
+        }
+    }
+
+    /// The tokens of (name, key) leased out now, over every process.
+    ///
+    /// # Errors
+    ///
+    /// The store's.
+    pub async fn leased_out(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        config: &tollgate::Config,
+    ) -> Result<f64, StoreError> {
+        match &self.store {
+            LeasingStore::Redis(redis) => redis.leased_out(name, key, config).await,
+            LeasingStore::Postgres(pg) => pg.leased_out(name, key, config).await,
         }
     }
 
@@ -54,9 +87,9 @@ impl Leasing {
     ///
     /// The first store error (the other leases are returned all the same).
     pub async fn release(&self) -> Result<(), StoreError> {
-        match self {
-            Leasing::Redis(redis) => redis.release_leases().await,
-            Leasing::Postgres(pg) => pg.release_leases().await,
+        match &self.store {
+            LeasingStore::Redis(redis) => redis.release_leases().await,
+            LeasingStore::Postgres(pg) => pg.release_leases().await,
         }
     }
 }
@@ -131,7 +164,7 @@ pub async fn open(
             tls_verifies(&redis, deadline).await?;
         }
         let redis = Arc::new(redis);
-        let leases = (!leased.is_empty()).then(|| Leasing::Redis(Arc::clone(&redis)));
+        let leases = Leasing::new(LeasingStore::Redis(Arc::clone(&redis)), leased);
         return Ok(Opened { leases, ..Opened::networked(redis, deadline) });
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
@@ -140,7 +173,7 @@ pub async fn open(
             builder = builder.lease(name.as_str(), *options);
         }
         let pg = Arc::new(builder.open(url).await.with_context(|| format!("store {url:?}"))?);
-        let leases = (!leased.is_empty()).then(|| Leasing::Postgres(Arc::clone(&pg)));
+        let leases = Leasing::new(LeasingStore::Postgres(Arc::clone(&pg)), leased);
         return Ok(Opened { leases, ..Opened::networked(pg, deadline) });
     }
     bail!(

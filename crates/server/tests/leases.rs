@@ -57,6 +57,26 @@ fn answered_from_the_lease_and_returned_on_sigterm(url: &str) {
     assert!(series("tollgate_lease_grants_total") >= 1.0, "{metrics}");
     assert!(series("tollgate_lease_local_total") >= 200.0, "{metrics}");
     assert_eq!(series("tollgate_lease_local_total") + series("tollgate_lease_direct_total"), 300.0);
+    // /v1/value reports the tokens leased out apart from the value (what a direct take may
+    // take): this process holds a lease, and the two together are within the capacity.
+    let (status, value) = served.post("/v1/value", &[], &json!({ "name": "hot", "key": key }));
+    assert_eq!(status, 200, "{value}");
+    let leased = value["leased"].as_f64().unwrap();
+    assert!(leased > 0.0, "{value}");
+    assert!(value["value"].as_f64().unwrap() + leased <= 100_000.0 + 1e-9, "{value}");
+    // /v1/stats (the dashboard) marks it leased, with its counts.
+    let stats: serde_json::Value = ureq::get(&format!("http://{}/v1/stats", served.http))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_json()
+        .unwrap();
+    let hot = stats["limits"].as_array().unwrap().iter().find(|l| l["name"] == "hot").unwrap();
+    assert!(hot["lease"]["local"].as_u64().unwrap() >= 200, "{hot}");
+    assert_eq!(
+        hot["lease"]["local"].as_u64().unwrap() + hot["lease"]["direct"].as_u64().unwrap(),
+        300
+    );
     // SIGTERM: the lease goes back, and the limit reads as if only the 300 were taken.
     let pid = served.child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());

@@ -7,6 +7,8 @@
 //! cargo run --release -p tollgate-bench --bin app_bench -- redis|postgres [SECONDS] [ROUNDS] [GROUP]
 //! cargo run --release -p tollgate-bench --bin app_bench -- server OLD NEW [SECONDS] [ROUNDS]
 //! cargo run --release -p tollgate-bench --bin app_bench -- frozen OLD NEW [SECONDS] [ROUNDS]
+//! cargo run --release -p tollgate-bench --bin app_bench -- leased TOLLGATE [SECONDS] [ROUNDS]
+//! cargo run --release -p tollgate-bench --bin app_bench -- leased-app [SECONDS] [ROUNDS]
 //! ```
 //!
 //! - `redis`: tollgate's layer on `RedisStore` against a fixed window by hand: `INCR` and
@@ -21,6 +23,11 @@
 //! - `frozen`: the same two binaries on a Redis of the bench's own (a `redis-server` on a
 //!   spare loopback port) that is frozen with SIGSTOP: requests a second to a fail-open and
 //!   to a fail-closed limit, and their latency, while it hangs.
+//! - `leased`: one binary serving one hot limit (every request to it) on the memory store
+//!   against Redis (not leased, leased, leased behind the proxy) and PostgreSQL (not leased,
+//!   leased), with Redis's `INFO commandstats` read around its rounds.
+//! - `leased-app`: the axum app with the layer on one hot limit, on the memory store against
+//!   Redis (not leased, leased) and PostgreSQL (leased).
 //!
 //! Each app runs in this process on a Tokio runtime of two threads (as `#[tokio::main]` on
 //! this project's two-core machines) and answers `GET /` with `ok` when the limit grants; every
@@ -67,6 +74,7 @@ fn main() {
             replicas(&args[1], &args[2], number(3, 5), number(4, 3) as usize);
         }
         Some("leased") if args.len() >= 2 => leased(&args[1], number(2, 5), number(3, 3) as usize),
+        Some("leased-app") => leased_app(number(1, 5), number(2, 5) as usize),
         _ => {
             eprintln!("usage: app_bench redis|postgres [SECONDS] [ROUNDS] [GROUP]");
             eprintln!("       app_bench server OLD_TOLLGATE NEW_TOLLGATE [SECONDS] [ROUNDS]");
@@ -438,7 +446,7 @@ fn servers(old: &str, new: &str, secs: u64, rounds: usize) {
         let (mut new_server, new_url) = start(new, "new");
         wrk(&old_url, 256, 1, Some(body), None);
         wrk(&new_url, 256, 1, Some(body), None);
-        compare(&format!("| {name} "), (&old_url, &new_url), secs, rounds, body, shown);
+        compare(&format!("| {name} "), (&old_url, &new_url), secs, rounds, Some(body), shown);
         for server in [&mut old_server, &mut new_server] {
             let _ = server.kill();
             let _ = server.wait();
@@ -454,7 +462,7 @@ fn compare(
     urls: (&str, &str),
     secs: u64,
     rounds: usize,
-    body: &str,
+    body: Option<&str>,
     show: impl Fn(Run) -> String,
 ) -> Vec<(Run, Run)> {
     let mut runs = Vec::new();
@@ -477,14 +485,14 @@ fn paired(
     (old, new): (&str, &str),
     connections: usize,
     secs: u64,
-    body: &str,
+    body: Option<&str>,
 ) -> (Run, Run) {
     if round.is_multiple_of(2) {
-        let o = wrk(old, connections, secs, Some(body), None);
-        (o, wrk(new, connections, secs, Some(body), None))
+        let o = wrk(old, connections, secs, body, None);
+        (o, wrk(new, connections, secs, body, None))
     } else {
-        let n = wrk(new, connections, secs, Some(body), None);
-        (wrk(old, connections, secs, Some(body), None), n)
+        let n = wrk(new, connections, secs, body, None);
+        (wrk(old, connections, secs, body, None), n)
     }
 }
 
@@ -539,10 +547,13 @@ fn leased(binary: &str, secs: u64, rounds: usize) {
     println!();
     println!("| store | round | memory | store | store / memory |");
     println!("|---|---:|---:|---:|---:|");
+    let postgres = loopback_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test");
     let stores = [
         ("Redis", redis.clone(), &plain),
         ("Redis, leased", redis.clone(), &leased),
         ("Redis, leased, 0.5 ms each way", through(&redis, Some(&delayed)), &leased),
+        ("PostgreSQL", postgres.clone(), &plain),
+        ("PostgreSQL, leased", postgres.clone(), &leased),
     ];
     let mut admin = redis::Client::open(redis.as_str()).unwrap().get_connection().unwrap();
     for (i, (name, store, config)) in stores.into_iter().enumerate() {
@@ -553,17 +564,21 @@ fn leased(binary: &str, secs: u64, rounds: usize) {
         let (calls0, usec0) = command_stats(&mut admin, "evalsha");
         let show =
             |run: Run| format!("{:.0} ({:.2} ms, {:.1} ms)", run.rps, run.p50_ms, run.p99_ms);
-        let runs = compare(&format!("| {name} "), (&memory_url, &url), secs, rounds, body, show);
+        let runs =
+            compare(&format!("| {name} "), (&memory_url, &url), secs, rounds, Some(body), show);
         for (m, r) in &runs {
             assert_eq!((m.not_ok, r.not_ok), (0, 0), "answers other than 200");
         }
         let served: f64 = runs.iter().map(|(_, r)| r.rps * secs as f64).sum();
         let (calls, usec) = command_stats(&mut admin, "evalsha");
-        println!(
-            "    Redis during its rounds: {:.4} script calls and {:.3} us of Redis time a request",
-            (calls - calls0) / served,
-            (usec - usec0) / served
-        );
+        if store.starts_with("redis") {
+            println!(
+                "    Redis during its rounds: {:.4} script calls and {:.3} us of Redis time a \
+                 request",
+                (calls - calls0) / served,
+                (usec - usec0) / served
+            );
+        }
         let metrics =
             Command::new("curl").args(["-s", &url.replace("/v1/limit", "/metrics")]).output();
         if let Ok(out) = metrics {
@@ -578,6 +593,47 @@ fn leased(binary: &str, secs: u64, rounds: usize) {
     }
     let _ = memory.kill();
     let _ = memory.wait();
+}
+
+/// The axum app with tollgate's layer on one hot limit (every request takes from it, far from
+/// its bound): on the memory store against on Redis and on PostgreSQL, the limit leased, in
+/// paired wrk rounds (256 connections).
+fn leased_app(secs: u64, rounds: usize) {
+    use tollgate::MemoryStore;
+    use tollgate::store::LeaseOptions;
+    let runtime = runtime();
+    let redis = loopback_url("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379");
+    let postgres = loopback_url("TOLLGATE_POSTGRES_URL", "postgres://postgres@127.0.0.1/test");
+    fn layered<S: AsyncStore + 'static>(limiter: RateLimiter<S>) -> Router {
+        app().layer(RateLimitLayer::new(Arc::new(limiter), LimitSpec::new(("hot", GENEROUS))))
+    }
+    let memory = serve(&runtime, layered(RateLimiter::new(MemoryStore::new())));
+    let prefix = format!("tollgate-app-bench-leased:{}:", std::process::id());
+    let open = RedisStore::builder().prefix(prefix.clone()).open(&redis).unwrap();
+    let redis_plain = serve(&runtime, layered(RateLimiter::new(open)));
+    let open = RedisStore::builder().prefix(prefix).lease("hot", LeaseOptions::new());
+    let redis_leased = serve(&runtime, layered(RateLimiter::new(open.open(&redis).unwrap())));
+    let pg = PgStore::builder().table("tollgate_app_bench").lease("hot", LeaseOptions::new());
+    let pg = runtime.block_on(pg.open(&postgres)).unwrap();
+    let pg_leased = serve(&runtime, layered(RateLimiter::new(pg)));
+    println!(
+        "the axum app, tollgate's layer on one hot limit: requests per second (p50, p99), wrk -t2 -c256, {secs} s a run"
+    );
+    println!();
+    println!("| store | round | memory | store | store / memory |");
+    println!("|---|---:|---:|---:|---:|");
+    let show = |run: Run| format!("{:.0} ({:.2} ms, {:.1} ms)", run.rps, run.p50_ms, run.p99_ms);
+    for (name, url) in [
+        ("Redis, not leased", &redis_plain),
+        ("Redis, leased", &redis_leased),
+        ("PostgreSQL, leased", &pg_leased),
+    ] {
+        wrk(&memory, 256, 1, None, None);
+        wrk(url, 256, 1, None, None);
+        for (m, r) in compare(&format!("| {name} "), (&memory, url), secs, rounds, None, show) {
+            assert_eq!((m.not_ok, r.not_ok), (0, 0), "answers other than 200");
+        }
+    }
 }
 
 /// What `?replicas=1` costs: one binary, two servers on the same Sentinel-watched primary
@@ -606,7 +662,7 @@ fn replicas(binary: &str, sentinels: &str, secs: u64, rounds: usize) {
     println!("|---:|---:|---:|---:|");
     wrk(&without_url, 256, 1, Some(body), None);
     wrk(&with_url, 256, 1, Some(body), None);
-    for (a, b) in compare("", (&without_url, &with_url), secs, rounds, body, shown) {
+    for (a, b) in compare("", (&without_url, &with_url), secs, rounds, Some(body), shown) {
         assert_eq!((a.not_ok, b.not_ok), (0, 0), "answers other than 200");
     }
     for server in [&mut without, &mut with] {
@@ -663,7 +719,7 @@ fn frozen(old: &str, new: &str, secs: u64, rounds: usize) {
     ] {
         let mut ratios = Vec::new();
         for round in 0..rounds {
-            let (o, n) = paired(round, (&old_url, &new_url), 64, secs, body);
+            let (o, n) = paired(round, (&old_url, &new_url), 64, secs, Some(body));
             ratios.push(n.rps / o.rps);
             let show = |r: Run| format!("{:.0} ({:.1} ms; {} not 200)", r.rps, r.p99_ms, r.not_ok);
             println!(

@@ -129,6 +129,22 @@ pub(crate) async fn read<S: LeaseStore>(
     Ok((now, states))
 }
 
+/// The tokens leased out of `slot` now, over every holder (records not yet expired).
+pub(crate) async fn leased_out<S: LeaseStore>(
+    store: &S,
+    slot: &Slot<'_>,
+) -> Result<f64, StoreError> {
+    let look = Step::Take { count: 0.0, reserve: false, writes: false };
+    let (now, leased, _) = store.lease_call(slot, look).await?;
+    Ok(leased.leases.iter().filter(|(_, lease)| lease.expiry > now).map(|(_, l)| l.tokens).sum())
+}
+
+/// The slot of an unsharded (name, key) of `config`, for a look at its records.
+pub(crate) fn look_slot<'a>(name: &'a str, key: Option<&'a str>, config: Config) -> Slot<'a> {
+    // The alignment only places a fixed window's first state, which a look does not save.
+    Slot { name, key, shard: 0, config, alignment: 0.0 }
+}
+
 /// A direct take from a leased shard: answered as any take (its `retryAfter` and status
 /// too) on the state refilled under its cap; also the value it leaves.
 async fn direct<S: LeaseStore>(store: &S, one: &OneTake<'_>) -> Result<(Taken, f64), StoreError> {

@@ -266,6 +266,21 @@ impl<C: Clock> RedisStore<C> {
     pub fn lease_stats(&self) -> Vec<(String, Option<String>, lease::LeaseStats)> {
         lease::stats(self.inner.leases.as_ref())
     }
+
+    /// The tokens of the leased limit (name, key) leased out now, over every process
+    /// (`/v1/value` reports them beside the value, which is what a direct take may take).
+    ///
+    /// # Errors
+    ///
+    /// The store's.
+    pub async fn leased_out(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        config: &tollgate_core::Config,
+    ) -> Result<f64, StoreError> {
+        lease::leased_out(&*self.inner, &lease::look_slot(name, key, *config)).await
+    }
 }
 
 #[cfg(test)]
