@@ -259,13 +259,20 @@ struct Held {
     tokens: AtomicU64,
     /// Tokens it started with.
     given: f64,
+    /// When its request was sent, on the holder's clock.
+    start: f64,
     /// Until when they may be spent, on the holder's clock.
     deadline: f64,
 }
 
 impl Held {
     fn none() -> Held {
-        Held { tokens: AtomicU64::new(0f64.to_bits()), given: 0.0, deadline: f64::NEG_INFINITY }
+        Held {
+            tokens: AtomicU64::new(0f64.to_bits()),
+            given: 0.0,
+            start: f64::NEG_INFINITY,
+            deadline: f64::NEG_INFINITY,
+        }
     }
 
     fn left(&self) -> f64 {
@@ -327,6 +334,22 @@ impl Holder {
         (held.given - held.left()).max(0.0)
     }
 
+    /// Halfway through the lease in use, on the holder's clock: when to ask for the next
+    /// (minus infinity: none). A fixed window's lease ends with its window, so it may be
+    /// much shorter than the term.
+    pub fn renew_at(&self) -> f64 {
+        let held = self.held.load();
+        if held.start == f64::NEG_INFINITY {
+            return f64::NEG_INFINITY;
+        }
+        held.start + (held.deadline - held.start) / 2.0
+    }
+
+    /// Whether a grant request is on its way.
+    pub fn fetching(&self) -> bool {
+        self.fetching.load(Ordering::Acquire)
+    }
+
     /// Until when the lease may be spent, on the holder's clock (minus infinity: none).
     pub fn deadline(&self) -> f64 {
         self.held.load().deadline
@@ -357,7 +380,12 @@ impl Holder {
         let old = self.held.load();
         let left = f64::from_bits(old.tokens.swap(0f64.to_bits(), Ordering::AcqRel));
         let tokens = left.min(grant.kept) + grant.tokens;
-        let held = Held { tokens: AtomicU64::new(tokens.to_bits()), given: tokens, deadline };
+        let held = Held {
+            tokens: AtomicU64::new(tokens.to_bits()),
+            given: tokens,
+            start: asked.sent,
+            deadline,
+        };
         self.held.store(Arc::new(held));
         true
     }

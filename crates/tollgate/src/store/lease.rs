@@ -254,6 +254,8 @@ struct Entry {
     returns: AtomicU64,
     local: AtomicU64,
     direct: AtomicU64,
+    /// Told when a grant request's answer (or failure) has come in.
+    arrived: tokio::sync::Notify,
 }
 
 impl Entry {
@@ -331,6 +333,7 @@ impl Leases {
             returns: AtomicU64::new(0),
             local: AtomicU64::new(0),
             direct: AtomicU64::new(0),
+            arrived: tokio::sync::Notify::new(),
         });
         let mut next = (*map).clone();
         next.entry(self.hash(slot.name, slot.key)).or_default().push(Arc::clone(&entry));
@@ -387,7 +390,14 @@ pub(crate) async fn take<S: LeaseStore>(
     let Some(entry) = leases.entry(&one.slot) else {
         return direct(&**store, one).await.map(|(taken, _)| taken);
     };
-    if one.writes && !one.reserve && entry.holder.try_take(one.count, || leases.now(&**store)) {
+    let local = one.writes && !one.reserve;
+    if local
+        && (entry.holder.try_take(one.count, || leases.now(&**store)) || {
+            // Empty with the next lease on its way: wait for it rather than send a direct take
+            // (when demand outruns a lease, every request would go to the store meanwhile).
+            awaited(&entry).await && entry.holder.try_take(one.count, || leases.now(&**store))
+        })
+    {
         entry.local.fetch_add(1, Ordering::Relaxed);
         fetch_if_low(store, leases, &entry);
         let status = Status { remaining: entry.holder.held(), reset_after: 0.0 };
@@ -415,9 +425,22 @@ pub(crate) async fn take<S: LeaseStore>(
     Ok(taken)
 }
 
+/// Waits for the grant request on its way, if one is (at most half a lease's term): whether
+/// one was.
+async fn awaited(entry: &Entry) -> bool {
+    let arrived = entry.arrived.notified();
+    tokio::pin!(arrived);
+    arrived.as_mut().enable();
+    if !entry.holder.fetching() || entry.near.load(Ordering::Acquire) {
+        return false;
+    }
+    let most = entry.options.term / 2;
+    tokio::time::timeout(most, arrived).await.is_ok()
+}
+
 /// Asks for the next lease in the background if the one held is below half of what was
-/// spent since the last ask, or past half its term (a renewal, before it runs out), and the
-/// limit is not near its bound.
+/// spent since the last ask, or past half its length (a renewal, before it runs out), and
+/// the limit is not near its bound.
 fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entry>) {
     if entry.near.load(Ordering::Acquire) {
         return;
@@ -425,8 +448,7 @@ fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entr
     let now = leases.now(&**store);
     let spent = entry.holder.spent() + f64::from_bits(entry.spent.load(Ordering::Acquire));
     let held = entry.holder.held();
-    let renew = entry.holder.deadline() - entry.options.term.as_secs_f64() * 1e3 / 2.0;
-    if held > spent / 2.0 && held > 0.0 && now < renew {
+    if held > spent / 2.0 && held > 0.0 && now < entry.holder.renew_at() {
         return;
     }
     let Some(asked) = entry.holder.ask(now) else { return };
@@ -448,6 +470,7 @@ fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entr
             Ok((Answer::Granted(grant), store_now, after)) => {
                 entry.grants.fetch_add(1, Ordering::Relaxed);
                 entry.holder.granted(asked, grant, store_now);
+                entry.arrived.notify_waiters();
                 let left = after.state.map_or(entry.config.capacity(), |s| s.value);
                 if left < entry.options.floor * entry.config.capacity()
                     && !entry.near.swap(true, Ordering::AcqRel)
@@ -458,6 +481,7 @@ fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entr
             }
             _ => entry.holder.failed(),
         }
+        entry.arrived.notify_waiters();
     });
 }
 
