@@ -13,11 +13,11 @@ use tokio::sync::Notify;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, GenericClient, NoTls, Row, Statement};
 use tollgate_core::lease::{Lease, Leased};
-use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
+use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken, full_at};
 
 use super::lease::{self, LeaseOptions, LeaseStats, LeaseStore, Leases, Step};
 use super::sql::{
-    LOCK_CLASS, MAX_TABLE, PG_LOCK, PgSql, key_columns, lock_id, lock_ids, saves, valid_table,
+    LOCK_CLASS, MAX_TABLE, PG_LOCK, PgSql, key_columns, lock_id, lock_ids, valid_table,
 };
 use super::ticket::{Claim, OwnedPlan, OwnedSlots, Ticket, ticket};
 use super::{AsyncStore, Never, OneAnswer};
@@ -80,8 +80,10 @@ impl PgStoreBuilder {
     /// with one atomic operation and no database call while the lease lasts; the table
     /// counts leased tokens against the limit (a state's records are in its `leases`
     /// column), so every process together never admits more than the limit. Near the limit
-    /// every request is a direct take. A leased limit is never taken in a transaction,
-    /// neither the store's own nor yours ([`PgTransaction`]): that is refused, nothing taken.
+    /// every request is a direct take. A transaction of the store's own takes a leased limit
+    /// directly from the table (not from the lease), under the cap its leases set; in a
+    /// transaction of yours ([`PgTransaction`]) a leased limit is refused, nothing taken. A
+    /// leased limit has no shards (refused).
     #[must_use]
     pub fn lease(mut self, name: impl Into<String>, options: LeaseOptions) -> Self {
         self.leases.insert(name.into(), options);
@@ -341,7 +343,11 @@ struct Stmts<'a> {
     take: Stmt<'a>,
     lock: Stmt<'a>,
     load: Stmt<'a>,
+    /// Whether `load` reads lease records (a store's own connection) or refuses them (a
+    /// caller's transaction).
+    leases: bool,
     upsert: Stmt<'a>,
+    upsert_leases: Stmt<'a>,
     delete: Stmt<'a>,
     delete_all: Stmt<'a>,
 }
@@ -371,6 +377,15 @@ const LOAD_TYPES: [Type; 4] =
 const UPSERT_TYPES: [Type; 6] =
     [Type::TEXT, Type::BOOL, Type::TEXT, Type::INT4, Type::FLOAT8, Type::FLOAT8];
 const DELETE_TYPES: [Type; 4] = [Type::TEXT, Type::BOOL, Type::TEXT, Type::INT4];
+const UPSERT_LEASES_TYPES: [Type; 7] = [
+    Type::TEXT,
+    Type::BOOL,
+    Type::TEXT,
+    Type::INT4,
+    Type::FLOAT8,
+    Type::FLOAT8,
+    Type::FLOAT8_ARRAY,
+];
 
 /// `sql`'s statements as text.
 fn text(sql: &PgSql) -> Stmts<'_> {
@@ -378,7 +393,9 @@ fn text(sql: &PgSql) -> Stmts<'_> {
         take: Stmt::Text(&sql.take, &TAKE_TYPES),
         lock: Stmt::Text(PG_LOCK, &LOCK_TYPES),
         load: Stmt::Text(&sql.load, &LOAD_TYPES),
+        leases: false,
         upsert: Stmt::Text(&sql.upsert, &UPSERT_TYPES),
+        upsert_leases: Stmt::Text(&sql.upsert_leases, &UPSERT_LEASES_TYPES),
         delete: Stmt::Text(&sql.delete, &DELETE_TYPES),
         delete_all: Stmt::Text(&sql.delete_all, &DELETE_TYPES),
     }
@@ -389,7 +406,7 @@ struct Conn {
     client: Client,
     takes: Statement,
     lease: Statement,
-    prepared: [Statement; 6],
+    prepared: [Statement; 7],
 }
 
 impl Conn {
@@ -408,8 +425,9 @@ impl Conn {
             let prepared = [
                 client.prepare(&sql.take).await?,
                 client.prepare(PG_LOCK).await?,
-                client.prepare(&sql.load).await?,
+                client.prepare(&sql.load_leases).await?,
                 client.prepare(&sql.upsert).await?,
+                client.prepare(&sql.upsert_leases).await?,
                 client.prepare(&sql.delete).await?,
                 client.prepare(&sql.delete_all).await?,
             ];
@@ -429,13 +447,15 @@ impl Conn {
     }
 
     fn stmts(&self) -> Stmts<'_> {
-        let [take, lock, load, upsert, delete, delete_all] = &self.prepared;
+        let [take, lock, load, upsert, upsert_leases, delete, delete_all] = &self.prepared;
         let p = Stmt::Prepared;
         Stmts {
             take: p(take),
             lock: p(lock),
             load: p(load),
+            leases: true,
             upsert: p(upsert),
+            upsert_leases: p(upsert_leases),
             delete: p(delete),
             delete_all: p(delete_all),
         }
@@ -516,7 +536,10 @@ impl Batch {
             }
             Batch::Other(Job::Read(slots, now, ticket)) => {
                 let slots = slots.slots();
-                let request = load(&conn.client, &stmts, &slots, now, false);
+                let request = async {
+                    let (now, states, _) = load(&conn.client, &stmts, &slots, now, false).await?;
+                    Ok((now, states))
+                };
                 let (result, healthy) = bounded(timeout, false, request).await;
                 ticket.answer(result);
                 healthy
@@ -821,7 +844,7 @@ async fn load<G: GenericClient + Sync>(
     slots: &[Slot<'_>],
     now: Option<f64>,
     lock: bool,
-) -> Result<(f64, Vec<Option<State>>), tokio_postgres::Error> {
+) -> Result<Loaded, tokio_postgres::Error> {
     let ids = if lock { lock_ids(slots) } else { Vec::new() };
     let locks = ids.iter().map(|id| async move {
         let params: [&(dyn ToSql + Sync); 2] = [&LOCK_CLASS, id];
@@ -838,12 +861,18 @@ async fn load<G: GenericClient + Sync>(
     let rows = rows?;
     let mut db_now = now.unwrap_or(0.0);
     let mut states = vec![None; slots.len()];
+    let mut records = vec![None; slots.len()];
     for row in rows {
         let i: i64 = row.get(0);
         let value: Option<f64> = row.get(1);
         let ts: Option<f64> = row.get(2);
         if now.is_none() {
             db_now = row.get(3);
+        }
+        if stmts.leases
+            && let Some(slot) = records.get_mut(i as usize - 1)
+        {
+            *slot = row.get::<_, Option<Vec<f64>>>(4);
         }
         if let (Some(value), Some(ts), Some(slot)) = (value, ts, states.get_mut(i as usize - 1)) {
             *slot = Some(State { value, ts });
@@ -855,7 +884,87 @@ async fn load<G: GenericClient + Sync>(
             .await?
             .get(0);
     }
-    Ok((db_now, states))
+    Ok((db_now, states, records))
+}
+
+/// What [`load`] read: the database's time, each slot's state, and each slot's lease records
+/// (holder, tokens, expiry each; `None` when its row has none, or the statement refuses them).
+type Loaded = (f64, Vec<Option<State>>, Vec<Option<Vec<f64>>>);
+
+/// Decides `plan` on what [`load`] read. A state with lease records is first refilled under
+/// `capacity - outstanding` to `now` (`Leased::advance`), so a transaction takes a leased
+/// limit directly, never past what its leases leave; answers the records each keeps.
+fn decide(plan: &Plan<'_>, (now, mut states, records): Loaded) -> Decided {
+    let kept: Vec<Option<Vec<f64>>> = plan
+        .slots()
+        .iter()
+        .zip(states.iter_mut())
+        .zip(records)
+        .map(|((slot, state), records)| {
+            let records = records?;
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let leases = records
+                .chunks(3)
+                .map(|r| (r[0] as u64, Lease { tokens: r[1], expiry: r[2] }))
+                .collect();
+            let mut leased = Leased { state: *state, leases };
+            *state = Some(leased.advance(&slot.config, slot.alignment, now));
+            // Holder ids are below 2^53: exact as doubles.
+            #[allow(clippy::cast_precision_loss)]
+            let left = leased.leases.iter().flat_map(|(h, l)| [*h as f64, l.tokens, l.expiry]);
+            Some(left.collect())
+        })
+        .collect();
+    let outcome = plan.decide(now, &mut states);
+    Decided { now, states, kept, outcome }
+}
+
+/// A decided plan, with what it writes.
+struct Decided {
+    now: f64,
+    states: Vec<Option<State>>,
+    /// Per slot, the lease records it keeps (`None`: its row had none).
+    kept: Vec<Option<Vec<f64>>>,
+    outcome: Outcome,
+}
+
+/// Writes what `decided` changed: each state, or a delete when it is full again and holds no
+/// lease record; a state that had records is written with those it keeps (NULL: none), and
+/// is never deleted while it keeps any.
+async fn save<G: GenericClient + Sync>(
+    client: &G,
+    stmts: &Stmts<'_>,
+    plan: &Plan<'_>,
+    decided: &Decided,
+) -> Result<(), tokio_postgres::Error> {
+    let changed =
+        plan.slots().iter().zip(&decided.states).zip(&decided.kept).zip(&decided.outcome.changed);
+    let writes =
+        changed.filter(|(_, changed)| **changed).filter_map(|(((slot, state), kept), _)| {
+            let state = (*state)?;
+            Some(async move {
+                let ((has_key, key), shard) = (key_columns(slot.key), i32::from(slot.shard));
+                let full = full_at(&slot.config, state) <= decided.now;
+                let keeps = kept.as_ref().filter(|records| !records.is_empty());
+                match kept {
+                    _ if full && keeps.is_none() => {
+                        query(client, stmts.delete, &[&slot.name, &has_key, &key, &shard]).await
+                    }
+                    Some(_) => {
+                        let params: [&(dyn ToSql + Sync); 7] =
+                            [&slot.name, &has_key, &key, &shard, &state.value, &state.ts, &keeps];
+                        query(client, stmts.upsert_leases, &params).await
+                    }
+                    None => {
+                        let params: [&(dyn ToSql + Sync); 6] =
+                            [&slot.name, &has_key, &key, &shard, &state.value, &state.ts];
+                        query(client, stmts.upsert, &params).await
+                    }
+                }
+            })
+        });
+    try_join_all(writes).await?;
+    Ok(())
 }
 
 /// One request within a transaction already begun: lock, load, decide, write what changed.
@@ -865,20 +974,9 @@ async fn execute_in<G: GenericClient + Sync>(
     plan: &Plan<'_>,
     now: Option<f64>,
 ) -> Result<Outcome, tokio_postgres::Error> {
-    let (now, mut states) = load(client, stmts, plan.slots(), now, true).await?;
-    let outcome = plan.decide(now, &mut states);
-    let writes = saves(plan, &states, &outcome, now).map(|(slot, state)| async move {
-        let ((has_key, key), shard) = (key_columns(slot.key), i32::from(slot.shard));
-        match state {
-            Some(s) => {
-                query(client, stmts.upsert, &[&slot.name, &has_key, &key, &shard, &s.value, &s.ts])
-                    .await
-            }
-            None => query(client, stmts.delete, &[&slot.name, &has_key, &key, &shard]).await,
-        }
-    });
-    try_join_all(writes).await?;
-    Ok(outcome)
+    let decided = decide(plan, load(client, stmts, plan.slots(), now, true).await?);
+    save(client, stmts, plan, &decided).await?;
+    Ok(decided.outcome)
 }
 
 /// One request in a transaction of its own on a store connection: `BEGIN` goes with the
@@ -896,25 +994,16 @@ async fn in_own_transaction(
     .await;
     let result = async {
         begun?;
-        let (now, mut states) = loaded?;
-        let outcome = plan.decide(now, &mut states);
-        let writes = saves(plan, &states, &outcome, now).map(|(slot, state)| async move {
-            let ((has_key, key), shard) = (key_columns(slot.key), i32::from(slot.shard));
-            match state {
-                Some(s) => {
-                    let params: [&(dyn ToSql + Sync); 6] =
-                        [&slot.name, &has_key, &key, &shard, &s.value, &s.ts];
-                    query(client, stmts.upsert, &params).await
-                }
-                None => query(client, stmts.delete, &[&slot.name, &has_key, &key, &shard]).await,
-            }
-        });
-        let (written, committed) =
-            futures_util::future::join(try_join_all(writes), client.batch_execute("COMMIT")).await;
+        let decided = decide(plan, loaded?);
+        let (written, committed) = futures_util::future::join(
+            save(client, stmts, plan, &decided),
+            client.batch_execute("COMMIT"),
+        )
+        .await;
         // A write that failed aborted the transaction, which COMMIT then rolled back.
         written?;
         committed?;
-        Ok(outcome)
+        Ok(decided.outcome)
     }
     .await;
     if result.is_err() && !client.is_closed() {
@@ -1031,12 +1120,14 @@ impl<C: Clock> AsyncStore for PgStore<C> {
     type Immediate = Never;
 
     async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        // A transaction takes a leased limit directly (see `decide`), not from the lease.
         if let Some(leases) = &self.shared.leases
-            && let Some(slot) = plan.slots().iter().find(|s| leases.is_leased(s.name))
+            && let Some(slot) =
+                plan.slots().iter().find(|s| leases.is_leased(s.name) && s.config.shards() > 1)
         {
             return Err(StoreError::new(format!(
-                "postgres: {:?} is leased, and a leased limit is not yet taken in a \
-                 transaction or from shards; nothing was taken",
+                "postgres: {:?} is leased, and a leased limit does not have shards yet; nothing \
+                 was taken",
                 slot.name
             )));
         }
@@ -1188,6 +1279,7 @@ impl<T: GenericClient + Sync, C: Clock> AsyncStore for PgTransaction<'_, T, C> {
     ) -> Result<(f64, Vec<Option<State>>), StoreError> {
         load(self.client, &text(&self.sql), slots, self.now(), true)
             .await
+            .map(|(now, states, _)| (now, states))
             .map_err(|e| pg_error("read failed", e))
     }
 
@@ -1516,14 +1608,72 @@ mod group_tests {
             }
             let stats = on.store.lease_stats()[0].2;
             assert!(stats.local >= 400 && stats.direct <= 200, "mostly from the lease: {stats:?}");
-            // Returned: the table reads as if only the 600 were taken.
+            // Returned: the table reads as if only the 600 were taken. (A grant still on its
+            // way at the return would stay out until its expiry, by design: let it land.)
+            tokio::time::sleep(Duration::from_millis(100)).await;
             on.store.release_leases().await.unwrap();
             let (_, states) = on.store.read_async(&[one.slot]).await.unwrap();
             assert_eq!(states[0].unwrap().value, 400.0);
         }
 
+        /// A transaction takes a leased limit directly from the table (not from a lease),
+        /// all or nothing with the others, and never past what the leases out leave; the
+        /// records are kept.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_transaction_takes_a_leased_limit_directly() {
+            let Some(url) = url() else { return };
+            let clock = ManualClock::new(T0);
+            let on = OnTable::leasing(&url, "lease_transaction", &clock, "hot").await;
+            let take =
+                |name, config, count| Take { name, key: None, config, count, reserve: false };
+            let hot = take("hot", Config::token_bucket(10.0, 1_000.0), 4.0);
+            let plain = take("plain", Config::token_bucket(2.0, 1_000.0), 2.0);
+            let slot = writing(&hot).slot;
+            // Another holder leases 5 of the 10: 5 left to take directly.
+            let grant =
+                Step::Grant { holder: 7, want: 5.0, unused: 0.0, term: 60_000.0, share: 1.0 };
+            lease::step(&*on.store.shared, &slot, grant).await.unwrap();
+            let plan = |takes: &[&Take<'static>]| {
+                let mut plan = Plan::new(true);
+                for take in takes {
+                    plan.push(take, 0, 0).unwrap();
+                }
+                plan
+            };
+            // 4 of hot and 2 of plain, once plain is empty: refused, nothing taken.
+            assert!(on.store.execute_async(&plan(&[&plain])).await.unwrap().ok);
+            let outcome = on.store.execute_async(&plan(&[&hot, &plain])).await.unwrap();
+            assert!(!outcome.ok);
+            let (_, states) = on.store.read_async(&[slot]).await.unwrap();
+            assert_eq!(states[0].unwrap().value, 5.0);
+            // A second later the bucket has refilled only to 10 - 5 leased: 6 are refused
+            // (a transaction blind to the records would refill to 10 and grant them).
+            clock.advance(1_000.0);
+            let six = take("hot", Config::token_bucket(10.0, 1_000.0), 6.0);
+            assert!(!on.store.execute_async(&plan(&[&six])).await.unwrap().ok);
+            // 4 of hot alone: granted, from the 5 the lease left.
+            assert!(on.store.execute_async(&plan(&[&hot])).await.unwrap().ok);
+            let (_, states) = on.store.read_async(&[slot]).await.unwrap();
+            assert_eq!(states[0].unwrap().value, 1.0);
+            // 4 more: refused, though the bucket's capacity is 10 (5 are leased out).
+            assert!(!on.store.execute_async(&plan(&[&hot])).await.unwrap().ok);
+            // The lease record is still there: its 5 come back when it is returned.
+            let back = Step::Release { holder: 7, unused: 5.0 };
+            lease::step(&*on.store.shared, &slot, back).await.unwrap();
+            assert!(on.store.execute_async(&plan(&[&hot])).await.unwrap().ok);
+            // An unreturned lease stops counting at its expiry: the 2 left are leased for
+            // 1 s; 1.2 s later the bucket is full again (under a cap of 8 until the expiry,
+            // 10 after), and a transaction takes all 10.
+            let short =
+                Step::Grant { holder: 8, want: 5.0, unused: 0.0, term: 1_000.0, share: 1.0 };
+            lease::step(&*on.store.shared, &slot, short).await.unwrap();
+            clock.advance(1_200.0);
+            let all = take("hot", Config::token_bucket(10.0, 1_000.0), 10.0);
+            assert!(on.store.execute_async(&plan(&[&all])).await.unwrap().ok);
+        }
+
         /// A state with lease records is refused by every path that would ignore them (the
-        /// `take` function, a transaction, a store that does not lease it), before writing.
+        /// `take` function, a caller's transaction), before writing.
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn paths_that_ignore_leases_refuse_a_leased_state() {
             let Some(url) = url() else { return };
@@ -1548,8 +1698,19 @@ mod group_tests {
             clock.advance(5_000.0);
             let error = on.store.execute_one_async(&one).await.unwrap_err();
             assert!(error.message().contains("t holds lease records"), "{error}");
-            let error = on.store.execute_async(&one.to_plan()).await.unwrap_err();
+            // A transaction of the store's own reads the records and takes directly, under
+            // the cap they set (nothing left: refused); a caller's transaction refuses.
+            assert!(!on.store.execute_async(&one.to_plan()).await.unwrap().ok);
+            let (client, connection) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+            tokio::spawn(connection);
+            let mut client = client;
+            let transaction = client.transaction().await.unwrap();
+            let theirs =
+                PgTransaction::with_table_and_clock(&transaction, &on.table, clock.clone())
+                    .unwrap();
+            let error = theirs.execute_async(&one.to_plan()).await.unwrap_err();
             assert!(error.message().contains("t holds lease records"), "{error}");
+            drop(transaction);
             // Still leased, and the bucket still capped: nothing has flowed in past the lease.
             let direct = Step::Take { count: 1.0, reserve: false, writes: true };
             let (answer, _, _) = lease::step(&*on.store.shared, &one.slot, direct).await.unwrap();

@@ -177,7 +177,12 @@ pub(crate) struct PgSql {
     /// Creates (or replaces) the function behind [`PgSql::takes`].
     pub(crate) create_takes: String,
     pub(crate) load: String,
+    /// [`PgSql::load`] for a leasing store's own transactions: a state's lease records are
+    /// read (a fifth column), not refused.
+    pub(crate) load_leases: String,
     pub(crate) upsert: String,
+    /// [`PgSql::upsert`] with the state's lease records (NULL: none).
+    pub(crate) upsert_leases: String,
     pub(crate) delete: String,
     pub(crate) delete_all: String,
     /// Adds the `leases` column to a table of an earlier version.
@@ -333,6 +338,20 @@ a store that leases it, and never in a transaction; nothing was taken')::int END
                       WITH ORDINALITY AS s(name, has_key, key, shard, i)
                  LEFT JOIN {table} t USING (name, has_key, key, shard)
                  ORDER BY s.i"
+            ),
+            load_leases: format!(
+                "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8,
+                        t.leases
+                 FROM unnest($1::text[], $2::bool[], $3::text[], $4::int4[])
+                      WITH ORDINALITY AS s(name, has_key, key, shard, i)
+                 LEFT JOIN {table} t USING (name, has_key, key, shard)
+                 ORDER BY s.i"
+            ),
+            upsert_leases: format!(
+                "INSERT INTO {table} (name, has_key, key, shard, value, ts, leases)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)
+                 ON CONFLICT (name, has_key, key, shard) DO UPDATE
+                 SET value = excluded.value, ts = excluded.ts, leases = excluded.leases"
             ),
             upsert: format!(
                 "INSERT INTO {table} (name, has_key, key, shard, value, ts) VALUES ($1, $2, $3, $4, $5, $6)
