@@ -74,8 +74,7 @@ impl PgStoreBuilder {
         self
     }
 
-    /// Serves the limit `name` from leases, as
-    /// [`RedisStoreBuilder::lease`](crate::store::RedisStoreBuilder::lease) does on Redis:
+    /// Serves the limit `name` from leases, as `RedisStoreBuilder::lease` does on Redis:
     /// this process takes a share of the limit's tokens ahead and answers `limit` from it
     /// with one atomic operation and no database call while the lease lasts; the table
     /// counts leased tokens against the limit (a state's records are in its `leases`

@@ -420,8 +420,8 @@ impl RedisStoreBuilder {
     /// with one atomic operation and no store call while the lease lasts; the store counts
     /// leased tokens against the limit, so every process together never admits more than
     /// the limit (`tollgate_core::lease` has the proof, as a property). Near the limit (below
-    /// [`LeaseOptions::floor`] of the capacity left) no leases are taken and every request
-    /// is a direct take, exact as without leases.
+    /// [`LeaseOptions::floor`](super::LeaseOptions::floor) of the capacity left) no leases
+    /// are taken and every request is a direct take, exact as without leases.
     ///
     /// What it does not do yet, and refuses clearly: a leased limit in a transaction or with
     /// shards; a reset of a leased limit this process has not taken from. A `check`, a

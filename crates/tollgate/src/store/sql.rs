@@ -332,8 +332,8 @@ impl PgSql {
             load: format!(
                 "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8,
                         CASE WHEN jsonb_typeof(to_jsonb(t) -> 'leases') = 'array' THEN
-                          ('tollgate: ' || t.name || ' holds lease records: it is taken only by \
-a store that leases it, and never in a transaction; nothing was taken')::int END
+                          ('tollgate: ' || t.name || ' holds lease records: a transaction of \
+yours does not take a leased limit (a PgStore''s own transactions do); nothing was taken')::int END
                  FROM unnest($1::text[], $2::bool[], $3::text[], $4::int4[])
                       WITH ORDINALITY AS s(name, has_key, key, shard, i)
                  LEFT JOIN {table} t USING (name, has_key, key, shard)
@@ -377,15 +377,15 @@ a store that leases it, and never in a transaction; nothing was taken')::int END
 ///   and the records; or 0, 0, 0, 0), then what the step said (1 or 0 for a take; kept,
 ///   tokens and expiry for a grant).
 /// - `{table}_lfill`: the refill of a state to a time under a cap; `{table}_lsum`: the
-///   tokens of the records; `{table}_lheld(name)`: raises the error of a leased state met by a
-///   plain take or a transaction (a path that would refill it past its cap).
+///   tokens of the records; `{table}_lheld(name)`: raises the error of a leased state met by the
+///   `take` function of a store that does not lease it (which would refill it past its cap).
 fn pg_lease_functions(table: &str) -> String {
     format!(
         "CREATE OR REPLACE FUNCTION {table}_lheld(p_name text) RETURNS float8
         LANGUAGE plpgsql VOLATILE AS $fn$
         BEGIN
-          RAISE EXCEPTION 'tollgate: % holds lease records: it is taken only by a store that \
-leases it, and never in a transaction; nothing was taken', p_name;
+          RAISE EXCEPTION 'tollgate: % holds lease records: it is taken by a store that leases \
+it (lease on the store''s builder, lease = true in the server); nothing was taken', p_name;
         END $fn$;
         CREATE OR REPLACE FUNCTION {table}_lsum(recs float8[]) RETURNS float8
         LANGUAGE plpgsql IMMUTABLE AS $fn$
