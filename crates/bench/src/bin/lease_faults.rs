@@ -353,21 +353,13 @@ fn harness(args: &[String]) {
         let url = match scenario {
             Scenario::Redis => format!("redis://{}", redis.addr()),
             Scenario::RedisDelayed => format!("redis://{}", proxy.addr),
-            Scenario::Cluster => match std::env::var("TOLLGATE_REDIS_CLUSTER_URL") {
-                Ok(url) => url,
-                Err(_) if require => panic!("TOLLGATE_REDIS_CLUSTER_URL is required"),
-                Err(_) => {
-                    println!("cluster: skipped (no TOLLGATE_REDIS_CLUSTER_URL)");
-                    continue;
-                }
+            Scenario::Cluster => match backend("TOLLGATE_REDIS_CLUSTER_URL", require) {
+                Some(url) => url,
+                None => continue,
             },
-            Scenario::Postgres => match std::env::var("TOLLGATE_POSTGRES_URL") {
-                Ok(url) => url,
-                Err(_) if require => panic!("TOLLGATE_POSTGRES_URL is required"),
-                Err(_) => {
-                    println!("postgres: skipped (no TOLLGATE_POSTGRES_URL)");
-                    continue;
-                }
+            Scenario::Postgres => match backend("TOLLGATE_POSTGRES_URL", require) {
+                Some(url) => url,
+                None => continue,
             },
         };
         assert!(url.contains("127.0.0.1") || url.contains("localhost"), "loopback only: {url}");
@@ -434,6 +426,18 @@ fn harness(args: &[String]) {
     }
     if violations > 0 {
         std::process::exit(1);
+    }
+}
+
+/// The URL in `var`; without it the scenario is skipped, or with `require` the harness stops.
+fn backend(var: &str, require: bool) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) => Some(url),
+        Err(_) if require => panic!("{var} is required"),
+        Err(_) => {
+            println!("skipped: no {var}");
+            None
+        }
     }
 }
 

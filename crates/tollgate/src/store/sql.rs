@@ -218,6 +218,17 @@ impl PgSql {
     /// turn, a later one seeing what an earlier one wrote, and answers a row (`take`'s
     /// array) for each, in order.
     pub(crate) fn new(table: &str) -> Self {
+        // The load of a plan's slots, `fifth` its fifth column.
+        let load = |fifth: &str| {
+            format!(
+                "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8,
+                        {fifth}
+                 FROM unnest($1::text[], $2::bool[], $3::text[], $4::int4[])
+                      WITH ORDINALITY AS s(name, has_key, key, shard, i)
+                 LEFT JOIN {table} t USING (name, has_key, key, shard)
+                 ORDER BY s.i"
+            )
+        };
         PgSql {
             create: format!(
                 "CREATE TABLE IF NOT EXISTS {table} (
@@ -329,24 +340,12 @@ impl PgSql {
             // A state with lease records is refused (an error that names it), whichever
             // client runs this, on a table of any version (read through `to_jsonb`, a
             // table made before leases has no `leases` column).
-            load: format!(
-                "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8,
-                        CASE WHEN jsonb_typeof(to_jsonb(t) -> 'leases') = 'array' THEN
-                          ('tollgate: ' || t.name || ' holds lease records: a transaction of \
-yours does not take a leased limit (a PgStore''s own transactions do); nothing was taken')::int END
-                 FROM unnest($1::text[], $2::bool[], $3::text[], $4::int4[])
-                      WITH ORDINALITY AS s(name, has_key, key, shard, i)
-                 LEFT JOIN {table} t USING (name, has_key, key, shard)
-                 ORDER BY s.i"
+            load: load(
+                "CASE WHEN jsonb_typeof(to_jsonb(t) -> 'leases') = 'array' THEN
+                   ('tollgate: ' || t.name || ' holds lease records: a transaction of \
+yours does not take a leased limit (a PgStore''s own transactions do); nothing was taken')::int END",
             ),
-            load_leases: format!(
-                "SELECT s.i, t.value, t.ts, (extract(epoch FROM clock_timestamp()) * 1000)::float8,
-                        t.leases
-                 FROM unnest($1::text[], $2::bool[], $3::text[], $4::int4[])
-                      WITH ORDINALITY AS s(name, has_key, key, shard, i)
-                 LEFT JOIN {table} t USING (name, has_key, key, shard)
-                 ORDER BY s.i"
-            ),
+            load_leases: load("t.leases"),
             upsert_leases: format!(
                 "INSERT INTO {table} (name, has_key, key, shard, value, ts, leases)
                  VALUES ($1, $2, $3, $4, $5, $6, $7)

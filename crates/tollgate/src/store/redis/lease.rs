@@ -321,16 +321,19 @@ mod tests {
         }
     }
 
+    /// A key prefix of a property's case of its own: states of other cases and runs do not
+    /// count.
+    fn case_prefix(test: &str) -> String {
+        static CASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let case = CASE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("tollgate-{test}:{}:{case}:", std::process::id())
+    }
+
     fn run_case(url: &str, config: Config, ops: &[Op]) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
-            static CASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
             let clock = ManualClock::new(T0);
-            let prefix = format!(
-                "tollgate-lease:{}:{}:",
-                std::process::id(),
-                CASE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            );
+            let prefix = case_prefix("lease");
             let redis =
                 RedisStore::builder().prefix(prefix).open_with_clock(url, clock.clone()).unwrap();
             let take = Take { name: "t", key: None, config, count: 1.0, reserve: false };
@@ -395,13 +398,8 @@ mod tests {
                 Config::fixed_window(20.0, 1_000.0)
             };
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            static CASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
             let clock = ManualClock::new(T0);
-            let prefix = format!(
-                "tollgate-leased:{}:{}:",
-                std::process::id(),
-                CASE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            );
+            let prefix = case_prefix("leased");
             let options = LeaseOptions::new().term(Duration::from_millis(800));
             let open = async || {
                 RedisStore::builder()
