@@ -1,6 +1,7 @@
 //! `lease = true` in a `[limits.NAME]` table: the limit served from this process's leases on
 //! a Redis or PostgreSQL store (see `tollgate::store::RedisStoreBuilder::lease`), visible in
-//! `/metrics`, the leases returned on SIGTERM; refused on a store that cannot lease.
+//! `/metrics`, taken directly by a transaction, the leases returned on SIGTERM; refused on a
+//! store that cannot lease.
 
 mod common;
 
@@ -14,6 +15,11 @@ kind = "token bucket"
 rate = 100000
 period = "1m"
 lease = true
+
+[limits.plain]
+kind = "token bucket"
+rate = 1
+period = "1m"
 "#;
 
 fn config_file(dir: &std::path::Path) -> std::path::PathBuf {
@@ -77,6 +83,16 @@ fn answered_from_the_lease_and_returned_on_sigterm(url: &str) {
         hot["lease"]["local"].as_u64().unwrap() + hot["lease"]["direct"].as_u64().unwrap(),
         300
     );
+    // A transaction takes the leased limit directly, all or nothing with a plain one: the
+    // plain limit's one token, then refused (plain is empty).
+    let both =
+        json!({ "limits": [{ "name": "hot", "key": key }, { "name": "plain", "key": key }] });
+    let (status, answer) = served.post("/v1/transaction", &[], &both);
+    assert_eq!((status, &answer["ok"]), (200, &json!(true)), "{answer}");
+    let (status, answer) = served.post("/v1/transaction", &[], &both);
+    assert_eq!((status, &answer["ok"]), (200, &json!(false)), "{answer}");
+    assert_eq!(answer["results"][0]["ok"], json!(true), "{answer}");
+    assert_eq!(answer["results"][1]["ok"], json!(false), "{answer}");
     // SIGTERM: the lease goes back, and the limit reads as if only the 300 were taken.
     let pid = served.child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());

@@ -409,6 +409,22 @@ fn on_disk(
 #[cfg(feature = "redis")]
 conformance!(redis, crate::on_redis::open, crate::on_redis::url().is_some());
 
+/// The suite's limits that have no shards (a leased limit has none), each leased by the
+/// `*_leased` stores below with a floor of the whole capacity: every take of them goes the
+/// lease path's way (a direct take through the lease script or function, refilled under the
+/// cap of the leases out, a reset through the lease step), as near its bound, where a
+/// leased limit must answer exactly as one that is not.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+const LEASED: [&str; 7] = ["tb", "fw", "burst", "mr", "win", "small", "race"];
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+fn near_the_bound() -> tollgate::store::LeaseOptions {
+    tollgate::store::LeaseOptions::new().floor(1.0)
+}
+
+#[cfg(feature = "redis")]
+conformance!(redis_leased, crate::on_redis::open_leased, crate::on_redis::url().is_some());
+
 #[cfg(feature = "redis")]
 conformance!(redis_acl_user, crate::on_redis::open_as_user, crate::on_redis::url().is_some());
 
@@ -445,6 +461,17 @@ mod on_redis {
 
     pub(crate) fn open(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
         open_on(&url().expect("checked"), clock)
+    }
+
+    /// With the suite's unsharded limits leased (see [`crate::LEASED`]).
+    pub(crate) fn open_leased(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let prefix = format!("tollgate-test-leased:{}:{n}:", std::process::id());
+        let builder = crate::LEASED.iter().fold(RedisStore::builder().prefix(prefix), |b, name| {
+            b.lease(*name, crate::near_the_bound())
+        });
+        builder.open_with_clock(&url().expect("checked"), clock).unwrap()
     }
 
     /// The commands a tollgate user needs, as the README's `ACL SETUSER` gives them (shell
@@ -662,6 +689,9 @@ conformance!(
 conformance!(postgres, crate::on_postgres::open, crate::on_postgres::url().is_some());
 
 #[cfg(feature = "postgres")]
+conformance!(postgres_leased, crate::on_postgres::open_leased, crate::on_postgres::url().is_some());
+
+#[cfg(feature = "postgres")]
 mod on_postgres {
     use tokio::runtime::Runtime;
     use tollgate::ManualClock;
@@ -680,6 +710,20 @@ mod on_postgres {
     ) -> Owned<PgStore<ManualClock>, DropTable> {
         let table = DropTable::new(&url().expect("checked"), "tollgate_test");
         let store = PgStore::builder().table(&table.table).open_with_clock(&table.url, clock);
+        Owned { store: runtime.block_on(store).unwrap(), resource: table }
+    }
+
+    /// With the suite's unsharded limits leased (see [`crate::LEASED`]).
+    pub(crate) fn open_leased(
+        runtime: &Runtime,
+        clock: ManualClock,
+    ) -> Owned<PgStore<ManualClock>, DropTable> {
+        let table = DropTable::new(&url().expect("checked"), "tollgate_test_leased");
+        let builder =
+            crate::LEASED.iter().fold(PgStore::builder().table(&table.table), |b, name| {
+                b.lease(*name, crate::near_the_bound())
+            });
+        let store = builder.open_with_clock(&table.url, clock);
         Owned { store: runtime.block_on(store).unwrap(), resource: table }
     }
 }

@@ -111,8 +111,10 @@ fn disagree(store: &str) -> StoreError {
     ))
 }
 
-/// The states of `slots` as a read sees them: a leased one refilled under its cap (so
-/// `value` is what may be taken directly; the leased tokens are apart).
+/// The states of `slots` as a read sees them: as stored while no lease is out (as for a limit
+/// that is not leased: SPEC's `value`, from which a client runs the algebra); with leases
+/// out, refilled to now under its cap (so `value` is what may be taken directly, the leased
+/// tokens apart, and the algebra run from it never passes the cap).
 pub(crate) async fn read<S: LeaseStore>(
     store: &S,
     slots: &[Slot<'_>],
@@ -123,8 +125,12 @@ pub(crate) async fn read<S: LeaseStore>(
         let look = Step::Take { count: 0.0, reserve: false, writes: false };
         let (at, mut leased, _) = store.lease_call(slot, look).await?;
         now = at;
-        states
-            .push(leased.state.is_some().then(|| leased.advance(&slot.config, slot.alignment, at)));
+        let state = match leased.state {
+            Some(stored) if leased.leases.is_empty() => Some(stored),
+            Some(_) => Some(leased.advance(&slot.config, slot.alignment, at)),
+            None => None,
+        };
+        states.push(state);
     }
     Ok((now, states))
 }
@@ -554,7 +560,9 @@ pub(crate) mod testing {
     use proptest::prelude::*;
     use tollgate_core::{Clock, Config, ManualClock, Slot, Take};
 
-    use super::{Answer, LeaseStats, Leased, Step};
+    use tollgate_core::Plan;
+
+    use super::{Answer, LeaseStats, LeaseStore, Leased, Step};
     use crate::store::AsyncStore;
     use crate::store::testing::writing;
 
@@ -562,6 +570,13 @@ pub(crate) mod testing {
     pub(crate) enum Op {
         Wait(f64),
         Step(Step),
+        /// A take through the store's plan path (a transaction of one take): the store
+        /// refills the leased state under its cap as a direct take does.
+        Transaction {
+            count: f64,
+            reserve: bool,
+            writes: bool,
+        },
     }
 
     pub(crate) fn op() -> impl Strategy<Value = Op> {
@@ -579,7 +594,40 @@ pub(crate) mod testing {
                 Op::Step(Step::Release { holder, unused: unused.floor() })
             }),
             1 => Just(Op::Step(Step::Reset)),
+            2 => (1.0..5.0f64, any::<bool>(), any::<bool>()).prop_map(|(count, reserve, writes)| {
+                Op::Transaction { count: count.floor(), reserve, writes }
+            }),
         ]
+    }
+
+    /// Runs `op` on the leased shard of `slot` (named `t`) on `store` (whose side that runs
+    /// lease steps is `shared`) at `now`, and on the model: the store's answer and the
+    /// model's.
+    pub(crate) async fn run_op(
+        store: &impl AsyncStore,
+        shared: &impl LeaseStore,
+        model: &mut Leased,
+        slot: &Slot<'_>,
+        now: f64,
+        op: Op,
+    ) -> (Answer, Answer) {
+        match op {
+            Op::Wait(_) => (Answer::Released, Answer::Released),
+            Op::Step(step) => {
+                let (answer, _, _) = super::step(shared, slot, step).await.unwrap();
+                (answer, model_step(model, slot, now, step))
+            }
+            Op::Transaction { count, reserve, writes } => {
+                // A plan refuses a count past the capacity as invalid, before any store.
+                let count = count.min(slot.config.capacity());
+                let take = Take { name: "t", key: None, config: slot.config, count, reserve };
+                let mut plan = Plan::new(writes);
+                plan.push(&take, 0, 0).unwrap();
+                let ok = store.execute_async(&plan).await.unwrap().ok;
+                let step = Step::Take { count, reserve, writes };
+                (Answer::Taken(ok), model_step(model, slot, now, step))
+            }
+        }
     }
 
     pub(crate) fn config() -> impl Strategy<Value = Config> {
@@ -623,6 +671,9 @@ pub(crate) mod testing {
         Kill { p: usize },
         /// Process `p` returns its leases (a graceful shutdown, then it goes on).
         Release { p: usize },
+        /// Process `p` takes `count` of the leased limit and 1 of a plain one in one
+        /// transaction (a direct take, under the cap the leases out set).
+        Transaction { p: usize, count: f64 },
     }
 
     pub(crate) fn act() -> impl Strategy<Value = Act> {
@@ -632,6 +683,7 @@ pub(crate) mod testing {
             4 => Just(Act::Yield),
             1 => (0..4usize).prop_map(|p| Act::Kill { p }),
             1 => (0..4usize).prop_map(|p| Act::Release { p }),
+            2 => (0..4usize, 1.0..3.0f64).prop_map(|(p, count)| Act::Transaction { p, count: count.floor() }),
         ]
     }
 
@@ -718,10 +770,83 @@ pub(crate) mod testing {
                     stores[p] = open().await;
                 }
                 Act::Release { p } => stores[p].release().await,
+                Act::Transaction { p, count } => {
+                    let (hot, plain) = (take(count), plain(1.0));
+                    if stores[p].execute_async(&plan(&[&hot, &plain])).await.unwrap().ok {
+                        admitted.push((clock.now(), count));
+                    }
+                }
             }
         }
         answered_locally += stores.iter().map(local).sum::<u64>();
         stores[0].delete_async("hot", None, 1).await.ok();
+        stores[0].delete_async("plain", None, 1).await.ok();
         (admitted, answered_locally)
+    }
+
+    /// A take of `count` from the plain (not leased) limit of the transactions here.
+    fn plain(count: f64) -> Take<'static> {
+        let config = Config::token_bucket(50.0, 1_000.0);
+        Take { name: "plain", key: None, config, count, reserve: false }
+    }
+
+    /// A transaction of `takes`, all or nothing.
+    fn plan<'a>(takes: &[&'a Take<'a>]) -> Plan<'a> {
+        let mut plan = Plan::new(true);
+        for take in takes {
+            plan.push(take, 0, 0).unwrap();
+        }
+        plan
+    }
+
+    /// `store`, leasing the limit `hot` (`shared` is its side that runs lease steps), on
+    /// `clock`: a transaction takes the leased limit directly (not from a lease), all or
+    /// nothing with the others, and never past what the leases out leave; the records are
+    /// kept, and an unreturned lease stops counting at its expiry.
+    pub(crate) async fn transaction_takes_a_leased_limit_directly(
+        store: &impl AsyncStore,
+        shared: &impl LeaseStore,
+        clock: &ManualClock,
+    ) {
+        let take = |count| Take {
+            name: "hot",
+            key: None,
+            config: Config::token_bucket(10.0, 1_000.0),
+            count,
+            reserve: false,
+        };
+        let (four, six, ten) = (take(4.0), take(6.0), take(10.0));
+        let slot = writing(&four).slot;
+        // Another holder leases 5 of the 10: 5 left to take directly.
+        let grant = Step::Grant { holder: 7, want: 5.0, unused: 0.0, term: 60_000.0, share: 1.0 };
+        super::step(shared, &slot, grant).await.unwrap();
+        // 4 of hot and 2 of plain, once plain is empty: refused, nothing taken.
+        let (all_plain, two_plain) = (plain(50.0), plain(2.0));
+        assert!(store.execute_async(&plan(&[&all_plain])).await.unwrap().ok);
+        assert!(!store.execute_async(&plan(&[&four, &two_plain])).await.unwrap().ok);
+        let (_, states) = store.read_async(&[slot]).await.unwrap();
+        assert_eq!(states[0].unwrap().value, 5.0);
+        // A second later the bucket has refilled only to 10 - 5 leased: 6 are refused (a
+        // transaction blind to the records would refill to 10 and grant them).
+        clock.advance(1_000.0);
+        assert!(!store.execute_async(&plan(&[&six])).await.unwrap().ok);
+        // 4 of hot with 2 of plain (refilled by now): granted, from the 5 the lease left.
+        assert!(store.execute_async(&plan(&[&four, &two_plain])).await.unwrap().ok);
+        let (_, states) = store.read_async(&[slot]).await.unwrap();
+        assert_eq!(states[0].unwrap().value, 1.0);
+        // 4 more: refused, though the bucket's capacity is 10 (5 are leased out).
+        assert!(!store.execute_async(&plan(&[&four])).await.unwrap().ok);
+        // The lease record is still there: its 5 come back when it is returned.
+        let back = Step::Release { holder: 7, unused: 5.0 };
+        super::step(shared, &slot, back).await.unwrap();
+        assert!(store.execute_async(&plan(&[&four])).await.unwrap().ok);
+        // An unreturned lease stops counting at its expiry: the 2 left are leased for 1 s;
+        // 1.2 s later the bucket is full again (under a cap of 8 until the expiry, 10
+        // after), and a transaction takes all 10.
+        let short = Step::Grant { holder: 8, want: 5.0, unused: 0.0, term: 1_000.0, share: 1.0 };
+        super::step(shared, &slot, short).await.unwrap();
+        clock.advance(1_200.0);
+        assert!(store.execute_async(&plan(&[&ten])).await.unwrap().ok);
+        store.delete_async("plain", None, 1).await.ok();
     }
 }

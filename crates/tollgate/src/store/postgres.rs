@@ -1470,7 +1470,8 @@ mod group_tests {
 
         use super::*;
         use crate::store::lease::testing::{
-            Leasing, Op, act, config, model_step, op, processes, worst,
+            Leasing, Op, act, config, op, processes, run_op,
+            transaction_takes_a_leased_limit_directly, worst,
         };
         use crate::store::lease::{Answer, LeaseOptions, LeaseStats};
 
@@ -1522,16 +1523,14 @@ mod group_tests {
                     let take = Take { name: "t", key: None, config, count: 1.0, reserve: false };
                     let slot = writing(&take).slot;
                     let mut model = Leased::default();
-                    for op in &ops {
-                        match *op {
-                            Op::Wait(dt) => clock.advance(dt),
-                            Op::Step(step) => {
-                                let now = clock.now();
-                                let (answer, _, _) =
-                                    lease::step(&*on.store.shared, &slot, step).await.unwrap();
-                                assert_eq!(answer, model_step(&mut model, &slot, now, step));
-                            }
+                    for &op in &ops {
+                        if let Op::Wait(dt) = op {
+                            clock.advance(dt);
                         }
+                        let now = clock.now();
+                        let (answer, expected) =
+                            run_op(&on.store, &*on.store.shared, &mut model, &slot, now, op).await;
+                        assert_eq!(answer, expected, "{op:?} at {now}");
                     }
                     // What the table keeps (a look loads it as it is) is the model's.
                     let look = Step::Take { count: 0.0, reserve: false, writes: false };
@@ -1623,52 +1622,7 @@ mod group_tests {
             let Some(url) = url() else { return };
             let clock = ManualClock::new(T0);
             let on = OnTable::leasing(&url, "lease_transaction", &clock, "hot").await;
-            let take =
-                |name, config, count| Take { name, key: None, config, count, reserve: false };
-            let hot = take("hot", Config::token_bucket(10.0, 1_000.0), 4.0);
-            let plain = take("plain", Config::token_bucket(2.0, 1_000.0), 2.0);
-            let slot = writing(&hot).slot;
-            // Another holder leases 5 of the 10: 5 left to take directly.
-            let grant =
-                Step::Grant { holder: 7, want: 5.0, unused: 0.0, term: 60_000.0, share: 1.0 };
-            lease::step(&*on.store.shared, &slot, grant).await.unwrap();
-            let plan = |takes: &[&Take<'static>]| {
-                let mut plan = Plan::new(true);
-                for take in takes {
-                    plan.push(take, 0, 0).unwrap();
-                }
-                plan
-            };
-            // 4 of hot and 2 of plain, once plain is empty: refused, nothing taken.
-            assert!(on.store.execute_async(&plan(&[&plain])).await.unwrap().ok);
-            let outcome = on.store.execute_async(&plan(&[&hot, &plain])).await.unwrap();
-            assert!(!outcome.ok);
-            let (_, states) = on.store.read_async(&[slot]).await.unwrap();
-            assert_eq!(states[0].unwrap().value, 5.0);
-            // A second later the bucket has refilled only to 10 - 5 leased: 6 are refused
-            // (a transaction blind to the records would refill to 10 and grant them).
-            clock.advance(1_000.0);
-            let six = take("hot", Config::token_bucket(10.0, 1_000.0), 6.0);
-            assert!(!on.store.execute_async(&plan(&[&six])).await.unwrap().ok);
-            // 4 of hot alone: granted, from the 5 the lease left.
-            assert!(on.store.execute_async(&plan(&[&hot])).await.unwrap().ok);
-            let (_, states) = on.store.read_async(&[slot]).await.unwrap();
-            assert_eq!(states[0].unwrap().value, 1.0);
-            // 4 more: refused, though the bucket's capacity is 10 (5 are leased out).
-            assert!(!on.store.execute_async(&plan(&[&hot])).await.unwrap().ok);
-            // The lease record is still there: its 5 come back when it is returned.
-            let back = Step::Release { holder: 7, unused: 5.0 };
-            lease::step(&*on.store.shared, &slot, back).await.unwrap();
-            assert!(on.store.execute_async(&plan(&[&hot])).await.unwrap().ok);
-            // An unreturned lease stops counting at its expiry: the 2 left are leased for
-            // 1 s; 1.2 s later the bucket is full again (under a cap of 8 until the expiry,
-            // 10 after), and a transaction takes all 10.
-            let short =
-                Step::Grant { holder: 8, want: 5.0, unused: 0.0, term: 1_000.0, share: 1.0 };
-            lease::step(&*on.store.shared, &slot, short).await.unwrap();
-            clock.advance(1_200.0);
-            let all = take("hot", Config::token_bucket(10.0, 1_000.0), 10.0);
-            assert!(on.store.execute_async(&plan(&[&all])).await.unwrap().ok);
+            transaction_takes_a_leased_limit_directly(&on.store, &*on.store.shared, &clock).await;
         }
 
         /// A state with lease records is refused by every path that would ignore them (the

@@ -16,6 +16,7 @@ use redis::{Client, Script, Value};
 use tokio::sync::mpsc;
 #[cfg(feature = "redis-cluster")]
 use tollgate_core::Split;
+use tollgate_core::lease::Leased;
 use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::redis_url::{self, Place};
@@ -73,6 +74,94 @@ end
     };
 }
 
+/// Lua: a state with lease records (issue 34), as `tollgate_core::lease::Leased` keeps it.
+/// `lease_unpack(raw)` reads what [`Leased::pack`](tollgate_core::lease::Leased::pack)
+/// made (`nil` for anything else): `v`, `ts` and the records `{ holder, tokens, expiry }`
+/// in the order of their holders. `lease_advance` refills `v`, `ts` to `now` under the cap
+/// `capacity - outstanding`, each record expired by `now` counting until its expiry (the
+/// first first) and then dropped, as `Leased::advance` does. `lease_save` stores the state
+/// with the records it keeps: until the last record expires and the state could be full
+/// again after it (no sooner may a missing key read as a full bucket); deleted when it
+/// keeps none and is full. One copy for the lease script and the plan script.
+macro_rules! lua_lease {
+    () => {
+        r#"
+local function lease_unpack(raw)
+  if #raw < 16 or (#raw - 16) % 24 ~= 0 then return nil end
+  local v, ts = struct.unpack('<dd', raw)
+  local recs = {}
+  for at = 17, #raw, 24 do
+    local h, t, e = struct.unpack('<ddd', raw, at)
+    recs[#recs + 1] = { h, t, e }
+  end
+  return v, ts, recs
+end
+
+local function lease_outstanding(recs)
+  local sum = 0
+  for i = 1, #recs do sum = sum + recs[i][2] end
+  return sum
+end
+
+local function lease_advance(recs, v, ts, kind, rate, period, cap, now)
+  -- tollgate-core's lease::refill: to `to` under `c`.
+  local function refill(to, c)
+    if to <= ts then
+      v = math.min(v, c)
+    elseif kind == 0 then
+      v = math.min(v + (to - ts) * rate / period, c)
+      ts = to
+    else
+      local w = math.floor((to - ts) / period)
+      if w >= 1 then
+        v = math.min(v + rate * w, c)
+        ts = ts + w * period
+      end
+    end
+  end
+  while true do
+    local first
+    for i = 1, #recs do
+      if recs[i][3] <= now and (first == nil or recs[i][3] < recs[first][3]) then first = i end
+    end
+    if not first then break end
+    local expiry = recs[first][3]
+    if kind == 0 then
+      refill(expiry, cap - lease_outstanding(recs))
+      table.remove(recs, first)
+    else
+      table.remove(recs, first)
+      refill(expiry, cap - lease_outstanding(recs))
+    end
+  end
+  refill(now, cap - lease_outstanding(recs))
+  return v, ts
+end
+
+local function lease_save(key, recs, v, ts, kind, rate, period, cap, now, least)
+  local last = ts
+  for i = 1, #recs do last = math.max(last, recs[i][3]) end
+  local full = last
+  if cap - v > 0 then
+    if kind == 0 then
+      full = last + (cap - v) * period / rate
+    else
+      full = last + (math.ceil((cap - v) / rate) + 1) * period
+    end
+  end
+  if full <= now and #recs == 0 then
+    redis.call('DEL', key)
+  else
+    local packed = { struct.pack('<dd', v, ts) }
+    for i = 1, #recs do packed[#packed + 1] = struct.pack('<ddd', recs[i][1], recs[i][2], recs[i][3]) end
+    redis.call('SET', key, table.concat(packed), 'PX',
+      string.format('%d', math.max(least, math.ceil(full - now))))
+  end
+end
+"#
+    };
+}
+
 /// The algebra of SPEC §2 and §3 in Lua, kept equal to `tollgate-core`'s by the conformance
 /// and differential tests. It loads every slot, decides all takes, and writes only if every
 /// take is granted (and the request writes); it answers with the time it used and the states
@@ -88,6 +177,7 @@ end
 /// formatting text in the script.
 const SCRIPT: &str = concat!(
     lua_now!(),
+    lua_lease!(),
     r#"
 local writes = ARGV[2] == '1'
 local nslots = tonumber(ARGV[3])
@@ -99,13 +189,18 @@ for i = 1, nslots do
   p = p + 6
 end
 local raw = redis.call('MGET', unpack(KEYS))
-local work, changed = {}, {}
+-- A leased state (with records) is refilled under its cap first, as the lease script
+-- does, and taken from directly: never past what its leases leave.
+local work, changed, recs = {}, {}, {}
 for i = 1, nslots do
   if raw[i] then
-    if #raw[i] ~= 16 then
-      error('tollgate: ' .. KEYS[i] .. ' holds leases or is not a state; not taken')
+    local v, ts, r = lease_unpack(raw[i])
+    if not v then error('tollgate: ' .. KEYS[i] .. ' is not a state; not taken') end
+    if #r > 0 then
+      local s = slot[i]
+      v, ts = lease_advance(r, v, ts, s.kind, s.rate, s.period, s.cap, now)
+      recs[i] = r
     end
-    local v, ts = struct.unpack('<dd', raw[i])
     work[i] = { v, ts }
   end
 end
@@ -174,7 +269,10 @@ end
 
 if all_ok and writes then
   for i = 1, nslots do
-    if changed[i] then
+    if changed[i] and recs[i] then
+      local s = slot[i]
+      lease_save(KEYS[i], recs[i], work[i][1], work[i][2], s.kind, s.rate, s.period, s.cap, now, least)
+    elseif changed[i] then
       local key, v, ts = KEYS[i], work[i][1], work[i][2]
       local token_bucket, rate, period, cap = slot[i].kind == 0, slot[i].rate, slot[i].period, slot[i].cap
 "#,
@@ -423,9 +521,12 @@ impl RedisStoreBuilder {
     /// [`LeaseOptions::floor`](super::LeaseOptions::floor) of the capacity left) no leases
     /// are taken and every request is a direct take, exact as without leases.
     ///
-    /// What it does not do yet, and refuses clearly: a leased limit in a transaction or with
-    /// shards; a reset of a leased limit this process has not taken from. A `check`, a
-    /// reservation and a take the lease cannot cover go to the store (direct takes). Call
+    /// A transaction takes a leased limit directly from the store (not from the lease),
+    /// under the cap its leases set, all or nothing with the others (the plan script
+    /// refills a state with lease records as the lease script does). What it does not do
+    /// yet, and refuses clearly: a leased limit with shards; a reset of a leased limit this
+    /// process has not taken from. A `check`, a reservation and a take the lease cannot
+    /// cover go to the store (direct takes). Call
     /// [`RedisStore::release_leases`] on a graceful shutdown; a process killed with its
     /// lease keeps its tokens from the others until the lease's term ends.
     #[must_use]
@@ -955,9 +1056,14 @@ impl<C: Clock> Inner<C> {
         }
         let now = unpack_time(&reply[0])?;
         let committed = matches!(&reply[1], Value::BulkString(b) if b.as_slice() == b"1");
-        let mut states: Vec<Option<State>> = reply[2..].iter().map(unpack_state).collect();
         // The answer comes from tollgate-core, on exactly what the script loaded and the
-        // time it used; the script only mirrored the decision to write.
+        // time it used (a leased state refilled under its cap as the script did); the
+        // script only mirrored the decision to write.
+        let mut states = slots
+            .iter()
+            .zip(&reply[2..])
+            .map(|(slot, loaded)| loaded_state(slot, loaded, now))
+            .collect::<Result<Vec<_>, _>>()?;
         let outcome = plan.decide(now, &mut states);
         if committed != (outcome.ok && plan.writes()) {
             return Err(disagree());
@@ -1305,6 +1411,21 @@ fn unpack_state(v: &Value) -> Option<State> {
     }
 }
 
+/// The state of `slot` the plan script decided on, from what it `loaded` at `now`: a plain
+/// state as stored; a state with lease records refilled under `capacity - outstanding` to
+/// `now` (`Leased::advance`), as the script did.
+fn loaded_state(slot: &Slot<'_>, loaded: &Value, now: f64) -> Result<Option<State>, StoreError> {
+    let bytes = match loaded {
+        Value::BulkString(bytes) if !bytes.is_empty() => bytes,
+        _ => return Ok(None),
+    };
+    if bytes.len() == 16 {
+        return Ok(unpack_state(loaded));
+    }
+    let mut leased = Leased::unpack(bytes).ok_or_else(|| garbage("a state"))?;
+    Ok(Some(leased.advance(&slot.config, slot.alignment, now)))
+}
+
 /// A state as the script stores it (`struct.pack('<dd', value, ts)`).
 #[cfg(feature = "redis-cluster")]
 fn pack_state(state: State) -> Vec<u8> {
@@ -1402,13 +1523,16 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
 
     async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         let inner = &self.inner;
+        // A transaction takes a leased limit directly (the script refills it under the cap
+        // its leases set); its shards are not leased.
         if let Some(leases) = &inner.leases
-            && let Some(slot) = plan.slots().iter().find(|s| leases.is_leased(s.name))
+            && let Some(take) =
+                plan.takes().find(|t| t.shards > 1 && leases.is_leased(plan.slots()[t.a].name))
         {
             return Err(StoreError::new(format!(
-                "redis: {:?} is leased, and a leased limit is not yet taken in a transaction \
-                 or from shards; nothing was taken",
-                slot.name
+                "redis: {:?} is leased, and a leased limit does not take shards; nothing was \
+                 taken",
+                plan.slots()[take.a].name
             )));
         }
         let keys: Vec<String> =

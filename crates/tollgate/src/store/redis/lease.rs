@@ -32,6 +32,7 @@ use crate::store::lease::{self, LeaseStore, Leases, Step};
 /// kept, tokens and expiry packed for a grant, "" for a return.
 pub(super) const SCRIPT_LEASE: &str = concat!(
     lua_now!(),
+    lua_lease!(),
     r#"
 local key, step = KEYS[1], ARGV[2]
 local kind, rate, period, cap = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -41,57 +42,15 @@ local v, ts
 -- The records, in the order of their holders: { holder, tokens, expiry }.
 local recs = {}
 if raw then
-  if #raw < 16 or (#raw - 16) % 24 ~= 0 then error('tollgate: ' .. key .. ' is not a state') end
-  v, ts = struct.unpack('<dd', raw)
-  for at = 17, #raw, 24 do
-    local h, t, e = struct.unpack('<ddd', raw, at)
-    recs[#recs + 1] = { h, t, e }
-  end
+  v, ts, recs = lease_unpack(raw)
+  if not v then error('tollgate: ' .. key .. ' is not a state') end
 elseif kind == 0 then
   v, ts = cap, now
 else
   v, ts = cap, align + math.floor((now - align) / period) * period
 end
-
-local function outstanding()
-  local sum = 0
-  for i = 1, #recs do sum = sum + recs[i][2] end
-  return sum
-end
-
--- The state refilled to `to` under `c` (tollgate-core's lease::refill).
-local function refill(to, c)
-  if to <= ts then
-    v = math.min(v, c)
-  elseif kind == 0 then
-    v = math.min(v + (to - ts) * rate / period, c)
-    ts = to
-  else
-    local w = math.floor((to - ts) / period)
-    if w >= 1 then
-      v = math.min(v + rate * w, c)
-      ts = ts + w * period
-    end
-  end
-end
-
--- Leased::advance: each record expired by now counts until its expiry, the first first.
-while true do
-  local first
-  for i = 1, #recs do
-    if recs[i][3] <= now and (first == nil or recs[i][3] < recs[first][3]) then first = i end
-  end
-  if not first then break end
-  local expiry = recs[first][3]
-  if kind == 0 then
-    refill(expiry, cap - outstanding())
-    table.remove(recs, first)
-  else
-    table.remove(recs, first)
-    refill(expiry, cap - outstanding())
-  end
-end
-refill(now, cap - outstanding())
+v, ts = lease_advance(recs, v, ts, kind, rate, period, cap, now)
+local function outstanding() return lease_outstanding(recs) end
 
 local function find(holder)
   for i = 1, #recs do
@@ -143,26 +102,7 @@ else
 end
 
 if save then
-  -- Kept until the last record expires and the state could be full again after it: no
-  -- sooner may a missing key read as a full bucket.
-  local last = ts
-  for i = 1, #recs do last = math.max(last, recs[i][3]) end
-  local full = last
-  if cap - v > 0 then
-    if kind == 0 then
-      full = last + (cap - v) * period / rate
-    else
-      full = last + (math.ceil((cap - v) / rate) + 1) * period
-    end
-  end
-  if full <= now and #recs == 0 then
-    redis.call('DEL', key)
-  else
-    local packed = { struct.pack('<dd', v, ts) }
-    for i = 1, #recs do packed[#packed + 1] = struct.pack('<ddd', recs[i][1], recs[i][2], recs[i][3]) end
-    redis.call('SET', key, table.concat(packed), 'PX',
-      string.format('%d', math.max(least, math.ceil(full - now))))
-  end
+  lease_save(key, recs, v, ts, kind, rate, period, cap, now, least)
 end
 return { struct.pack('<d', now), raw or '', answer }
 "#
@@ -293,7 +233,8 @@ mod tests {
     use super::*;
     use crate::store::AsyncStore;
     use crate::store::lease::testing::{
-        Leasing, Op, act, config, model_step, op, processes, worst,
+        Leasing, Op, act, config, op, processes, run_op, transaction_takes_a_leased_limit_directly,
+        worst,
     };
     use crate::store::lease::{LeaseOptions, LeaseStats, MOST_HELD};
     use crate::store::testing::{T0, writing};
@@ -340,16 +281,14 @@ mod tests {
             let one = writing(&take);
             let slot = one.slot;
             let mut model = Leased::default();
-            for op in ops {
-                match *op {
-                    Op::Wait(dt) => clock.advance(dt),
-                    Op::Step(step) => {
-                        let now = clock.now();
-                        let answer = redis.lease_step(&slot, step).await.unwrap();
-                        let expected = model_step(&mut model, &slot, now, step);
-                        assert_eq!(answer, expected, "{step:?} at {now}");
-                    }
+            for &op in ops {
+                if let Op::Wait(dt) = op {
+                    clock.advance(dt);
                 }
+                let now = clock.now();
+                let (answer, expected) =
+                    run_op(&redis, &*redis.inner, &mut model, &slot, now, op).await;
+                assert_eq!(answer, expected, "{op:?} at {now}");
             }
             // What Redis keeps, advanced to now, is the model's.
             let key = redis.inner.key(slot.name, slot.key, slot.shard);
@@ -494,8 +433,23 @@ mod tests {
         }
     }
 
-    /// The take scripts refuse a state that carries leases, before writing: a path that did
-    /// not know the records would refill past the cap they set.
+    /// A transaction takes a leased limit directly (the plan script refills it under the
+    /// cap its records set, as the lease script does), all or nothing with a plain limit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transaction_takes_a_leased_limit_directly() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let redis = RedisStore::builder()
+            .prefix(case_prefix("transaction"))
+            .lease("hot", LeaseOptions::new())
+            .open_with_clock(&url, clock.clone())
+            .unwrap();
+        transaction_takes_a_leased_limit_directly(&redis, &*redis.inner, &clock).await;
+    }
+
+    /// The one-take scripts refuse a state that carries leases, before writing: a path that
+    /// did not know the records would refill past the cap they set. The plan script takes
+    /// from it under that cap.
     #[tokio::test]
     async fn take_scripts_refuse_a_leased_state_and_leave_it() {
         let Some(url) = url() else { return };
@@ -519,8 +473,7 @@ mod tests {
         clock.advance(5_000.0);
         let error = redis.execute_one_async(&one).await.unwrap_err();
         assert!(error.message().contains("holds leases"), "{error}");
-        let error = redis.execute_async(&one.to_plan()).await.unwrap_err();
-        assert!(error.message().contains("holds leases"), "{error}");
+        assert!(!redis.execute_async(&one.to_plan()).await.unwrap().ok, "all 10 leased");
         // Still leased, and the bucket still capped: nothing has flowed in past the lease.
         let direct = Step::Take { count: 1.0, reserve: false, writes: true };
         assert_eq!(redis.lease_step(&one.slot, direct).await.unwrap(), Answer::Taken(false));
