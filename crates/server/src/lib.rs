@@ -93,8 +93,9 @@ struct ServeArgs {
     listen: Option<String>,
     /// The store: memory, sqlite://PATH[?synchronous=full], redis://HOST:PORT[/DB],
     /// redis+cluster://HOST:PORT,HOST:PORT, redis+sentinel://HOST:PORT,HOST:PORT/MASTER
-    /// (rediss… over TLS; ?ca=FILE, ?replicas=N and more: see the README) or
-    /// postgres://USER@HOST/DB (default sqlite://tollgate.db).
+    /// (rediss… over TLS; ?ca=FILE, ?replicas=N and more: see the guide,
+    /// docs/src/operations/redis-ha.md) or postgres://USER@HOST/DB (default
+    /// sqlite://tollgate.db).
     #[arg(long)]
     store: Option<String>,
     /// Listen on a non-loopback address without tokens, knowing anyone who can reach it can

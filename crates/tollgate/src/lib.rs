@@ -89,3 +89,81 @@ pub use tollgate_core as core;
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
+
+/// The guide's chapters (`docs/src`, an mdBook), their examples compiled and run as doc tests
+/// as the README's are. `tests/book.rs` checks that every chapter is here.
+#[cfg(doctest)]
+mod guide {
+    #[doc = include_str!("../../../docs/src/clients.md")]
+    struct Clients;
+    #[doc = include_str!("../../../docs/src/concepts/algorithms.md")]
+    struct ConceptsAlgorithms;
+    #[doc = include_str!("../../../docs/src/concepts/capacity-and-reservations.md")]
+    struct ConceptsCapacityAndReservations;
+    #[doc = include_str!("../../../docs/src/concepts/failure.md")]
+    struct ConceptsFailure;
+    #[doc = include_str!("../../../docs/src/concepts/leases.md")]
+    struct ConceptsLeases;
+    #[doc = include_str!("../../../docs/src/concepts/sharding.md")]
+    struct ConceptsSharding;
+    #[doc = include_str!("../../../docs/src/concepts/transactions.md")]
+    struct ConceptsTransactions;
+    #[doc = include_str!("../../../docs/src/concepts/two-numbers.md")]
+    struct ConceptsTwoNumbers;
+    #[doc = include_str!("../../../docs/src/envoy.md")]
+    struct Envoy;
+    #[doc = include_str!("../../../docs/src/getting-started/library.md")]
+    struct GettingStartedLibrary;
+    #[doc = include_str!("../../../docs/src/getting-started/server.md")]
+    struct GettingStartedServer;
+    #[doc = include_str!("../../../docs/src/introduction.md")]
+    struct Introduction;
+    #[doc = include_str!("../../../docs/src/library/calls.md")]
+    struct LibraryCalls;
+    #[doc = include_str!("../../../docs/src/library/middleware.md")]
+    struct LibraryMiddleware;
+    #[doc = include_str!("../../../docs/src/migrate/convex.md")]
+    struct MigrateConvex;
+    #[doc = include_str!("../../../docs/src/migrate/envoy-ratelimit.md")]
+    struct MigrateEnvoyRatelimit;
+    #[doc = include_str!("../../../docs/src/migrate/governor.md")]
+    struct MigrateGovernor;
+    #[doc = include_str!("../../../docs/src/migrate/limitador.md")]
+    struct MigrateLimitador;
+    #[doc = include_str!("../../../docs/src/operations/kubernetes.md")]
+    struct OperationsKubernetes;
+    #[doc = include_str!("../../../docs/src/operations/redis-ha.md")]
+    struct OperationsRedisHa;
+    #[doc = include_str!("../../../docs/src/performance.md")]
+    struct Performance;
+    #[doc = include_str!("../../../docs/src/server/config.md")]
+    struct ServerConfig;
+    #[doc = include_str!("../../../docs/src/server/dashboard.md")]
+    struct ServerDashboard;
+    #[doc = include_str!("../../../docs/src/server/http-api.md")]
+    struct ServerHttpApi;
+    #[doc = include_str!("../../../docs/src/server/index.md")]
+    struct ServerIndex;
+    #[doc = include_str!("../../../docs/src/server/metrics.md")]
+    struct ServerMetrics;
+    #[doc = include_str!("../../../docs/src/server/reload.md")]
+    struct ServerReload;
+    #[doc = include_str!("../../../docs/src/server/security.md")]
+    struct ServerSecurity;
+    #[doc = include_str!("../../../docs/src/simulator.md")]
+    struct Simulator;
+    #[doc = include_str!("../../../docs/src/stores/memory.md")]
+    struct StoresMemory;
+    #[doc = include_str!("../../../docs/src/stores/postgres.md")]
+    struct StoresPostgres;
+    #[doc = include_str!("../../../docs/src/stores/redis-cluster.md")]
+    struct StoresRedisCluster;
+    #[doc = include_str!("../../../docs/src/stores/redis.md")]
+    struct StoresRedis;
+    #[doc = include_str!("../../../docs/src/stores/sqlite.md")]
+    struct StoresSqlite;
+    #[doc = include_str!("../../../docs/src/stores/sqlx.md")]
+    struct StoresSqlx;
+    #[doc = include_str!("../../../docs/src/stores/writing.md")]
+    struct StoresWriting;
+}

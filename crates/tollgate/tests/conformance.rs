@@ -474,8 +474,8 @@ mod on_redis {
         builder.open_with_clock(&url().expect("checked"), clock).unwrap()
     }
 
-    /// The commands a tollgate user needs, as the README's `ACL SETUSER` gives them (shell
-    /// quotes included: the README is checked to hold this very text).
+    /// The commands a tollgate user needs, as the guide's `ACL SETUSER` gives them (shell
+    /// quotes included: the guide's Redis chapter is checked to hold this very text).
     const ACL_COMMANDS: &str = "+evalsha '+script|load' +time +get +mget +set +del";
 
     /// What a cluster's user needs besides: the command redis-rs finds the nodes with.
@@ -491,8 +491,8 @@ mod on_redis {
     /// Makes (again) the ACL user of these tests on the Redis at `admin` (a `redis://` URL
     /// whose user may): `commands` alone, on the tests' keys alone (`~tollgate-test:*`).
     fn set_up_user(admin: &str, commands: &str) {
-        let readme = include_str!("../../../README.md");
-        assert!(readme.contains(commands), "the README's ACL does not hold {commands:?}");
+        let guide = include_str!("../../../docs/src/stores/redis.md");
+        assert!(guide.contains(commands), "the guide's ACL does not hold {commands:?}");
         let (user, password) = ACL_USER;
         let mut conn = redis::Client::open(admin).unwrap().get_connection().unwrap();
         let mut setuser = redis::cmd("ACL");
@@ -511,7 +511,7 @@ mod on_redis {
         format!("{scheme}://{user}:{password}@{rest}")
     }
 
-    /// A store that connects as a Redis ACL user allowed the README's commands alone.
+    /// A store that connects as a Redis ACL user allowed the guide's commands alone.
     pub(crate) fn open_as_user(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
         static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let url = URL.get_or_init(|| {
@@ -522,7 +522,7 @@ mod on_redis {
         open_on(url, clock)
     }
 
-    /// The same on Redis Cluster: the user made on every node, with the README's commands
+    /// The same on Redis Cluster: the user made on every node, with the guide's commands
     /// for a cluster.
     #[cfg(feature = "redis-cluster")]
     pub(crate) fn open_cluster_as_user(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
@@ -595,7 +595,7 @@ mod on_redis {
     }
 
     /// Behind Sentinel, with `replicas=1`: the user made on the primary and every replica
-    /// (ACLs are not replicated, and any replica may be promoted), with the README's
+    /// (ACLs are not replicated, and any replica may be promoted), with the guide's
     /// commands for Sentinel.
     pub(crate) fn open_sentinel_as_user(
         _: &Runtime,

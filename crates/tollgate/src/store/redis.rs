@@ -559,7 +559,7 @@ impl RedisStoreBuilder {
     ///   With `replicas=1` a primary that dies loses no admission (the Sentinels promote
     ///   the replica furthest along); a failover in which the old primary lives on (asked
     ///   for, or a network split) loses none only with `replicas=` the number of replicas
-    ///   (README, "What a failover gives back"). A failover leaves one replica fewer, so
+    ///   (the guide, docs/src/operations/redis-ha.md). A failover leaves one replica fewer, so
     ///   N+1 replicas keep admitting after one. Not on a cluster;
     /// - `sentinel_user=U&sentinel_password=P`: the Sentinels' own credentials.
     ///

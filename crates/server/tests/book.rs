@@ -1,0 +1,208 @@
+//! The guide's config examples (`docs/src`, and the README), loaded as the server loads them:
+//! every TOML block that is a tollgate config file (one with a `[server]` or `[limits.*]`
+//! table) by the config parser, with its settings checked as `serve` checks them; every YAML
+//! block that is an envoyproxy/ratelimit config (one with `domain:`) by the rate limit
+//! service's loader; and the simulator's example run by the binary, answering what the
+//! chapter says it answers. A chapter that shows a config that does not load fails here.
+
+use std::path::{Path, PathBuf};
+
+use tollgate_server::config::{FileConfig, Overrides};
+use tollgate_server::rls::config::RlsConfig;
+
+/// The repository's root.
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Every chapter of the guide and the README: (path, text).
+fn pages() -> Vec<(PathBuf, String)> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                out.push(path);
+            }
+        }
+    }
+    let mut paths = vec![root().join("README.md")];
+    walk(&root().join("docs/src"), &mut paths);
+    paths.sort();
+    paths.into_iter().map(|p| (p.clone(), std::fs::read_to_string(&p).unwrap())).collect()
+}
+
+/// The fenced blocks of `text` tagged `lang` (the info string's first word), with the line
+/// each starts on.
+fn blocks(text: &str, lang: &str) -> Vec<(usize, String)> {
+    let mut found = Vec::new();
+    let mut open: Option<(usize, String, String)> = None;
+    for (i, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        match &mut open {
+            None => {
+                if let Some(info) = trimmed.strip_prefix("```") {
+                    let tag = info.split([',', ' ']).next().unwrap_or("").to_owned();
+                    open = Some((i + 1, tag, String::new()));
+                }
+            }
+            Some((start, tag, body)) => {
+                if trimmed.starts_with("```") {
+                    if tag == lang {
+                        found.push((*start, std::mem::take(body)));
+                    }
+                    open = None;
+                } else {
+                    body.push_str(line);
+                    body.push('\n');
+                }
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn every_config_file_shown_loads() {
+    let mut loaded = 0;
+    for (path, text) in pages() {
+        for (line, toml) in blocks(&text, "toml") {
+            let is_config = toml.lines().any(|l| {
+                let l = l.trim();
+                l == "[server]" || l.starts_with("[limits.")
+            });
+            if !is_config {
+                continue;
+            }
+            let settings = FileConfig::parse(&toml)
+                .and_then(|file| file.settings(&Overrides::default(), false));
+            if let Err(e) = settings {
+                panic!("{}:{line}: this config does not load: {e:#}\n{toml}", path.display());
+            }
+            loaded += 1;
+        }
+    }
+    assert!(loaded >= 5, "only {loaded} configs found: is the guide where this test looks?");
+}
+
+#[test]
+fn every_rate_limit_service_config_shown_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut loaded = 0;
+    for (path, text) in pages() {
+        for (line, yaml) in blocks(&text, "yaml") {
+            if !yaml.lines().any(|l| l.starts_with("domain:")) {
+                continue;
+            }
+            let file = dir.path().join(format!("{loaded}.yaml"));
+            std::fs::write(&file, &yaml).unwrap();
+            if let Err(e) = RlsConfig::load(&file) {
+                panic!("{}:{line}: this RLS config does not load: {e:#}\n{yaml}", path.display());
+            }
+            loaded += 1;
+        }
+    }
+    assert!(loaded >= 1, "no RLS config found in the guide");
+}
+
+/// The simulator chapter's example: its traffic and limits, run by the binary, answer the
+/// four lines the chapter prints.
+#[test]
+fn the_simulator_chapter_answers_what_it_says() {
+    let text = std::fs::read_to_string(root().join("docs/src/simulator.md")).unwrap();
+    let (_, script) = blocks(&text, "sh").into_iter().next().expect("the chapter's example");
+    let traffic: String = script
+        .lines()
+        .skip_while(|l| !l.starts_with("cat > traffic.jsonl"))
+        .skip(1)
+        .take_while(|l| *l != "LINES")
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let expected: Vec<&str> = script
+        .lines()
+        .filter_map(|l| l.strip_prefix("# "))
+        .filter(|l| l.starts_with('{'))
+        .collect();
+    assert_eq!((traffic.lines().count(), expected.len()), (4, 4), "{script}");
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("limits.toml");
+    std::fs::write(&limits, "[limits.send]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1m\"\n")
+        .unwrap();
+    assert!(script.contains(
+        r#"printf '[limits.send]\nkind = "token bucket"\nrate = 10\nperiod = "1m"\n' > limits.toml"#
+    ));
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["simulate", "--config"])
+        .arg(&limits)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child.stdin.take().unwrap().write_all(traffic.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let answers = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(answers.lines().collect::<Vec<_>>(), expected);
+}
+
+/// The simulator chapter's plot is what its command draws today (the committed picture
+/// would otherwise drift from the simulator; `scripts/book-pictures` draws it again).
+#[test]
+fn the_simulator_plot_is_what_the_simulator_draws() {
+    let docs = root().join("docs/src/simulator");
+    let dir = tempfile::tempdir().unwrap();
+    let plot = dir.path().join("plot.svg");
+    let traffic = std::fs::File::open(docs.join("traffic.jsonl")).unwrap();
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["simulate", "--config"])
+        .arg(docs.join("limits.toml"))
+        .arg("--plot")
+        .arg(&plot)
+        .stdin(traffic)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let drawn = std::fs::read_to_string(&plot).unwrap();
+    let committed = std::fs::read_to_string(docs.join("plot.svg")).unwrap();
+    assert!(
+        drawn == committed,
+        "docs/src/simulator/plot.svg is not what the simulator draws: run scripts/book-pictures"
+    );
+}
+
+/// The config chapter is checked against the code: its example's `[server]` table sets every
+/// setting the server knows (and, loading above, nothing else), and its table of variables
+/// has a row for each, naming its field and saying whether a reload applies it as the code
+/// does; no row names a variable the server does not read.
+#[test]
+fn the_config_reference_has_every_server_setting() {
+    use tollgate_server::config::{CONFIG_VAR, SETTINGS};
+    let text = std::fs::read_to_string(root().join("docs/src/server/config.md")).unwrap();
+    let (_, example) = blocks(&text, "toml")
+        .into_iter()
+        .find(|(_, toml)| toml.contains("[server]"))
+        .expect("the chapter's example of [server]");
+    for setting in SETTINGS {
+        let set = example.lines().any(|l| l.starts_with(&format!("{} = ", setting.field)));
+        assert!(set, "the example does not set [server] {}", setting.field);
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{}` |", setting.var)))
+            .unwrap_or_else(|| panic!("no row for {}", setting.var));
+        assert!(row.contains(&format!("`{}`", setting.field)), "{row}");
+        let applies = row.trim_end_matches('|').rsplit('|').next().unwrap().trim();
+        match applies {
+            "no" => assert!(!setting.live, "{row}: a reload applies it"),
+            a if a.starts_with("yes") => assert!(setting.live, "{row}: it takes a restart"),
+            _ => {} // `its contents: yes`: the path takes a restart, what it names reloads
+        }
+    }
+    for row in text.lines().filter(|l| l.starts_with("| `TOLLGATE_")) {
+        let var = row.split('`').nth(1).unwrap();
+        let known = var == CONFIG_VAR || SETTINGS.iter().any(|s| s.var == var);
+        assert!(known, "the chapter names {var}, which the server does not read");
+    }
+}
