@@ -76,7 +76,17 @@ impl Leased {
     /// The state at `now`, refilled under the cap `capacity - outstanding`: a lease that
     /// expired in between raises the cap only from its expiry on, and its record is dropped.
     pub fn advance(&mut self, shard: &Config, alignment: f64, now: f64) -> State {
-        let mut state = self.state.unwrap_or_else(|| fresh_state(shard, alignment, now));
+        let mut state = match self.state {
+            Some(state) => state,
+            // Never taken from, or forgotten by a reset while leases are out: as full as the
+            // leases out now allow (those expired no longer count).
+            None => {
+                self.leases.retain(|(_, lease)| lease.expiry > now);
+                let fresh = fresh_state(shard, alignment, now);
+                let cap = shard.capacity() - self.outstanding();
+                State { value: fresh.value.min(cap), ts: fresh.ts }
+            }
+        };
         while let Some(i) = self.first_expired(now) {
             let expiry = self.leases[i].1.expiry;
             match shard.kind() {
@@ -163,13 +173,11 @@ impl Leased {
         Grant { kept, tokens, expiry }
     }
 
-    /// A reset (`reset` of the limit): the state starts again as full as the leases out
-    /// allow, `capacity - outstanding`; the records stay, since their holders may still
-    /// spend them.
-    pub fn reset(&mut self, shard: &Config, alignment: f64, now: f64) {
-        self.advance(shard, alignment, now);
-        let fresh = fresh_state(shard, alignment, now);
-        self.state = Some(State { value: shard.capacity() - self.outstanding(), ts: fresh.ts });
+    /// A reset (`reset` of the limit), which needs no config: the state is forgotten, as if
+    /// the limit had never been taken from, and starts again as full as the leases out allow
+    /// (see [`Leased::advance`]); the records stay, since their holders may still spend them.
+    pub fn forget(&mut self) {
+        self.state = None;
     }
 
     /// `holder` returns its lease, `unused` of it not spent: those tokens go back to the
@@ -186,10 +194,13 @@ impl Leased {
 
 impl Leased {
     /// The stored form: `value` and `ts`, then `holder`, `tokens` and `expiry` of each
-    /// record, each a little-endian double (16 bytes, and 24 a record); `None` when there is
-    /// no state to store.
+    /// record, each a little-endian double (16 bytes, and 24 a record); a forgotten state
+    /// with records is a `value` of NaN. `None` when there is nothing to store.
     pub fn pack(&self) -> Option<Vec<u8>> {
-        let state = self.state?;
+        if self.state.is_none() && self.leases.is_empty() {
+            return None;
+        }
+        let state = self.state.unwrap_or(State { value: f64::NAN, ts: 0.0 });
         let mut out = Vec::with_capacity(16 + 24 * self.leases.len());
         out.extend(state.value.to_le_bytes());
         out.extend(state.ts.to_le_bytes());
@@ -202,14 +213,14 @@ impl Leased {
         Some(out)
     }
 
-    /// What [`Leased::pack`] made (a plain state is the 16 bytes alone); `None` for anything
-    /// else.
+    /// What [`Leased::pack`] made (a plain state is the 16 bytes alone; a `value` of NaN is a
+    /// forgotten state); `None` for anything else.
     pub fn unpack(bytes: &[u8]) -> Option<Leased> {
         if bytes.len() < 16 || !(bytes.len() - 16).is_multiple_of(24) {
             return None;
         }
         let double = |at: usize| f64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
-        let state = State { value: double(0), ts: double(8) };
+        let state = (!double(0).is_nan()).then(|| State { value: double(0), ts: double(8) });
         let leases = (16..bytes.len())
             .step_by(24)
             .map(|at| {
@@ -218,7 +229,7 @@ impl Leased {
                 (holder, Lease { tokens: double(at + 8), expiry: double(at + 16) })
             })
             .collect();
-        Some(Leased { state: Some(state), leases })
+        Some(Leased { state, leases })
     }
 }
 

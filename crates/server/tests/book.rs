@@ -1,6 +1,6 @@
 //! The guide's config examples (`docs/src`, and the README), loaded as the server loads them:
 //! every TOML block that is a tollgate config file (one with a `[server]` or `[limits.*]`
-//! table) by the config parser, with its settings checked as `serve` checks them; every YAML
+//! table), and the one a Kubernetes ConfigMap carries, by the config parser, with its settings checked as `serve` checks them; every YAML
 //! block that is an envoyproxy/ratelimit config (one with `domain:`) by the rate limit
 //! service's loader; and the simulator's example run by the binary, answering what the
 //! chapter says it answers. A chapter that shows a config that does not load fails here.
@@ -80,6 +80,29 @@ fn every_config_file_shown_loads() {
             if let Err(e) = settings {
                 panic!("{}:{line}: this config does not load: {e:#}\n{toml}", path.display());
             }
+            loaded += 1;
+        }
+    }
+    // A config file inside a Kubernetes ConfigMap (`tollgate.toml: |`, indented below it).
+    for (path, text) in pages() {
+        for (line, yaml) in blocks(&text, "yaml") {
+            let Some(at) = yaml.find("tollgate.toml: |\n") else { continue };
+            let rest = &yaml[at + "tollgate.toml: |\n".len()..];
+            let indent = rest.len() - rest.trim_start().len();
+            let toml: String = rest
+                .lines()
+                .take_while(|l| l.len() > indent && l[..indent].trim().is_empty())
+                .map(|l| format!("{}\n", &l[indent..]))
+                .collect();
+            let settings = FileConfig::parse(&toml)
+                .and_then(|file| file.settings(&Overrides::default(), false));
+            if let Err(e) = settings {
+                panic!(
+                    "{}:{line}: the ConfigMap's config does not load: {e:#}\n{toml}",
+                    path.display()
+                );
+            }
+            assert!(toml.contains("[limits."), "{toml}");
             loaded += 1;
         }
     }
@@ -205,4 +228,49 @@ fn the_config_reference_has_every_server_setting() {
         let known = var == CONFIG_VAR || SETTINGS.iter().any(|s| s.var == var);
         assert!(known, "the chapter names {var}, which the server does not read");
     }
+}
+
+/// The reload chapter's `check-config` example prints what the chapter shows: for a file with
+/// the limits `api` and `signup`, `ok`, a version of 12 hex digits, the limits and the store
+/// not opened (exit 0); for one whose `api` has a rate of -1, the error and exit 1.
+#[test]
+fn the_check_config_example_prints_what_the_chapter_shows() {
+    let text = std::fs::read_to_string(root().join("docs/src/server/reload.md")).unwrap();
+    let (_, script) = blocks(&text, "sh")
+        .into_iter()
+        .find(|(_, sh)| sh.starts_with("tollgate check-config"))
+        .expect("the chapter's check-config example");
+    let shown: Vec<&str> = script.lines().filter_map(|l| l.strip_prefix("# ")).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let good = "[limits.api]\nkind = \"token bucket\"\nrate = 600\nperiod = \"1m\"\n\n\
+                [limits.signup]\nkind = \"fixed window\"\nrate = 100\nperiod = \"1h\"\n";
+    std::fs::write(dir.path().join("tollgate.toml"), good).unwrap();
+    std::fs::write(dir.path().join("bad.toml"), good.replace("rate = 600", "rate = -1")).unwrap();
+    let run = |file: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["check-config", "--config", file])
+            .current_dir(dir.path())
+            .env_remove("TOLLGATE_STORE")
+            .output()
+            .unwrap();
+        let printed = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code(), printed)
+    };
+    let (code, printed) = run("tollgate.toml");
+    assert_eq!(code, Some(0), "{printed}");
+    let printed: Vec<&str> = printed.lines().collect();
+    assert_eq!(printed.len(), 3, "{printed:?}");
+    let version =
+        |line: &str| line.rsplit_once("version ").map(|(head, v)| (head.to_owned(), v.len()));
+    assert_eq!(version(printed[0]), version(shown[0]), "{printed:?} against {shown:?}");
+    assert!(printed[0].rsplit(' ').next().unwrap().chars().all(|c| c.is_ascii_hexdigit()));
+    assert_eq!(printed[1..], shown[1..3]);
+    let (code, printed) = run("bad.toml");
+    assert_eq!(code, Some(1), "{printed}");
+    assert_eq!(printed.trim_end(), shown[3], "the error as the chapter shows it");
+    assert_eq!(shown[4], "exit 1");
 }

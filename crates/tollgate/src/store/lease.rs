@@ -30,8 +30,8 @@ pub(crate) enum Step {
     Grant { holder: u64, want: f64, unused: f64, term: f64, share: f64 },
     /// See [`Leased::release`].
     Release { holder: u64, unused: f64 },
-    /// See [`Leased::reset`].
-    Reset,
+    /// See [`Leased::forget`]: needs no config (the store ignores the slot's).
+    Forget,
 }
 
 /// What a step answered.
@@ -87,8 +87,8 @@ pub(crate) async fn step<S: LeaseStore>(
             leased.release(c, slot.alignment, now, holder, unused);
             Answer::Released
         }
-        Step::Reset => {
-            leased.reset(c, slot.alignment, now);
+        Step::Forget => {
+            leased.forget();
             Answer::Released
         }
     };
@@ -127,8 +127,9 @@ pub(crate) async fn read<S: LeaseStore>(
         now = at;
         let state = match leased.state {
             Some(stored) if leased.leases.is_empty() => Some(stored),
-            Some(_) => Some(leased.advance(&slot.config, slot.alignment, at)),
-            None => None,
+            None if leased.leases.is_empty() => None,
+            // With leases out (a forgotten state too): as full as they allow.
+            _ => Some(leased.advance(&slot.config, slot.alignment, at)),
         };
         states.push(state);
     }
@@ -529,25 +530,22 @@ pub(crate) fn stats(leases: Option<&Leases>) -> Vec<(String, Option<String>, Lea
         .collect()
 }
 
-/// A reset of a leased (name, key): its state starts again at `capacity - outstanding`, its
-/// records kept (see [`Leased::reset`]).
+/// A reset of a leased (name, key), which needs no config (as any reset): this process's own
+/// lease goes back first, then the state is forgotten, its records kept, and starts again as
+/// full as the leases out allow (see [`Leased::forget`]).
 pub(crate) async fn reset<S: LeaseStore>(
     store: &S,
     leases: &Leases,
     name: &str,
     key: Option<&str>,
 ) -> Result<(), StoreError> {
-    let Some(entry) = leases.lookup(&leases.entries.load(), name, key) else {
-        return Err(StoreError::new(format!(
-            "{}: a reset of the leased limit {name:?} needs its config, known here once it has \
-             been taken from: take from it first (its leases keep their tokens)",
-            S::NAME
-        )));
-    };
-    // This process's own lease goes back first.
-    let unused = entry.holder.release(leases.now(store));
-    step(store, &entry.slot(), Step::Release { holder: leases.id, unused }).await?;
-    step(store, &entry.slot(), Step::Reset).await.map(drop)
+    if let Some(entry) = leases.lookup(&leases.entries.load(), name, key) {
+        let unused = entry.holder.release(leases.now(store));
+        step(store, &entry.slot(), Step::Release { holder: leases.id, unused }).await?;
+    }
+    // Any config: the step reads none of it.
+    let slot = look_slot(name, key, Config::token_bucket(1.0, 1_000.0));
+    step(store, &slot, Step::Forget).await.map(drop)
 }
 
 /// What the leasing stores' tests share (Redis, PostgreSQL): random steps on one leased shard
@@ -593,7 +591,7 @@ pub(crate) mod testing {
             1 => (holder, 0.0..20.0f64).prop_map(|(holder, unused)| {
                 Op::Step(Step::Release { holder, unused: unused.floor() })
             }),
-            1 => Just(Op::Step(Step::Reset)),
+            1 => Just(Op::Step(Step::Forget)),
             2 => (1.0..5.0f64, any::<bool>(), any::<bool>()).prop_map(|(count, reserve, writes)| {
                 Op::Transaction { count: count.floor(), reserve, writes }
             }),
@@ -706,11 +704,16 @@ pub(crate) mod testing {
                 Answer::Granted(model.grant(c, a, now, holder, want, unused, term, share))
             }
             Step::Release { holder, unused } => {
-                model.release(c, a, now, holder, unused);
+                // With no record to return the store saves nothing: the model keeps no more.
+                let mut advanced = model.clone();
+                advanced.advance(c, a, now);
+                if advanced.leases.iter().any(|(h, _)| *h == holder) {
+                    model.release(c, a, now, holder, unused);
+                }
                 Answer::Released
             }
-            Step::Reset => {
-                model.reset(c, a, now);
+            Step::Forget => {
+                model.forget();
                 Answer::Released
             }
         }
@@ -784,6 +787,36 @@ pub(crate) mod testing {
         (admitted, answered_locally)
     }
 
+    /// `store`, leasing the limit `hot` (`shared` its side that runs lease steps), on
+    /// `clock`, having never taken from it: a reset needs no lease of its own nor a config;
+    /// it forgets the state and keeps the records, so the limit starts again as full as the
+    /// leases out allow, and whole once they have expired.
+    pub(crate) async fn a_reset_needs_no_lease_of_its_own(
+        store: &impl AsyncStore,
+        shared: &impl LeaseStore,
+        clock: &ManualClock,
+    ) {
+        let (three, six, ten) = (hot(3.0), hot(6.0), hot(10.0));
+        let slot = writing(&three).slot;
+        // Another holder leases 5 of the 10 for 1 s; 3 are taken directly: 2 left.
+        let grant = Step::Grant { holder: 7, want: 5.0, unused: 0.0, term: 1_000.0, share: 1.0 };
+        super::step(shared, &slot, grant).await.unwrap();
+        assert!(store.execute_async(&plan(&[&three])).await.unwrap().ok);
+        store.delete_async("hot", None, 1).await.unwrap();
+        let (_, states) = store.read_async(&[slot]).await.unwrap();
+        assert_eq!(states[0].unwrap().value, 5.0, "as full as the lease out allows");
+        assert!(!store.execute_async(&plan(&[&six])).await.unwrap().ok, "5 are leased out");
+        // The lease expires: the limit is whole again.
+        clock.advance(1_000.0);
+        assert!(store.execute_async(&plan(&[&ten])).await.unwrap().ok);
+    }
+
+    /// A take of `count` from the leased limit of the tests here (10 a second).
+    fn hot(count: f64) -> Take<'static> {
+        let config = Config::token_bucket(10.0, 1_000.0);
+        Take { name: "hot", key: None, config, count, reserve: false }
+    }
+
     /// A take of `count` from the plain (not leased) limit of the transactions here.
     fn plain(count: f64) -> Take<'static> {
         let config = Config::token_bucket(50.0, 1_000.0);
@@ -808,14 +841,7 @@ pub(crate) mod testing {
         shared: &impl LeaseStore,
         clock: &ManualClock,
     ) {
-        let take = |count| Take {
-            name: "hot",
-            key: None,
-            config: Config::token_bucket(10.0, 1_000.0),
-            count,
-            reserve: false,
-        };
-        let (four, six, ten) = (take(4.0), take(6.0), take(10.0));
+        let (four, six, ten) = (hot(4.0), hot(6.0), hot(10.0));
         let slot = writing(&four).slot;
         // Another holder leases 5 of the 10: 5 left to take directly.
         let grant = Step::Grant { holder: 7, want: 5.0, unused: 0.0, term: 60_000.0, share: 1.0 };

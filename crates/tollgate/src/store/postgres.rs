@@ -690,7 +690,7 @@ impl LeaseRow {
                 (1, vec![holder as f64, want, unused, term, share])
             }
             Step::Release { holder, unused } => (2, vec![holder as f64, unused]),
-            Step::Reset => (3, Vec::new()),
+            Step::Forget => (3, Vec::new()),
         };
         let one = OneTake { slot: *slot, count: 0.0, reserve: false, writes: true };
         LeaseRow { take: OneRow::new(&one, now), step: code, args }
@@ -729,7 +729,8 @@ fn lease_answer(rows: &[Row]) -> Result<(f64, Leased, Vec<f64>), StoreError> {
     }
     let (records, said) = rest.split_at(3 * n);
     let leased = Leased {
-        state: (had == 1.0).then_some(State { value, ts }),
+        // A value of NaN: forgotten by a reset while leases are out.
+        state: (had == 1.0 && !value.is_nan()).then_some(State { value, ts }),
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         leases: records
             .chunks(3)
@@ -906,7 +907,9 @@ fn decide(plan: &Plan<'_>, (now, mut states, records): Loaded) -> Decided {
                 .chunks(3)
                 .map(|r| (r[0] as u64, Lease { tokens: r[1], expiry: r[2] }))
                 .collect();
-            let mut leased = Leased { state: *state, leases };
+            // A value of NaN: forgotten by a reset while leases are out.
+            let stored = state.filter(|s| !s.value.is_nan());
+            let mut leased = Leased { state: stored, leases };
             *state = Some(leased.advance(&slot.config, slot.alignment, now));
             // Holder ids are below 2^53: exact as doubles.
             #[allow(clippy::cast_precision_loss)]
@@ -1470,7 +1473,7 @@ mod group_tests {
 
         use super::*;
         use crate::store::lease::testing::{
-            Leasing, Op, act, config, op, processes, run_op,
+            self, Leasing, Op, act, config, op, processes, run_op,
             transaction_takes_a_leased_limit_directly, worst,
         };
         use crate::store::lease::{Answer, LeaseOptions, LeaseStats};
@@ -1536,7 +1539,8 @@ mod group_tests {
                     let look = Step::Take { count: 0.0, reserve: false, writes: false };
                     let (now, kept, _) = on.store.shared.lease_call(&slot, look).await.unwrap();
                     let (c, a) = (&slot.config, slot.alignment);
-                    if kept.state.is_some() {
+                    // A state forgotten by a reset keeps its records: stored all the same.
+                    if kept.state.is_some() || !kept.leases.is_empty() {
                         let (mut kept, mut model) = (kept, model.clone());
                         assert_eq!(kept.advance(c, a, now), model.advance(c, a, now));
                         assert_eq!(kept.leases, model.leases);
@@ -1623,6 +1627,16 @@ mod group_tests {
             let clock = ManualClock::new(T0);
             let on = OnTable::leasing(&url, "lease_transaction", &clock, "hot").await;
             transaction_takes_a_leased_limit_directly(&on.store, &*on.store.shared, &clock).await;
+        }
+
+        /// A reset from a process that never took from the leased limit (see
+        /// `a_reset_needs_no_lease_of_its_own`).
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_reset_needs_no_lease_of_its_own() {
+            let Some(url) = url() else { return };
+            let clock = ManualClock::new(T0);
+            let on = OnTable::leasing(&url, "lease_reset", &clock, "hot").await;
+            testing::a_reset_needs_no_lease_of_its_own(&on.store, &*on.store.shared, &clock).await;
         }
 
         /// A state with lease records is refused by every path that would ignore them (the

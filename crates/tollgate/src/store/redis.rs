@@ -77,7 +77,10 @@ end
 /// Lua: a state with lease records (issue 34), as `tollgate_core::lease::Leased` keeps it.
 /// `lease_unpack(raw)` reads what [`Leased::pack`](tollgate_core::lease::Leased::pack)
 /// made (`nil` for anything else): `v`, `ts` and the records `{ holder, tokens, expiry }`
-/// in the order of their holders. `lease_advance` refills `v`, `ts` to `now` under the cap
+/// in the order of their holders; a `v` of NaN is a state forgotten by a reset while leases
+/// are out. `lease_fresh` starts a state that has none (never written, or forgotten): the
+/// records expired by `now` dropped, as full as the others allow. `lease_advance` refills
+/// `v`, `ts` to `now` under the cap
 /// `capacity - outstanding`, each record expired by `now` counting until its expiry (the
 /// first first) and then dropped, as `Leased::advance` does. `lease_save` stores the state
 /// with the records it keeps: until the last record expires and the state could be full
@@ -101,6 +104,15 @@ local function lease_outstanding(recs)
   local sum = 0
   for i = 1, #recs do sum = sum + recs[i][2] end
   return sum
+end
+
+local function lease_fresh(recs, kind, period, cap, align, now)
+  for i = #recs, 1, -1 do
+    if recs[i][3] <= now then table.remove(recs, i) end
+  end
+  local ts = now
+  if kind ~= 0 then ts = align + math.floor((now - align) / period) * period end
+  return math.min(cap, cap - lease_outstanding(recs)), ts
 end
 
 local function lease_advance(recs, v, ts, kind, rate, period, cap, now)
@@ -196,8 +208,9 @@ for i = 1, nslots do
   if raw[i] then
     local v, ts, r = lease_unpack(raw[i])
     if not v then error('tollgate: ' .. KEYS[i] .. ' is not a state; not taken') end
-    if #r > 0 then
+    if #r > 0 or v ~= v then
       local s = slot[i]
+      if v ~= v then v, ts = lease_fresh(r, s.kind, s.period, s.cap, s.align, now) end
       v, ts = lease_advance(r, v, ts, s.kind, s.rate, s.period, s.cap, now)
       recs[i] = r
     end
@@ -523,9 +536,9 @@ impl RedisStoreBuilder {
     ///
     /// A transaction takes a leased limit directly from the store (not from the lease),
     /// under the cap its leases set, all or nothing with the others (the plan script
-    /// refills a state with lease records as the lease script does). What it does not do
-    /// yet, and refuses clearly: a leased limit with shards; a reset of a leased limit this
-    /// process has not taken from. A `check`, a reservation and a take the lease cannot
+    /// refills a state with lease records as the lease script does). A reset forgets the state
+    /// and keeps the records: the limit starts again as full as the leases out allow. What
+    /// it does not do yet, and refuses clearly: a leased limit with shards. A `check`, a reservation and a take the lease cannot
     /// cover go to the store (direct takes). Call
     /// [`RedisStore::release_leases`] on a graceful shutdown; a process killed with its
     /// lease keeps its tokens from the others until the lease's term ends.

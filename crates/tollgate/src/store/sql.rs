@@ -433,7 +433,16 @@ it (lease on the store''s builder, lease = true in the server); nothing was take
             loaded := ARRAY[1, v, t, coalesce(array_length(recs, 1), 0) / 3]::float8[] || recs;
           ELSE
             loaded := ARRAY[0, 0, 0, 0]::float8[];
-            v := p_cap;
+          END IF;
+          -- None yet, or forgotten by a reset (a value of NaN) while leases are out: fresh,
+          -- the records expired by now dropped, as full as the others allow.
+          IF v IS NULL OR v = 'NaN'::float8 THEN
+            FOR i IN REVERSE coalesce(array_length(recs, 1), 0) / 3 .. 1 LOOP
+              IF recs[3 * i] <= o_now THEN
+                recs := recs[1 : 3 * i - 3] || recs[3 * i + 1 :];
+              END IF;
+            END LOOP;
+            v := least(p_cap, p_cap - {table}_lsum(recs));
             IF p_kind = 0 THEN
               t := o_now;
             ELSE
@@ -495,19 +504,28 @@ it (lease on the store''s builder, lease = true in the server); nothing was take
             END IF;
             said := ARRAY[kept, tokens, expiry];
           ELSIF p_step = 2 THEN
+            -- Nothing to return: nothing written.
+            save := false;
             FOR i IN 1 .. n LOOP
               IF recs[3 * i - 2] = p_args[1] THEN
                 v := v + least(recs[3 * i - 1], greatest(p_args[2], 0));
                 recs := recs[1 : 3 * i - 3] || recs[3 * i + 1 :];
+                save := true;
                 EXIT;
               END IF;
             END LOOP;
           ELSIF p_step = 3 THEN
-            v := p_cap - {table}_lsum(recs);
-            IF p_kind = 0 THEN
-              t := o_now;
+            -- Forgotten (a reset; the slot's config is not read): kept with a value of NaN
+            -- while records are out, deleted when none are.
+            save := false;
+            IF n = 0 THEN
+              DELETE FROM {table} s WHERE s.name = p_name AND s.has_key = p_has_key
+                AND s.key = p_key AND s.shard = p_shard;
             ELSE
-              t := p_align + floor((o_now - p_align) / p_period) * p_period;
+              INSERT INTO {table} (name, has_key, key, shard, value, ts, leases)
+                VALUES (p_name, p_has_key, p_key, p_shard, 'NaN'::float8, o_now, recs)
+                ON CONFLICT (name, has_key, key, shard)
+                DO UPDATE SET value = excluded.value, ts = excluded.ts, leases = excluded.leases;
             END IF;
           ELSE
             RAISE EXCEPTION 'tollgate: unknown lease step %', p_step;

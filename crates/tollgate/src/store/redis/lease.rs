@@ -27,7 +27,8 @@ use crate::store::lease::{self, LeaseStore, Leases, Step};
 /// KEYS: the state. ARGV: now ("" = Redis `TIME`), the step (`take`, `grant`, `release`),
 /// kind (0 token bucket, 1 fixed window), rate, period, capacity, maxReserved ("" =
 /// unbounded), alignment, then for a take count, reserve (0/1), writes (0/1); for a grant
-/// holder, want, unused, term, share; for a return holder, unused. Answers the time it used
+/// holder, want, unused, term, share; for a return holder, unused; for `forget` (a reset,
+/// whose slot arguments are ignored) nothing. Answers the time it used
 /// (a packed double), what it loaded (or ""), and the step's answer: `1`/`0` for a take,
 /// kept, tokens and expiry packed for a grant, "" for a return.
 pub(super) const SCRIPT_LEASE: &str = concat!(
@@ -44,11 +45,9 @@ local recs = {}
 if raw then
   v, ts, recs = lease_unpack(raw)
   if not v then error('tollgate: ' .. key .. ' is not a state') end
-elseif kind == 0 then
-  v, ts = cap, now
-else
-  v, ts = cap, align + math.floor((now - align) / period) * period
 end
+-- None yet, or forgotten (NaN): fresh, under the cap of the leases out.
+if not raw or v ~= v then v, ts = lease_fresh(recs, kind, period, cap, align, now) end
 v, ts = lease_advance(recs, v, ts, kind, rate, period, cap, now)
 local function outstanding() return lease_outstanding(recs) end
 
@@ -87,15 +86,19 @@ elseif step == 'grant' then
     table.insert(recs, at, { holder, kept + tokens, expiry })
   end
   answer = struct.pack('<ddd', kept, tokens, expiry)
-elseif step == 'reset' then
-  v = cap - outstanding()
-  if kind == 0 then ts = now else ts = align + math.floor((now - align) / period) * period end
+elseif step == 'forget' then
+  -- Forgotten: kept (a value of NaN) while records are out, deleted when none are.
+  v, ts = 0 / 0, now
 elseif step == 'release' then
   local holder, unused = tonumber(ARGV[9]), tonumber(ARGV[10])
   local i = find(holder)
   if i then
     v = v + math.min(recs[i][2], math.max(unused, 0))
     table.remove(recs, i)
+  else
+    -- Nothing to return: nothing written (a state refilled and saved by a return would
+    -- read apart from the one stored, as SPEC's value reads it).
+    save = false
   end
 else
   error('tollgate: unknown lease step ' .. tostring(step))
@@ -122,7 +125,7 @@ impl<C: Clock> LeaseStore for Inner<C> {
             Step::Take { .. } => "take",
             Step::Grant { .. } => "grant",
             Step::Release { .. } => "release",
-            Step::Reset => "reset",
+            Step::Forget => "forget",
         };
         invocation.arg(name);
         slot_args(&mut invocation, slot);
@@ -140,7 +143,7 @@ impl<C: Clock> LeaseStore for Inner<C> {
             Step::Release { holder, unused } => {
                 invocation.arg(id(holder)).arg(num(unused));
             }
-            Step::Reset => {}
+            Step::Forget => {}
         }
         let reply: Vec<Value> = self
             .on_connection(Writes::Yes, |mut conn: AnyConnection| async move {
@@ -233,8 +236,8 @@ mod tests {
     use super::*;
     use crate::store::AsyncStore;
     use crate::store::lease::testing::{
-        Leasing, Op, act, config, op, processes, run_op, transaction_takes_a_leased_limit_directly,
-        worst,
+        self, Leasing, Op, act, config, op, processes, run_op,
+        transaction_takes_a_leased_limit_directly, worst,
     };
     use crate::store::lease::{LeaseOptions, LeaseStats, MOST_HELD};
     use crate::store::testing::{T0, writing};
@@ -445,6 +448,20 @@ mod tests {
             .open_with_clock(&url, clock.clone())
             .unwrap();
         transaction_takes_a_leased_limit_directly(&redis, &*redis.inner, &clock).await;
+    }
+
+    /// A reset from a process that never took from the leased limit (see
+    /// `a_reset_needs_no_lease_of_its_own`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reset_needs_no_lease_of_its_own() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let redis = RedisStore::builder()
+            .prefix(case_prefix("reset"))
+            .lease("hot", LeaseOptions::new())
+            .open_with_clock(&url, clock.clone())
+            .unwrap();
+        testing::a_reset_needs_no_lease_of_its_own(&redis, &*redis.inner, &clock).await;
     }
 
     /// The one-take scripts refuse a state that carries leases, before writing: a path that
