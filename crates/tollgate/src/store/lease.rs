@@ -556,9 +556,7 @@ pub(crate) mod testing {
     use std::time::Duration;
 
     use proptest::prelude::*;
-    use tollgate_core::{Clock, Config, ManualClock, Slot, Take};
-
-    use tollgate_core::Plan;
+    use tollgate_core::{Clock, Config, ManualClock, Plan, Slot, Take};
 
     use super::{Answer, LeaseStats, LeaseStore, Leased, Step};
     use crate::store::AsyncStore;

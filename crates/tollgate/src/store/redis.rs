@@ -80,9 +80,8 @@ end
 /// in the order of their holders; a `v` of NaN is a state forgotten by a reset while leases
 /// are out. `lease_fresh` starts a state that has none (never written, or forgotten): the
 /// records expired by `now` dropped, as full as the others allow. `lease_advance` refills
-/// `v`, `ts` to `now` under the cap
-/// `capacity - outstanding`, each record expired by `now` counting until its expiry (the
-/// first first) and then dropped, as `Leased::advance` does. `lease_save` stores the state
+/// `v`, `ts` to `now` under the cap `capacity - outstanding`, each record expired by `now`
+/// counting until its expiry (the first first) and then dropped, as `Leased::advance` does. `lease_save` stores the state
 /// with the records it keeps: until the last record expires and the state could be full
 /// again after it (no sooner may a missing key read as a full bucket); deleted when it
 /// keeps none and is full. One copy for the lease script and the plan script.
