@@ -7,11 +7,10 @@
 // seconds of traffic, one key followed in the inspector. dashboard-leased.png: a limit
 // leased from the Redis at TOLLGATE_REDIS_URL (default redis://127.0.0.1:6379), after a few
 // thousand requests. Loopback only; every loop is bounded in count and time.
-import { spawn } from "node:child_process";
-import { mkdirSync, mkdtempSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { mkdirSync } from "node:fs";
 import { join, resolve } from "node:path";
-import { chromium } from "playwright-core";
+
+import { launch, serve as start, take } from "./harness.mjs";
 
 const binary = resolve(process.argv[2] || "target/debug/tollgate");
 const out = resolve(process.argv[3] || "docs/src/server/images");
@@ -40,35 +39,10 @@ period = "1m"
 lease = true
 `;
 
-/** Starts the server on `store` with `config`; resolves to its URL and process. */
-function serve(store, config) {
-  const dir = mkdtempSync(join(tmpdir(), "tollgate-pictures-"));
-  const path = join(dir, "tollgate.toml");
-  writeFileSync(path, config);
-  const child = spawn(binary, ["serve", "--listen", "127.0.0.1:0", "--store", store, "--config", path], {
-    stdio: ["ignore", "pipe", "inherit"],
-  });
-  return new Promise((ok, fail) => {
-    let text = "";
-    child.stdout.on("data", (chunk) => {
-      text += chunk;
-      const match = text.match(/tollgate listening on (http:\/\/[0-9.:]+)/);
-      if (match) ok({ url: match[1], child });
-    });
-    child.on("exit", (code) => fail(new Error(`the server exited: ${code}`)));
-  });
-}
-
-const take = (url, body) =>
-  fetch(`${url}/v1/limit`, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) })
-    .then((r) => r.json());
+const serve = (store, config) => start(binary, store, config);
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--no-first-run"],
-});
+const browser = await launch();
 const servers = [];
 try {
   // The example limits: users sending messages (some refused), sign-ups.

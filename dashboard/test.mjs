@@ -10,16 +10,14 @@
 // configured nothing shows until one is given. A screenshot of each state goes to
 // target/dashboard-screenshots/.
 import assert from "node:assert/strict";
-import { spawn } from "node:child_process";
-import { mkdirSync, mkdtempSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { mkdirSync } from "node:fs";
 import { join, resolve } from "node:path";
-import { chromium } from "playwright-core";
+
+import { launch, serve as start, take } from "./harness.mjs";
 
 const binary = resolve(process.argv[2] || "target/debug/tollgate");
 const shots = resolve("target/dashboard-screenshots");
 mkdirSync(shots, { recursive: true });
-const chromiumPath = process.env.CHROMIUM || "/usr/bin/chromium";
 const deadline = setTimeout(() => { console.error("dashboard tests: timed out"); process.exit(1); }, 120_000);
 
 const CONFIG = `
@@ -35,40 +33,13 @@ rate = 100
 period = "1h"
 `;
 
-/** Starts the server with `config` (and `extra` lines in [server]); resolves to its URL. */
-function serve(extra = "") {
-  const dir = mkdtempSync(join(tmpdir(), "tollgate-dashboard-"));
-  const path = join(dir, "tollgate.toml");
-  writeFileSync(path, `[server]\n${extra}\n${CONFIG}`);
-  const child = spawn(binary, ["serve", "--listen", "127.0.0.1:0", "--store", "memory", "--config", path], {
-    stdio: ["ignore", "pipe", "inherit"],
-  });
-  return new Promise((ok, fail) => {
-    let out = "";
-    child.stdout.on("data", (chunk) => {
-      out += chunk;
-      const match = out.match(/tollgate listening on (http:\/\/[0-9.:]+)/);
-      if (match) ok({ url: match[1], child });
-    });
-    child.on("exit", (code) => fail(new Error(`the server exited: ${code}`)));
-  });
-}
-
-async function take(url, body, token) {
-  const headers = { "content-type": "application/json" };
-  if (token) headers.authorization = `Bearer ${token}`;
-  const response = await fetch(`${url}/v1/limit`, { method: "POST", headers, body: JSON.stringify(body) });
-  return response.json();
-}
+/** Starts the server on the memory store with `CONFIG` (and `extra` lines in [server]). */
+const serve = (extra = "") => start(binary, "memory", `[server]\n${extra}\n${CONFIG}`);
 
 const text = (page, selector) => page.locator(selector).first().textContent();
 const value = async (page) => Number(await page.locator("#inspector-value").getAttribute("data-value"));
 
-const browser = await chromium.launch({
-  executablePath: chromiumPath,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--no-first-run"],
-});
+const browser = await launch();
 const servers = [];
 let failed = false;
 try {

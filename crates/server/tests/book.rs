@@ -1,9 +1,14 @@
-//! The guide's config examples (`docs/src`, and the README), loaded as the server loads them:
-//! every TOML block that is a tollgate config file (one with a `[server]` or `[limits.*]`
-//! table), and the one a Kubernetes ConfigMap carries, by the config parser, with its settings checked as `serve` checks them; every YAML
-//! block that is an envoyproxy/ratelimit config (one with `domain:`) by the rate limit
-//! service's loader; and the simulator's example run by the binary, answering what the
-//! chapter says it answers. A chapter that shows a config that does not load fails here.
+//! The guide (`docs/src`, an mdBook, and the README) keeps its shape and its examples stay
+//! true. Its shape: every chapter is in `SUMMARY.md` and every entry there exists; every
+//! chapter is a doc test (`crates/tollgate/src/lib.rs` includes each, as it does the README);
+//! every fenced block says its language (rustdoc would compile an untagged block as Rust).
+//! Its examples, loaded as the server loads them: every TOML block that is a tollgate config
+//! file (one with a `[server]` or `[limits.*]` table), and the one a Kubernetes ConfigMap
+//! carries, by the config parser, with its settings checked as `serve` checks them; every
+//! YAML block that is an envoyproxy/ratelimit config (one with `domain:`) by the rate limit
+//! service's loader; the config chapter against the server's settings; the simulator's and
+//! `check-config`'s examples run by the binary, answering what the chapters say. Links and
+//! anchors are checked on the built book by `scripts/check-links` in CI.
 
 use std::path::{Path, PathBuf};
 
@@ -15,27 +20,37 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Every chapter of the guide and the README: (path, text).
-fn pages() -> Vec<(PathBuf, String)> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+/// Every chapter of the guide, relative to `docs/src`, `SUMMARY.md` aside.
+fn chapters() -> Vec<String> {
+    fn walk(dir: &Path, base: &Path, out: &mut Vec<String>) {
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
             if path.is_dir() {
-                walk(&path, out);
+                walk(&path, base, out);
             } else if path.extension().is_some_and(|e| e == "md") {
-                out.push(path);
+                out.push(path.strip_prefix(base).unwrap().to_string_lossy().into_owned());
             }
         }
     }
-    let mut paths = vec![root().join("README.md")];
-    walk(&root().join("docs/src"), &mut paths);
-    paths.sort();
-    paths.into_iter().map(|p| (p.clone(), std::fs::read_to_string(&p).unwrap())).collect()
+    let src = root().join("docs/src");
+    let mut out = Vec::new();
+    walk(&src, &src, &mut out);
+    out.retain(|c| c != "SUMMARY.md");
+    out.sort();
+    out
 }
 
-/// The fenced blocks of `text` tagged `lang` (the info string's first word), with the line
-/// each starts on.
-fn blocks(text: &str, lang: &str) -> Vec<(usize, String)> {
+/// Every chapter of the guide and the README: (path, text).
+fn pages() -> Vec<(PathBuf, String)> {
+    let src = root().join("docs/src");
+    let paths = std::iter::once(root().join("README.md"))
+        .chain(chapters().into_iter().map(|c| src.join(c)));
+    paths.map(|p| (p.clone(), std::fs::read_to_string(&p).unwrap())).collect()
+}
+
+/// The fenced blocks of `text`: the line each starts on, its language (the info string's
+/// first word) and its text; and whether the last one was left open.
+fn fences(text: &str) -> (Vec<(usize, String, String)>, bool) {
     let mut found = Vec::new();
     let mut open: Option<(usize, String, String)> = None;
     for (i, line) in text.lines().enumerate() {
@@ -47,20 +62,57 @@ fn blocks(text: &str, lang: &str) -> Vec<(usize, String)> {
                     open = Some((i + 1, tag, String::new()));
                 }
             }
-            Some((start, tag, body)) => {
-                if trimmed.starts_with("```") {
-                    if tag == lang {
-                        found.push((*start, std::mem::take(body)));
-                    }
-                    open = None;
-                } else {
-                    body.push_str(line);
-                    body.push('\n');
-                }
+            Some(_) if trimmed.starts_with("```") => found.extend(open.take()),
+            Some((_, _, body)) => {
+                body.push_str(line);
+                body.push('\n');
             }
         }
     }
+    (found, open.is_some())
+}
+
+/// The fenced blocks of `text` tagged `lang`, with the line each starts on.
+fn blocks(text: &str, lang: &str) -> Vec<(usize, String)> {
+    let (found, _) = fences(text);
     found
+        .into_iter()
+        .filter(|(_, tag, _)| tag == lang)
+        .map(|(line, _, body)| (line, body))
+        .collect()
+}
+
+#[test]
+fn every_chapter_is_in_the_summary_and_every_entry_exists() {
+    let summary = std::fs::read_to_string(root().join("docs/src/SUMMARY.md")).unwrap();
+    let linked: Vec<&str> =
+        summary.split("](").skip(1).map(|rest| rest.split(')').next().unwrap()).collect();
+    for chapter in chapters() {
+        assert!(linked.contains(&chapter.as_str()), "{chapter} is not in SUMMARY.md");
+    }
+    for entry in linked {
+        assert!(root().join("docs/src").join(entry).is_file(), "SUMMARY.md names {entry}");
+    }
+}
+
+#[test]
+fn every_chapter_is_a_doc_test() {
+    let lib = std::fs::read_to_string(root().join("crates/tollgate/src/lib.rs")).unwrap();
+    for chapter in chapters() {
+        let include = format!("include_str!(\"../../../docs/src/{chapter}\")");
+        assert!(lib.contains(&include), "crates/tollgate/src/lib.rs does not include {chapter}");
+    }
+}
+
+#[test]
+fn every_fenced_block_says_its_language() {
+    for (page, text) in pages() {
+        let (found, left_open) = fences(&text);
+        for (line, tag, _) in found {
+            assert!(!tag.is_empty(), "{}:{line}: a block without a language", page.display());
+        }
+        assert!(!left_open, "{}: a block left open", page.display());
+    }
 }
 
 #[test]

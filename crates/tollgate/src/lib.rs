@@ -91,7 +91,7 @@ pub use tollgate_core as core;
 struct ReadmeDoctests;
 
 /// The guide's chapters (`docs/src`, an mdBook), their examples compiled and run as doc tests
-/// as the README's are. `tests/book.rs` checks that every chapter is here.
+/// as the README's are. `crates/server/tests/book.rs` checks that every chapter is here.
 #[cfg(doctest)]
 mod guide {
     #[doc = include_str!("../../../docs/src/clients.md")]

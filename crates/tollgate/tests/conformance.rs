@@ -449,14 +449,19 @@ mod on_redis {
     }
 
     /// A store with a key prefix of its own, so tests never see each other's states.
-    fn open_on(url: &str, clock: ManualClock) -> RedisStore<ManualClock> {
+    /// A store's builder on a key prefix of its own.
+    fn builder() -> tollgate::store::RedisStoreBuilder {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let prefix = format!(
             "tollgate-test:{}:{}:",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        RedisStore::builder().prefix(prefix).open_with_clock(url, clock).unwrap()
+        RedisStore::builder().prefix(prefix)
+    }
+
+    fn open_on(url: &str, clock: ManualClock) -> RedisStore<ManualClock> {
+        builder().open_with_clock(url, clock).unwrap()
     }
 
     pub(crate) fn open(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
@@ -465,13 +470,9 @@ mod on_redis {
 
     /// With the suite's unsharded limits leased (see [`crate::LEASED`]).
     pub(crate) fn open_leased(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let prefix = format!("tollgate-test-leased:{}:{n}:", std::process::id());
-        let builder = crate::LEASED.iter().fold(RedisStore::builder().prefix(prefix), |b, name| {
-            b.lease(*name, crate::near_the_bound())
-        });
-        builder.open_with_clock(&url().expect("checked"), clock).unwrap()
+        let leasing =
+            crate::LEASED.iter().fold(builder(), |b, n| b.lease(*n, crate::near_the_bound()));
+        leasing.open_with_clock(&url().expect("checked"), clock).unwrap()
     }
 
     /// The commands a tollgate user needs, as the guide's `ACL SETUSER` gives them (shell
@@ -708,9 +709,7 @@ mod on_postgres {
         runtime: &Runtime,
         clock: ManualClock,
     ) -> Owned<PgStore<ManualClock>, DropTable> {
-        let table = DropTable::new(&url().expect("checked"), "tollgate_test");
-        let store = PgStore::builder().table(&table.table).open_with_clock(&table.url, clock);
-        Owned { store: runtime.block_on(store).unwrap(), resource: table }
+        open_leasing(runtime, clock, &[])
     }
 
     /// With the suite's unsharded limits leased (see [`crate::LEASED`]).
@@ -718,11 +717,19 @@ mod on_postgres {
         runtime: &Runtime,
         clock: ManualClock,
     ) -> Owned<PgStore<ManualClock>, DropTable> {
-        let table = DropTable::new(&url().expect("checked"), "tollgate_test_leased");
-        let builder =
-            crate::LEASED.iter().fold(PgStore::builder().table(&table.table), |b, name| {
-                b.lease(*name, crate::near_the_bound())
-            });
+        open_leasing(runtime, clock, &crate::LEASED)
+    }
+
+    /// A store on a table of its own, dropped with it, leasing the limits `leased`.
+    fn open_leasing(
+        runtime: &Runtime,
+        clock: ManualClock,
+        leased: &[&str],
+    ) -> Owned<PgStore<ManualClock>, DropTable> {
+        let table = DropTable::new(&url().expect("checked"), "tollgate_test");
+        let builder = leased.iter().fold(PgStore::builder().table(&table.table), |b, name| {
+            b.lease(*name, crate::near_the_bound())
+        });
         let store = builder.open_with_clock(&table.url, clock);
         Owned { store: runtime.block_on(store).unwrap(), resource: table }
     }

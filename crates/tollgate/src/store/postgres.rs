@@ -728,16 +728,20 @@ fn lease_answer(rows: &[Row]) -> Result<(f64, Leased, Vec<f64>), StoreError> {
         return Err(garbage());
     }
     let (records, said) = rest.split_at(3 * n);
-    let leased = Leased {
-        // A value of NaN: forgotten by a reset while leases are out.
-        state: (had == 1.0 && !value.is_nan()).then_some(State { value, ts }),
+    Ok((now, leased((had == 1.0).then_some(State { value, ts }), records), said.to_vec()))
+}
+
+/// A row's state and lease records (holder, tokens, expiry each) as `Leased`: a value of NaN
+/// is a state forgotten by a reset while leases are out.
+fn leased(state: Option<State>, records: &[f64]) -> Leased {
+    Leased {
+        state: state.filter(|s| !s.value.is_nan()),
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         leases: records
             .chunks(3)
             .map(|r| (r[0] as u64, Lease { tokens: r[1], expiry: r[2] }))
             .collect(),
-    };
-    Ok((now, leased, said.to_vec()))
+    }
 }
 
 /// Reads an answer of the `take` function (a row of `takes`): an array of the time it used,
@@ -901,15 +905,7 @@ fn decide(plan: &Plan<'_>, (now, mut states, records): Loaded) -> Decided {
         .zip(states.iter_mut())
         .zip(records)
         .map(|((slot, state), records)| {
-            let records = records?;
-            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            let leases = records
-                .chunks(3)
-                .map(|r| (r[0] as u64, Lease { tokens: r[1], expiry: r[2] }))
-                .collect();
-            // A value of NaN: forgotten by a reset while leases are out.
-            let stored = state.filter(|s| !s.value.is_nan());
-            let mut leased = Leased { state: stored, leases };
+            let mut leased = leased(*state, &records?);
             *state = Some(leased.advance(&slot.config, slot.alignment, now));
             // Holder ids are below 2^53: exact as doubles.
             #[allow(clippy::cast_precision_loss)]

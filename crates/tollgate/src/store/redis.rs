@@ -535,10 +535,10 @@ impl RedisStoreBuilder {
     ///
     /// A transaction takes a leased limit directly from the store (not from the lease),
     /// under the cap its leases set, all or nothing with the others (the plan script
-    /// refills a state with lease records as the lease script does). A reset forgets the state
-    /// and keeps the records: the limit starts again as full as the leases out allow. What
-    /// it does not do yet, and refuses clearly: a leased limit with shards. A `check`, a reservation and a take the lease cannot
-    /// cover go to the store (direct takes). Call
+    /// refills a state with lease records as the lease script does). A reset forgets the
+    /// state and keeps the records: the limit starts again as full as the leases out allow.
+    /// What it does not do yet, and refuses clearly: a leased limit with shards. A `check`, a
+    /// reservation and a take the lease cannot cover go to the store (direct takes). Call
     /// [`RedisStore::release_leases`] on a graceful shutdown; a process killed with its
     /// lease keeps its tokens from the others until the lease's term ends.
     #[must_use]

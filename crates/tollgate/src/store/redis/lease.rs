@@ -49,7 +49,6 @@ end
 -- None yet, or forgotten (NaN): fresh, under the cap of the leases out.
 if not raw or v ~= v then v, ts = lease_fresh(recs, kind, period, cap, align, now) end
 v, ts = lease_advance(recs, v, ts, kind, rate, period, cap, now)
-local function outstanding() return lease_outstanding(recs) end
 
 local function find(holder)
   for i = 1, #recs do
@@ -73,7 +72,7 @@ elseif step == 'grant' then
     kept = math.min(recs[i][2], math.max(unused, 0))
     table.remove(recs, i)
   end
-  local room = share * cap - outstanding() - kept
+  local room = share * cap - lease_outstanding(recs) - kept
   local tokens = math.max(math.min(math.min(want, v), room), 0)
   local expiry = now + term
   if kind ~= 0 then expiry = math.min(expiry, ts + period) end
@@ -366,13 +365,13 @@ mod tests {
         }
     }
 
-    /// A store on a prefix of `test`'s own, on a manual clock, leasing the limit `name`
-    /// with the default options.
-    fn leasing(url: &str, test: &str, name: &str) -> RedisStore<ManualClock> {
+    /// A store on a prefix of `test`'s own, on `clock`, leasing the limit `name` with the
+    /// default options.
+    fn leasing(url: &str, test: &str, name: &str, clock: &ManualClock) -> RedisStore<ManualClock> {
         RedisStore::builder()
-            .prefix(format!("tollgate-{test}:{}:", std::process::id()))
+            .prefix(case_prefix(test))
             .lease(name, LeaseOptions::new())
-            .open_with_clock(url, ManualClock::new(T0))
+            .open_with_clock(url, clock.clone())
             .unwrap()
     }
 
@@ -381,7 +380,7 @@ mod tests {
     #[tokio::test]
     async fn a_hot_limit_is_answered_from_the_lease_until_near_its_bound() {
         let Some(url) = url() else { return };
-        let redis = leasing(&url, "hot", "hot");
+        let redis = leasing(&url, "hot", "hot", &ManualClock::new(T0));
         let config = Config::token_bucket(1_000.0, 1_000.0).with_capacity(1_000.0);
         let take = Take { name: "hot", key: None, config, count: 1.0, reserve: false };
         let one = writing(&take);
@@ -420,7 +419,7 @@ mod tests {
     #[tokio::test]
     async fn leases_are_held_for_a_bounded_number_of_keys() {
         let Some(url) = url() else { return };
-        let redis = leasing(&url, "many", "per-user");
+        let redis = leasing(&url, "many", "per-user", &ManualClock::new(T0));
         let config = Config::token_bucket(10.0, 1_000.0);
         let keys: Vec<String> = (0..MOST_HELD + 50).map(|i| format!("user-{i}")).collect();
         for key in &keys {
@@ -442,11 +441,7 @@ mod tests {
     async fn a_transaction_takes_a_leased_limit_directly() {
         let Some(url) = url() else { return };
         let clock = ManualClock::new(T0);
-        let redis = RedisStore::builder()
-            .prefix(case_prefix("transaction"))
-            .lease("hot", LeaseOptions::new())
-            .open_with_clock(&url, clock.clone())
-            .unwrap();
+        let redis = leasing(&url, "transaction", "hot", &clock);
         transaction_takes_a_leased_limit_directly(&redis, &*redis.inner, &clock).await;
     }
 
@@ -456,11 +451,7 @@ mod tests {
     async fn a_reset_needs_no_lease_of_its_own() {
         let Some(url) = url() else { return };
         let clock = ManualClock::new(T0);
-        let redis = RedisStore::builder()
-            .prefix(case_prefix("reset"))
-            .lease("hot", LeaseOptions::new())
-            .open_with_clock(&url, clock.clone())
-            .unwrap();
+        let redis = leasing(&url, "reset", "hot", &clock);
         testing::a_reset_needs_no_lease_of_its_own(&redis, &*redis.inner, &clock).await;
     }
 
