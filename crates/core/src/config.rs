@@ -280,6 +280,12 @@ impl Config {
         }
     }
 
+    /// One shard as a limit of its own (one shard), with reservations unbounded: the config
+    /// of the takes that carry states over a change of config ([`crate::carrying`]).
+    pub(crate) fn unbounded_shard(&self) -> Config {
+        Config { shards: 1, max_reserved: f64::INFINITY, ..self.per_shard() }
+    }
+
     /// The config with a fixed window's `start` set to `alignment` (when it has none), as the
     /// `value` operation reports it.
     #[must_use]

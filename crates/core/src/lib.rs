@@ -23,12 +23,14 @@
 //!
 //! [tollgate]: https://docs.rs/tollgate
 
+mod carry;
 mod clock;
 mod config;
 mod eval;
 pub mod lease;
 mod plan;
 
+pub use carry::{Carry, carry_counts, carrying};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{
     Config, ConfigError, DAY, HOUR, Kind, MAX_AMOUNT, MAX_SHARDS, MIN_PERIOD, MIN_RATE, MINUTE,

@@ -274,6 +274,9 @@ pub struct Engine {
     pub stats: crate::stats::Stats,
     /// The store's leased limits, if it has any: `/v1/value` and `/v1/stats` report them.
     pub leases: Option<crate::store::Leasing>,
+    /// The store whose states a reload carries to a changed config (none: nothing is
+    /// carried, as in the simulator, whose states live no longer than a run).
+    pub stored: Option<crate::carry::Stored>,
 }
 
 /// The limits of one config: the limiter with its defined names, what requests may carry,
@@ -329,6 +332,7 @@ impl Engine {
             failed_open_before: AtomicU64::new(0),
             stats: crate::stats::Stats::default(),
             leases: None,
+            stored: None,
         }
     }
 

@@ -11,6 +11,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 
 pub mod browsers;
+pub mod carry;
 pub mod client;
 pub mod config;
 pub mod engine;
@@ -316,6 +317,7 @@ pub async fn app_of(
     let store = otel::Timed::wrap(opened.store);
     let mut engine = Engine::serving(live::defined(store, settings, version));
     engine.leases = opened.leases.clone();
+    engine.stored = Some(opened.stored.clone());
     let engine = Arc::new(engine);
     let rls = rls.map(|config| Arc::new(rls::Rls::new(Arc::clone(&engine), config)));
     // usize::MAX until the first sweep has counted the file's states.
@@ -416,9 +418,12 @@ impl Sweeps {
                 let mut every = tokio::time::interval(SQLITE_SWEEP);
                 loop {
                     every.tick().await;
-                    let defined = engine.current();
-                    let limits: Vec<(String, tollgate::Config)> =
-                        defined.limiter().defined().map(|(n, c)| (n.to_owned(), *c)).collect();
+                    // Copied out, so that a reload waiting for the old config's requests
+                    // does not wait for a sweep.
+                    let limits: Vec<(String, tollgate::Config)> = (engine.current().limiter())
+                        .defined()
+                        .map(|(n, c)| (n.to_owned(), *c))
+                        .collect();
                     let sqlite = Arc::clone(&sqlite);
                     let states = Arc::clone(&states);
                     let swept = tokio::task::spawn_blocking(move || {

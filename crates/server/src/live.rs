@@ -17,6 +17,7 @@ use std::time::Duration;
 use anyhow::Context;
 use sha2::{Digest, Sha256};
 use tollgate::RateLimiter;
+use tollgate::core::Carry;
 
 use crate::config::{FileConfig, Overrides, SETTINGS, Settings};
 use crate::engine::{Defined, DynStore, Permissions};
@@ -222,7 +223,7 @@ impl Reloader {
             Ok(loaded) if loaded.version == serving => {
                 tracing::debug!(version = serving, "config unchanged ({why})");
             }
-            Ok(loaded) => self.apply(loaded, why),
+            Ok(loaded) => self.apply(loaded, why).await,
             Err(e) => {
                 self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(
@@ -233,7 +234,7 @@ impl Reloader {
         }
     }
 
-    fn apply(&self, mut loaded: Loaded, why: &str) {
+    async fn apply(&self, mut loaded: Loaded, why: &str) {
         // A leased limit's holders were made with its config at start (the store serves them
         // with it): a change of it, or of which limits are leased, waits for a restart.
         let started = &self.started;
@@ -261,8 +262,34 @@ impl Reloader {
                  reload is applied"
             );
         }
-        let store = self.app.engine.current().limiter().store().clone();
-        self.app.engine.replace(defined(store, new, loaded.version.clone()));
+        let engine = &self.app.engine;
+        let before = engine.current();
+        let changes = match &engine.stored {
+            Some(stored) => crate::carry::changes(before.limiter(), &new.limits, stored),
+            None => Vec::new(),
+        };
+        // A change of kind or shards is carried before the new config reads a state.
+        let mut converted = std::collections::HashMap::new();
+        for change in changes.iter().filter(|c| c.carry == Carry::Convert) {
+            let carried = self.carry(before.limiter(), change, None).await;
+            converted.insert(change.name.clone(), carried);
+        }
+        let store = before.limiter().store().clone();
+        engine.replace(defined(store, new, loaded.version.clone()));
+        if !changes.is_empty() {
+            // The requests that started under the old config may still write under it: once
+            // they are done (within the store deadline), nothing does.
+            let most = self.started.store_deadline + Duration::from_secs(1);
+            let waiting = std::time::Instant::now();
+            while Arc::strong_count(&before) > 1 && waiting.elapsed() < most {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            for change in &changes {
+                let skip = converted.get(&change.name);
+                self.carry(before.limiter(), change, skip).await;
+            }
+        }
+        drop(before);
         if let (Some(rls), Some(config)) = (&self.app.rls, loaded.rls) {
             rls.replace(config);
         }
@@ -280,6 +307,46 @@ impl Reloader {
             loaded.version,
             if names.is_empty() { "(none defined)".to_owned() } else { names.join(", ") }
         );
+    }
+
+    /// Carries the states of `change` to its new config (see [`crate::carry`]), skipping
+    /// the keys in `skip`; says in the log what it did. The keys carried.
+    async fn carry(
+        &self,
+        limiter: &RateLimiter<crate::engine::DynStore>,
+        change: &crate::carry::Change,
+        skip: Option<&std::collections::HashSet<Option<String>>>,
+    ) -> std::collections::HashSet<Option<String>> {
+        let Some(stored) = &self.app.engine.stored else { return Default::default() };
+        let name = &change.name;
+        match crate::carry::carry(limiter, stored, change, skip).await {
+            Ok(carried) => {
+                if carried.states > 0 {
+                    tracing::info!(
+                        "[limits.{name}] changed: {} states of {} keys carried to its new config",
+                        carried.states,
+                        carried.keys.len()
+                    );
+                }
+                if let (n, Some(e)) = &carried.failed {
+                    self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(
+                        "[limits.{name}] changed: {n} keys could not be carried to its new \
+                         config ({e}); until they are reset or refilled they read as the \
+                         store keeps them"
+                    );
+                }
+                carried.keys
+            }
+            Err(e) => {
+                self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    "[limits.{name}] changed, but its states could not be listed to carry them \
+                     to its new config: {e}"
+                );
+                Default::default()
+            }
+        }
     }
 
     /// Reloads on SIGHUP, until the process ends.

@@ -10,6 +10,7 @@ use tollgate::store::{
     CircuitBreaker, LeaseOptions, LeaseStats, PgStore, RedisStore, SqliteStore, Synchronous,
 };
 
+use crate::carry::Stored;
 use crate::engine::DynStore;
 
 /// A networked store behind its circuit breaker.
@@ -28,6 +29,8 @@ pub struct Opened {
     /// The store when it serves leased limits: their metrics, and their leases given back
     /// on a graceful shutdown.
     pub leases: Option<Leasing>,
+    /// The store as itself, whose keys a reload lists to carry them to a changed config.
+    pub stored: Stored,
 }
 
 /// A store that serves leased limits (Redis or PostgreSQL), and the names it leases.
@@ -95,12 +98,12 @@ impl Leasing {
 }
 
 impl Opened {
-    fn local(store: DynStore) -> Self {
-        Opened { store, sqlite: None, memory: None, breaker: None, leases: None }
+    fn local(store: DynStore, stored: Stored) -> Self {
+        Opened { store, sqlite: None, memory: None, breaker: None, leases: None, stored }
     }
 
     /// A networked store behind a circuit breaker whose deadline is `deadline`.
-    fn networked(store: DynStore, deadline: Duration) -> Self {
+    fn networked(store: DynStore, stored: Stored, deadline: Duration) -> Self {
         let breaker = Arc::new(CircuitBreaker::builder().deadline(deadline).build(store));
         Opened {
             store: Arc::clone(&breaker) as DynStore,
@@ -108,6 +111,7 @@ impl Opened {
             memory: None,
             breaker: Some(breaker),
             leases: None,
+            stored,
         }
     }
 }
@@ -136,7 +140,8 @@ pub async fn open(
             builder = builder.max_keys(max);
         }
         let memory = Arc::new(builder.build());
-        return Ok(Opened { memory: Some(Arc::clone(&memory)), ..Opened::local(memory) });
+        let stored = Stored::Memory(Arc::clone(&memory));
+        return Ok(Opened { memory: Some(Arc::clone(&memory)), ..Opened::local(memory, stored) });
     }
     if let Some(rest) = url.strip_prefix("sqlite://") {
         let (path, synchronous) = sqlite_options(rest).with_context(|| format!("store {url:?}"))?;
@@ -149,7 +154,8 @@ pub async fn open(
                 .open(path)
                 .with_context(|| format!("store {url:?}"))?,
         );
-        return Ok(Opened { sqlite: Some(Arc::clone(&sqlite)), ..Opened::local(sqlite) });
+        let stored = Stored::Sqlite(Arc::clone(&sqlite));
+        return Ok(Opened { sqlite: Some(Arc::clone(&sqlite)), ..Opened::local(sqlite, stored) });
     }
     if REDIS_SCHEMES.iter().any(|scheme| url.starts_with(scheme)) {
         // The store's own timeout at the deadline: a request still waiting for its round trip
@@ -165,7 +171,8 @@ pub async fn open(
         }
         let redis = Arc::new(redis);
         let leases = Leasing::new(LeasingStore::Redis(Arc::clone(&redis)), leased);
-        return Ok(Opened { leases, ..Opened::networked(redis, deadline) });
+        let stored = Stored::Redis(Arc::clone(&redis));
+        return Ok(Opened { leases, ..Opened::networked(redis, stored, deadline) });
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         let mut builder = PgStore::builder();
@@ -174,7 +181,8 @@ pub async fn open(
         }
         let pg = Arc::new(builder.open(url).await.with_context(|| format!("store {url:?}"))?);
         let leases = Leasing::new(LeasingStore::Postgres(Arc::clone(&pg)), leased);
-        return Ok(Opened { leases, ..Opened::networked(pg, deadline) });
+        let stored = Stored::Postgres(Arc::clone(&pg));
+        return Ok(Opened { leases, ..Opened::networked(pg, stored, deadline) });
     }
     bail!(
         "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \

@@ -8,8 +8,8 @@ use foldhash::fast::RandomState;
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 use tollgate_core::{
-    Config, Decision, Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Status, Take, Taken,
-    alignment, read, splitmix64, unit_interval,
+    Carry, Config, Decision, Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Status, Take,
+    Taken, alignment, carry_counts, carrying, read, splitmix64, unit_interval,
 };
 
 use crate::Error;
@@ -622,6 +622,56 @@ impl<S: Store> RateLimiter<S> {
         Ok(self.store.delete(name, key, tollgate_core::MAX_SHARDS)?)
     }
 
+    /// Carries the states of (name, key) stored under `old` over to `new`, a config that
+    /// replaces it (a new release of the app, a server's reload): afterwards the key reads
+    /// under `new` as SPEC §2 says, and holds no more than `old` gave it (see
+    /// [`tollgate_core::Carry`] and [`tollgate_core::carry_counts`]). Returns how many states
+    /// it rewrote.
+    ///
+    /// Needed when the kind or the number of shards changes (else the stored numbers would be
+    /// misread, and the shards a layout adds would read as full), and on a store that drops
+    /// full states (memory, SQLite, Redis) when the rate, period or capacity changes (else a
+    /// state would be dropped when it is full under `old`, while still short of full under
+    /// `new`). It only takes tokens, never gives any back, so it may run while requests are
+    /// served, and run again. A store's `keys_of` lists the keys to carry.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate::{Config, MemoryStore, RateLimiter, HOUR};
+    ///
+    /// let limiter = RateLimiter::new(MemoryStore::new());
+    /// let old = Config::token_bucket(100.0, HOUR);
+    /// for _ in 0..100 {
+    ///     assert!(limiter.limit(("api", old), "alice").unwrap().ok);
+    /// }
+    /// // Now spread over ten shards: the nine new ones would read as full.
+    /// let new = old.with_shards(10);
+    /// assert_eq!(limiter.carry("api", Some("alice"), &old, &new).unwrap(), 10);
+    /// assert!(!limiter.check(("api", new), "alice").unwrap().ok);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a name or key out of bounds; [`Error::Store`] if the store
+    /// fails (the states carried before it stay carried).
+    pub fn carry(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        old: &Config,
+        new: &Config,
+    ) -> Result<usize, Error> {
+        let Some(slots) = self.carry_slots(name, key, old, new)? else { return Ok(0) };
+        let (now, states) = self.store.read(&slots)?;
+        let mut carried = 0;
+        for take in carrying_takes(old, new, &slots, &states, now) {
+            self.store.execute_one(&take)?;
+            carried += 1;
+        }
+        Ok(carried)
+    }
+
     /// The value of (name, key): one shard's stored state, or for a sharded limit the total
     /// estimated from one sampled shard. See [`RateLimiter::value_sampled`].
     ///
@@ -784,6 +834,28 @@ impl<S: AsyncStore> RateLimiter<S> {
     pub async fn forget_async(&self, name: &str, key: Option<&str>) -> Result<(), Error> {
         tollgate_core::validate_name_key(name, key)?;
         Ok(self.store.delete_async(name, key, tollgate_core::MAX_SHARDS).await?)
+    }
+
+    /// [`RateLimiter::carry`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::carry`].
+    pub async fn carry_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        old: &Config,
+        new: &Config,
+    ) -> Result<usize, Error> {
+        let Some(slots) = self.carry_slots(name, key, old, new)? else { return Ok(0) };
+        let (now, states) = self.store.read_async(&slots).await?;
+        let mut carried = 0;
+        for take in carrying_takes(old, new, &slots, &states, now) {
+            self.store.execute_one_async(&take).await?;
+            carried += 1;
+        }
+        Ok(carried)
     }
 
     /// [`RateLimiter::value`], awaited.
@@ -1171,6 +1243,31 @@ impl<S> RateLimiter<S> {
         Ok(())
     }
 
+    /// The slots [`RateLimiter::carry`] reads: every shard of both configs, each under the
+    /// config that carrying takes it with (`new`'s shards) or reads it under (`old`'s beyond
+    /// them); `None` when the change asks nothing.
+    fn carry_slots<'a>(
+        &self,
+        name: &'a str,
+        key: Option<&'a str>,
+        old: &Config,
+        new: &Config,
+    ) -> Result<Option<SmallVec<[Slot<'a>; 4]>>, Error> {
+        tollgate_core::validate_name_key(name, key)?;
+        if Carry::of(old, new) == Carry::Nothing {
+            return Ok(None);
+        }
+        let shards = old.shards().max(new.shards());
+        let slots = (0..shards)
+            .map(|shard| {
+                let config = if shard < new.shards() { new } else { old };
+                let alignment = alignment(&config.per_shard(), self.setup.seed, name, key, shard);
+                Slot { name, key, shard, config: carrying(config), alignment }
+            })
+            .collect();
+        Ok(Some(slots))
+    }
+
     /// What a reset of (target, key) deletes: the name and its number of shards.
     fn to_reset<'a>(&self, target: Target<'a>, key: Option<&str>) -> Result<(&'a str, u16), Error> {
         let shards = self.resolve(&target)?.shards();
@@ -1247,6 +1344,28 @@ impl<S> RateLimiter<S> {
 }
 
 /// A reading of the states `read` for `slots` at `now`.
+/// The takes that carry (name, key) from `old` to `new` (see [`RateLimiter::carry`]), given
+/// the states of its `slots` read at `now`: under [`Carry::Refill`] a take of nothing from each
+/// stored state, under [`Carry::Convert`] [`carry_counts`] from each shard of `new` that has a
+/// state or something to take.
+fn carrying_takes<'a>(
+    old: &Config,
+    new: &Config,
+    slots: &[Slot<'a>],
+    states: &[Option<tollgate_core::State>],
+    now: f64,
+) -> Vec<OneTake<'a>> {
+    let counts = match Carry::of(old, new) {
+        Carry::Nothing => return Vec::new(),
+        Carry::Refill => SmallVec::from_elem(0.0, usize::from(new.shards())),
+        Carry::Convert => carry_counts(old, new, states, now),
+    };
+    (0..usize::from(new.shards()))
+        .filter(|&j| states[j].is_some() || counts[j] > 0.0)
+        .map(|j| OneTake { slot: slots[j], count: counts[j], reserve: true, writes: true })
+        .collect()
+}
+
 fn reading(
     config: &Config,
     slots: &[Slot<'_>],

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use tokio::runtime::Runtime;
 use tollgate::{
-    AsyncStore, Call, Config, Decision, Error, MINUTE, ManualClock, RateLimiter, Request, SECOND,
-    State, Store, Target,
+    AsyncStore, Call, Config, Decision, Error, HOUR, MINUTE, ManualClock, RateLimiter, Request,
+    SECOND, State, Store, Target,
 };
 
 mod common;
@@ -328,6 +328,44 @@ fn status_after_requests<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
     assert_eq!(statuses, [(2.0, 6_000.0), (5.0, 45_000.0)]);
 }
 
+/// A change of config carried over (`carry`, SPEC §2 with `tollgate_core::Carry`): another
+/// number of shards or another kind gives nothing back, a slower refill reads the stored state
+/// under the new config, and carrying again takes nothing more.
+fn carrying_keeps_every_limit<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+    let (l, clock) = setup();
+    let u = Request::new().key("u");
+    // One shard of 100 with 40 left, then ten: 4 in each, 40 in all.
+    let one = Config::token_bucket(100.0, HOUR);
+    let ten = one.with_shards(10);
+    assert_eq!(l.limit(("s", one), u.count(60.0)).unwrap(), Decision::ADMIT);
+    assert_eq!(l.carry("s", Some("u"), &one, &ten).unwrap(), 10);
+    assert_eq!(l.value_sampled(("s", ten), Some("u"), 10).unwrap().value, 40.0);
+    assert_eq!(l.carry("s", Some("u"), &one, &ten).unwrap(), 10, "again: each shard rewritten");
+    assert!(l.value_sampled(("s", ten), Some("u"), 10).unwrap().value <= 40.0);
+    // A key never taken from is full under both: nothing to carry.
+    assert_eq!(l.carry("s", Some("fresh"), &one, &ten).unwrap(), 0);
+    // A fixed window exhausted half way through its window, then a token bucket: still empty.
+    let window = Config::fixed_window(10.0, MINUTE).with_start(T0 - 30.0 * SECOND);
+    let bucket = Config::token_bucket(10.0, MINUTE);
+    assert_eq!(l.limit(("k", window), u.count(10.0)).unwrap(), Decision::ADMIT);
+    assert_eq!(l.carry("k", Some("u"), &window, &bucket).unwrap(), 1);
+    assert_eq!(state(&l, Target::Inline("k", bucket), Some("u")), State { value: 0.0, ts: T0 });
+    assert!(!l.check(("k", bucket), u).unwrap().ok);
+    // A slower refill: the state as stored, read under the new config (a take of nothing).
+    let fast = Config::token_bucket(10.0, SECOND);
+    let slow = Config::token_bucket(10.0, HOUR);
+    assert_eq!(l.limit(("r", fast), u.count(10.0)).unwrap(), Decision::ADMIT);
+    clock.advance(100.0);
+    assert_eq!(l.carry("r", Some("u"), &fast, &slow).unwrap(), 1);
+    let per_ms = 10.0 / HOUR;
+    assert_eq!(
+        state(&l, Target::Inline("r", slow), Some("u")),
+        State { value: 100.0 * per_ms, ts: T0 + 100.0 }
+    );
+    // A faster one asks nothing: the state stays as stored.
+    assert_eq!(l.carry("r", Some("u"), &slow, &fast).unwrap(), 0);
+}
+
 fn concurrent_exactness<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
     // 256 callers (threads, or tasks of a runtime with two threads) race for a limit of 100,
     // 20 times: exactly 100 admitted each time.
@@ -365,7 +403,7 @@ macro_rules! conformance {
             throws_turns_refusal_into_error, reset_forgets,
             forget_needs_no_config_and_takes_every_shard, keys_are_isolated,
             value_reports_config_and_state, transaction_all_or_nothing, sharded_never_over_admits,
-            status_after_requests, concurrent_exactness);
+            status_after_requests, carrying_keeps_every_limit, concurrent_exactness);
     };
     (@each $api:ident, $make:expr, $available:expr; $($test:ident),*) => {
         $(#[test] fn $test() { if $available { crate::$test(&|| crate::$api(&$make)) } })*

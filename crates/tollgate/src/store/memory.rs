@@ -342,6 +342,24 @@ impl<C: Clock> MemoryStore<C> {
         self.names.load(Ordering::Relaxed)
     }
 
+    /// The key and shard of every state stored for `name` (for
+    /// [`RateLimiter::carry`](crate::RateLimiter::carry) after its config changed). Reads
+    /// every segment, one at a time: O(states), a pause of each segment's requests for the
+    /// time it takes to read it.
+    pub fn keys_of(&self, name: &str) -> Vec<(Option<String>, u16)> {
+        let mut found = Vec::new();
+        for segment in &self.segments {
+            let mut table = segment.0.lock();
+            let Some(id) = table.look_up_name(name, &self.hasher) else { continue };
+            for e in table.entries.iter().filter(|e| e.id >> SHARD_BITS == id) {
+                // A key was a `str` when it was stored.
+                let key = e.key.get().map(|k| String::from_utf8_lossy(k).into_owned());
+                found.push((key, (e.id & ((1 << SHARD_BITS) - 1)) as u16));
+            }
+        }
+        found
+    }
+
     /// Drops every state that is full at the store's current time, and gives back the names
     /// no state uses any more; returns how many states it dropped.
     ///
@@ -1090,6 +1108,33 @@ impl<C: Clock> Store for MemoryStore<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `keys_of` lists a name's states (not those of a name it is a prefix of); a state
+    /// carried to a slower refill outlives the moment the old config saw it full, and is
+    /// swept once full under the new one.
+    #[test]
+    fn keys_of_and_a_carried_state_outliving_its_old_expiry() {
+        use crate::{RateLimiter, Request};
+        use tollgate_core::{ManualClock, SECOND};
+        let clock = ManualClock::new(1_700_000_000_000.0);
+        let limiter = RateLimiter::new(MemoryStore::with_clock(clock.clone()));
+        let fast = Config::token_bucket(10.0, SECOND);
+        let slow = Config::token_bucket(10.0, 100.0 * SECOND);
+        assert!(limiter.limit(("a", fast), Request::new().key("k").count(10.0)).unwrap().ok);
+        assert!(limiter.limit(("a", fast), Request::new().count(1.0)).unwrap().ok);
+        assert!(limiter.limit(("ab", fast), "k").unwrap().ok);
+        let mut keys = limiter.store().keys_of("a");
+        keys.sort();
+        assert_eq!(keys, [(None, 0), (Some("k".to_owned()), 0)]);
+        assert!(limiter.store().keys_of("b").is_empty());
+        assert_eq!(limiter.carry("a", Some("k"), &fast, &slow).unwrap(), 1);
+        clock.advance(5.0 * SECOND);
+        assert_eq!(limiter.store().sweep(), 2, "the others, full under their config");
+        let kept = limiter.value(("a", slow), Some("k")).unwrap();
+        assert_eq!((kept.value, kept.ts), (0.0, 1_700_000_000_000.0));
+        clock.advance(101.0 * SECOND);
+        assert_eq!(limiter.store().sweep(), 1);
+    }
 
     #[test]
     fn same_bytes_is_equality() {

@@ -259,6 +259,8 @@ enum Job {
     Read(OwnedSlots, Option<f64>, Ticket<(f64, Vec<Option<State>>)>),
     Delete(String, Option<String>, u16, Ticket<()>),
     Lease(Box<LeaseRow>, Ticket<(f64, Leased, Vec<f64>)>),
+    /// The key and shard of each state of a name: the statement's text, the name.
+    Keys(String, String, Ticket<Vec<(Option<String>, u16)>>),
 }
 
 impl Job {
@@ -269,6 +271,7 @@ impl Job {
             Job::Plan(_, _, t) => t.take(),
             Job::Read(_, _, t) => t.take(),
             Job::Delete(_, _, _, t) => t.take(),
+            Job::Keys(_, _, t) => t.take(),
             Job::Lease(_, t) => t.take(),
         }
     }
@@ -505,6 +508,7 @@ impl Batch {
             Batch::Other(Job::Read(_, _, t)) => t.answer(Err(e())),
             Batch::Other(Job::Delete(_, _, _, t)) => t.answer(Err(e())),
             Batch::Other(Job::Lease(_, t)) => t.answer(Err(e())),
+            Batch::Other(Job::Keys(_, _, t)) => t.answer(Err(e())),
         }
     }
 
@@ -547,6 +551,24 @@ impl Batch {
                 let request = delete_all(&conn.client, &stmts, &name, key.as_deref(), shards);
                 let (result, healthy) = bounded(timeout, true, request).await;
                 ticket.answer(result);
+                healthy
+            }
+            Batch::Other(Job::Keys(sql, name, ticket)) => {
+                let params: [&(dyn ToSql + Sync); 1] = [&name];
+                let request = query(&conn.client, Stmt::Text(&sql, &[Type::TEXT]), &params);
+                let (result, healthy) = bounded(timeout, false, request).await;
+                let keys = |rows: Vec<Row>| {
+                    let key = |row: &Row| -> Result<_, tokio_postgres::Error> {
+                        let (has_key, key, shard): (bool, String, i32) =
+                            (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+                        Ok((has_key.then_some(key), u16::try_from(shard).unwrap_or(u16::MAX)))
+                    };
+                    rows.iter()
+                        .map(key)
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| pg_error("cannot list states", e))
+                };
+                ticket.answer(result.and_then(keys));
                 healthy
             }
             Batch::Other(Job::Lease(row, ticket)) => {
@@ -1059,6 +1081,18 @@ impl<C: Clock> PgStore<C> {
 
     fn now(&self) -> Option<f64> {
         self.shared.now()
+    }
+
+    /// The key and shard of every state stored for `name` (for
+    /// [`RateLimiter::carry_async`](crate::RateLimiter::carry_async) after its config
+    /// changed).
+    ///
+    /// # Errors
+    ///
+    /// The store's.
+    pub async fn keys_of(&self, name: &str) -> Result<Vec<(Option<String>, u16)>, StoreError> {
+        let sql = self.shared.sql.keys.clone();
+        self.submit(|ticket| Job::Keys(sql, name.to_owned(), ticket)).await
     }
 
     /// Returns every lease this store holds (for a graceful shutdown: the tokens go back to

@@ -368,6 +368,7 @@ local answer = struct.pack('<d', now) .. wrote .. (raw or '')
 const SCRIPT_ONE: &str =
     concat!("local key, args, time = KEYS[1], ARGV[1], nil\n", lua_one!(), "return answer\n");
 
+mod keys;
 mod lease;
 
 /// The most one-takes a grouped round trip carries by default: at about 4 us of Redis time
@@ -1919,5 +1920,53 @@ mod on_redis_tests {
             assert_eq!(redis.read_async(&slot).await.unwrap().1, [held], "{key}");
             redis.delete_async("fw", Some(key), 1).await.unwrap();
         }
+    }
+
+    /// `keys_of` finds every state of a name (no key, the empty key, keys with `:`, `*` and
+    /// `[`, every shard) and none of another name it is a prefix of; carried to a longer
+    /// period, a state's time to live becomes the time until it is full under it.
+    #[tokio::test]
+    async fn keys_of_finds_a_names_states_and_carry_moves_their_expiry() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let redis = open(&url, &clock, "keys-of");
+        let limiter = crate::RateLimiter::new(redis);
+        let fast = Config::token_bucket(10.0, SECOND);
+        let sharded = Config::token_bucket(10.0, SECOND).with_shards(3);
+        let keys = [None, Some(""), Some("a:b"), Some("x*[y]"), Some("k0:")];
+        for key in keys {
+            let mut request = crate::Request::new().count(5.0);
+            if let Some(key) = key {
+                request = request.key(key);
+            }
+            assert!(limiter.limit_async(("n*", fast), request).await.unwrap().ok);
+        }
+        for _ in 0..4 {
+            assert!(limiter.limit_async(("n*x", sharded), "s").await.unwrap().ok);
+        }
+        let mut found = limiter.store().keys_of("n*").await.unwrap();
+        found.sort();
+        let mut expected: Vec<(Option<String>, u16)> =
+            keys.iter().map(|k| (k.map(str::to_owned), 0)).collect();
+        expected.sort();
+        assert_eq!(found, expected);
+        let shards = limiter.store().keys_of("n*x").await.unwrap();
+        assert!(!shards.is_empty() && shards.iter().all(|(k, _)| k.as_deref() == Some("s")));
+        assert!(limiter.store().keys_of("nothing").await.unwrap().is_empty());
+
+        let slow = Config::token_bucket(10.0, 1_000.0 * SECOND);
+        let mut conn = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
+        let key = limiter.store().inner.key("n*", Some("a:b"), 0);
+        let pttl = |conn: &mut redis::Connection| -> i64 {
+            redis::cmd("PTTL").arg(&key).query(conn).unwrap()
+        };
+        assert!(pttl(&mut conn) <= 10_000, "a set clock keeps it 10 s: {}", pttl(&mut conn));
+        assert_eq!(limiter.carry_async("n*", Some("a:b"), &fast, &slow).await.unwrap(), 1);
+        // 5 of 10 missing at 10 per 1,000 s: full in 500 s.
+        assert!((499_000..=500_000).contains(&pttl(&mut conn)), "{}", pttl(&mut conn));
+        for key in keys {
+            limiter.store().delete_async("n*", key, 1).await.unwrap();
+        }
+        limiter.store().delete_async("n*x", Some("s"), 3).await.unwrap();
     }
 }

@@ -185,6 +185,8 @@ pub(crate) struct PgSql {
     pub(crate) upsert_leases: String,
     pub(crate) delete: String,
     pub(crate) delete_all: String,
+    /// The key and shard of each state of a name ($1).
+    pub(crate) keys: String,
     /// Adds the `leases` column to a table of an earlier version.
     pub(crate) add_leases: String,
     /// Creates (or replaces) the functions behind [`PgSql::lease`].
@@ -358,6 +360,7 @@ yours does not take a leased limit (a PgStore''s own transactions do); nothing w
             ),
             delete: format!("DELETE FROM {table} WHERE name = $1 AND has_key = $2 AND key = $3 AND shard = $4"),
             delete_all: format!("DELETE FROM {table} WHERE name = $1 AND has_key = $2 AND key = $3 AND shard < $4"),
+            keys: format!("SELECT has_key, key, shard FROM {table} WHERE name = $1"),
         }
     }
 }

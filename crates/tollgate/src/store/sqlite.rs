@@ -325,6 +325,29 @@ impl<C: Clock> SqliteStore<C> {
         conn.execute(SQLITE_SWEEP, params![now]).map_err(|e| sql_error("sweep failed", e))
     }
 
+    /// The key and shard of every state stored for `name` (for
+    /// [`RateLimiter::carry`](crate::RateLimiter::carry) after its config changed).
+    ///
+    /// Runs on the calling thread and waits for the disk.
+    ///
+    /// # Errors
+    ///
+    /// The statement fails.
+    pub fn keys_of(&self, name: &str) -> Result<Vec<(Option<String>, u16)>, StoreError> {
+        let conn = self.shared.conn.lock();
+        let mut select = conn
+            .prepare("SELECT has_key, key, shard FROM tollgate_state WHERE name = ?1")
+            .map_err(|e| sql_error("cannot list states", e))?;
+        let rows = select
+            .query_map(params![name], |row| {
+                let (has_key, key, shard): (bool, String, u16) =
+                    (row.get(0)?, row.get(1)?, row.get(2)?);
+                Ok((has_key.then_some(key), shard))
+            })
+            .map_err(|e| sql_error("cannot list states", e))?;
+        rows.collect::<Result<_, _>>().map_err(|e| sql_error("cannot list states", e))
+    }
+
     /// How many states the file holds (a count of the table: reads all of it).
     ///
     /// # Errors
@@ -713,6 +736,31 @@ fn sql_error(what: &str, e: rusqlite::Error) -> StoreError {
 mod tests {
     use super::*;
     use tollgate_core::{MINUTE, ManualClock, Take};
+
+    /// `keys_of` lists a name's states; a state carried to a slower refill gets its new
+    /// `full_at`, so the sweep by `full_at` keeps it until it is full under the new config.
+    #[test]
+    fn keys_of_and_a_carried_state_outliving_its_old_full_at() {
+        use crate::{RateLimiter, Request};
+        use tollgate_core::SECOND;
+        let clock = ManualClock::new(1_700_000_000_000.0);
+        let store = SqliteStore::builder().open_in_memory_with_clock(clock.clone()).unwrap();
+        let limiter = RateLimiter::new(store);
+        let fast = Config::token_bucket(10.0, SECOND);
+        let slow = Config::token_bucket(10.0, 100.0 * SECOND);
+        assert!(limiter.limit(("a", fast), Request::new().key("k").count(10.0)).unwrap().ok);
+        assert!(limiter.limit(("a", fast), Request::new().count(1.0)).unwrap().ok);
+        assert!(limiter.limit(("ab", fast), "k").unwrap().ok);
+        let mut keys = limiter.store().keys_of("a").unwrap();
+        keys.sort();
+        assert_eq!(keys, [(None, 0), (Some("k".to_owned()), 0)]);
+        assert_eq!(limiter.carry("a", Some("k"), &fast, &slow).unwrap(), 1);
+        clock.advance(5.0 * SECOND);
+        assert_eq!(limiter.store().sweep_full().unwrap(), 2);
+        assert_eq!(limiter.store().keys_of("a").unwrap(), [(Some("k".to_owned()), 0)]);
+        clock.advance(101.0 * SECOND);
+        assert_eq!(limiter.store().sweep_full().unwrap(), 1);
+    }
 
     /// A file that can only be read is an error when the store opens it, not a failure of
     /// every request after.

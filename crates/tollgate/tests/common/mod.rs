@@ -9,8 +9,8 @@ use std::sync::Arc;
 use tokio::runtime::Runtime;
 use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
 use tollgate::{
-    AsyncStore, Call, Decision, Error, RateLimiter, Reading, Request, Store, StoreError, Target,
-    TransactionDecision, TransactionTaken,
+    AsyncStore, Call, Config, Decision, Error, RateLimiter, Reading, Request, Store, StoreError,
+    Target, TransactionDecision, TransactionTaken,
 };
 
 /// The URL of a backend server, from the environment variable `var`. Unset: the caller skips,
@@ -79,6 +79,13 @@ pub(crate) trait Api: Send + Sync + 'static {
     fn transaction_with_status(&self, calls: &[Call<'_>]) -> Result<TransactionTaken, Error>;
     fn reset<'a>(&self, t: impl Into<Target<'a>>, key: Option<&str>) -> Result<(), Error>;
     fn forget(&self, name: &str, key: Option<&str>) -> Result<(), Error>;
+    fn carry(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        old: &Config,
+        new: &Config,
+    ) -> Result<usize, Error>;
     fn value_sampled<'a>(
         &self,
         t: impl Into<Target<'a>>,
@@ -137,6 +144,15 @@ impl<S: Store + Send + Sync + 'static> Api for SyncApi<S> {
     }
     fn forget(&self, name: &str, key: Option<&str>) -> Result<(), Error> {
         self.0.forget(name, key)
+    }
+    fn carry(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        old: &Config,
+        new: &Config,
+    ) -> Result<usize, Error> {
+        self.0.carry(name, key, old, new)
     }
     fn value_sampled<'a>(
         &self,
@@ -214,6 +230,15 @@ impl<S: AsyncStore + 'static> Api for AsyncApi<S> {
     }
     fn forget(&self, name: &str, key: Option<&str>) -> Result<(), Error> {
         self.on(self.limiter.forget_async(name, key))
+    }
+    fn carry(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        old: &Config,
+        new: &Config,
+    ) -> Result<usize, Error> {
+        self.on(self.limiter.carry_async(name, key, old, new))
     }
     fn value_sampled<'a>(
         &self,
