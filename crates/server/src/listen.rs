@@ -3,13 +3,9 @@
 //! nothing for `headerTimeout`, sums up accept errors in the log, and stops gracefully.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
@@ -94,84 +90,6 @@ where
         );
     }
     Ok(())
-}
-
-/// A connection that notes when it last received something, so that one idle too long can
-/// be closed.
-pub struct Watched {
-    tcp: TcpStream,
-    /// When it was made.
-    start: Instant,
-    /// Nanoseconds after `start` of the last read of at least one byte.
-    last_read: Arc<AtomicU64>,
-}
-
-impl Watched {
-    /// Watches `tcp`; `idle()` then tells how long ago it last received something.
-    pub fn new(tcp: TcpStream) -> (Self, Idle) {
-        let start = Instant::now();
-        let last_read = Arc::new(AtomicU64::new(0));
-        (Watched { tcp, start, last_read: Arc::clone(&last_read) }, Idle { start, last_read })
-    }
-}
-
-/// How long a [`Watched`] connection has received nothing.
-pub struct Idle {
-    start: Instant,
-    last_read: Arc<AtomicU64>,
-}
-
-impl Idle {
-    /// When the connection last received something (or was made).
-    pub fn last(&self) -> Instant {
-        self.start + Duration::from_nanos(self.last_read.load(Ordering::Relaxed))
-    }
-}
-
-impl AsyncRead for Watched {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.tcp).poll_read(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            let since = self.start.elapsed().as_nanos().try_into().unwrap_or(u64::MAX);
-            self.last_read.store(since, Ordering::Relaxed);
-        }
-        polled
-    }
-}
-
-impl AsyncWrite for Watched {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.tcp).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.tcp).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.tcp.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.tcp).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.tcp).poll_shutdown(cx)
-    }
 }
 
 /// File descriptors the process keeps besides its connections: the store's, the log's, the

@@ -16,6 +16,7 @@
 //! through: Envoy's default is `failure_mode_deny: false`.)
 
 pub mod config;
+pub mod connection;
 pub mod json;
 pub mod service;
 

@@ -16,6 +16,7 @@ use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
+use super::connection::{Connection, Frames, OpenCall, WATCHES_PER_CONNECTION};
 use super::{Descriptor, Rls, RlsAnswer, RlsError, RlsRequest, Unit};
 use crate::config::HttpLimits;
 use crate::http::{Credential, ErrorLog};
@@ -197,13 +198,22 @@ pub async fn serve(
         reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
     });
     let tokens = service.tokens.clone();
+    let service_tokens = service.tokens.clone();
     let rls = InterceptedService::new(
         RateLimitServiceServer::new(service).max_decoding_message_size(MAX_REQUEST),
         move |request: Request<()>| authorize(&tokens, request),
     );
     let routes = tonic::service::Routes::new(health).add_service(rls).prepare();
     let calls = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
-    let bounded = Bounded { routes, deadline: call_deadline, calls };
+    let watches = Arc::new(tokio::sync::Semaphore::new(MAX_WATCHES));
+    let bounded = Bounded {
+        routes,
+        deadline: call_deadline,
+        calls,
+        watches,
+        tokens: service_tokens,
+        connection: Connection::new(),
+    };
     let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     http2
         .timer(TokioTimer::new())
@@ -221,7 +231,11 @@ pub async fn serve(
         stop,
         move |tcp, mut stopping| {
             let http2 = http2.clone();
-            let service = TowerToHyperService::new(bounded.clone());
+            let state = Connection::new();
+            let service = TowerToHyperService::new(Bounded {
+                connection: Arc::clone(&state),
+                ..bounded.clone()
+            });
             async move {
                 // A client that sends nothing, not even its preface, is not kept. (A peek:
                 // `readable` may answer before anything has arrived.)
@@ -229,16 +243,19 @@ pub async fn serve(
                     Ok(Ok(1..)) => {}
                     _ => return,
                 }
-                let (io, received) = crate::listen::Watched::new(tcp);
+                let io = Frames::new(tcp, Arc::clone(&state));
                 let connection = http2.serve_connection(TokioIo::new(io), service);
                 let mut connection = std::pin::pin!(connection);
+                // Idle: no call open, and none started or ended for `idle` (PINGs and
+                // SETTINGS do not count: they ask for nothing).
                 let grace = loop {
-                    let idle_until = tokio::time::Instant::from_std(received.last() + idle);
+                    let since = state.idle_since().unwrap_or_else(std::time::Instant::now);
+                    let idle_until = tokio::time::Instant::from_std(since + idle);
                     tokio::select! {
                         biased;
                         _ = connection.as_mut() => return,
                         () = tokio::time::sleep_until(idle_until) => {
-                            if received.last().elapsed() >= idle {
+                            if state.idle_since().is_some_and(|since| since.elapsed() >= idle) {
                                 break idle;
                             }
                         }
@@ -277,12 +294,68 @@ fn authorize(tokens: &crate::http::Tokens, request: Request<()>) -> Result<Reque
     }
 }
 
-/// The gRPC routes, each call within a deadline and within [`MAX_CALLS`] open at a time.
+/// The path of gRPC health's `Watch`, a stream that lasts as long as its client wants.
+const WATCH: &str = "/grpc.health.v1.Health/Watch";
+
+/// The most `Watch` streams open at a time over every connection (each holds about 11 KB
+/// while it lasts; [`WATCHES_PER_CONNECTION`] on one connection). Past it a `Watch` is
+/// answered `RESOURCE_EXHAUSTED`; other calls do not count against it, nor it against them.
+/// Load balancers and Kubernetes probe with `Check`.
+pub const MAX_WATCHES: usize = 64;
+
+/// The gRPC routes, each call within a deadline and within [`MAX_CALLS`] open at a time
+/// (counted until its answer has ended), `Watch` streams within [`MAX_WATCHES`] and
+/// [`WATCHES_PER_CONNECTION`] (and, with tokens, only with one).
 #[derive(Clone)]
 struct Bounded {
     routes: tonic::service::Routes,
     deadline: Duration,
     calls: Arc<tokio::sync::Semaphore>,
+    watches: Arc<tokio::sync::Semaphore>,
+    tokens: crate::http::Tokens,
+    /// The connection this service answers (one per connection).
+    connection: Arc<Connection>,
+}
+
+/// What an open call holds until its answer has ended: its place among the open calls (or
+/// `Watch` streams, and the connection's), and the connection's count of open calls.
+type Held =
+    (tokio::sync::OwnedSemaphorePermit, Option<tokio::sync::OwnedSemaphorePermit>, OpenCall);
+
+impl Bounded {
+    /// What a call may hold, or the answer that refuses it.
+    fn admit(&self, request: &http::Request<hyper::body::Incoming>) -> Result<Held, Status> {
+        if request.uri().path() != WATCH {
+            let Ok(call) = Arc::clone(&self.calls).try_acquire_owned() else {
+                return Err(Status::resource_exhausted(format!(
+                    "more than {MAX_CALLS} calls are open; try again"
+                )));
+            };
+            return Ok((call, None, self.connection.call()));
+        }
+        if self.tokens.required() {
+            let values = request.headers().get_all("authorization").iter().map(|v| v.to_str().ok());
+            if !matches!(
+                crate::http::credential(&self.tokens, values),
+                Credential::Good | Credential::Read
+            ) {
+                return Err(Status::unauthenticated(
+                    "Watch needs authorization: Bearer <token> (a read token will do); Check needs none",
+                ));
+            }
+        }
+        let Ok(watch) = Arc::clone(&self.watches).try_acquire_owned() else {
+            return Err(Status::resource_exhausted(format!(
+                "more than {MAX_WATCHES} Watch streams are open; use Check"
+            )));
+        };
+        let Ok(own) = Arc::clone(&self.connection.watches).try_acquire_owned() else {
+            return Err(Status::resource_exhausted(format!(
+                "more than {WATCHES_PER_CONNECTION} Watch streams are open on this connection"
+            )));
+        };
+        Ok((watch, Some(own), self.connection.call()))
+    }
 }
 
 impl tower_service::Service<http::Request<hyper::body::Incoming>> for Bounded {
@@ -303,11 +376,9 @@ impl tower_service::Service<http::Request<hyper::body::Incoming>> for Bounded {
     }
 
     fn call(&mut self, request: http::Request<hyper::body::Incoming>) -> Self::Future {
-        let Ok(call) = Arc::clone(&self.calls).try_acquire_owned() else {
-            let busy = Status::resource_exhausted(format!(
-                "more than {MAX_CALLS} calls are open; try again"
-            ));
-            return Box::pin(std::future::ready(Ok(busy.into_http())));
+        let held = match self.admit(&request) {
+            Ok(held) => held,
+            Err(refused) => return Box::pin(std::future::ready(Ok(refused.into_http()))),
         };
         let deadline = self.deadline;
         let answer = self.routes.call(request);
@@ -320,8 +391,17 @@ impl tower_service::Service<http::Request<hyper::body::Incoming>> for Bounded {
                 ))
                 .into_http()),
             };
-            drop(call);
-            answer
+            // Held until the answer's body has ended (or is dropped): a stream counts for
+            // as long as it lasts, not only until its headers.
+            answer.map(|response| {
+                response.map(|body| {
+                    use http_body_util::BodyExt as _;
+                    tonic::body::Body::new(body.map_frame(move |frame| {
+                        let _ = &held;
+                        frame
+                    }))
+                })
+            })
         })
     }
 }
