@@ -21,10 +21,15 @@ pub struct ClientArgs {
     #[arg(long)]
     reserve: bool,
     /// The server.
-    #[arg(long, env = "TOLLGATE_SERVER", default_value = "http://127.0.0.1:8787")]
+    #[arg(
+        long,
+        env = "TOLLGATE_SERVER",
+        hide_env_values = true,
+        default_value = "http://127.0.0.1:8787"
+    )]
     server: String,
     /// A bearer token, if the server wants one.
-    #[arg(long, env = "TOLLGATE_TOKEN")]
+    #[arg(long, env = "TOLLGATE_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// Print the server's JSON answer instead of a sentence.
     #[arg(long)]
@@ -96,9 +101,11 @@ pub fn call(url: &str, token: Option<&str>, body: Option<&Value>) -> anyhow::Res
             request.call()
         }
     };
-    let mut response = sent.with_context(|| format!("cannot reach {url}"))?;
+    // Messages name the URL without the password it may carry.
+    let shown = tollgate::store::redacted_url(url);
+    let mut response = sent.with_context(|| format!("cannot reach {shown}"))?;
     let answer =
-        response.body_mut().read_json().with_context(|| format!("{url} did not answer JSON"))?;
+        response.body_mut().read_json().with_context(|| format!("{shown} did not answer JSON"))?;
     Ok((response.status().as_u16(), answer))
 }
 

@@ -212,6 +212,28 @@ pub struct Settings {
     pub lease: Vec<(String, tollgate::store::LeaseOptions)>,
 }
 
+impl Settings {
+    /// Refuses a non-loopback address (the HTTP API's or the rate limit service's) without
+    /// tokens, unless `allowed` (`--allow-unauthenticated-public`): anyone who could reach it
+    /// could use and reset the limits. `serve` and `check-config` both ask.
+    ///
+    /// # Errors
+    ///
+    /// The address, and how to fix it.
+    pub fn public_without_tokens(&self, allowed: bool) -> anyhow::Result<()> {
+        for addr in std::iter::once(self.listen).chain(self.rls_listen) {
+            if self.tokens.is_empty() && !addr.ip().is_loopback() && !allowed {
+                anyhow::bail!(
+                    "refusing to listen on {addr} without tokens: anyone who can reach it could \
+                     use and reset your limits. Set [server] tokens or TOLLGATE_TOKENS, or pass \
+                     --allow-unauthenticated-public."
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 /// How the HTTP side treats slow and idle clients, and how it stops.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HttpLimits {
@@ -309,6 +331,87 @@ fn token_list(
         );
     }
     Ok(tokens)
+}
+
+/// A TOML error as `toml` shows it (where, the line with a caret under the place, why), with
+/// the secrets a config holds left out: on a line of `tokens` or `readTokens` (or inside
+/// their array), every string is `***`; a URL's password is `***` wherever it appears. Both
+/// the reload's log and `check-config` show this.
+fn shown_error(e: &toml::de::Error, text: &str) -> String {
+    let message = e.message().trim_end();
+    let Some(span) = e.span() else { return redact_urls(message) };
+    let at = span.start.min(text.len());
+    let line_no = text[..at].matches('\n').count() + 1;
+    let line_start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = text[at..].find('\n').map_or(text.len(), |i| at + i);
+    let line = text[line_start..line_end].trim_end_matches('\r');
+    let column = text[line_start..at].chars().count() + 1;
+    // The key whose value the line is in: its own, or the last one above it (an array over
+    // several lines).
+    let key = text[..line_end]
+        .lines()
+        .rev()
+        .find_map(|l| l.split_once('=').map(|(k, _)| k.trim().to_ascii_lowercase()))
+        .unwrap_or_default();
+    let secret = key.contains("token");
+    let (shown_line, message) = if secret {
+        (strings_hidden(line), strings_hidden(message))
+    } else {
+        (redact_urls(line), redact_urls(message))
+    };
+    let width = line_no.to_string().len();
+    let caret = " ".repeat(column - 1) + &"^".repeat(span.len().clamp(1, 80));
+    let pad = " ".repeat(width);
+    format!(
+        "TOML parse error at line {line_no}, column {column}\n{pad} |\n{line_no} | {shown_line}\n\
+         {pad} | {caret}\n{message}"
+    )
+}
+
+/// `text` with every quoted string replaced by `"***"`.
+fn strings_hidden(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut quote: Option<char> = None;
+    for c in text.chars() {
+        match quote {
+            Some(q) if c == q => {
+                out.push_str("***");
+                out.push(c);
+                quote = None;
+            }
+            Some(_) => {}
+            None => {
+                out.push(c);
+                if c == '"' || c == '\'' || c == '`' {
+                    quote = Some(c);
+                }
+            }
+        }
+    }
+    if quote.is_some() {
+        out.push_str("***");
+    }
+    out
+}
+
+/// `text` with the password of every URL in it replaced by `***`.
+fn redact_urls(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        // The URL: from its scheme (letters, digits, + - .) to a space or a quote.
+        let start = rest[..at]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || "+-.".contains(c)))
+            .map_or(0, |i| i + 1);
+        let end = rest[at..]
+            .find(|c: char| c.is_whitespace() || "\"'`".contains(c))
+            .map_or(rest.len(), |i| at + i);
+        out.push_str(&rest[..start]);
+        out.push_str(&tollgate::store::redacted_url(&rest[start..end]));
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// What the command line and the environment say, to override the file: flags first, then
@@ -421,7 +524,7 @@ impl FileConfig {
     ///
     /// Not TOML of this shape.
     pub fn parse(text: &str) -> anyhow::Result<Self> {
-        Ok(toml::from_str(text)?)
+        toml::from_str(text).map_err(|e| anyhow::anyhow!(shown_error(&e, text)))
     }
 
     /// The limits this file defines, validated; the examples when it defines none and `examples`.
@@ -455,6 +558,7 @@ impl FileConfig {
             format!("{}: listen address {listen:?} is not IP:PORT", server.label("listen"))
         })?;
         let store = server.store.clone().unwrap_or_else(|| DEFAULT_STORE.into());
+        crate::store::check(&store).with_context(|| server.label("store"))?;
         let lease = self.leased(&store)?;
         let tokens = token_list(
             "tokens",
@@ -647,6 +751,34 @@ pub fn example_limits() -> Vec<(String, Config)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A TOML error shows where and why, never a token or a URL's password from the file.
+    #[test]
+    fn toml_errors_keep_secrets_out() {
+        for (text, secret, still) in [
+            ("[server]\ntokens = [\"s3cr3tTOKEN\" \"x\"]\n", "s3cr3tTOKEN", "line 2, column 25"),
+            (
+                "[server]\nreadTokens = \"notalist-s3cr3t\"\n",
+                "notalist-s3cr3t",
+                "expected a sequence",
+            ),
+            ("[server]\ntokens = [\n  \"first\",\n  \"s3cr3t\" x\n]\n", "s3cr3t", "line 4"),
+            (
+                "[server]\nstore = \"redis://:pw0rdXYZ@127.0.0.1:6379/0\" x\n",
+                "pw0rdXYZ",
+                "redis://:***@127.0.0.1:6379/0",
+            ),
+            ("[server]\nstore = 5 # postgres://u:pw0rdXYZ@h/db\n", "pw0rdXYZ", "expected a string"),
+        ] {
+            let shown = format!("{:#}", FileConfig::parse(text).unwrap_err());
+            assert!(!shown.contains(secret), "{shown}");
+            assert!(shown.contains(still), "{shown}");
+        }
+        // Nothing secret: shown as toml shows it.
+        let shown = format!("{:#}", FileConfig::parse("[server]\nlisten = 5\n").unwrap_err());
+        assert!(shown.contains("3 | listen = 5") || shown.contains("2 | listen = 5"), "{shown}");
+        assert!(shown.contains("invalid type: integer `5`, expected a string"), "{shown}");
+    }
 
     #[test]
     fn defaults_without_a_file() {

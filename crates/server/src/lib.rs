@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 pub mod browsers;
@@ -80,6 +80,15 @@ struct CheckArgs {
     /// envoyproxy/ratelimit's configuration: a YAML file, or a directory of them.
     #[arg(long, value_name = "PATH")]
     rls_config: Option<PathBuf>,
+    /// The address `serve` would listen on (as its --listen).
+    #[arg(long)]
+    listen: Option<String>,
+    /// The store `serve` would open (as its --store): only its form is checked.
+    #[arg(long)]
+    store: Option<String>,
+    /// As `serve --allow-unauthenticated-public`: a non-loopback address without tokens.
+    #[arg(long)]
+    allow_unauthenticated_public: bool,
 }
 
 #[derive(Debug, Args, Default)]
@@ -206,10 +215,23 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// `check-config`: every check `serve` runs before it opens the store (the files, the
+/// variables, the store URL's form, the rule on public addresses without tokens).
 fn check_config(args: CheckArgs) -> ExitCode {
     let rls_config = args.rls_config.map(|p| p.display().to_string());
-    let sources = sources(args.config, vec![("rlsConfig", "--rls-config", rls_config)]);
-    match sources.load() {
+    let sources = sources(
+        args.config,
+        vec![
+            ("listen", "--listen", args.listen),
+            ("store", "--store", args.store),
+            ("rlsConfig", "--rls-config", rls_config),
+        ],
+    );
+    let checked = sources.load().and_then(|loaded| {
+        loaded.settings.public_without_tokens(args.allow_unauthenticated_public)?;
+        Ok(loaded)
+    });
+    match checked {
         Ok(loaded) => {
             let file = match &sources.config {
                 Some(path) => path.display().to_string(),
@@ -229,7 +251,7 @@ fn check_config(args: CheckArgs) -> ExitCode {
                 );
             }
             println!(
-                "  store:  {} (not opened)",
+                "  store:  {} (its form checked; not connected)",
                 tollgate::store::redacted_url(&loaded.settings.store)
             );
             ExitCode::SUCCESS
@@ -253,19 +275,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         ],
     );
     let loaded = sources.load()?;
-    let settings = &loaded.settings;
-    for addr in std::iter::once(settings.listen).chain(settings.rls_listen) {
-        if settings.tokens.is_empty()
-            && !addr.ip().is_loopback()
-            && !args.allow_unauthenticated_public
-        {
-            bail!(
-                "refusing to listen on {addr} without tokens: anyone who can reach it could use \
-                 and reset your limits. Set [server] tokens or TOLLGATE_TOKENS, or pass \
-                 --allow-unauthenticated-public."
-            );
-        }
-    }
+    loaded.settings.public_without_tokens(args.allow_unauthenticated_public)?;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

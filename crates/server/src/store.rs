@@ -116,6 +116,39 @@ impl Opened {
     }
 }
 
+/// Checks a store URL as [`open`] does before it opens anything: a store it knows, in a
+/// form it takes (`memory`; `sqlite://PATH` and its options; a Redis URL and its parameters;
+/// a PostgreSQL connection string). Connects to nothing: what `check-config` runs, and every
+/// load of the config.
+///
+/// # Errors
+///
+/// What is wrong with the URL (shown with its password left out).
+pub fn check(url: &str) -> anyhow::Result<()> {
+    let shown = tollgate::store::redacted_url(url);
+    if url == "memory" || url == "memory://" {
+        return Ok(());
+    }
+    if let Some(rest) = url.strip_prefix("sqlite://") {
+        sqlite_options(rest).with_context(|| format!("store {shown:?}"))?;
+        return Ok(());
+    }
+    if REDIS_SCHEMES.iter().any(|scheme| url.starts_with(scheme)) {
+        return RedisStore::check_url(url).context("the Redis store");
+    }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return PgStore::check_url(url).with_context(|| format!("store {shown:?}"));
+    }
+    if url.trim().is_empty() {
+        bail!("the store is empty; give memory, sqlite://PATH, redis://… or postgres://…");
+    }
+    bail!(
+        "store {shown:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \
+         redis+cluster://HOST:PORT,HOST:PORT, redis+sentinel://HOST:PORT,HOST:PORT/MASTER (rediss… \
+         for TLS) or postgres://USER@HOST/DB"
+    )
+}
+
 /// Opens `memory` (bounded to `max_keys` live states if given),
 /// `sqlite://PATH[?synchronous=full]` (`sqlite://tollgate.db` is relative to the working
 /// directory, `sqlite:///var/lib/tollgate.db` absolute), `redis://HOST:PORT/DB`,
@@ -134,6 +167,9 @@ pub async fn open(
     deadline: Duration,
     leased: &[(String, LeaseOptions)],
 ) -> anyhow::Result<Opened> {
+    check(url)?;
+    // Every message names the URL with its password left out.
+    let shown = tollgate::store::redacted_url(url);
     if url == "memory" || url == "memory://" {
         let mut builder = MemoryStore::builder();
         if let Some(max) = max_keys {
@@ -144,7 +180,8 @@ pub async fn open(
         return Ok(Opened { memory: Some(Arc::clone(&memory)), ..Opened::local(memory, stored) });
     }
     if let Some(rest) = url.strip_prefix("sqlite://") {
-        let (path, synchronous) = sqlite_options(rest).with_context(|| format!("store {url:?}"))?;
+        let (path, synchronous) =
+            sqlite_options(rest).with_context(|| format!("store {shown:?}"))?;
         // Waiting for another process's write lock is a wait for the store: bounded by the
         // deadline, as Redis's and PostgreSQL's round trips are.
         let sqlite = Arc::new(
@@ -152,7 +189,7 @@ pub async fn open(
                 .synchronous(synchronous)
                 .busy_timeout(deadline)
                 .open(path)
-                .with_context(|| format!("store {url:?}"))?,
+                .with_context(|| format!("store {shown:?}"))?,
         );
         let stored = Stored::Sqlite(Arc::clone(&sqlite));
         return Ok(Opened { sqlite: Some(Arc::clone(&sqlite)), ..Opened::local(sqlite, stored) });
@@ -179,16 +216,12 @@ pub async fn open(
         for (name, options) in leased {
             builder = builder.lease(name.as_str(), *options);
         }
-        let pg = Arc::new(builder.open(url).await.with_context(|| format!("store {url:?}"))?);
+        let pg = Arc::new(builder.open(url).await.with_context(|| format!("store {shown:?}"))?);
         let leases = Leasing::new(LeasingStore::Postgres(Arc::clone(&pg)), leased);
         let stored = Stored::Postgres(Arc::clone(&pg));
         return Ok(Opened { leases, ..Opened::networked(pg, stored, deadline) });
     }
-    bail!(
-        "store {url:?}: unknown store; use memory, sqlite://PATH, redis://HOST:PORT, \
-         redis+cluster://HOST:PORT,HOST:PORT, redis+sentinel://HOST:PORT,HOST:PORT/MASTER (rediss… \
-         for TLS) or postgres://USER@HOST/DB"
-    )
+    unreachable!("check({shown:?}) let an unknown store through")
 }
 
 /// The schemes of the Redis store: one Redis, a Cluster, a primary behind Sentinels, each

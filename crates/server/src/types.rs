@@ -21,7 +21,7 @@ pub struct TypesArgs {
     #[arg(long, required_unless_present = "config")]
     url: Option<String>,
     /// A bearer token for `--url`, if the server wants one (a read token is enough).
-    #[arg(long, env = "TOLLGATE_TOKEN")]
+    #[arg(long, env = "TOLLGATE_TOKEN", hide_env_values = true)]
     token: Option<String>,
 }
 
@@ -40,7 +40,10 @@ pub fn run(args: &TypesArgs) -> anyhow::Result<()> {
                 .collect::<anyhow::Result<_>>()?;
             (object, format!("--config {}", path.display()))
         }
-        (None, Some(url)) => (fetch(url, args.token.as_deref())?, format!("--url {url}")),
+        (None, Some(url)) => {
+            let shown = tollgate::store::redacted_url(url);
+            (fetch(url, args.token.as_deref())?, format!("--url {shown}"))
+        }
         (None, None) => bail!("give --config FILE or --url URL"),
     };
     print!("{}", declaration(&limits, &source));
@@ -55,7 +58,7 @@ fn fetch(url: &str, token: Option<&str>) -> anyhow::Result<serde_json::Map<Strin
         Value::Object(limits) if status == 200 => Ok(limits),
         answer => {
             let error = answer.get("error").and_then(Value::as_str).unwrap_or("no message");
-            bail!("{url} answered {status}: {error}")
+            bail!("{} answered {status}: {error}", tollgate::store::redacted_url(&url))
         }
     }
 }
@@ -67,6 +70,8 @@ pub fn declaration(limits: &serde_json::Map<String, Value>, source: &str) -> Str
     out.push_str(
         "// The limits a tollgate server defines, for tollgate-client: names the compiler\n",
     );
+    // The source on one line of the comment, whatever it holds (a path may hold a newline).
+    let source: String = source.chars().map(|c| if c.is_control() { '?' } else { c }).collect();
     let _ = writeln!(out, "// accepts without a config. Made by `tollgate types {source}`;");
     out.push_str("// make it again when the server's limits change.\n");
     out.push_str("export {};\n\ndeclare module \"tollgate-client\" {\n");
@@ -96,6 +101,16 @@ fn literal(value: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The header's comment stays one comment whatever the source holds: a path with a
+    /// newline does not start a line of code.
+    #[test]
+    fn the_source_stays_in_its_comment() {
+        let limits = serde_json::Map::new();
+        let out = declaration(&limits, "--config a\nexport const pwned = 1;\r//");
+        assert!(!out.lines().any(|l| l.starts_with("export const")), "{out}");
+        assert!(out.contains("--config a?export const pwned = 1;?//"), "{out}");
+    }
 
     #[test]
     fn a_declaration_names_each_limit_with_its_config() {

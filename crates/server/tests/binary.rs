@@ -319,3 +319,72 @@ fn sqlite_health_tells_when_the_file_cannot_be_written() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// No secret reaches an error, the help or a generated file (issue 45, items 3 and 9, and
+/// the credentials of `types --url`): a PostgreSQL URL's password when the store cannot be
+/// opened (refused, no such database, a bad option), a token or a URL's password on a line
+/// of a config file that does not parse, the values of `TOLLGATE_TOKEN` and
+/// `TOLLGATE_SERVER` in `--help`, a server URL's password in `types`.
+#[test]
+fn no_secret_reaches_an_error_the_help_or_a_header() {
+    let tollgate = || Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    let secret = "S3cretPGpw";
+    for url in [
+        format!("postgres://postgres:{secret}@127.0.0.1:1/test"),
+        format!("postgres://postgres:{secret}@127.0.0.1/nosuchdb"),
+        format!("postgres://postgres:{secret}@127.0.0.1/test?bogus=1"),
+    ] {
+        let out = tollgate()
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .env("TOLLGATE_STORE", &url)
+            .env("TOLLGATE_STORE_DEADLINE", "2s")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(
+            !err.contains(secret) && err.contains("postgres://postgres:***@127.0.0.1"),
+            "{err}"
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (text, secret) in [
+        ("[server]\ntokens = [\"s3cr3tTOKEN\" \"x\"]\n", "s3cr3tTOKEN"),
+        ("[server]\nreadTokens = \"n0tAList\"\n", "n0tAList"),
+        ("[server]\nstore = \"redis://:pw0rdXYZ@127.0.0.1:6379/0\" x\n", "pw0rdXYZ"),
+    ] {
+        let config = dir.path().join("bad.toml");
+        std::fs::write(&config, text).unwrap();
+        let out = tollgate().args(["check-config", "--config"]).arg(&config).output().unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(out.status.code(), Some(1), "{said}");
+        assert!(!said.contains(secret) && said.contains("TOML parse error"), "{said}");
+    }
+    for command in ["limit", "types"] {
+        let out = tollgate()
+            .args([command, "--help"])
+            .env("TOLLGATE_TOKEN", "tok3nVALUE")
+            .env("TOLLGATE_SERVER", "http://u:srvPW@127.0.0.1:1")
+            .output()
+            .unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(help.contains("TOLLGATE_TOKEN"), "{help}");
+        assert!(!help.contains("tok3nVALUE") && !help.contains("srvPW"), "{help}");
+    }
+    let out = tollgate()
+        .args(["limit", "api", "--server", "http://u:srvPW@127.0.0.1:1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("srvPW") && err.contains("http://u:***@127.0.0.1:1"), "{err}");
+    let served = common::serve_memory(dir.path(), "", false, None);
+    let url = format!("http://u:srvPW@{}", served.http);
+    let out = tollgate().args(["types", "--url", &url]).output().unwrap();
+    let header = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(!header.contains("srvPW") && header.contains("--url http://u:***@"), "{header}");
+}

@@ -284,7 +284,7 @@ fn the_config_reference_has_every_server_setting() {
 
 /// The reload chapter's `check-config` example prints what the chapter shows: for a file with
 /// the limits `api` and `signup`, `ok`, a version of 12 hex digits, the limits and the store
-/// not opened (exit 0); for one whose `api` has a rate of -1, the error and exit 1.
+/// checked but not connected (exit 0); for one whose `api` has a rate of -1, the error and exit 1.
 #[test]
 fn the_check_config_example_prints_what_the_chapter_shows() {
     let text = std::fs::read_to_string(root().join("docs/src/server/reload.md")).unwrap();

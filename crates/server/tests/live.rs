@@ -531,6 +531,69 @@ fn check_config_exits_0_or_1_with_the_error() {
     );
 }
 
+/// `check-config` refuses what `serve` refuses before it opens the store (issue 45, item 10):
+/// a store URL of no store, or in a form its store does not take; an empty `TOLLGATE_STORE`;
+/// a public address without tokens (unless allowed, as for `serve`). Each with the message
+/// `serve` gives, and `check-config` says it did not connect.
+#[test]
+fn check_config_refuses_what_serve_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    // What `serve` says, within 10 s (a server that starts instead is stopped: exit -1).
+    let serve_says = |envs: &[(&str, &str)], args: &[&str]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .arg("serve")
+            .args(args)
+            .env_remove("TOLLGATE_CONFIG")
+            .envs(envs.iter().copied())
+            .current_dir(dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stopped = within(Duration::from_secs(10), || child.try_wait().unwrap().is_some());
+        if !stopped {
+            child.kill().unwrap();
+        }
+        let out = child.wait_with_output().unwrap();
+        let code = if stopped { out.status.code().unwrap() } else { -1 };
+        (code, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    for (store, why) in [
+        ("bogus://x", "unknown store"),
+        ("memory://foo", "unknown store"),
+        ("sqlite://", "give a file"),
+        ("redis://h:notaport", "did not parse"),
+        ("redis://127.0.0.1:6379/abc", "Invalid database number"),
+        ("postgres://u@h/db?bogus=1", "unknown option `bogus`"),
+        ("", "the store is empty"),
+    ] {
+        let envs = [("TOLLGATE_STORE", store)];
+        let (code, out, err) = check_config(&[], &envs);
+        assert_eq!((code, out.as_str()), (1, ""), "{store:?}: {err}");
+        assert!(err.contains("TOLLGATE_STORE") && err.contains(why), "{store:?}: {err}");
+        let (code, served) = serve_says(&envs, &["--listen", "127.0.0.1:0"]);
+        assert_eq!(code, 2, "{store:?}: {served}");
+        assert!(served.contains(why), "{store:?}: {served}");
+        let (code, _, err) = check_config(&["--store", store], &[]);
+        assert_eq!(code, 1, "--store {store:?}: {err}");
+    }
+    let refused = "refusing to listen on 0.0.0.0:8787 without tokens";
+    let (code, _, err) = check_config(&["--listen", "0.0.0.0:8787"], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains(refused), "{err}");
+    let (code, served) = serve_says(&[("TOLLGATE_LISTEN", "0.0.0.0:8787")], &[]);
+    assert!(code == 2 && served.contains(refused), "{served}");
+    let (code, out, err) =
+        check_config(&["--listen", "0.0.0.0:8787", "--allow-unauthenticated-public"], &[]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = check_config(&["--listen", "0.0.0.0:8787"], &[("TOLLGATE_TOKENS", "t0k")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("store:  sqlite://tollgate.db (its form checked; not connected)"),
+        "{out}"
+    );
+}
+
 /// Each setting from its variable (shown through what the server does with it), the flag
 /// over the variable, the variable over the file; a bad value named; `serve --help` lists
 /// every variable.

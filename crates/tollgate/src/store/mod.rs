@@ -103,15 +103,18 @@ use crate::StoreError;
 ///     "redis+sentinel://app:***@h:26379/m?sentinel_password=***&replicas=1"
 /// );
 /// assert_eq!(tollgate::store::redacted_url("sqlite://tollgate.db"), "sqlite://tollgate.db");
+/// assert_eq!(tollgate::store::redacted_url("postgres://u@h/db"), "postgres://u@h/db");
+/// assert_eq!(tollgate::store::redacted_url("postgres://:pw@h/db"), "postgres://:***@h/db");
 /// ```
 pub fn redacted_url(url: &str) -> String {
     let (head, query) = url.split_once('?').map_or((url, None), |(h, q)| (h, Some(q)));
     let mut out = match head.split_once("://") {
         Some((scheme, rest)) => match credentials_and_hosts(rest).0 {
-            Some(auth) => {
-                let user = auth.split_once(':').map_or("", |(user, _)| user);
-                format!("{scheme}://{user}:***{}", &rest[auth.len()..])
-            }
+            // A user without a password is shown as it is.
+            Some(auth) => match auth.split_once(':') {
+                Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[auth.len()..]),
+                None => head.to_string(),
+            },
             None => head.to_string(),
         },
         None => head.to_string(),

@@ -221,6 +221,25 @@ impl PgStore {
         PgStoreBuilder::default().open(url).await
     }
 
+    /// Checks `url` as [`PgStoreBuilder::open`] would parse it, without connecting: for a
+    /// tool that validates a config.
+    ///
+    /// ```
+    /// use tollgate::store::PgStore;
+    ///
+    /// assert!(PgStore::check_url("postgres://app@127.0.0.1/db").is_ok());
+    /// assert!(PgStore::check_url("postgres://app@127.0.0.1/db?bogus=1").is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The URL does not parse (the message shows it with its password left out).
+    pub fn check_url(url: &str) -> Result<(), StoreError> {
+        url.parse::<tokio_postgres::Config>().map(drop).map_err(|e| {
+            StoreError::with_source(format!("postgres: {:?}: {e}", super::redacted_url(url)), e)
+        })
+    }
+
     /// Options: table, timeout, connections.
     pub fn builder() -> PgStoreBuilder {
         PgStoreBuilder::default()

@@ -884,6 +884,27 @@ impl RedisStore {
     pub fn builder() -> RedisStoreBuilder {
         RedisStoreBuilder::default()
     }
+
+    /// Checks `url` as [`RedisStoreBuilder::open`] would (its form, its parameters, the
+    /// files it names), without connecting: for a tool that validates a config.
+    ///
+    /// ```
+    /// use tollgate::store::RedisStore;
+    ///
+    /// assert!(RedisStore::check_url("redis://127.0.0.1:6379/0").is_ok());
+    /// assert!(RedisStore::check_url("redis://127.0.0.1:6379/abc").is_err());
+    /// assert!(RedisStore::check_url("redis://h:notaport").is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisStoreBuilder::open`]'s for the URL (its password left out).
+    pub fn check_url(url: &str) -> Result<(), StoreError> {
+        redis_url::parse(url).map(drop).map_err(|e| {
+            let detail = e.detail().map_or_else(|| e.to_string(), str::to_string);
+            StoreError::new(format!("redis: {:?}: {detail}", super::redacted_url(url)))
+        })
+    }
 }
 
 /// What one run of the script saw and did.
