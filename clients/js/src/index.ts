@@ -37,8 +37,13 @@ export interface ClientOptions {
   url: string;
   /** A bearer token, if the server asks for one (a read token can `check` and `getValue`). */
   token?: string;
-  /** Milliseconds to wait for an answer before failing with a `TollgateError`; default 10,000. */
+  /** Milliseconds a call may take, from sending the request to the answer's last byte,
+   *  before it fails with a `TollgateError`; default 10,000. */
   timeoutMs?: number;
+  /** The most bytes an answer's body may have: a larger one fails with a `TollgateError`
+   *  saying so, without being read whole. Default 8 MiB (8,388,608), far above any answer
+   *  but that of `getServerLimits` for a config file of tens of thousands of limits. */
+  maxAnswerBytes?: number;
   /** A fetch to send requests with. Default: on Node, Node's own http module with a pool of
    *  keep-alive connections (faster there than the platform's fetch); elsewhere `fetch`. */
   fetch?: typeof fetch;
@@ -145,9 +150,13 @@ export class TollgateError extends Error {
   /** The HTTP status; undefined when no answer came (timeout, connection failed). */
   readonly status: number | undefined;
   /**
-   * Whether tokens may have been taken all the same: the server said so on a 503 (its store
-   * failed after the write may have happened), or a write timed out or lost its connection
-   * after it was sent. False when nothing can have been taken.
+   * Whether tokens may have been taken all the same. True when the server says so
+   * (`mayHaveTaken: true` in its error answer, on a 503: its store failed after the write may
+   * have happened), and for a write (`limit`, `transaction`, `reset`) sent and left without an
+   * answer that could be read (a timeout, a connection lost, an answer cut short, too large
+   * or not the API's, unless its status is 4xx). False for a read (`check`, `getValue`,
+   * `getServerTime`, `getServerLimits`), and for a request never sent (connection refused, no
+   * such host, the timeout passed before a connection was made).
    */
   readonly mayHaveTaken: boolean;
   /** The answer's body, if it was JSON. */
@@ -162,6 +171,9 @@ export class TollgateError extends Error {
 }
 
 const DEFAULT_TIMEOUT_MS = 10_000;
+const DEFAULT_MAX_ANSWER_BYTES = 8 * 1024 * 1024;
+// At most this much of an answer that is not the API's is quoted in an error.
+const SNIPPET = 200;
 
 /** What `useRateLimit` (tollgate-client/react) reads from: this client, or your own backend. */
 export interface RateLimitSource {
@@ -184,6 +196,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
   readonly #url: string;
   readonly #headers: Record<string, string>;
   readonly #timeoutMs: number;
+  readonly #maxAnswerBytes: number;
   readonly #send: Send;
   readonly #limits: Partial<Record<string, RateLimitConfig>>;
 
@@ -197,6 +210,11 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       this.#headers.authorization = `Bearer ${options.token}`;
     }
     this.#timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    const max = options.maxAnswerBytes ?? DEFAULT_MAX_ANSWER_BYTES;
+    if (!Number.isSafeInteger(max) || max <= 0) {
+      throw new TypeError(`maxAnswerBytes must be a positive integer; got ${String(max)}`);
+    }
+    this.#maxAnswerBytes = max;
     this.#send = options.fetch
       ? fetchSend(options.fetch)
       : onNode()
@@ -226,7 +244,9 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     name: Name,
     ...[options]: Args<Limits, Name, { key?: string }>
   ): Promise<void> {
-    await this.#post("/v1/reset", { name, key: options?.key }, true);
+    await this.#post("/v1/reset", { name, key: options?.key }, true, (answer) => {
+      if (!isObject(answer)) throw new WrongShape("not an object");
+    });
   }
 
   /** The limit's stored state and full config, to evaluate it locally (`calculateRateLimit`). */
@@ -240,21 +260,25 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       sampleShards: options?.sampleShards,
       config: options?.config ?? this.#limits[name],
     };
-    return (await this.#post("/v1/value", body, false)) as RateLimitValue;
+    return this.#post("/v1/value", body, false, valueOf);
   }
 
   /** The server's clock, in ms since the Unix epoch. */
   async getServerTime(): Promise<number> {
-    const answer = (await this.#request("GET", "/v1/time", undefined, false)) as { now: number };
-    return answer.now;
+    return this.#request("GET", "/v1/time", undefined, false, (answer) => {
+      if (!isObject(answer) || !isNumber(answer.now)) throw new WrongShape("no time");
+      return answer.now;
+    });
   }
 
   /** The limits the server defines (its config file), with their configs. */
   async getServerLimits(): Promise<Record<string, RateLimitConfig>> {
-    return (await this.#request("GET", "/v1/config", undefined, false)) as Record<
-      string,
-      RateLimitConfig
-    >;
+    return this.#request("GET", "/v1/config", undefined, false, (answer) => {
+      if (!isObject(answer) || !Object.values(answer).every(isObject)) {
+        throw new WrongShape("not the limits");
+      }
+      return answer as Record<string, RateLimitConfig>;
+    });
   }
 
   /** Takes from several limits all or nothing: if any refuses, none is taken. */
@@ -268,7 +292,14 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       reserve: r.reserve,
       config: r.config ?? this.#limits[r.name],
     }));
-    return (await this.#post("/v1/transaction", { limits }, true)) as TransactionResult;
+    return this.#post("/v1/transaction", { limits }, true, (answer) => {
+      const overall = decisionOf(answer);
+      const results = (answer as { results?: unknown }).results;
+      if (!Array.isArray(results) || results.length !== limits.length) {
+        throw new WrongShape(`not one result per request (${limits.length})`);
+      }
+      return { ...overall, results: results.map(decisionOf) };
+    });
   }
 
   async #take(
@@ -284,49 +315,122 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       throws: options?.throws,
       config: options?.config ?? this.#limits[name],
     };
-    return (await this.#post(path, body, path === "/v1/limit")) as RateLimitResult;
+    return this.#post(path, body, path === "/v1/limit", decisionOf);
   }
 
-  #post(path: string, body: object, writes: boolean): Promise<unknown> {
-    return this.#request("POST", path, JSON.stringify(body), writes);
+  #post<T>(path: string, body: object, writes: boolean, read: (answer: unknown) => T): Promise<T> {
+    return this.#request("POST", path, JSON.stringify(body), writes, read);
   }
 
-  async #request(method: string, path: string, body: string | undefined, writes: boolean) {
+  /**
+   * Sends a request and reads its answer: a 200 with `read`, which returns the result or
+   * throws a `WrongShape`; anything else as an error.
+   * `writes`: whether the call may take tokens (for `mayHaveTaken`).
+   */
+  async #request<T>(
+    method: string,
+    path: string,
+    body: string | undefined,
+    writes: boolean,
+    read: (answer: unknown) => T,
+  ): Promise<T> {
     const url = this.#url + path;
     let response: Reply;
     try {
-      response = await this.#send(method, url, this.#headers, body, this.#timeoutMs);
+      response = await this.#send(method, url, this.#headers, body, this.#timeoutMs, this.#maxAnswerBytes);
     } catch (e) {
-      // A request that went out may have been applied: a write's tokens may be gone.
-      const sent = !(e instanceof NoAnswer && e.why === "unsent");
-      throw new TollgateError((e as Error).message, undefined, writes && sent);
+      // A write that went out may have been applied, unless an answer says it was refused.
+      const sent = !(e instanceof NoAnswer) || e.sent;
+      const status = e instanceof NoAnswer ? e.status : undefined;
+      throw new TollgateError((e as Error).message, status, writes && sent && !refused(status));
     }
-    const text = response.text;
+    const { status, text } = response;
+    // An answer that is not the API's says nothing of what a write did, unless its status
+    // says the request was refused.
+    const unexpected = (what: string, answer?: unknown) =>
+      new TollgateError(
+        `unexpected answer from ${path}: ${what}: ${snippet(text)}`,
+        status,
+        writes && !refused(status),
+        answer,
+      );
     let answer: unknown;
     try {
       answer = JSON.parse(text);
     } catch {
-      throw new TollgateError(
-        `${url} answered ${response.status} with a body that is not JSON: ${text.slice(0, 200)}`,
-        response.status,
-        writes && response.status >= 500,
-        text,
-      );
+      throw status === 200 ? unexpected("not JSON") : httpError(status, text, writes, text);
     }
-    if (response.status === 200) {
-      return answer;
+    if (status === 200) {
+      try {
+        return read(answer);
+      } catch (e) {
+        throw e instanceof WrongShape ? unexpected(e.what, answer) : e;
+      }
     }
-    const fields = (typeof answer === "object" && answer !== null ? answer : {}) as {
-      kind?: unknown;
-      name?: unknown;
-      retryAfter?: unknown;
-      error?: unknown;
-      mayHaveTaken?: unknown;
-    };
-    if (response.status === 429 && fields.kind === "RateLimited") {
-      throw new RateLimitError(String(fields.name), Number(fields.retryAfter));
+    if (status === 429 && isObject(answer) && answer.kind === "RateLimited") {
+      const { name, retryAfter } = answer;
+      if (typeof name === "string" && isWait(retryAfter)) {
+        throw new RateLimitError(name, retryAfter);
+      }
     }
-    const message = typeof fields.error === "string" ? fields.error : text;
-    throw new TollgateError(message, response.status, fields.mayHaveTaken === true, answer);
+    if (isObject(answer) && typeof answer.error === "string") {
+      // The server's own error: nothing taken unless it says otherwise.
+      throw new TollgateError(answer.error, status, answer.mayHaveTaken === true, answer);
+    }
+    throw httpError(status, text, writes, answer);
   }
 }
+
+/** What is wrong with a 200 answer's shape: thrown by the readers below. */
+class WrongShape {
+  constructor(readonly what: string) {}
+}
+
+/** An error status whose body is not tollgate's: a proxy's, a wrong address's. */
+function httpError(status: number, text: string, writes: boolean, body: unknown): TollgateError {
+  return new TollgateError(`HTTP ${status}: ${snippet(text)}`, status, writes && !refused(status), body);
+}
+
+/** Whether `status` says the request was refused (4xx): then nothing was taken. */
+function refused(status: number | undefined): boolean {
+  return status !== undefined && status >= 400 && status < 500;
+}
+
+function snippet(text: string): string {
+  const start = text.slice(0, SNIPPET).trim();
+  return start === "" ? "(empty body)" : start;
+}
+
+function isObject(x: unknown): x is Record<string, unknown> {
+  return typeof x === "object" && x !== null && !Array.isArray(x);
+}
+
+/** A JSON number (finite: JSON.parse reads 1e999 as Infinity). */
+function isNumber(x: unknown): x is number {
+  return typeof x === "number" && Number.isFinite(x);
+}
+
+/** A `retryAfter`: milliseconds, finite and not negative. */
+function isWait(x: unknown): x is number {
+  return isNumber(x) && x >= 0;
+}
+
+/** The answer of `limit` and `check` (and each of a transaction's): `ok`, and `retryAfter`
+ *  if the server sent one. */
+function decisionOf(answer: unknown): RateLimitResult {
+  if (!isObject(answer) || typeof answer.ok !== "boolean") throw new WrongShape("not a decision");
+  if (!("retryAfter" in answer)) return { ok: answer.ok };
+  if (!isWait(answer.retryAfter)) throw new WrongShape("not a decision: retryAfter is not a wait");
+  return { ok: answer.ok, retryAfter: answer.retryAfter };
+}
+
+function valueOf(answer: unknown): RateLimitValue {
+  if (!isObject(answer)) throw new WrongShape("not a value");
+  const { value, ts, shard, config } = answer;
+  if (!isNumber(value) || !isNumber(ts) || !Number.isSafeInteger(shard) || (shard as number) < 0) {
+    throw new WrongShape("not a value");
+  }
+  if (!isObject(config)) throw new WrongShape("not a value: no config");
+  return { value, ts, shard: shard as number, config: config as unknown as RateLimitValue["config"] };
+}
+

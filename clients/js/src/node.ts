@@ -4,7 +4,7 @@
 import * as http from "node:http";
 import * as https from "node:https";
 
-import { NoAnswer, type Send } from "./transport.js";
+import { NoAnswer, declaresMore, type Send } from "./transport.js";
 
 export function httpSend(): Send {
   const agents = {
@@ -13,7 +13,7 @@ export function httpSend(): Send {
   };
   // The URLs a limiter calls are few (one per operation): parsed once each.
   const parsed = new Map<string, URL>();
-  return (method, url, headers, body, timeoutMs) =>
+  return (method, url, headers, body, timeoutMs, maxBytes) =>
     new Promise((resolve, reject) => {
       let target = parsed.get(url);
       if (target === undefined) {
@@ -21,26 +21,63 @@ export function httpSend(): Send {
         parsed.set(url, target);
       }
       const secure = target.protocol === "https:";
-      const request = (secure ? https : http).request(target, {
-        method,
-        agent: secure ? agents["https:"] : agents["http:"],
-        headers: body === undefined ? headers : { ...headers, "content-length": Buffer.byteLength(body) },
-      });
-      const timer = setTimeout(() => {
-        request.destroy(NoAnswer.timeout(url));
-      }, timeoutMs);
-      request.on("error", (e: Error & { code?: string }) => {
+      let request: http.ClientRequest;
+      try {
+        request = (secure ? https : http).request(target, {
+          method,
+          agent: secure ? agents["https:"] : agents["http:"],
+          headers: body === undefined ? headers : { ...headers, "content-length": Buffer.byteLength(body) },
+        });
+      } catch (e) {
+        // Refused before anything was sent: a header value Node will not send, say.
+        return reject(new NoAnswer(`cannot send to ${url}: ${(e as Error).message}`, false));
+      }
+      // Once connected (with TLS, once its handshake is done), the request goes out at once:
+      // from then on a write may be applied.
+      let connected = false;
+      let settled = false;
+      // Every way out goes through here, once: the timer, an error of the request or of the
+      // answer, a close before the answer's end, an answer too large. Node does not always
+      // report a failure on the request once its answer has begun, so none is waited for.
+      const fail = (error: NoAnswer) => {
+        if (settled) return;
+        settled = true;
         clearTimeout(timer);
-        if (e instanceof NoAnswer) return reject(e);
-        reject(NoAnswer.failed(url, e.code, e.code ?? e.message));
+        request.destroy();
+        reject(error);
+      };
+      const timer = setTimeout(() => fail(NoAnswer.timeout(url, connected)), timeoutMs);
+      request.on("socket", (socket) => {
+        if (socket.connecting) socket.once(secure ? "secureConnect" : "connect", () => (connected = true));
+        else connected = true; // a kept-alive connection
       });
+      request.on("error", (e: Error & { code?: string }) =>
+        fail(NoAnswer.failed(url, e.code, e.code ?? e.message, connected)),
+      );
       request.on("response", (response) => {
+        const status = response.statusCode ?? 0;
+        if (declaresMore(response.headers["content-length"], maxBytes)) {
+          return fail(NoAnswer.tooLarge(url, status, maxBytes));
+        }
         const chunks: Buffer[] = [];
-        response.on("data", (chunk: Buffer) => chunks.push(chunk));
-        response.on("error", (e) => request.destroy(e));
+        let size = 0;
+        response.on("data", (chunk: Buffer) => {
+          size += chunk.length;
+          if (size > maxBytes) return fail(NoAnswer.tooLarge(url, status, maxBytes));
+          chunks.push(chunk);
+        });
+        response.on("error", (e: Error & { code?: string }) =>
+          fail(NoAnswer.failed(url, e.code, e.code ?? e.message, true)),
+        );
+        response.on("close", () => {
+          if (!response.complete) fail(NoAnswer.cut(url));
+        });
         response.on("end", () => {
+          if (settled) return;
+          if (!response.complete) return fail(NoAnswer.cut(url));
+          settled = true;
           clearTimeout(timer);
-          resolve({ status: response.statusCode ?? 0, text: Buffer.concat(chunks).toString("utf8") });
+          resolve({ status, text: Buffer.concat(chunks, size).toString("utf8") });
         });
       });
       request.end(body);

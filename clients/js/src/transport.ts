@@ -11,57 +11,112 @@ export interface Reply {
 /** Refused, or no such host: errors of a request that never left. */
 const UNSENT = new Set(["ECONNREFUSED", "ENOTFOUND", "EAI_AGAIN"]);
 
-/** Why no answer came. */
+/** Why no answer, or none that could be read whole, came. */
 export class NoAnswer extends Error {
-  /** `timeout`: the deadline passed after the request went out. `unsent`: it never reached
-   *  the server (refused, no such host). `lost`: the connection failed midway. */
-  readonly why: "timeout" | "unsent" | "lost";
-  constructor(why: "timeout" | "unsent" | "lost", message: string) {
+  /** False when the request is known not to have reached the server (refused, no such
+   *  host, or the deadline passed before a connection was made); true otherwise. */
+  readonly sent: boolean;
+  /** The answer's status, when one began but was too large to read. */
+  readonly status: number | undefined;
+
+  constructor(message: string, sent: boolean, status?: number) {
     super(message);
-    this.why = why;
+    this.sent = sent;
+    this.status = status;
   }
 
-  /** The deadline passed with no answer from `url`. */
-  static timeout(url: string): NoAnswer {
-    return new NoAnswer("timeout", `no answer from ${url} in time`);
+  /** The deadline passed with no (whole) answer from `url`. */
+  static timeout(url: string, sent: boolean): NoAnswer {
+    return new NoAnswer(`no answer from ${url} in time`, sent);
   }
 
-  /** A request to `url` failed with the system error `code` (`why` says it in words): never
-   *  sent when refused or the host is unknown, lost midway otherwise. */
-  static failed(url: string, code: string | undefined, why: string): NoAnswer {
-    const unsent = UNSENT.has(code ?? "");
-    return new NoAnswer(unsent ? "unsent" : "lost", `cannot reach ${url}: ${why}`);
+  /** A request to `url` failed with the system error `code` (`why` says it in words). */
+  static failed(url: string, code: string | undefined, why: string, sent: boolean): NoAnswer {
+    return new NoAnswer(`cannot reach ${url}: ${why}`, sent && !UNSENT.has(code ?? ""));
+  }
+
+  /** The connection to `url` closed before the answer's end. */
+  static cut(url: string): NoAnswer {
+    return new NoAnswer(`the answer of ${url} was cut short: the connection closed`, true);
+  }
+
+  /** `url` answered `status` with a body of more than `max` bytes. */
+  static tooLarge(url: string, status: number, max: number): NoAnswer {
+    return new NoAnswer(
+      `the answer of ${url} is larger than maxAnswerBytes (${max} bytes); raise it if the ` +
+        "server's answers are meant to be that large",
+      true,
+      status,
+    );
   }
 }
 
-/** Sends one request; rejects with `NoAnswer` only. */
+/** Sends one request and reads its answer, all within `timeoutMs`, refusing an answer of more
+ *  than `maxBytes` bytes; rejects with `NoAnswer` only. */
 export type Send = (
   method: string,
   url: string,
   headers: Record<string, string>,
   body: string | undefined,
   timeoutMs: number,
+  maxBytes: number,
 ) => Promise<Reply>;
 
-/** A transport on a fetch function. */
+/** Whether a Content-Length header says more than `maxBytes`. */
+export function declaresMore(length: string | null | undefined, maxBytes: number): boolean {
+  return length != null && Number(length) > maxBytes;
+}
+
+/** A transport on a fetch function. Its timeout signal covers the body's reading too. */
 export function fetchSend(fetcher: typeof fetch): Send {
-  return async (method, url, headers, body, timeoutMs) => {
+  return async (method, url, headers, body, timeoutMs, maxBytes) => {
+    const signal = AbortSignal.timeout(timeoutMs);
+    let response: Response;
     try {
-      const response = await fetcher(url, {
-        method,
-        headers,
-        body,
-        signal: AbortSignal.timeout(timeoutMs),
-      });
-      return { status: response.status, text: await response.text() };
-    } catch (e) {
-      const error = e as { name?: string; message?: string; cause?: { code?: string; message?: string } };
-      if (error?.name === "TimeoutError" || error?.name === "AbortError") {
-        throw NoAnswer.timeout(url);
+      response = await fetcher(url, { method, headers, body, signal });
+      if (declaresMore(response.headers.get("content-length"), maxBytes)) {
+        await response.body?.cancel().catch(() => {});
+        throw NoAnswer.tooLarge(url, response.status, maxBytes);
       }
-      throw NoAnswer.failed(url, error?.cause?.code, error?.cause?.message ?? error?.message ?? String(e));
+      return { status: response.status, text: await readCapped(response, url, maxBytes) };
+    } catch (e) {
+      if (e instanceof NoAnswer) throw e;
+      const error = e as { name?: string; message?: string; cause?: { code?: string; message?: string } };
+      if (error?.name === "TimeoutError" || error?.name === "AbortError" || signal.aborted) {
+        // fetch does not say whether it had connected: a request may have gone out.
+        throw NoAnswer.timeout(url, true);
+      }
+      const code = error?.cause?.code;
+      throw NoAnswer.failed(url, code, error?.cause?.message ?? error?.message ?? String(e), true);
     }
   };
+}
+
+/** A fetch answer's body as text, refused once it passes `maxBytes`. */
+async function readCapped(response: Response, url: string, maxBytes: number): Promise<string> {
+  const stream = response.body as ReadableStream<Uint8Array> | null;
+  if (stream === null || typeof stream.getReader !== "function") {
+    // A fetch of its own kind without a readable stream: read whole, then measured.
+    const text = await response.text();
+    if (new TextEncoder().encode(text).length > maxBytes) {
+      throw NoAnswer.tooLarge(url, response.status, maxBytes);
+    }
+    return text;
+  }
+  const reader = stream.getReader();
+  const decoder = new TextDecoder();
+  let size = 0;
+  let text = "";
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) return text + decoder.decode();
+    size += value.byteLength;
+    if (size > maxBytes) {
+      await reader.cancel().catch(() => {});
+      throw NoAnswer.tooLarge(url, response.status, maxBytes);
+    }
+    text += decoder.decode(value, { stream: true });
+  }
 }
 
 /** Whether this runs on Node (where `node:http` exists). */
@@ -77,9 +132,9 @@ export function onNode(): boolean {
  */
 export function nodeSend(): Send {
   let loaded: Promise<Send> | undefined;
-  return (method, url, headers, body, timeoutMs) => {
+  return (method, url, headers, body, timeoutMs, maxBytes) => {
     loaded ??= load();
-    return loaded.then((send) => send(method, url, headers, body, timeoutMs));
+    return loaded.then((send) => send(method, url, headers, body, timeoutMs, maxBytes));
   };
 }
 

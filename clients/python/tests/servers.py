@@ -1,6 +1,8 @@
 """Processes and sockets the tests run against: the real tollgate binary, and small loopback
-servers of the tests' own (one that never answers, a fake store that never answers, a web
-server that answers what tollgate never would). Everything listens on 127.0.0.1 only."""
+servers of the tests' own (one that never answers, one where connecting hangs, a fake store
+that never answers, a web server that answers what tollgate never would, and one that runs
+a test's script on each connection: trickling, cutting short, dropping). Everything listens
+on 127.0.0.1 only."""
 
 from __future__ import annotations
 
@@ -201,6 +203,70 @@ def fake_redis_that_hangs() -> Iterator[int]:
 
     with _accepting(serve) as (port, _):
         yield port
+
+
+def _read_request(conn: socket.socket, stop: threading.Event) -> bool:
+    """Reads one request whole (its headers, then a Content-Length body) from `conn`, whose
+    timeout is short; False when the connection closed first (or was closed by a script)
+    or the block ended."""
+    buffer = b""
+    while not stop.is_set():
+        try:
+            conn.settimeout(0.1)
+            data = conn.recv(65536)
+        except socket.timeout:
+            continue
+        except OSError:
+            return False
+        if not data:
+            return False
+        buffer += data
+        end = buffer.find(b"\r\n\r\n")
+        if end >= 0:
+            found = re.search(rb"\r\ncontent-length: *(\d+)", buffer[:end], re.IGNORECASE)
+            if len(buffer) >= end + 4 + (int(found.group(1)) if found else 0):
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def scripted_server(
+    script: Callable[[socket.socket, threading.Event], None],
+) -> Iterator[str]:
+    """A loopback server that reads each request whole, then hands the connection to
+    `script(conn, stop)`, which may answer, trickle, stall or close it (and must return
+    soon once `stop` is set, when the block ends)."""
+
+    def serve(conn: socket.socket, stop: threading.Event) -> None:
+        while _read_request(conn, stop):
+            script(conn, stop)
+
+    with _accepting(serve) as (port, _):
+        yield f"http://127.0.0.1:{port}"
+
+
+def http_answer(status: int, body: bytes, headers: Optional[Dict[str, str]] = None) -> bytes:
+    """An HTTP/1.1 answer, with a Content-Length unless `headers` says otherwise."""
+    fields = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+    fields.update(headers or {})
+    head = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
+    return f"HTTP/1.1 {status} X\r\n{head}\r\n".encode() + body
+
+
+@contextlib.contextmanager
+def unaccepting_address() -> Iterator[str]:
+    """An address where connecting hangs: a listener whose queue of connections not yet
+    accepted is full (one held there), so the kernel drops the next connection's SYN."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname(), timeout=2)
+    try:
+        host, port = listener.getsockname()
+        yield f"http://{host}:{port}"
+    finally:
+        filler.close()
+        listener.close()
 
 
 class Recorded(NamedTuple):

@@ -44,7 +44,11 @@ async def test_only_set_fields_are_sent(flavour: str) -> None:
 
 async def test_transaction_value_reset_bodies(flavour: str) -> None:
     record: List[Recorded] = []
-    answer = b'{"ok":true,"results":[],"value":1,"ts":2,"shard":0,"config":{},"now":5}'
+    # One answer for every request: a transaction's of four limits, a value, a time.
+    answer = (
+        b'{"ok":true,"results":[{"ok":true},{"ok":true},{"ok":true},{"ok":true}],'
+        b'"value":1,"ts":2,"shard":0,"config":{},"now":5}'
+    )
     with odd_web_server(200, answer, "application/json", record) as url:
         async with open_client(flavour, url, limits={"code": CODE}) as c:
             await c.transaction(

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import TracebackType
 from typing import Any, Dict, Mapping, Optional, Sequence, Type
 
 import httpx
 
-from . import _core
+from . import _core, _deadline
 from ._core import Limits, TransactionCall
 from ._types import Decision, TransactionResult, ValueReading
 
@@ -23,8 +24,8 @@ class AsyncRateLimiter:
     Use it from one event loop, in an ``async with`` block or closed with ``aclose()``.
 
     Calls beyond ``max_connections`` in flight wait their turn in an ``asyncio.Semaphore``
-    (for at most ``timeout``, as they would for httpx's pool): httpcore's pool costs time in
-    proportion to the requests queued in it, an asyncio queue does not.
+    (within the call's ``timeout``, as they would in httpx's pool): httpcore's pool costs
+    time in proportion to the requests queued in it, an asyncio queue does not.
     """
 
     def __init__(
@@ -35,9 +36,11 @@ class AsyncRateLimiter:
         limits: Optional[Limits] = None,
         *,
         max_connections: int = _core.DEFAULT_MAX_CONNECTIONS,
+        max_answer_bytes: int = _core.DEFAULT_MAX_ANSWER_BYTES,
     ) -> None:
         self._core = _core.Core(url, limits)
         self._max_connections = _core.check_max_connections(max_connections)
+        self._max_answer_bytes = _core.check_max_answer_bytes(max_answer_bytes)
         self._timeout = timeout
         # Made on first use, inside the event loop (on 3.9 a semaphore binds to a loop).
         self._slots: Optional[asyncio.Semaphore] = None
@@ -46,6 +49,7 @@ class AsyncRateLimiter:
             timeout=_core.timeout_of(timeout),
             limits=_core.pool_limits(max_connections),
         )
+        _deadline.install(self._client)
 
     @property
     def url(self) -> str:
@@ -58,30 +62,43 @@ class AsyncRateLimiter:
         return {name: dict(config) for name, config in self._core.limits.items()}
 
     async def _send(
-        self, method: str, url: httpx.URL, body: Optional[bytes] = None
-    ) -> httpx.Response:
+        self, method: str, url: httpx.URL, body: Optional[bytes] = None, writes: bool = False
+    ) -> _core.Reply:
+        """Sends a request and reads its answer whole, by the call's deadline (a wait for a
+        slot included). ``writes``: whether the call may take tokens."""
+        deadline = _core.deadline_of(self._timeout)
         slots = self._slots
         if slots is None:
             slots = self._slots = asyncio.Semaphore(self._max_connections)
         if not slots.locked():
             await slots.acquire()  # a free slot: no suspension
-        elif self._timeout is None:
+        elif deadline is None:
             await slots.acquire()
         else:
             try:
-                await asyncio.wait_for(slots.acquire(), self._timeout)
+                await asyncio.wait_for(slots.acquire(), deadline - time.monotonic())
             except asyncio.TimeoutError:
-                raise _core.transport_error(httpx.PoolTimeout("no free slot"), url) from None
+                no_slot = httpx.PoolTimeout("no free slot")
+                raise _core.transport_error(no_slot, url, writes) from None
         try:
-            return await self._client.request(method, url, content=body)
+            with _deadline.until(deadline):
+                request = self._client.build_request(method, url, content=body)
+                response = await self._client.send(request, stream=True)
+                try:
+                    answer = _core.Body(url.path, writes, response, self._max_answer_bytes)
+                    async for chunk in response.aiter_raw():
+                        answer.add(chunk)
+                finally:
+                    await response.aclose()
         except (httpx.HTTPError, httpx.StreamError) as e:
-            raise _core.transport_error(e, url) from None
+            raise _core.transport_error(e, url, writes) from None
         except RuntimeError as e:
             if self._client.is_closed:
-                raise _core.transport_error(e, url) from None
+                raise _core.transport_error(e, url, writes) from None
             raise
         finally:
             slots.release()
+        return answer.reply()
 
     async def limit(
         self,
@@ -94,7 +111,7 @@ class AsyncRateLimiter:
     ) -> Decision:
         """Takes ``count`` tokens (default 1) of ``name`` for ``key`` if it can."""
         body = self._core.single(name, key, count, reserve, throws, config)
-        return _core.decision(await self._send("POST", self._core.limit_url, body))
+        return _core.decision(await self._send("POST", self._core.limit_url, body, writes=True))
 
     async def check(
         self,
@@ -113,15 +130,14 @@ class AsyncRateLimiter:
         self, limits: Sequence[TransactionCall], throws: bool = False
     ) -> TransactionResult:
         """Takes from every limit or from none."""
-        body = self._core.transaction(limits, throws)
-        return _core.transaction_result(
-            await self._send("POST", self._core.transaction_url, body)
-        )
+        body, count = self._core.transaction(limits, throws)
+        reply = await self._send("POST", self._core.transaction_url, body, writes=True)
+        return _core.transaction_result(reply, count)
 
     async def reset(self, name: str, key: Optional[str] = None) -> None:
         """Forgets the state of ``name`` for ``key``."""
         body = self._core.reset(name, key)
-        _core.answer(await self._send("POST", self._core.reset_url, body))
+        _core.answer(await self._send("POST", self._core.reset_url, body, writes=True))
 
     async def get_value(
         self,
@@ -140,7 +156,7 @@ class AsyncRateLimiter:
 
     async def get_config(self) -> Dict[str, Dict[str, Any]]:
         """The limits the server defines, name -> config with every default filled in."""
-        return _core.answer(await self._send("GET", self._core.config_url))
+        return _core.server_limits(await self._send("GET", self._core.config_url))
 
     async def aclose(self) -> None:
         """Closes the pool's connections. Calls after this raise TollgateError."""

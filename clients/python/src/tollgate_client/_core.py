@@ -7,8 +7,10 @@ way; each of them only adds its own ``send``.
 from __future__ import annotations
 
 import json
+import math
+import time
 from dataclasses import fields as dataclass_fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import httpx
 
@@ -16,7 +18,7 @@ from ._types import Decision, LimitCall, TransactionResult, ValueReading
 from ._version import __version__
 from .errors import RateLimitError, TollgateError
 
-__all__ = ["Core", "TransactionCall", "Limits"]
+__all__ = ["Core", "TransactionCall", "Limits", "Reply", "Body"]
 
 #: A transaction's limit: a :class:`LimitCall`, or a mapping with the same keys.
 TransactionCall = Union[LimitCall, Mapping[str, Any]]
@@ -26,7 +28,23 @@ Limits = Mapping[str, Mapping[str, Any]]
 # Compact and strict: NaN and infinities are not JSON (the server could only call the body
 # malformed), so they are refused before anything is sent.
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-_decode = json.loads
+
+
+def _refuse(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+# NaN and infinities are not JSON either way: an answer with them is not JSON.
+_decoder = json.JSONDecoder(parse_constant=_refuse)
+
+
+def _decode(content: bytes) -> Any:
+    """The JSON value of `content`; ValueError if it is not JSON (too deeply nested
+    included)."""
+    try:
+        return _decoder.decode(content.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 # At most this much of an answer that is not what the API sends is quoted in an error.
 _SNIPPET = 200
@@ -50,49 +68,129 @@ def normalize_config(config: Mapping[str, Any]) -> Dict[str, Any]:
     return {camel(key): value for key, value in config.items()}
 
 
+class Reply(NamedTuple):
+    """An answer, read whole: what the readers below need of it."""
+
+    #: The request's path (``/v1/limit``), for messages.
+    path: str
+    #: Whether the call may take tokens (``limit``, ``transaction``, ``reset``).
+    writes: bool
+    status: int
+    reason: str
+    content: bytes
+
+
+class Body:
+    """An answer's body as it arrives, refused once it passes ``cap`` bytes (or says it
+    will, in its Content-Length). Asked for as ``identity`` (see :func:`headers`), so what
+    arrives is what is read: an answer encoded all the same is not the API's."""
+
+    __slots__ = ("_path", "_writes", "_status", "_reason", "_cap", "_data")
+
+    def __init__(self, path: str, writes: bool, response: httpx.Response, cap: int) -> None:
+        self._path, self._writes, self._cap = path, writes, cap
+        self._status, self._reason = response.status_code, response.reason_phrase
+        self._data = bytearray()
+        length = response.headers.get("content-length", "")
+        if length.isdigit() and int(length) > cap:
+            raise self._too_large()
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("identity", ""):
+            raise _unexpected(self.reply(), f"encoded ({encoding}) although asked not to be")
+
+    def add(self, chunk: bytes) -> None:
+        self._data += chunk
+        if len(self._data) > self._cap:
+            raise self._too_large()
+
+    def reply(self) -> Reply:
+        return Reply(self._path, self._writes, self._status, self._reason, bytes(self._data))
+
+    def _too_large(self) -> TollgateError:
+        return TollgateError(
+            f"the answer of {self._path} is larger than max_answer_bytes ({self._cap} bytes); "
+            "raise it if the server's answers are meant to be that large",
+            self._status,
+            _unknown_outcome(self._writes, self._status),
+        )
+
+
+def _unknown_outcome(writes: bool, status: int) -> bool:
+    """``may_have_taken`` for an answer that cannot be read as the API's: a write may have
+    been applied, unless the status (4xx) says the request was refused."""
+    return writes and not 400 <= status < 500
+
+
 def _number(x: object) -> Optional[float]:
-    """`x` as a float if it is a JSON number, else None."""
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return float(x)
-    return None
+    """`x` as a float if it is a finite JSON number, else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        number = float(x)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+    return number if math.isfinite(number) else None
 
 
-def _snippet(response: httpx.Response) -> str:
-    text = response.content[:_SNIPPET].decode("utf-8", "replace").strip()
+def _wait(x: object) -> Optional[float]:
+    """`x` as a float if it is a ``retryAfter``: a finite number of ms, not negative."""
+    number = _number(x)
+    return number if number is not None and number >= 0 else None
+
+
+def _snippet(reply: Reply) -> str:
+    text = reply.content[:_SNIPPET].decode("utf-8", "replace").strip()
     return text if text else "(empty body)"
 
 
-def _unexpected(response: httpx.Response, what: str) -> TollgateError:
+def _unexpected(reply: Reply, what: str) -> TollgateError:
     return TollgateError(
-        f"unexpected answer from {response.request.url.path}: {what}: {_snippet(response)}",
-        response.status_code,
+        f"unexpected answer from {reply.path}: {what}: {_snippet(reply)}",
+        reply.status,
+        _unknown_outcome(reply.writes, reply.status),
     )
 
 
-def error_of(response: httpx.Response) -> Union[RateLimitError, TollgateError]:
+def error_of(reply: Reply) -> Union[RateLimitError, TollgateError]:
     """The exception for an answer that is not a 200."""
-    status = response.status_code
+    status = reply.status
     try:
-        body = _decode(response.content)
+        body = _decode(reply.content)
     except ValueError:
         body = None
     if isinstance(body, dict):
         if status == 429 and body.get("kind") == "RateLimited":
-            name, wait = body.get("name"), _number(body.get("retryAfter"))
+            name, wait = body.get("name"), _wait(body.get("retryAfter"))
             if isinstance(name, str) and wait is not None:
                 return RateLimitError(name, wait, "RateLimited")
         message = body.get("error")
         if isinstance(message, str):
-            # True only when the server says so, and only on a 503.
-            may_have_taken = status == 503 and body.get("mayHaveTaken") is True
-            return TollgateError(message, status, may_have_taken)
-    reason = response.reason_phrase or "error"
-    return TollgateError(f"HTTP {status} {reason}: {_snippet(response)}", status)
+            # The server's own error: nothing taken unless it says so.
+            return TollgateError(message, status, body.get("mayHaveTaken") is True)
+    reason = reply.reason or "error"
+    return TollgateError(
+        f"HTTP {status} {reason}: {_snippet(reply)}",
+        status,
+        _unknown_outcome(reply.writes, status),
+    )
 
 
-def transport_error(exc: Exception, url: Any) -> TollgateError:
+# Failures before the request went out: nothing can have been taken.
+_UNSENT = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.ProxyError,
+    httpx.UnsupportedProtocol,
+    RuntimeError,
+)
+
+
+def transport_error(exc: Exception, url: Any, writes: bool) -> TollgateError:
     """An httpx exception (or a closed client) as a :class:`TollgateError` without a
-    status: the request got no answer."""
+    status: the request got no answer. A write may have been applied once it was sent:
+    after anything but a failure to connect, or to get a connection at all."""
+    taken = writes and not isinstance(exc, _UNSENT)
     if isinstance(exc, httpx.TimeoutException):
         phase = {
             httpx.ConnectTimeout: "connecting to",
@@ -100,67 +198,84 @@ def transport_error(exc: Exception, url: Any) -> TollgateError:
             httpx.WriteTimeout: "sending the request to",
             httpx.PoolTimeout: "waiting for a free connection to",
         }.get(type(exc), "talking to")
-        return TollgateError(f"timed out {phase} {url} (the client's timeout)")
+        return TollgateError(f"timed out {phase} {url} (the client's timeout)", None, taken)
     if isinstance(exc, httpx.ConnectError):
         return TollgateError(f"cannot connect to {url}: {exc or type(exc).__name__}")
     if isinstance(exc, RuntimeError):
         return TollgateError(f"the client is closed; cannot send to {url}")
-    return TollgateError(f"request to {url} failed: {type(exc).__name__}: {exc}")
-
-
-def answer(response: httpx.Response) -> Dict[str, Any]:
-    """The JSON object of a 200 answer; anything else raises."""
-    if response.status_code != 200:
-        raise error_of(response)
-    try:
-        body = _decode(response.content)
-    except ValueError:
-        raise _unexpected(response, "not JSON") from None
-    if not isinstance(body, dict):
-        raise _unexpected(response, "not a JSON object")
-    return body
-
-
-def decision_of(body: Dict[str, Any], response: httpx.Response) -> Decision:
-    ok, wait = body.get("ok"), body.get("retryAfter")
-    if isinstance(ok, bool):
-        if wait is None:
-            return Decision(ok)
-        number = _number(wait)
-        if number is not None:
-            return Decision(ok, number)
-    raise _unexpected(response, "not a decision")
-
-
-def decision(response: httpx.Response) -> Decision:
-    return decision_of(answer(response), response)
-
-
-def transaction_result(response: httpx.Response) -> TransactionResult:
-    body = answer(response)
-    overall = decision_of(body, response)
-    results = body.get("results")
-    if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
-        raise _unexpected(response, "no results")
-    return TransactionResult(
-        overall.ok, overall.retry_after, [decision_of(r, response) for r in results]
+    return TollgateError(
+        f"request to {url} failed: {type(exc).__name__}: {exc}", None, taken
     )
 
 
-def value_reading(response: httpx.Response) -> ValueReading:
-    body = answer(response)
+def answer(reply: Reply) -> Dict[str, Any]:
+    """The JSON object of a 200 answer; anything else raises."""
+    if reply.status != 200:
+        raise error_of(reply)
+    try:
+        body = _decode(reply.content)
+    except ValueError:
+        raise _unexpected(reply, "not JSON") from None
+    if not isinstance(body, dict):
+        raise _unexpected(reply, "not a JSON object")
+    return body
+
+
+def decision_of(body: object, reply: Reply) -> Decision:
+    """A decision: ``ok`` a boolean, ``retryAfter`` absent or a wait."""
+    if isinstance(body, dict) and isinstance(body.get("ok"), bool):
+        if "retryAfter" not in body:
+            return Decision(body["ok"])
+        wait = _wait(body["retryAfter"])
+        if wait is not None:
+            return Decision(body["ok"], wait)
+    raise _unexpected(reply, "not a decision")
+
+
+def decision(reply: Reply) -> Decision:
+    return decision_of(answer(reply), reply)
+
+
+def transaction_result(reply: Reply, count: int) -> TransactionResult:
+    """A transaction's answer, with one decision per limit of the `count` sent."""
+    body = answer(reply)
+    overall = decision_of(body, reply)
+    results = body.get("results")
+    if not isinstance(results, list) or len(results) != count:
+        raise _unexpected(reply, f"not one result per limit ({count})")
+    return TransactionResult(
+        overall.ok, overall.retry_after, [decision_of(r, reply) for r in results]
+    )
+
+
+def value_reading(reply: Reply) -> ValueReading:
+    body = answer(reply)
     value, ts, shard = (_number(body.get(k)) for k in ("value", "ts", "shard"))
     config = body.get("config")
-    if value is not None and ts is not None and shard is not None and isinstance(config, dict):
+    if (
+        value is not None
+        and ts is not None
+        and shard is not None
+        and shard.is_integer()
+        and shard >= 0
+        and isinstance(config, dict)
+    ):
         return ValueReading(value, ts, int(shard), config)
-    raise _unexpected(response, "not a value")
+    raise _unexpected(reply, "not a value")
 
 
-def server_time(response: httpx.Response) -> float:
-    now = _number(answer(response).get("now"))
+def server_time(reply: Reply) -> float:
+    now = _number(answer(reply).get("now"))
     if now is not None:
         return now
-    raise _unexpected(response, "no time")
+    raise _unexpected(reply, "no time")
+
+
+def server_limits(reply: Reply) -> Dict[str, Dict[str, Any]]:
+    body = answer(reply)
+    if all(isinstance(config, dict) for config in body.values()):
+        return body
+    raise _unexpected(reply, "not the limits")
 
 
 def encode(body: Any) -> bytes:
@@ -243,14 +358,17 @@ class Core:
             body["config"] = inline
         return encode(body)
 
-    def transaction(self, calls: Sequence[TransactionCall], throws: bool) -> bytes:
+    def transaction(
+        self, calls: Sequence[TransactionCall], throws: bool
+    ) -> Tuple[bytes, int]:
+        """The body, and how many limits it holds (the answer has a result for each)."""
         if isinstance(calls, (str, bytes, Mapping, LimitCall)):
             raise TypeError("transaction takes a list of limits (LimitCall or dict)")
         limits: List[Dict[str, Any]] = [self._entry(call) for call in calls]
         if throws and limits:
             # The server raises the 429 if any limit of the transaction has throws.
             limits[0]["throws"] = True
-        return encode({"limits": limits})
+        return encode({"limits": limits}), len(limits)
 
     def _entry(self, call: TransactionCall) -> Dict[str, Any]:
         if isinstance(call, LimitCall):
@@ -303,6 +421,9 @@ def headers(token: Optional[str]) -> Dict[str, str]:
     result = {
         "Content-Type": "application/json",
         "Accept": "application/json",
+        # What arrives is what is read, and counted against max_answer_bytes (a compressed
+        # answer could grow a thousandfold as it is decoded).
+        "Accept-Encoding": "identity",
         "User-Agent": f"tollgate-client-python/{__version__}",
     }
     if token is not None:
@@ -314,6 +435,24 @@ def headers(token: Optional[str]) -> Dict[str, str]:
 
 def timeout_of(timeout: Optional[float]) -> httpx.Timeout:
     return httpx.Timeout(timeout)
+
+
+def deadline_of(timeout: Optional[float]) -> Optional[float]:
+    """When a call made now must end (``time.monotonic()``), or None."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+#: The most bytes an answer may have: far above any answer but that of ``get_config`` for a
+#: config file of tens of thousands of limits.
+DEFAULT_MAX_ANSWER_BYTES = 8 * 1024 * 1024
+
+
+def check_max_answer_bytes(max_answer_bytes: int) -> int:
+    if isinstance(max_answer_bytes, bool) or not isinstance(max_answer_bytes, int):
+        raise TypeError("max_answer_bytes is an int")
+    if max_answer_bytes < 1:
+        raise ValueError("max_answer_bytes must be at least 1")
+    return max_answer_bytes
 
 
 #: Connections per client: with a server about a millisecond away, 10 carry more than an

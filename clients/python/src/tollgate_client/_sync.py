@@ -7,7 +7,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Type
 
 import httpx
 
-from . import _core
+from . import _core, _deadline
 from ._core import Limits, TransactionCall
 from ._types import Decision, TransactionResult, ValueReading
 
@@ -18,10 +18,12 @@ class RateLimiter:
     """A client of a tollgate server, over one pool of keep-alive connections.
 
     ``url`` is the server (``http://127.0.0.1:8787``); ``token`` its bearer token, if it asks
-    for one; ``timeout`` the most seconds any request may take (``None``: no limit);
-    ``limits`` configs in code, name -> config, sent inline with every call for that name
-    (names the server defines need none). ``max_connections`` bounds the pool (default 10:
-    enough for a server a millisecond away; raise it for a distant one).
+    for one; ``timeout`` the most seconds a call may take, from waiting for a connection to
+    the answer's last byte (``None``: no limit); ``limits`` configs in code, name -> config,
+    sent inline with every call for that name (names the server defines need none).
+    ``max_connections`` bounds the pool (default 10: enough for a server a millisecond away;
+    raise it for a distant one). ``max_answer_bytes`` bounds an answer's body (default
+    8 MiB): a larger one raises :class:`~tollgate_client.TollgateError` unread.
 
     Safe to share between threads. Close it (``close()``, or use it in a ``with`` block)
     to close its connections.
@@ -39,14 +41,18 @@ class RateLimiter:
         limits: Optional[Limits] = None,
         *,
         max_connections: int = _core.DEFAULT_MAX_CONNECTIONS,
+        max_answer_bytes: int = _core.DEFAULT_MAX_ANSWER_BYTES,
     ) -> None:
         self._core = _core.Core(url, limits)
         _core.check_max_connections(max_connections)
+        self._max_answer_bytes = _core.check_max_answer_bytes(max_answer_bytes)
+        self._timeout = timeout
         self._client = httpx.Client(
             headers=_core.headers(token),
             timeout=_core.timeout_of(timeout),
             limits=_core.pool_limits(max_connections),
         )
+        _deadline.install(self._client)
 
     @property
     def url(self) -> str:
@@ -58,15 +64,28 @@ class RateLimiter:
         """The configs in code (camelCase keys), a copy."""
         return {name: dict(config) for name, config in self._core.limits.items()}
 
-    def _send(self, method: str, url: httpx.URL, body: Optional[bytes] = None) -> httpx.Response:
-        try:
-            return self._client.request(method, url, content=body)
-        except (httpx.HTTPError, httpx.StreamError) as e:
-            raise _core.transport_error(e, url) from None
-        except RuntimeError as e:
-            if self._client.is_closed:
-                raise _core.transport_error(e, url) from None
-            raise
+    def _send(
+        self, method: str, url: httpx.URL, body: Optional[bytes] = None, writes: bool = False
+    ) -> _core.Reply:
+        """Sends a request and reads its answer whole, by the call's deadline. ``writes``:
+        whether the call may take tokens."""
+        with _deadline.until(_core.deadline_of(self._timeout)):
+            try:
+                request = self._client.build_request(method, url, content=body)
+                response = self._client.send(request, stream=True)
+                try:
+                    answer = _core.Body(url.path, writes, response, self._max_answer_bytes)
+                    for chunk in response.iter_raw():
+                        answer.add(chunk)
+                finally:
+                    response.close()
+            except (httpx.HTTPError, httpx.StreamError) as e:
+                raise _core.transport_error(e, url, writes) from None
+            except RuntimeError as e:
+                if self._client.is_closed:
+                    raise _core.transport_error(e, url, writes) from None
+                raise
+        return answer.reply()
 
     def limit(
         self,
@@ -81,7 +100,7 @@ class RateLimiter:
         takes nothing. ``reserve``: book a shortfall ahead instead (granted, with the wait
         in ``retry_after``)."""
         body = self._core.single(name, key, count, reserve, throws, config)
-        return _core.decision(self._send("POST", self._core.limit_url, body))
+        return _core.decision(self._send("POST", self._core.limit_url, body, writes=True))
 
     def check(
         self,
@@ -102,12 +121,14 @@ class RateLimiter:
         """Takes from every limit or from none: each a :class:`LimitCall` or a dict of
         ``name``, ``key``, ``count``, ``reserve``, ``config``. ``throws``: a refusal raises
         :class:`RateLimitError` (naming the limit with the longest wait)."""
-        body = self._core.transaction(limits, throws)
-        return _core.transaction_result(self._send("POST", self._core.transaction_url, body))
+        body, count = self._core.transaction(limits, throws)
+        reply = self._send("POST", self._core.transaction_url, body, writes=True)
+        return _core.transaction_result(reply, count)
 
     def reset(self, name: str, key: Optional[str] = None) -> None:
         """Forgets the state of ``name`` for ``key``: it is full again."""
-        _core.answer(self._send("POST", self._core.reset_url, self._core.reset(name, key)))
+        body = self._core.reset(name, key)
+        _core.answer(self._send("POST", self._core.reset_url, body, writes=True))
 
     def get_value(
         self,
@@ -126,7 +147,7 @@ class RateLimiter:
 
     def get_config(self) -> Dict[str, Dict[str, Any]]:
         """The limits the server defines, name -> config with every default filled in."""
-        return _core.answer(self._send("GET", self._core.config_url))
+        return _core.server_limits(self._send("GET", self._core.config_url))
 
     def close(self) -> None:
         """Closes the pool's connections. Calls after this raise TollgateError."""

@@ -46,11 +46,15 @@ class TollgateError(Exception):
     - ``status``: the HTTP status of the server's answer (400, 401, 403, 404, 503, ...), or
       ``None`` when there was no answer (timeout, refused connection, broken connection).
     - ``message``: the server's ``error`` text, or what went wrong on the way.
-    - ``may_have_taken``: ``True`` only when the server answered 503 with
-      ``mayHaveTaken: true`` (the store got the request but its answer never came back, so a
-      retry may pay twice). ``False`` in every other case, including a timeout of the client
-      itself, where the client cannot know (treat ``status is None`` on a ``limit`` as "may
-      or may not have been taken").
+    - ``may_have_taken``: whether tokens may have been taken all the same, so that a retry
+      may pay twice. ``True`` when the server says so (``mayHaveTaken: true``, on a 503: its
+      store got the request and its answer never came back), and for a write (``limit``,
+      ``transaction``, ``reset``) that was sent and got no answer that could be read: a
+      timeout, a connection lost, an answer cut short, too large or not the API's (unless
+      its status is 4xx, a refusal). ``False`` for a read (``check``, ``get_value``,
+      ``get_server_time``, ``get_config``), for a request never sent (connection refused,
+      the timeout passed while connecting or waiting for a connection, a closed client), and
+      for the server's other error answers (nothing is taken by a request that errors).
     """
 
     status: Optional[int]
