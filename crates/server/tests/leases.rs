@@ -160,3 +160,53 @@ fn lease_tuning_is_read_and_checked() {
     assert!(error("{ shares = 0.5 }").contains("unknown field"), "{}", error("{ shares = 0.5 }"));
     assert!(error("\"yes\"").contains("lease is"), "{}", error("\"yes\""));
 }
+
+/// A read token's checks of a leased limit take no lease and hold no entry (issue 45, item
+/// 5): 1,100 checks on as many keys once wrote lease records, raised
+/// `tollgate_lease_grants_total` and filled all 1,024 entries for good, so that a real hot
+/// key then got no lease. Here they leave no lease series in `/metrics`, and a hot key taken
+/// with a full token is answered from its lease.
+#[test]
+fn a_read_tokens_checks_take_no_lease() {
+    let Some(url) = common::backend("TOLLGATE_REDIS_URL") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_file(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        format!("[server]\ntokens = [\"full\"]\nreadTokens = [\"peek\"]\n{text}"),
+    )
+    .unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    command.args(["serve", "--listen", "127.0.0.1:0", "--store", &url, "--config"]).arg(&config);
+    let served = common::Served::start(command, false);
+    let run = std::process::id();
+    let peek = [("authorization", "Bearer peek")];
+    for i in 0..1_100 {
+        let key = format!("check-{run}-{i}");
+        let (status, answer) =
+            served.post("/v1/check", &peek, &json!({ "name": "hot", "key": key }));
+        assert_eq!((status, &answer["ok"]), (200, &json!(true)), "{answer}");
+    }
+    let metrics = |served: &common::Served| {
+        ureq::get(&format!("http://{}/metrics", served.http))
+            .header("authorization", "Bearer full")
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    };
+    let text = metrics(&served);
+    assert!(!text.contains("key=\"check-"), "checks made lease entries: {text}");
+    let key = format!("hot-{run}");
+    let full = [("authorization", "Bearer full")];
+    for _ in 0..300 {
+        let (status, answer) =
+            served.post("/v1/limit", &full, &json!({ "name": "hot", "key": key }));
+        assert_eq!((status, &answer["ok"]), (200, &json!(true)), "{answer}");
+    }
+    let text = metrics(&served);
+    let series = format!("tollgate_lease_local_total{{name=\"hot\",key=\"{key}\"}}");
+    assert!(common::metric(&text, &series) >= 200.0, "{text}");
+}

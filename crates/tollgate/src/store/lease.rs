@@ -230,7 +230,7 @@ pub struct LeaseStats {
 /// The leased limits of a store and their holders in this process.
 pub(crate) struct Leases {
     names: HashMap<String, LeaseOptions>,
-    /// This process's holder id (below 2^53).
+    /// A random number of this process's, from which each entry's holder id is drawn.
     id: u64,
     /// The holder's clock: milliseconds since this, unless the store runs on a test's clock.
     started: Instant,
@@ -240,6 +240,10 @@ pub(crate) struct Leases {
     inserting: parking_lot::Mutex<()>,
     /// How many entries there are (at most [`MOST_HELD`]).
     held_keys: AtomicUsize,
+    /// Entries made so far (each entry's holder id comes from it).
+    made: AtomicU64,
+    /// When idle entries were last looked for (the bits of an `f64`, on the holder's clock).
+    swept_at: AtomicU64,
 }
 
 type Entries = HashMap<u64, Vec<Arc<Entry>>>;
@@ -247,6 +251,17 @@ type Entries = HashMap<u64, Vec<Arc<Entry>>>;
 /// One leased (name, key) in this process.
 struct Entry {
     holder: Holder,
+    /// Its holder id at the store (below 2^53): its own, so that an entry given back while
+    /// idle (see [`Leases::entry`]) and one made again for the same key never share a
+    /// record.
+    id: u64,
+    /// Given back: it asks for no more leases (a request that found it before it went still
+    /// takes directly).
+    retired: AtomicBool,
+    /// Requests it answered (from the lease or directly) when idleness was last looked at,
+    /// and when that was (the bits of an `f64`, on the holder's clock).
+    seen: AtomicU64,
+    seen_at: AtomicU64,
     name: Box<str>,
     key: Option<Box<str>>,
     config: Config,
@@ -276,6 +291,22 @@ impl Entry {
         }
     }
 
+    /// Whether no request came since the last look, at least two terms before `now`, and
+    /// its lease is past its deadline with none on its way; notes what it saw otherwise.
+    fn idle(&self, now: f64) -> bool {
+        let answered = self.local.load(Ordering::Relaxed) + self.direct.load(Ordering::Relaxed) + 1;
+        let idle_for = 2.0 * self.options.term.as_secs_f64() * 1e3;
+        let quiet = self.seen.load(Ordering::Relaxed) == answered
+            && now - f64::from_bits(self.seen_at.load(Ordering::Relaxed)) >= idle_for;
+        if quiet && !self.holder.fetching() && now >= self.holder.deadline() {
+            return true;
+        }
+        if self.seen.swap(answered, Ordering::Relaxed) != answered {
+            self.seen_at.store(now.to_bits(), Ordering::Relaxed);
+        }
+        false
+    }
+
     fn spend(&self, count: f64) {
         let _ = self.spent.fetch_update(Ordering::AcqRel, Ordering::Acquire, |bits| {
             Some((f64::from_bits(bits) + count).to_bits())
@@ -302,6 +333,8 @@ impl Leases {
             hasher: foldhash::fast::RandomState::default(),
             inserting: parking_lot::Mutex::new(()),
             held_keys: AtomicUsize::new(0),
+            made: AtomicU64::new(0),
+            swept_at: AtomicU64::new(f64::NEG_INFINITY.to_bits()),
         })
     }
 
@@ -311,12 +344,16 @@ impl Leases {
 
     /// The entry of `slot`'s (name, key), made if there is room (at most [`MOST_HELD`] in
     /// a store: a leased limit keyed by users would otherwise hold one per user for ever).
-    fn entry(&self, slot: &Slot<'_>) -> Option<Arc<Entry>> {
+    /// When there is none, at most once a second, the entries idle for two terms (no request
+    /// since, no lease in use, none on its way) are given back ([`Leases::sweep`]), so that
+    /// keys that stopped coming make room for those that come now. `now` is the holder's
+    /// clock, read only then.
+    fn entry(&self, slot: &Slot<'_>, now: impl Fn() -> f64) -> Option<Arc<Entry>> {
         if let Some(entry) = self.lookup(&self.entries.load(), slot.name, slot.key) {
             return Some(entry);
         }
         // Full: no lock, no count, for each request of the keys left out.
-        if self.held_keys.load(Ordering::Acquire) >= MOST_HELD {
+        if self.held_keys.load(Ordering::Acquire) >= MOST_HELD && !self.sweep(now()) {
             return None;
         }
         let _inserting = self.inserting.lock();
@@ -327,7 +364,12 @@ impl Leases {
         if self.held_keys.load(Ordering::Acquire) >= MOST_HELD {
             return None;
         }
+        let made = self.made.fetch_add(1, Ordering::Relaxed);
         let entry = Arc::new(Entry {
+            id: tollgate_core::splitmix64(self.id ^ made.rotate_left(29)) >> 11,
+            retired: AtomicBool::new(false),
+            seen: AtomicU64::new(0),
+            seen_at: AtomicU64::new(f64::NEG_INFINITY.to_bits()),
             holder: Holder::new(MARGIN_MS),
             name: slot.name.into(),
             key: slot.key.map(Into::into),
@@ -351,6 +393,37 @@ impl Leases {
 
     fn hash(&self, name: &str, key: Option<&str>) -> u64 {
         self.hasher.hash_one((name, key))
+    }
+
+    /// Gives back the entries idle at `now` (at most once a second): whether any went. An
+    /// entry is idle when no request came for it over the last look, at least two terms ago,
+    /// its lease is past its deadline and no grant is on its way. It asks for nothing more;
+    /// its record at the store, under its own holder id, expires there.
+    fn sweep(&self, now: f64) -> bool {
+        let last = f64::from_bits(self.swept_at.load(Ordering::Acquire));
+        if now - last < 1_000.0 {
+            return false;
+        }
+        let _inserting = self.inserting.lock();
+        self.swept_at.store(now.to_bits(), Ordering::Release);
+        let map = self.entries.load_full();
+        let mut kept: Entries = HashMap::with_capacity(map.len());
+        let mut gone = 0;
+        for (hash, entries) in map.iter() {
+            for entry in entries {
+                if entry.idle(now) {
+                    entry.retired.store(true, Ordering::Release);
+                    gone += 1;
+                } else {
+                    kept.entry(*hash).or_default().push(Arc::clone(entry));
+                }
+            }
+        }
+        if gone > 0 {
+            self.entries.store(Arc::new(kept));
+            self.held_keys.fetch_sub(gone, Ordering::AcqRel);
+        }
+        gone > 0
     }
 
     /// The entry of (name, key) in `map`: found by the hash and compared, with no
@@ -381,7 +454,7 @@ const MARGIN_MS: f64 = 5.0;
 /// Returns what `entry` holds (the holder stops spending it at once).
 async fn release<S: LeaseStore>(store: &S, leases: &Leases, entry: &Entry) {
     let unused = entry.holder.release(leases.now(store));
-    if step(store, &entry.slot(), Step::Release { holder: leases.id, unused }).await.is_ok() {
+    if step(store, &entry.slot(), Step::Release { holder: entry.id, unused }).await.is_ok() {
         entry.returns.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -394,7 +467,12 @@ pub(crate) async fn take<S: LeaseStore>(
     leases: &Leases,
     one: &OneTake<'_>,
 ) -> Result<Taken, StoreError> {
-    let Some(entry) = leases.entry(&one.slot) else {
+    // A check takes nothing: no lease, no entry (a read token's checks on many keys once
+    // filled every entry, and their leases were granted for nothing).
+    if !one.writes {
+        return direct(&**store, one).await.map(|(taken, _)| taken);
+    }
+    let Some(entry) = leases.entry(&one.slot, || leases.now(&**store)) else {
         return direct(&**store, one).await.map(|(taken, _)| taken);
     };
     let local = one.writes && !one.reserve;
@@ -449,7 +527,7 @@ async fn awaited(entry: &Entry) -> bool {
 /// spent since the last ask, or past half its length (a renewal, before it runs out), and
 /// the limit is not near its bound.
 fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entry>) {
-    if entry.near.load(Ordering::Acquire) {
+    if entry.near.load(Ordering::Acquire) || entry.retired.load(Ordering::Acquire) {
         return;
     }
     let now = leases.now(&**store);
@@ -463,7 +541,7 @@ fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entr
     // store gives no more than the share allows, nor than it has).
     let direct = f64::from_bits(entry.spent.swap(0f64.to_bits(), Ordering::AcqRel));
     let want = (2.0 * (entry.holder.spent() + direct)).max(1.0);
-    let (store, entry, id) = (Arc::clone(store), Arc::clone(entry), leases.id);
+    let (store, entry, id) = (Arc::clone(store), Arc::clone(entry), entry.id);
     tokio::spawn(async move {
         let term = entry.options.term.as_secs_f64() * 1e3;
         let grant = Step::Grant {
@@ -499,7 +577,7 @@ pub(crate) async fn release_all<S: LeaseStore>(store: &S) -> Result<(), StoreErr
     let mut first = Ok(());
     for entry in leases.all() {
         let unused = entry.holder.release(leases.now(store));
-        match step(store, &entry.slot(), Step::Release { holder: leases.id, unused }).await {
+        match step(store, &entry.slot(), Step::Release { holder: entry.id, unused }).await {
             Ok(_) => {
                 entry.returns.fetch_add(1, Ordering::Relaxed);
             }
@@ -541,7 +619,7 @@ pub(crate) async fn reset<S: LeaseStore>(
 ) -> Result<(), StoreError> {
     if let Some(entry) = leases.lookup(&leases.entries.load(), name, key) {
         let unused = entry.holder.release(leases.now(store));
-        step(store, &entry.slot(), Step::Release { holder: leases.id, unused }).await?;
+        step(store, &entry.slot(), Step::Release { holder: entry.id, unused }).await?;
     }
     // Any config: the step reads none of it.
     let slot = look_slot(name, key, Config::token_bucket(1.0, 1_000.0));
@@ -556,7 +634,7 @@ pub(crate) mod testing {
     use std::time::Duration;
 
     use proptest::prelude::*;
-    use tollgate_core::{Clock, Config, ManualClock, Plan, Slot, Take};
+    use tollgate_core::{Clock, Config, ManualClock, OneTake, Plan, Slot, Take};
 
     use super::{Answer, LeaseStats, LeaseStore, Leased, Step};
     use crate::store::AsyncStore;
@@ -807,6 +885,44 @@ pub(crate) mod testing {
         // The lease expires: the limit is whole again.
         clock.advance(1_000.0);
         assert!(store.execute_async(&plan(&[&ten])).await.unwrap().ok);
+    }
+
+    /// `store`, leasing the limit `hot` on `clock` (with the default options: leases of 2 s):
+    /// checks take no lease and no entry (1,100 of them on as many keys, as a read token
+    /// may send, once filled every entry, and granted leases for nothing); takes on more
+    /// keys than [`super::MOST_HELD`] fill the entries, the rest taken directly; once the
+    /// keys have been idle for two terms, their entries come back for the keys that come
+    /// now.
+    pub(crate) async fn checks_take_no_lease_and_idle_keys_make_room(
+        store: &impl Leasing,
+        clock: &ManualClock,
+    ) {
+        let config = Config::token_bucket(10.0, 1_000.0);
+        let keys: Vec<String> = (0..super::MOST_HELD + 76).map(|i| format!("user-{i}")).collect();
+        let take = |key| Take { name: "hot", key: Some(key), config, count: 1.0, reserve: false };
+        for key in &keys {
+            let check = OneTake { writes: false, ..writing(&take(key)) };
+            assert!(store.execute_one_async(&check).await.unwrap().decision.ok);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(store.stats().is_empty(), "checks made entries: {:?}", store.stats().len());
+        for key in &keys[..=super::MOST_HELD] {
+            assert!(store.execute_one_async(&writing(&take(key))).await.unwrap().decision.ok);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(store.stats().len(), super::MOST_HELD, "one entry a key, up to the bound");
+        assert!(store.stats().iter().any(|s| s.grants > 0));
+        // Two terms (and more) without a request: the next key finds room.
+        clock.advance(10_000.0);
+        let new = &keys[super::MOST_HELD + 1];
+        assert!(store.execute_one_async(&writing(&take(new))).await.unwrap().decision.ok);
+        let stats = store.stats();
+        assert_eq!(stats.len(), 1, "the idle entries went, the new key's came");
+        assert_eq!(stats[0].direct + stats[0].local, 1);
+        store.release().await;
+        for key in &keys {
+            store.delete_async("hot", Some(key), 1).await.ok();
+        }
     }
 
     /// A take of `count` from the leased limit of the tests here (10 a second).

@@ -1678,6 +1678,16 @@ mod group_tests {
             transaction_takes_a_leased_limit_directly(&on.store, &*on.store.shared, &clock).await;
         }
 
+        /// Checks take no lease and no entry; idle keys' entries come back (see
+        /// `checks_take_no_lease_and_idle_keys_make_room`).
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn checks_take_no_lease_and_idle_keys_make_room() {
+            let Some(url) = url() else { return };
+            let clock = ManualClock::new(T0);
+            let on = OnTable::leasing(&url, "lease_room", &clock, "hot").await;
+            testing::checks_take_no_lease_and_idle_keys_make_room(&on.store, &clock).await;
+        }
+
         /// A reset from a process that never took from the leased limit (see
         /// `a_reset_needs_no_lease_of_its_own`).
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

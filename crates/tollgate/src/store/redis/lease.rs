@@ -435,6 +435,16 @@ mod tests {
         }
     }
 
+    /// Checks take no lease and no entry; idle keys' entries come back (see
+    /// `checks_take_no_lease_and_idle_keys_make_room`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn checks_take_no_lease_and_idle_keys_make_room() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let redis = leasing(&url, "room", "hot", &clock);
+        testing::checks_take_no_lease_and_idle_keys_make_room(&redis, &clock).await;
+    }
+
     /// A transaction takes a leased limit directly (the plan script refills it under the
     /// cap its records set, as the lease script does), all or nothing with a plain limit.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
