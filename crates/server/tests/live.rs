@@ -259,6 +259,59 @@ fn sighup_reloads_the_limits_and_the_rls_rules() {
     assert_eq!(served.post("/v1/limit", &[], &json!({ "name": "api" })).0, 200);
 }
 
+/// An RLS directory holding a symlink to nothing, or a symlink loop, is refused whole by a
+/// reload and by `check-config` (issue 45, items 7 and 8): the first was skipped in silence
+/// (its domain dropped: `/json` answered OK where it answered OVER_LIMIT); the second never
+/// finished loading, and blocked every later reload. Here the old rules go on serving, the
+/// error metric rises, a later good reload is applied, and `check-config` says why.
+#[test]
+fn an_rls_directory_with_a_broken_symlink_or_a_loop_is_refused_whole() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tollgate.toml");
+    std::fs::write(&config, limits(10, 10)).unwrap();
+    let rls = dir.path().join("rls");
+    std::fs::create_dir_all(rls.join("z")).unwrap();
+    std::fs::write(rls.join("edge.yaml"), RLS_CONFIG).unwrap();
+    let served =
+        serve(dir.path(), "memory", &config, &["--rls-config", rls.to_str().unwrap()], &[]);
+    assert_eq!(rls_limit(&served), json!(3));
+    let errors = || metric(&served, "tollgate_config_reload_errors_total");
+    let check = |rls: &Path| {
+        let (code, _, err) = check_config(
+            &["--config", config.to_str().unwrap(), "--rls-config", rls.to_str().unwrap()],
+            &[],
+        );
+        (code, err)
+    };
+    // A symlink to nothing.
+    symlink(rls.join("gone.yaml"), rls.join("other.yaml")).unwrap();
+    assert!(within(Duration::from_secs(3), || errors() == 1.0), "{}", served.stderr());
+    assert_eq!(rls_limit(&served), json!(3), "the old rules go on");
+    let (code, err) = check(&rls);
+    assert!(code == 1 && err.contains("other.yaml is a symlink to"), "{err}");
+    std::fs::remove_file(rls.join("other.yaml")).unwrap();
+    // A loop: refused at once (check-config within its 10 s, if it hung).
+    symlink(".", rls.join("z/a")).unwrap();
+    symlink("..", rls.join("z/b")).unwrap();
+    assert!(within(Duration::from_secs(3), || errors() >= 2.0), "{}", served.stderr());
+    let started = Instant::now();
+    let (code, err) = check(&rls);
+    assert!(code == 1 && err.contains("a symlink loop"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let (status, _, _) = get(&served, "/healthz");
+    assert_eq!(status, 200);
+    // Fixed: the next reload is applied.
+    std::fs::remove_file(rls.join("z/a")).unwrap();
+    std::fs::remove_file(rls.join("z/b")).unwrap();
+    std::fs::write(rls.join("edge.yaml"), rls_v2()).unwrap();
+    assert!(
+        within(Duration::from_secs(3), || rls_limit(&served) == json!(5)),
+        "{}",
+        served.stderr()
+    );
+}
+
 /// Bad TOML, an unknown kind, a negative rate (beside a new valid limit), a broken RLS
 /// YAML: each is refused whole, the old config goes on serving, the error metric rises, and
 /// the log names the file and the field.

@@ -225,7 +225,8 @@ impl RlsConfig {
         observe: &mut dyn FnMut(&Path, &str),
     ) -> anyhow::Result<RlsConfig> {
         let mut files = Vec::new();
-        collect_files(path, &mut files)
+        let mut seen = Vec::new();
+        collect_files(path, &mut files, &mut seen)
             .with_context(|| format!("cannot read the RLS config {}", path.display()))?;
         if files.is_empty() {
             bail!("the RLS config directory {} holds no file", path.display());
@@ -337,21 +338,45 @@ impl RlsConfig {
     }
 }
 
-fn collect_files(path: &Path, files: &mut Vec<PathBuf>) -> std::io::Result<()> {
+/// The files under `path` (itself, if it is not a directory), into `files`. `seen` holds the
+/// directories read so far (their real paths): one reached again (a symlink back up the
+/// tree, or two to one directory) is an error, as is an entry that is neither a file nor a
+/// directory (a symlink to nothing): either would change the domains in silence.
+fn collect_files(
+    path: &Path,
+    files: &mut Vec<PathBuf>,
+    seen: &mut Vec<PathBuf>,
+) -> anyhow::Result<()> {
     if !path.is_dir() {
         files.push(path.to_owned());
         return Ok(());
     }
-    for entry in std::fs::read_dir(path)? {
-        let entry = entry?;
+    let real = std::fs::canonicalize(path)?;
+    if let Some(first) = seen.iter().find(|s| **s == real) {
+        bail!(
+            "{} is {} again (a symlink loop, or two symlinks to one directory): refused",
+            path.display(),
+            first.display()
+        );
+    }
+    seen.push(real);
+    let mut entries: Vec<_> = std::fs::read_dir(path)?.collect::<Result<_, _>>()?;
+    entries.sort_by_key(std::fs::DirEntry::file_name);
+    for entry in entries {
         if entry.file_name().to_string_lossy().starts_with('.') {
             continue;
         }
         let path = entry.path();
         if path.is_dir() {
-            collect_files(&path, files)?;
+            collect_files(&path, files, seen)?;
         } else if path.is_file() {
             files.push(path);
+        } else {
+            let what = match std::fs::read_link(&path) {
+                Ok(target) => format!("a symlink to {}, which does not exist", target.display()),
+                Err(_) => "neither a file nor a directory".to_owned(),
+            };
+            bail!("{} is {what}: refused (remove it, or make it point at a file)", path.display());
         }
     }
     Ok(())
@@ -630,6 +655,37 @@ mod tests {
 
     fn err(text: &str) -> String {
         load(text).unwrap_err().to_string()
+    }
+
+    /// A directory with a symlink to nothing, or a symlink loop, is refused with a message
+    /// (the first was skipped in silence, dropping its domain; the second never finished).
+    #[test]
+    fn dangling_symlinks_and_loops_are_refused() {
+        use std::os::unix::fs::symlink;
+        let dir = tempfile::tempdir().unwrap();
+        let rls = dir.path().join("rls");
+        std::fs::create_dir_all(rls.join("z")).unwrap();
+        std::fs::write(rls.join("a.yaml"), "domain: a\ndescriptors: []\n").unwrap();
+        std::fs::write(rls.join("z/b.yaml"), "domain: b\ndescriptors: []\n").unwrap();
+        assert_eq!(RlsConfig::load(&rls).unwrap().domain_names(), ["a", "b"]);
+
+        symlink(rls.join("gone.yaml"), rls.join("c.yaml")).unwrap();
+        let e = format!("{:#}", RlsConfig::load(&rls).unwrap_err());
+        assert!(e.contains("c.yaml is a symlink to") && e.contains("which does not exist"), "{e}");
+        std::fs::remove_file(rls.join("c.yaml")).unwrap();
+
+        symlink(".", rls.join("z/loop")).unwrap();
+        symlink("..", rls.join("z/up")).unwrap();
+        let e = format!("{:#}", RlsConfig::load(&rls).unwrap_err());
+        assert!(e.contains("again (a symlink loop"), "{e}");
+        std::fs::remove_file(rls.join("z/loop")).unwrap();
+        std::fs::remove_file(rls.join("z/up")).unwrap();
+        // A symlink to a file elsewhere, or to a directory outside, is read as before.
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("d.yaml"), "domain: d\ndescriptors: []\n").unwrap();
+        symlink(&outside, rls.join("o")).unwrap();
+        assert_eq!(RlsConfig::load(&rls).unwrap().domain_names(), ["a", "b", "d"]);
     }
 
     const BASIC: &str = r"
