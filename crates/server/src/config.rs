@@ -270,13 +270,14 @@ impl Default for HttpLimits {
 /// than a user notices.
 pub const DEFAULT_STORE_DEADLINE: Duration = Duration::from_millis(250);
 
-/// A duration of the `[server]` table (or of the flag or variable `label` names): more than
-/// 0 (or 0 too, with `zero`), at most a day.
+/// A duration of the `[server]` table (or of the flag or variable `label` names): at least
+/// `least` (more than 0 when that is 0, unless `zero`), at most a day.
 fn duration(
     label: &str,
     value: Option<&Period>,
     default: Duration,
     zero: bool,
+    least: Duration,
 ) -> anyhow::Result<Duration> {
     let Some(value) = value else { return Ok(default) };
     let ms = value.millis().map_err(|_| {
@@ -292,6 +293,13 @@ fn duration(
     if !(ms > 0.0 && ms <= tollgate::DAY) {
         let least = if zero { "at least 0" } else { "more than 0" };
         bail!("{label} is {ms} ms; it must be {least} and at most a day");
+    }
+    let floor = least.as_secs_f64() * 1e3;
+    if ms < floor {
+        bail!(
+            "{label} is {ms} ms; it must be at least {floor} ms (less would fail every request, \
+             or cut off every client)"
+        );
     }
     Ok(Duration::from_secs_f64(ms / 1_000.0))
 }
@@ -412,6 +420,38 @@ fn redact_urls(text: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// The names of a config's limits for a line of the log, the banner or `check-config`: all of
+/// them up to 20, else the first 20 and how many more (a config of a million limits once
+/// logged every name at each reload).
+pub fn names_line(names: &[&str]) -> String {
+    const SHOWN: usize = 20;
+    match names.len() {
+        0 => "(none defined)".to_owned(),
+        n if n <= SHOWN => names.join(", "),
+        n => format!("{}, and {} more", names[..SHOWN].join(", "), n - SHOWN),
+    }
+}
+
+/// `[limits.NAME]` as TOML writes it: a name that is not a bare key (letters, digits, `_`,
+/// `-`) in quotes, so that `edge.user` is one table, not `user` in `edge`.
+pub fn limits_table(name: &str) -> String {
+    let bare = !name.is_empty()
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if bare {
+        return format!("[limits.{name}]");
+    }
+    let mut quoted = String::with_capacity(name.len() + 2);
+    for c in name.chars() {
+        match c {
+            '"' => quoted.push_str("\\\""),
+            '\\' => quoted.push_str("\\\\"),
+            c if c.is_control() => quoted.push_str(&format!("\\u{:04X}", u32::from(c))),
+            c => quoted.push(c),
+        }
+    }
+    format!("[limits.\"{quoted}\"]")
 }
 
 /// What the command line and the environment say, to override the file: flags first, then
@@ -544,6 +584,29 @@ impl FileConfig {
             .collect()
     }
 
+    /// The settings a reload applies that a flag or variable overrides here: (field, the
+    /// flag or variable, the file's value as written), for the log to say that a change of
+    /// the file's value is not applied.
+    pub fn overridden_live(&self, overrides: &Overrides) -> Vec<(&'static str, String, String)> {
+        let server = &self.server;
+        let mut out: Vec<(&'static str, String, String)> = Vec::new();
+        for (field, _, from) in &overrides.values {
+            let live = SETTINGS.iter().any(|s| s.field == *field && s.live);
+            if !live || out.iter().any(|(f, _, _)| f == field) {
+                continue;
+            }
+            let value = match *field {
+                "allowInlineConfig" => format!("{:?}", server.allow_inline_config),
+                "allowConfigOverride" => format!("{:?}", server.allow_config_override),
+                "corsOrigins" => format!("{:?}", server.cors_origins),
+                "allowedHosts" => format!("{:?}", server.allowed_hosts),
+                _ => continue,
+            };
+            out.push((field, from.clone(), value));
+        }
+        out
+    }
+
     /// The settings: this file, then the overrides, then the defaults.
     ///
     /// # Errors
@@ -589,28 +652,34 @@ impl FileConfig {
             bail!("{} is 0; it must be at least 1", server.label("maxConnections"));
         }
         let defaults = HttpLimits::default();
-        let time = |field: &str, value: &Option<Period>, default: Duration, zero: bool| {
-            duration(&server.label(field), value.as_ref(), default, zero)
+        if server.max_keys == Some(0) {
+            bail!("{} is 0; it must be at least 1", server.label("maxKeys"));
+        }
+        let time = |field: &str, value: &Option<Period>, default: Duration, least: Duration| {
+            duration(&server.label(field), value.as_ref(), default, least.is_zero(), least)
         };
+        // Below these a client on any network, or any store, could never be answered.
+        let (ms, zero) = (Duration::from_millis(1), Duration::ZERO);
+        let client = Duration::from_millis(100);
         let http = HttpLimits {
             header_timeout: time(
                 "headerTimeout",
                 &server.header_timeout,
                 defaults.header_timeout,
-                false,
+                client,
             )?,
-            body_timeout: time("bodyTimeout", &server.body_timeout, defaults.body_timeout, false)?,
+            body_timeout: time("bodyTimeout", &server.body_timeout, defaults.body_timeout, client)?,
             max_connections: server.max_connections.unwrap_or(defaults.max_connections),
             shutdown_deadline: time(
                 "shutdownDeadline",
                 &server.shutdown_deadline,
                 defaults.shutdown_deadline,
-                false,
+                ms,
             )?,
-            drain_delay: time("drainDelay", &server.drain_delay, defaults.drain_delay, true)?,
+            drain_delay: time("drainDelay", &server.drain_delay, defaults.drain_delay, zero)?,
         };
         let store_deadline =
-            time("storeDeadline", &server.store_deadline, DEFAULT_STORE_DEADLINE, false)?;
+            time("storeDeadline", &server.store_deadline, DEFAULT_STORE_DEADLINE, ms)?;
         let rls_listen = match server.rls_listen.clone() {
             None => None,
             Some(addr) => Some(addr.parse::<SocketAddr>().with_context(|| {
@@ -693,7 +762,13 @@ impl FileConfig {
                 bail!("[limits.{name}] a leased limit cannot have shards yet");
             }
             let label = format!("[limits.{name}] lease.term");
-            let term = duration(&label, tuning.term.as_ref(), Duration::from_secs(2), false)?;
+            let term = duration(
+                &label,
+                tuning.term.as_ref(),
+                Duration::from_secs(2),
+                false,
+                Duration::ZERO,
+            )?;
             let mut options = tollgate::store::LeaseOptions::new().term(term);
             if let Some(share) = tuning.share {
                 if !(share > 0.0 && share <= 1.0) {
@@ -751,6 +826,48 @@ pub fn example_limits() -> Vec<(String, Config)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The hint's table names the limit as TOML reads it back: a dotted or odd name quoted.
+    #[test]
+    fn a_limits_table_reads_back_as_its_name() {
+        assert_eq!(limits_table("api"), "[limits.api]");
+        for name in ["edge.user", "a b", "q\"uote", "back\\slash", "tab\there", "é"] {
+            let table = limits_table(name);
+            let text = format!("{table}\nkind = \"token bucket\"\nrate = 1\nperiod = 1000\n");
+            let file = FileConfig::parse(&text).unwrap();
+            assert_eq!(file.named_limits().unwrap()[0].0, name, "{table}");
+        }
+        let names: Vec<String> = (0..25).map(|i| format!("l{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        assert!(names_line(&names).ends_with("l19, and 5 more"), "{}", names_line(&names));
+        assert_eq!(names_line(&names[..2]), "l0, l1");
+        assert_eq!(names_line(&[]), "(none defined)");
+    }
+
+    /// Settings below what could ever serve a request are refused with the least they take
+    /// (a store deadline of 100 ns made every request a 503 while `/healthz` said ok).
+    #[test]
+    fn settings_below_any_use_are_refused() {
+        let settings = |vars: &[(&str, &str)]| {
+            let vars = vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
+            FileConfig::default().settings(&Overrides::from_env(vars), true)
+        };
+        for (var, value, says) in [
+            ("TOLLGATE_STORE_DEADLINE", "0.0000001", "at least 1 ms"),
+            ("TOLLGATE_HEADER_TIMEOUT", "0.5", "at least 100 ms"),
+            ("TOLLGATE_BODY_TIMEOUT", "50ms", "at least 100 ms"),
+            ("TOLLGATE_MAX_KEYS", "0", "at least 1"),
+        ] {
+            let e = format!("{:#}", settings(&[(var, value)]).unwrap_err());
+            assert!(e.contains(var) && e.contains(says), "{var}={value}: {e}");
+        }
+        let ok = settings(&[("TOLLGATE_STORE_DEADLINE", "1"), ("TOLLGATE_HEADER_TIMEOUT", "100")]);
+        assert_eq!(ok.unwrap().store_deadline, Duration::from_millis(1));
+        assert_eq!(
+            settings(&[("TOLLGATE_DRAIN_DELAY", "0")]).unwrap().http.drain_delay,
+            Duration::ZERO
+        );
+    }
 
     /// A TOML error shows where and why, never a token or a URL's password from the file.
     #[test]

@@ -171,7 +171,12 @@ fn routes(app: Arc<App>) -> Router {
         )
         .route("/v1/config", get(|State(app): State<Arc<App>>| async move { app.engine.config() }))
         .route("/json", post(rls_json))
-        .route("/v1/stats", get(|State(app): State<Arc<App>>| async move { app.engine.stats() }));
+        .route(
+            "/v1/stats",
+            get(|State(app): State<Arc<App>>, uri: axum::http::Uri| async move {
+                app.engine.stats(uri.query())
+            }),
+        );
     // With tokens, /metrics asks for one too (its labels may hold descriptor values, such as
     // API keys), unless the config says it is public.
     let scrape = get(|State(app): State<Arc<App>>| async move { metrics(&app) });

@@ -239,10 +239,7 @@ fn check_config(args: CheckArgs) -> ExitCode {
             };
             let names: Vec<&str> = loaded.settings.limits.iter().map(|(n, _)| n.as_str()).collect();
             println!("{file}: ok, version {}", loaded.version);
-            println!(
-                "  limits: {}",
-                if names.is_empty() { "(none defined)".to_owned() } else { names.join(", ") }
-            );
+            println!("  limits: {}", config::names_line(&names));
             if let (Some(path), Some(rls)) = (&loaded.settings.rls_config, &loaded.rls) {
                 println!(
                     "  rls:    {} (domains: {})",
@@ -460,7 +457,7 @@ async fn serve_async(
     loaded: live::Loaded,
     tracing: Option<String>,
 ) -> anyhow::Result<()> {
-    let settings = loaded.settings;
+    let (settings, overridden) = (loaded.settings, loaded.overridden);
     let (app, sweeps) = app_of(&settings, loaded.rls, loaded.version).await?;
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
@@ -487,7 +484,8 @@ async fn serve_async(
     // Full states carry no information: delete them now and then.
     sweeps.start();
     // SIGHUP, or a change of the files, reloads the config.
-    let reloader = Arc::new(live::Reloader::new(sources, settings.clone(), Arc::clone(&app)));
+    let reloader =
+        Arc::new(live::Reloader::new(sources, settings.clone(), overridden, Arc::clone(&app)));
     reloader.on_hangup();
     let _watcher = match reloader.on_change() {
         Ok(watcher) => watcher,
@@ -625,10 +623,7 @@ fn print_banner(
     let forgets =
         if memory { " (in this process only: a restart forgets every state)" } else { "" };
     println!("  store:  {}{forgets}", tollgate::store::redacted_url(&settings.store));
-    println!(
-        "  limits: {}",
-        if names.is_empty() { "(none defined)".into() } else { names.join(", ") }
-    );
+    println!("  limits: {}", config::names_line(&names));
     if let Some(tracing) = tracing {
         println!("  traces: {tracing}");
     }

@@ -42,6 +42,9 @@ pub struct Loaded {
     pub rls: Option<RlsConfig>,
     /// A digest of every file read (their paths and texts): 12 hex digits.
     pub version: String,
+    /// The settings a reload applies that a flag or variable overrides (see
+    /// [`FileConfig::overridden_live`]).
+    pub overridden: Vec<(&'static str, String, String)>,
 }
 
 impl Sources {
@@ -79,7 +82,8 @@ impl Sources {
             None => None,
         };
         let version = digest.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect();
-        Ok(Loaded { settings, rls, version })
+        let overridden = file.overridden_live(&self.overrides);
+        Ok(Loaded { settings, rls, version, overridden })
     }
 
     /// What to watch for changes: the directory of the config file, and the RLS config's
@@ -198,8 +202,9 @@ pub struct Reloader {
     /// What the server started with: the settings a reload cannot change.
     started: Settings,
     app: Arc<crate::http::App>,
-    /// One reload at a time.
-    one: tokio::sync::Mutex<()>,
+    /// One reload at a time; the file's values of the settings a flag or variable overrides
+    /// (see [`Loaded::overridden`]) as last read.
+    one: tokio::sync::Mutex<Vec<(&'static str, String, String)>>,
 }
 
 /// How long the files must be quiet before a change is read: an editor's write, or a
@@ -207,15 +212,21 @@ pub struct Reloader {
 const QUIET: Duration = Duration::from_millis(150);
 
 impl Reloader {
-    /// A reloader of `app`, which was started with `started` from `sources`.
-    pub fn new(sources: Sources, started: Settings, app: Arc<crate::http::App>) -> Self {
-        Reloader { sources, started, app, one: tokio::sync::Mutex::new(()) }
+    /// A reloader of `app`, which was started with `started` (whose overridden settings
+    /// are `overridden`) from `sources`.
+    pub fn new(
+        sources: Sources,
+        started: Settings,
+        overridden: Vec<(&'static str, String, String)>,
+        app: Arc<crate::http::App>,
+    ) -> Self {
+        Reloader { sources, started, app, one: tokio::sync::Mutex::new(overridden) }
     }
 
     /// Reads the config again and applies it, or refuses it whole; `why` says what asked.
     /// An unchanged config (the same version) is left as it is.
     pub async fn reload(&self, why: &str) {
-        let _one = self.one.lock().await;
+        let mut overridden = self.one.lock().await;
         let sources = self.sources.clone();
         let loaded = tokio::task::spawn_blocking(move || sources.load()).await;
         let serving = self.app.engine.current().version.clone();
@@ -223,7 +234,22 @@ impl Reloader {
             Ok(loaded) if loaded.version == serving => {
                 tracing::debug!(version = serving, "config unchanged ({why})");
             }
-            Ok(loaded) => self.apply(loaded, why).await,
+            Ok(loaded) => {
+                // A setting the file changed that a flag or variable overrides: said, since
+                // the change is not applied.
+                for (field, from, value) in &loaded.overridden {
+                    let before = overridden.iter().find(|(f, _, _)| f == field);
+                    if before.is_some_and(|(_, _, was)| was != value) {
+                        tracing::warn!(
+                            setting = field,
+                            "[server] {field} changed in the file, but {from} overrides it: \
+                             the file's value is not applied"
+                        );
+                    }
+                }
+                *overridden = loaded.overridden.clone();
+                self.apply(loaded, why).await;
+            }
             Err(e) => {
                 self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(
@@ -305,7 +331,7 @@ impl Reloader {
             version = loaded.version,
             "config reloaded ({why}): version {}, limits: {}",
             loaded.version,
-            if names.is_empty() { "(none defined)".to_owned() } else { names.join(", ") }
+            crate::config::names_line(&names)
         );
     }
 

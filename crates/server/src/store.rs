@@ -195,9 +195,10 @@ pub async fn open(
         return Ok(Opened { sqlite: Some(Arc::clone(&sqlite)), ..Opened::local(sqlite, stored) });
     }
     if REDIS_SCHEMES.iter().any(|scheme| url.starts_with(scheme)) {
-        // The store's own timeout at the deadline: a request still waiting for its round trip
-        // then is withdrawn, and says that nothing was taken.
-        let mut builder = RedisStore::builder().timeout(deadline);
+        // The store's own timeout just inside the deadline: a request still waiting for its
+        // connection or its round trip then is withdrawn, and says that nothing was taken
+        // (the breaker's deadline, which cannot know, would say it may have been).
+        let mut builder = RedisStore::builder().timeout(inside(deadline));
         for (name, options) in leased {
             builder = builder.lease(name.as_str(), *options);
         }
@@ -212,7 +213,7 @@ pub async fn open(
         return Ok(Opened { leases, ..Opened::networked(redis, stored, deadline) });
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let mut builder = PgStore::builder();
+        let mut builder = PgStore::builder().timeout(inside(deadline));
         for (name, options) in leased {
             builder = builder.lease(name.as_str(), *options);
         }
@@ -222,6 +223,13 @@ pub async fn open(
         return Ok(Opened { leases, ..Opened::networked(pg, stored, deadline) });
     }
     unreachable!("check({shown:?}) let an unknown store through")
+}
+
+/// A networked store's own timeout: four fifths of the request deadline, so that the store,
+/// which knows whether a request went out, answers before the circuit breaker's deadline
+/// (which must assume it did).
+fn inside(deadline: Duration) -> Duration {
+    deadline * 4 / 5
 }
 
 /// The schemes of the Redis store: one Redis, a Cluster, a primary behind Sentinels, each

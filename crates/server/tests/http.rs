@@ -781,6 +781,43 @@ async fn stats_count_what_requests_took() {
     assert_eq!(page.header("content-type"), Some("text/html; charset=utf-8"));
 }
 
+/// `/v1/stats` answers a page at a time: at most 1,000 limits (the default page), from an
+/// offset, with how many there are in all; a bad parameter is a 400.
+#[tokio::test]
+async fn stats_are_answered_a_page_at_a_time() {
+    let mut builder = RateLimiter::builder(Arc::new(MemoryStore::new()) as DynStore);
+    for i in 0..2_500 {
+        builder = builder.define(format!("l{i:04}"), Config::token_bucket(1.0, MINUTE));
+    }
+    let app = serve(builder.build(), full(&[]), Permissions::default(), false);
+    post(
+        &app,
+        "/v1/limit",
+        r#"{"name":"zz","config":{"kind":"token bucket","rate":1,"period":1000}}"#,
+    )
+    .await;
+    let names = |reply: &Reply| -> Vec<String> {
+        let limits = reply.body["limits"].as_array().unwrap();
+        limits.iter().map(|l| l["name"].as_str().unwrap().to_owned()).collect()
+    };
+    let first = get(&app, "/v1/stats").await;
+    assert_eq!(
+        (first.body["total"].clone(), first.body["offset"].clone()),
+        (json!(2_501), json!(0))
+    );
+    assert_eq!(names(&first).len(), 1_000);
+    assert_eq!(names(&first)[0], "l0000");
+    let last = get(&app, "/v1/stats?offset=2000&limit=1000").await;
+    let last = names(&last);
+    assert_eq!((last.len(), last[0].as_str(), last[500].as_str()), (501, "l2000", "zz"));
+    assert_eq!(names(&get(&app, "/v1/stats?limit=5000&offset=10").await).len(), 1_000);
+    assert_eq!(names(&get(&app, "/v1/stats?limit=3").await), ["l0000", "l0001", "l0002"]);
+    assert!(names(&get(&app, "/v1/stats?offset=9999").await).is_empty());
+    for bad in ["/v1/stats?offset=-1", "/v1/stats?limit=x", "/v1/stats?page=2"] {
+        assert_eq!(get(&app, bad).await.status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+}
+
 /// A request with these headers (`Host`, `Origin`, ...).
 fn request_with(method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Request<Body> {
     let mut request = Request::builder().method(method).uri(path);

@@ -259,6 +259,28 @@ fn sighup_reloads_the_limits_and_the_rls_rules() {
     assert_eq!(served.post("/v1/limit", &[], &json!({ "name": "api" })).0, 200);
 }
 
+/// A reload whose file changes a setting that a variable overrides says that the file's
+/// value is not applied (it was silent: an operator saw the file change and nothing happen).
+#[test]
+fn a_reload_says_when_a_variable_overrides_the_files_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tollgate.toml");
+    let with =
+        |origin: &str| format!("[server]\ncorsOrigins = [\"{origin}\"]\n\n{}", limits(10, 10));
+    std::fs::write(&config, with("https://a.example")).unwrap();
+    let envs = [("TOLLGATE_CORS_ORIGINS", "https://env.example")];
+    let served = serve(dir.path(), "memory", &config, &[], &envs);
+    let (_, first) = serving(&served);
+    std::fs::write(&config, with("https://b.example")).unwrap();
+    assert!(within(Duration::from_secs(3), || serving(&served).1 != first), "{}", served.stderr());
+    let said = "[server] corsOrigins changed in the file, but TOLLGATE_CORS_ORIGINS overrides it";
+    assert!(
+        within(Duration::from_secs(2), || served.stderr().contains(said)),
+        "{}",
+        served.stderr()
+    );
+}
+
 /// An RLS directory holding a symlink to nothing, or a symlink loop, is refused whole by a
 /// reload and by `check-config` (issue 45, items 7 and 8): the first was skipped in silence
 /// (its domain dropped: `/json` answered OK where it answered OVER_LIMIT); the second never

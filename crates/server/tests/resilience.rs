@@ -205,6 +205,42 @@ fn a_frozen_redis_is_answered_within_the_deadline_and_honestly() {
     assert_eq!(server.metric("tollgate_store_breaker_open"), 0.0);
 }
 
+/// A "Redis" that accepts connections and never answers (a mute proxy, a port taken by
+/// something else): no connection is ever made, so no request was sent, and every 503 says
+/// so (`mayHaveTaken: false`; the first said true, from the breaker's deadline, which cannot
+/// know).
+#[test]
+fn a_redis_that_never_answers_took_nothing() {
+    let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = mute.local_addr().unwrap().port();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = std::sync::Arc::clone(&done);
+    let held = std::thread::spawn(move || {
+        mute.set_nonblocking(true).unwrap();
+        let mut connections = Vec::new();
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok((tcp, _)) = mute.accept() {
+                connections.push(tcp);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    let config = format!(
+        "[server]\nstoreDeadline = {DEADLINE_MS}\n\n\
+         [limits.closed]\nkind = \"token bucket\"\nrate = 1000\nperiod = \"1d\"\n"
+    );
+    let server = Server::start(&format!("redis://127.0.0.1:{port}"), &config);
+    for round in 0..3 {
+        let (status, body) = server.limit("closed", 1);
+        assert_eq!(status, 503, "round {round}: {body}");
+        assert_eq!(body["mayHaveTaken"], json!(false), "round {round}: {body}");
+    }
+    drop(server);
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    held.join().unwrap();
+}
+
 /// A client that sends half its headers is cut off after the header timeout, and one still
 /// stuck does not hold SIGTERM past the shutdown deadline.
 #[test]
