@@ -109,8 +109,10 @@ const AT_ONCE: usize = 256;
 /// What a carry did.
 #[derive(Debug, Default)]
 pub struct Carried {
-    /// The keys it carried (to be skipped by a later pass).
+    /// The keys it carried, for a change of kind or shards (to be skipped by a later pass).
     pub keys: HashSet<Option<String>>,
+    /// How many keys it carried.
+    pub carried: usize,
     /// The states it rewrote.
     pub states: usize,
     /// The keys it could not carry, and the first error.
@@ -144,8 +146,12 @@ pub async fn carry(
         for (key, result) in chunk.iter().zip(futures_util::future::join_all(each).await) {
             match result {
                 Ok(states) => {
+                    carried.carried += 1;
                     carried.states += states;
-                    carried.keys.insert(key.clone());
+                    // Only a conversion's first pass is followed by one that skips them.
+                    if change.carry == Carry::Convert {
+                        carried.keys.insert(key.clone());
+                    }
                 }
                 Err(e) => {
                     carried.failed.0 += 1;
@@ -158,9 +164,9 @@ pub async fn carry(
         if logged.elapsed() > Duration::from_secs(5) {
             logged = Instant::now();
             tracing::info!(
-                "[limits.{}]: carried {} of {} keys to the new config",
-                change.name,
-                (i + 1) * AT_ONCE,
+                "{}: carried {} of {} keys to the new config",
+                crate::config::limits_table(&change.name),
+                ((i + 1) * AT_ONCE).min(keys.len()),
                 keys.len()
             );
         }

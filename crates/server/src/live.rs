@@ -302,20 +302,6 @@ impl Reloader {
         }
         let store = before.limiter().store().clone();
         engine.replace(defined(store, new, loaded.version.clone()));
-        if !changes.is_empty() {
-            // The requests that started under the old config may still write under it: once
-            // they are done (within the store deadline), nothing does.
-            let most = self.started.store_deadline + Duration::from_secs(1);
-            let waiting = std::time::Instant::now();
-            while Arc::strong_count(&before) > 1 && waiting.elapsed() < most {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            for change in &changes {
-                let skip = converted.get(&change.name);
-                self.carry(before.limiter(), change, skip).await;
-            }
-        }
-        drop(before);
         if let (Some(rls), Some(config)) = (&self.app.rls, loaded.rls) {
             rls.replace(config);
         }
@@ -333,6 +319,19 @@ impl Reloader {
             loaded.version,
             crate::config::names_line(&names)
         );
+        if !changes.is_empty() {
+            // The requests that started under the old config may still write under it: once
+            // they are done (within the store deadline), nothing does.
+            let most = self.started.store_deadline + Duration::from_secs(1);
+            let waiting = std::time::Instant::now();
+            while Arc::strong_count(&before) > 1 && waiting.elapsed() < most {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            for change in &changes {
+                let skip = converted.get(&change.name);
+                self.carry(before.limiter(), change, skip).await;
+            }
+        }
     }
 
     /// Carries the states of `change` to its new config (see [`crate::carry`]), skipping
@@ -344,20 +343,20 @@ impl Reloader {
         skip: Option<&std::collections::HashSet<Option<String>>>,
     ) -> std::collections::HashSet<Option<String>> {
         let Some(stored) = &self.app.engine.stored else { return Default::default() };
-        let name = &change.name;
+        let name = crate::config::limits_table(&change.name);
         match crate::carry::carry(limiter, stored, change, skip).await {
             Ok(carried) => {
                 if carried.states > 0 {
                     tracing::info!(
-                        "[limits.{name}] changed: {} states of {} keys carried to its new config",
+                        "{name} changed: {} states of {} keys carried to its new config",
                         carried.states,
-                        carried.keys.len()
+                        carried.carried
                     );
                 }
                 if let (n, Some(e)) = &carried.failed {
                     self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(
-                        "[limits.{name}] changed: {n} keys could not be carried to its new \
+                        "{name} changed: {n} keys could not be carried to its new \
                          config ({e}); until they are reset or refilled they read as the \
                          store keeps them"
                     );
@@ -367,7 +366,7 @@ impl Reloader {
             Err(e) => {
                 self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(
-                    "[limits.{name}] changed, but its states could not be listed to carry them \
+                    "{name} changed, but its states could not be listed to carry them \
                      to its new config: {e}"
                 );
                 Default::default()

@@ -6,9 +6,9 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -27,75 +27,59 @@ pub const CONTROL_PER_CALL: f64 = 4.0;
 /// What the port knows of one connection, shared by its reader ([`Frames`]) and its calls.
 #[derive(Debug)]
 pub struct Connection {
-    start: Instant,
-    /// Calls whose answer has not ended (a `Watch` stream, until the client leaves).
-    open: AtomicUsize,
-    /// Nanoseconds after `start` of the last call's start or end.
-    last: AtomicU64,
+    /// Calls started (the high 32 bits) and open (the low 32): one atomic add a call.
+    calls: AtomicU64,
     /// `Watch` streams open on this connection.
     pub watches: Arc<tokio::sync::Semaphore>,
-    /// The control frames it may still send: (tokens, when counted).
-    control: parking_lot::Mutex<(f64, Instant)>,
 }
 
 /// `Watch` streams one connection may hold open.
 pub const WATCHES_PER_CONNECTION: usize = 4;
 
+const STARTED: u64 = 1 << 32;
+const OPEN: u64 = STARTED - 1;
+
 impl Connection {
     /// A connection accepted now.
     pub fn new() -> Arc<Self> {
-        let start = Instant::now();
         Arc::new(Connection {
-            start,
-            open: AtomicUsize::new(0),
-            last: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
             watches: Arc::new(tokio::sync::Semaphore::new(WATCHES_PER_CONNECTION)),
-            control: parking_lot::Mutex::new((CONTROL_BURST, start)),
         })
     }
 
-    fn touch(&self) {
-        let since = self.start.elapsed().as_nanos().try_into().unwrap_or(u64::MAX);
-        self.last.store(since, Ordering::Relaxed);
-    }
-
-    /// A call starts: it is open until what [`Connection::call`] returns is dropped (with
-    /// its answer's body, which a stream holds until it ends).
+    /// A call starts: it is open until what this returns is dropped.
     pub fn call(self: &Arc<Self>) -> OpenCall {
-        self.open.fetch_add(1, Ordering::AcqRel);
-        self.touch();
-        let mut control = self.control.lock();
-        control.0 = (control.0 + CONTROL_PER_CALL).min(CONTROL_BURST);
+        self.calls.fetch_add(STARTED + 1, Ordering::AcqRel);
         OpenCall(Arc::clone(self))
     }
 
-    /// Since when the connection has been idle: `None` while a call is open.
-    pub fn idle_since(&self) -> Option<Instant> {
-        if self.open.load(Ordering::Acquire) > 0 {
-            return None;
-        }
-        Some(self.start + Duration::from_nanos(self.last.load(Ordering::Relaxed)))
+    /// Calls started so far.
+    fn started(&self) -> u64 {
+        self.calls.load(Ordering::Acquire) >> 32
     }
 
-    /// Counts `n` control frames: whether the connection is still within its budget.
-    fn control_frames(&self, n: u32) -> bool {
-        let mut control = self.control.lock();
-        let now = Instant::now();
-        let refill = now.duration_since(control.1).as_secs_f64() * CONTROL_PER_SECOND;
-        control.0 = (control.0 + refill).min(CONTROL_BURST) - f64::from(n);
-        control.1 = now;
-        control.0 >= 0.0
+    /// Whether the connection was quiet since `seen` (the calls started when last asked):
+    /// none open now, and none started since. Notes the calls started for the next time.
+    /// Asked every `headerTimeout`, a connection is closed between one and two of them after
+    /// its last call (PINGs and SETTINGS are not calls).
+    pub fn quiet_since(&self, seen: &mut u64) -> bool {
+        let calls = self.calls.load(Ordering::Acquire);
+        let (started, open) = (calls >> 32, calls & OPEN);
+        let quiet = open == 0 && started == *seen;
+        *seen = started;
+        quiet
     }
 }
 
-/// A call open on a [`Connection`]; dropped when its answer has ended.
+/// A call open on a [`Connection`]; dropped when its answer is (a `Watch` stream's when it
+/// ends).
 #[derive(Debug)]
 pub struct OpenCall(Arc<Connection>);
 
 impl Drop for OpenCall {
     fn drop(&mut self) {
-        self.0.touch();
-        self.0.open.fetch_sub(1, Ordering::AcqRel);
+        self.0.calls.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -106,12 +90,41 @@ pub struct Frames {
     tcp: TcpStream,
     connection: Arc<Connection>,
     headers: FrameHeaders,
+    budget: Budget,
 }
 
 impl Frames {
     /// `tcp`, read for `connection`.
     pub fn new(tcp: TcpStream, connection: Arc<Connection>) -> Self {
-        Frames { tcp, connection, headers: FrameHeaders::default() }
+        Frames { tcp, connection, headers: FrameHeaders::default(), budget: Budget::new() }
+    }
+}
+
+/// The control frames a connection may still send: a token bucket of [`CONTROL_BURST`],
+/// [`CONTROL_PER_SECOND`] back a second and [`CONTROL_PER_CALL`] a call started. Only its
+/// reader counts, when control frames come, so a call costs it nothing.
+#[derive(Debug)]
+struct Budget {
+    left: f64,
+    at: Instant,
+    /// Calls started when last counted.
+    calls: u64,
+}
+
+impl Budget {
+    fn new() -> Self {
+        Budget { left: CONTROL_BURST, at: Instant::now(), calls: 0 }
+    }
+
+    /// Counts `n` control frames, the connection's calls started so far being `calls`:
+    /// whether it is still within its budget.
+    fn spend(&mut self, n: u32, calls: u64) -> bool {
+        let now = Instant::now();
+        let back = now.duration_since(self.at).as_secs_f64() * CONTROL_PER_SECOND
+            + calls.saturating_sub(self.calls) as f64 * CONTROL_PER_CALL;
+        self.left = (self.left + back).min(CONTROL_BURST) - f64::from(n);
+        (self.at, self.calls) = (now, calls);
+        self.left >= 0.0
     }
 }
 
@@ -180,7 +193,8 @@ impl AsyncRead for Frames {
         let polled = Pin::new(&mut self.tcp).poll_read(cx, buf);
         if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
             let control = self.headers.feed(&buf.filled()[before..]);
-            if control > 0 && !self.connection.control_frames(control) {
+            let calls = self.connection.started();
+            if control > 0 && !self.budget.spend(control, calls) {
                 return Poll::Ready(Err(std::io::Error::other(
                     "too many PING or SETTINGS frames: the connection is closed",
                 )));
@@ -248,20 +262,22 @@ mod tests {
 
     #[test]
     fn the_budget_runs_out_and_calls_add_to_it() {
-        let connection = Connection::new();
-        assert!(connection.control_frames(CONTROL_BURST as u32 - 10));
-        drop(connection.call());
-        assert!(connection.control_frames(10 + CONTROL_PER_CALL as u32 - 1));
-        assert!(!connection.control_frames(100));
+        let mut budget = Budget::new();
+        assert!(budget.spend(CONTROL_BURST as u32 - 10, 0));
+        assert!(budget.spend(10 + CONTROL_PER_CALL as u32 - 1, 1), "a call added to it");
+        assert!(!budget.spend(100, 1));
     }
 
     #[test]
-    fn a_connection_is_idle_only_without_open_calls() {
+    fn a_connection_is_quiet_only_without_calls_open_or_started() {
         let connection = Connection::new();
-        assert!(connection.idle_since().is_some());
+        let mut seen = 0;
+        assert!(connection.quiet_since(&mut seen));
         let call = connection.call();
-        assert!(connection.idle_since().is_none());
+        assert!(!connection.quiet_since(&mut seen), "a call started");
+        assert!(!connection.quiet_since(&mut seen), "a call open");
         drop(call);
-        assert!(connection.idle_since().unwrap().elapsed() < Duration::from_secs(1));
+        assert!(connection.quiet_since(&mut seen));
+        assert_eq!(connection.started(), 1);
     }
 }

@@ -246,16 +246,15 @@ pub async fn serve(
                 let io = Frames::new(tcp, Arc::clone(&state));
                 let connection = http2.serve_connection(TokioIo::new(io), service);
                 let mut connection = std::pin::pin!(connection);
-                // Idle: no call open, and none started or ended for `idle` (PINGs and
+                // Idle: no call open, and none started over a whole `idle` (PINGs and
                 // SETTINGS do not count: they ask for nothing).
+                let mut seen = 0;
                 let grace = loop {
-                    let since = state.idle_since().unwrap_or_else(std::time::Instant::now);
-                    let idle_until = tokio::time::Instant::from_std(since + idle);
                     tokio::select! {
                         biased;
                         _ = connection.as_mut() => return,
-                        () = tokio::time::sleep_until(idle_until) => {
-                            if state.idle_since().is_some_and(|since| since.elapsed() >= idle) {
+                        () = tokio::time::sleep(idle) => {
+                            if state.quiet_since(&mut seen) {
                                 break idle;
                             }
                         }
@@ -317,10 +316,20 @@ struct Bounded {
     connection: Arc<Connection>,
 }
 
-/// What an open call holds until its answer has ended: its place among the open calls (or
-/// `Watch` streams, and the connection's), and the connection's count of open calls.
-type Held =
-    (tokio::sync::OwnedSemaphorePermit, Option<tokio::sync::OwnedSemaphorePermit>, OpenCall);
+/// What an open call holds: its place among the open calls, or a `Watch` stream's places
+/// (among all and on its connection), and the connection's count of open calls. A call's
+/// answer is whole when it is sent, so it holds them until then; a stream's, until it ends.
+enum Held {
+    Call {
+        _place: tokio::sync::OwnedSemaphorePermit,
+        _open: OpenCall,
+    },
+    Watch {
+        _place: tokio::sync::OwnedSemaphorePermit,
+        _own: tokio::sync::OwnedSemaphorePermit,
+        _open: OpenCall,
+    },
+}
 
 impl Bounded {
     /// What a call may hold, or the answer that refuses it.
@@ -331,7 +340,7 @@ impl Bounded {
                     "more than {MAX_CALLS} calls are open; try again"
                 )));
             };
-            return Ok((call, None, self.connection.call()));
+            return Ok(Held::Call { _place: call, _open: self.connection.call() });
         }
         if self.tokens.required() {
             let values = request.headers().get_all("authorization").iter().map(|v| v.to_str().ok());
@@ -354,7 +363,7 @@ impl Bounded {
                 "more than {WATCHES_PER_CONNECTION} Watch streams are open on this connection"
             )));
         };
-        Ok((watch, Some(own), self.connection.call()))
+        Ok(Held::Watch { _place: watch, _own: own, _open: self.connection.call() })
     }
 }
 
@@ -391,17 +400,20 @@ impl tower_service::Service<http::Request<hyper::body::Incoming>> for Bounded {
                 ))
                 .into_http()),
             };
-            // Held until the answer's body has ended (or is dropped): a stream counts for
-            // as long as it lasts, not only until its headers.
-            answer.map(|response| {
-                response.map(|body| {
-                    use http_body_util::BodyExt as _;
-                    tonic::body::Body::new(body.map_frame(move |frame| {
-                        let _ = &held;
-                        frame
-                    }))
-                })
-            })
+            match held {
+                Held::Call { .. } => answer,
+                // A stream counts for as long as it lasts, not only until its headers: held
+                // until its body has ended (or is dropped).
+                Held::Watch { .. } => answer.map(|response| {
+                    response.map(|body| {
+                        use http_body_util::BodyExt as _;
+                        tonic::body::Body::new(body.map_frame(move |frame| {
+                            let _ = &held;
+                            frame
+                        }))
+                    })
+                }),
+            }
         })
     }
 }
