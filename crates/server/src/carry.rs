@@ -1,5 +1,5 @@
 //! What a reload does to the states of the limits whose config it changes
-//! ([`tollgate_core::Carry`]): each stored key is carried over to the new config
+//! ([`tollgate::core::Carry`]): each stored key is carried over to the new config
 //! ([`tollgate::RateLimiter::carry_async`]), so that a reload keeps every state and never
 //! lets a client past the new limit.
 //!
