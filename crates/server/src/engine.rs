@@ -773,10 +773,11 @@ fn stats_page(query: Option<&str>) -> Result<(usize, usize), String> {
     let (mut offset, mut page) = (0, STATS_PAGE);
     for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-        let number = || {
-            value
-                .parse::<usize>()
-                .map_err(|_| format!("{name} is {value:?}; it must be a whole number"))
+        // A whole number a JSON client keeps exactly (below 2^53), as the OpenAPI document
+        // says.
+        let number = || match value.parse::<u64>() {
+            Ok(n) if n < 1 << 53 => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
+            _ => Err(format!("{name} is {value:?}; it must be a whole number below 2^53")),
         };
         match name {
             "offset" => offset = number()?,
