@@ -210,3 +210,39 @@ fn a_read_tokens_checks_take_no_lease() {
     let series = format!("tollgate_lease_local_total{{name=\"hot\",key=\"{key}\"}}");
     assert!(common::metric(&text, &series) >= 200.0, "{text}");
 }
+
+/// Two servers leasing one name under different configs say so, each in its log (issue 45:
+/// one served 531 requests in 8 s against its bound of 450, in silence): each process says
+/// its config to the store once a term, and warns when another said another.
+#[test]
+fn two_servers_leasing_one_name_apart_say_so() {
+    for var in ["TOLLGATE_REDIS_URL", "TOLLGATE_POSTGRES_URL"] {
+        let Some(url) = common::backend(var) else { continue };
+        let dir = tempfile::tempdir().unwrap();
+        let name = format!("apart{}", std::process::id());
+        let start = |rate: u32, file: &str| {
+            let config = dir.path().join(file);
+            let text = format!(
+                "[limits.{name}]\nkind = \"token bucket\"\nrate = {rate}\nperiod = \"1m\"\nlease = true\n"
+            );
+            std::fs::write(&config, text).unwrap();
+            let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+            command.args(["serve", "--listen", "127.0.0.1:0", "--store", &url, "--config"]);
+            command.arg(&config);
+            common::Served::start(command, false)
+        };
+        let (a, b) = (start(100_000, "a.toml"), start(50_000, "b.toml"));
+        let said = "is leased by another process as a token bucket of";
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !(a.stderr().contains(said) && b.stderr().contains(said)) {
+            assert!(std::time::Instant::now() < deadline, "{var}: {}\n{}", a.stderr(), b.stderr());
+            for served in [&a, &b] {
+                let (status, _) = served.post("/v1/limit", &[], &json!({ "name": name }));
+                assert_eq!(status, 200);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(b.stderr().contains("as a token bucket of 100000 per 60000 ms"), "{}", b.stderr());
+        assert!(a.stderr().contains("as a token bucket of 50000 per 60000 ms"), "{}", a.stderr());
+    }
+}

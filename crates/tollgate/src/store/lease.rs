@@ -58,6 +58,16 @@ pub(crate) trait LeaseStore: Send + Sync + 'static {
         step: Step,
     ) -> impl Future<Output = Result<(f64, Leased, Vec<f64>), StoreError>> + Send;
 
+    /// Says that this process leases `name` under the config `said` describes, for the next
+    /// `ttl`, and answers what another process said of it before, if that has not expired:
+    /// a limit leased under two configs mixes them, and neither holds.
+    fn announce(
+        &self,
+        name: &str,
+        said: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Option<String>, StoreError>> + Send;
+
     /// The leased limits, if the store has any.
     fn leases(&self) -> Option<&Leases>;
 
@@ -244,6 +254,9 @@ pub(crate) struct Leases {
     made: AtomicU64,
     /// When idle entries were last looked for (the bits of an `f64`, on the holder's clock).
     swept_at: AtomicU64,
+    /// Per name: when this process next says its config to the store, and when it last
+    /// warned of another's (on the holder's clock).
+    announced: parking_lot::Mutex<HashMap<Box<str>, (f64, f64)>>,
 }
 
 type Entries = HashMap<u64, Vec<Arc<Entry>>>;
@@ -335,6 +348,7 @@ impl Leases {
             held_keys: AtomicUsize::new(0),
             made: AtomicU64::new(0),
             swept_at: AtomicU64::new(f64::NEG_INFINITY.to_bits()),
+            announced: parking_lot::Mutex::new(HashMap::new()),
         })
     }
 
@@ -556,6 +570,9 @@ fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entr
                 entry.grants.fetch_add(1, Ordering::Relaxed);
                 entry.holder.granted(asked, grant, store_now);
                 entry.arrived.notify_waiters();
+                if let Some(leases) = store.leases() {
+                    announce(&*store, leases, &entry).await;
+                }
                 let left = after.state.map_or(entry.config.capacity(), |s| s.value);
                 if left < entry.options.floor * entry.config.capacity()
                     && !entry.near.swap(true, Ordering::AcqRel)
@@ -568,6 +585,54 @@ fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entr
         }
         entry.arrived.notify_waiters();
     });
+}
+
+/// A leased limit's config in words, as processes say it to each other through the store:
+/// two that lease one name under different configs mix their leases and takes, so that
+/// neither's limit holds.
+fn said(config: &Config) -> String {
+    use tollgate_core::fmt_number;
+    format!(
+        "{} of {} per {} ms, capacity {}",
+        config.kind(),
+        fmt_number(config.rate()),
+        fmt_number(config.period()),
+        fmt_number(config.capacity())
+    )
+}
+
+/// Says `entry`'s config to the store, at most once a term for its name, and warns (at most
+/// once a minute) when another process said another for it within three terms.
+async fn announce<S: LeaseStore>(store: &S, leases: &Leases, entry: &Entry) {
+    let now = leases.now(store);
+    let term = entry.options.term;
+    {
+        let mut announced = leases.announced.lock();
+        let (next, _) =
+            announced.entry(entry.name.clone()).or_insert((f64::NEG_INFINITY, f64::NEG_INFINITY));
+        if now < *next {
+            return;
+        }
+        *next = now + term.as_secs_f64() * 1e3;
+    }
+    let ours = said(&entry.config);
+    let Ok(Some(theirs)) = store.announce(&entry.name, &ours, term * 3).await else { return };
+    if theirs == ours {
+        return;
+    }
+    let mut announced = leases.announced.lock();
+    let Some((_, warned)) = announced.get_mut(&entry.name) else { return };
+    if now - *warned < 60_000.0 {
+        return;
+    }
+    *warned = now;
+    tracing::warn!(
+        limit = &*entry.name,
+        "the leased limit {} is leased by another process as a {theirs}, and by this one as a \
+         {ours}: their leases and takes mix, and neither limit holds; give every process the \
+         same config",
+        entry.name
+    );
 }
 
 /// Returns every lease the store holds (for a graceful shutdown). The first error; the

@@ -155,9 +155,11 @@ async fn create_table<C>(shared: &Shared<C>) -> Result<(), StoreError> {
         // replacing the function, which fails when two do it at once).
         client
             .batch_execute(&format!(
-                "BEGIN; SELECT pg_advisory_xact_lock({LOCK_CLASS}, 0); {}; {}; {}; {}; {}; {}; COMMIT",
+                "BEGIN; SELECT pg_advisory_xact_lock({LOCK_CLASS}, 0); {}; {}; {}; {}; {}; {}; {}; \
+                 COMMIT",
                 sql.create,
                 sql.add_leases,
+                sql.create_lease_config,
                 sql.drop_old,
                 sql.create_lease,
                 sql.create_take,
@@ -280,6 +282,9 @@ enum Job {
     Lease(Box<LeaseRow>, Ticket<(f64, Leased, Vec<f64>)>),
     /// The key and shard of each state of a name: the statement's text, the name.
     Keys(String, String, Ticket<Vec<(Option<String>, u16)>>),
+    /// A leased name's config said (see `LeaseStore::announce`): the statement's text, the
+    /// name, what is said, for how many ms.
+    Announce(Box<(String, String, String, f64)>, Ticket<Option<String>>),
 }
 
 impl Job {
@@ -291,6 +296,7 @@ impl Job {
             Job::Read(_, _, t) => t.take(),
             Job::Delete(_, _, _, t) => t.take(),
             Job::Keys(_, _, t) => t.take(),
+            Job::Announce(_, t) => t.take(),
             Job::Lease(_, t) => t.take(),
         }
     }
@@ -528,6 +534,7 @@ impl Batch {
             Batch::Other(Job::Delete(_, _, _, t)) => t.answer(Err(e())),
             Batch::Other(Job::Lease(_, t)) => t.answer(Err(e())),
             Batch::Other(Job::Keys(_, _, t)) => t.answer(Err(e())),
+            Batch::Other(Job::Announce(_, t)) => t.answer(Err(e())),
         }
     }
 
@@ -588,6 +595,21 @@ impl Batch {
                         .map_err(|e| pg_error("cannot list states", e))
                 };
                 ticket.answer(result.and_then(keys));
+                healthy
+            }
+            Batch::Other(Job::Announce(said, ticket)) => {
+                let (sql, name, said, millis) = *said;
+                let params: [&(dyn ToSql + Sync); 3] = [&name, &said, &millis];
+                let types = [Type::TEXT, Type::TEXT, Type::FLOAT8];
+                let request = query(&conn.client, Stmt::Text(&sql, &types), &params);
+                let (result, healthy) = bounded(timeout, true, request).await;
+                let before = |rows: Vec<Row>| -> Result<Option<String>, StoreError> {
+                    match rows.first() {
+                        Some(row) => row.try_get(0).map_err(|e| pg_error("announce failed", e)),
+                        None => Ok(None),
+                    }
+                };
+                ticket.answer(result.and_then(before));
                 healthy
             }
             Batch::Other(Job::Lease(row, ticket)) => {
@@ -1156,6 +1178,17 @@ impl<C: Clock> LeaseStore for Shared<C> {
     ) -> Result<(f64, Leased, Vec<f64>), StoreError> {
         let row = Box::new(LeaseRow::new(slot, step, self.now()));
         self.submit(|ticket| Job::Lease(row, ticket)).await
+    }
+
+    async fn announce(
+        &self,
+        name: &str,
+        said: &str,
+        ttl: Duration,
+    ) -> Result<Option<String>, StoreError> {
+        let job =
+            (self.sql.announce.clone(), name.to_owned(), said.to_owned(), ttl.as_secs_f64() * 1e3);
+        self.submit(|ticket| Job::Announce(Box::new(job), ticket)).await
     }
 
     fn leases(&self) -> Option<&Leases> {

@@ -115,7 +115,8 @@ pub(crate) fn lock_ids(slots: &[Slot<'_>]) -> Vec<i32> {
 }
 
 /// The longest table name: PostgreSQL keeps 63 bytes of a name, and the store names
-/// functions after the table with `_take` and `_takes` added.
+/// functions after the table with `_take`, `_takes` and `_lease` added, and a table with
+/// `_lconf`.
 pub(crate) const MAX_TABLE: usize = 57;
 
 /// Whether `table` is a name that may go into a statement as it is: letters, digits and `_`,
@@ -189,6 +190,11 @@ pub(crate) struct PgSql {
     pub(crate) keys: String,
     /// Adds the `leases` column to a table of an earlier version.
     pub(crate) add_leases: String,
+    /// Creates the table of the configs processes lease names under (`{table}_lconf`).
+    pub(crate) create_lease_config: String,
+    /// Says a process's config of a leased name ($1) as $2 for $3 ms: answers the config
+    /// another said of it before, if that has not expired.
+    pub(crate) announce: String,
     /// Creates (or replaces) the functions behind [`PgSql::lease`].
     pub(crate) create_lease: String,
     /// A step on a leased shard: see [`PgSql::new`].
@@ -333,6 +339,18 @@ impl PgSql {
             ),
             add_leases: format!(
                 "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS leases double precision[]"
+            ),
+            create_lease_config: format!(
+                "CREATE TABLE IF NOT EXISTS {table}_lconf (name text PRIMARY KEY, \
+                 said text NOT NULL, until timestamptz NOT NULL)"
+            ),
+            announce: format!(
+                "WITH old AS (SELECT said FROM {table}_lconf \
+                   WHERE name = $1 AND until > clock_timestamp()) \
+                 INSERT INTO {table}_lconf (name, said, until) \
+                   VALUES ($1, $2, clock_timestamp() + $3 * interval '1 millisecond') \
+                 ON CONFLICT (name) DO UPDATE SET said = excluded.said, until = excluded.until \
+                 RETURNING (SELECT said FROM old)"
             ),
             create_lease: pg_lease_functions(table),
             lease: format!("SELECT {table}_lease($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"),

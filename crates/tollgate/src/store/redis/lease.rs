@@ -172,6 +172,29 @@ impl<C: Clock> LeaseStore for Inner<C> {
         Ok((now, leased, said))
     }
 
+    /// `SET <prefix>lease-config:<len>:<name> said PX ttl GET` (Redis 6.2 and later).
+    async fn announce(
+        &self,
+        name: &str,
+        said: &str,
+        ttl: std::time::Duration,
+    ) -> Result<Option<String>, StoreError> {
+        let key = format!("{}lease-config:{}:{name}", self.prefix, name.len());
+        let millis = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let said = said.to_owned();
+        self.on_connection(Writes::No, |mut conn| async move {
+            redis::cmd("SET")
+                .arg(&key)
+                .arg(&said)
+                .arg("PX")
+                .arg(millis)
+                .arg("GET")
+                .query_async::<Option<String>>(&mut conn)
+                .await
+        })
+        .await
+    }
+
     fn leases(&self) -> Option<&Leases> {
         self.leases.as_ref()
     }
