@@ -1343,7 +1343,6 @@ impl<S> RateLimiter<S> {
     }
 }
 
-/// A reading of the states `read` for `slots` at `now`.
 /// The takes that carry (name, key) from `old` to `new` (see [`RateLimiter::carry`]), given
 /// the states of its `slots` read at `now`: under [`Carry::Refill`] a take of nothing from each
 /// stored state, under [`Carry::Convert`] [`carry_counts`] from each shard of `new` that has a
@@ -1366,6 +1365,7 @@ fn carrying_takes<'a>(
         .collect()
 }
 
+/// A reading of the states `read` for `slots` at `now`.
 fn reading(
     config: &Config,
     slots: &[Slot<'_>],
