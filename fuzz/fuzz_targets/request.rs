@@ -8,7 +8,8 @@ use std::sync::{Arc, LazyLock};
 
 use libfuzzer_sys::fuzz_target;
 use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter};
-use tollgate_server::engine::{DynStore, Engine, Op, Permissions};
+use tollgate_server::engine::{Engine, Op, Permissions};
+use tollgate_server::store::DynStore;
 
 struct Fixture {
     engine: Engine,

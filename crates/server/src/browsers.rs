@@ -22,7 +22,7 @@ use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use axum::response::IntoResponse;
 
-use crate::engine::Answer;
+use crate::answer::{Answer, close_if_unread};
 
 /// The checks, made once from the settings.
 #[derive(Clone, Debug, Default)]
@@ -187,7 +187,7 @@ where
             Ok(None) => GuardFuture::inner(self.inner.call(request), None),
             Err(message) => {
                 let mut refusal = Answer::error(StatusCode::FORBIDDEN, message).into_response();
-                crate::http::close_if_unread(&mut refusal, request.headers());
+                close_if_unread(&mut refusal, request.headers());
                 GuardFuture::answered(refusal)
             }
             Ok(Some(origin)) if request.method() == Method::OPTIONS => {

@@ -15,58 +15,12 @@
 //! Carrying only takes tokens, so requests go on meanwhile.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tollgate::core::Carry;
-use tollgate::store::{PgStore, RedisStore, SqliteStore};
-use tollgate::{Config, MemoryStore, RateLimiter, StoreError};
+use tollgate::{Config, RateLimiter, StoreError};
 
-use crate::engine::DynStore;
-
-/// The store, as the concrete store whose keys a carry lists.
-#[derive(Clone)]
-pub enum Stored {
-    /// In memory.
-    Memory(Arc<MemoryStore>),
-    /// A SQLite file.
-    Sqlite(Arc<SqliteStore>),
-    /// Redis, Redis Cluster, or behind Sentinel.
-    Redis(Arc<RedisStore>),
-    /// PostgreSQL.
-    Postgres(Arc<PgStore>),
-}
-
-impl Stored {
-    /// The key and shard of every state of `name` (the memory and SQLite stores' lists are
-    /// made off the runtime's threads).
-    async fn keys_of(&self, name: &str) -> Result<Vec<(Option<String>, u16)>, StoreError> {
-        let name = name.to_owned();
-        let blocking = |list: Box<dyn FnOnce() -> Result<_, StoreError> + Send>| async move {
-            tokio::task::spawn_blocking(list)
-                .await
-                .unwrap_or_else(|e| Err(StoreError::new(format!("listing states failed: {e}"))))
-        };
-        match self {
-            Stored::Memory(memory) => {
-                let memory = Arc::clone(memory);
-                blocking(Box::new(move || Ok(memory.keys_of(&name)))).await
-            }
-            Stored::Sqlite(sqlite) => {
-                let sqlite = Arc::clone(sqlite);
-                blocking(Box::new(move || sqlite.keys_of(&name))).await
-            }
-            Stored::Redis(redis) => redis.keys_of(&name).await,
-            Stored::Postgres(pg) => pg.keys_of(&name).await,
-        }
-    }
-
-    /// Whether the store drops a state when it is full again (PostgreSQL keeps it until a
-    /// request leaves it full, so another rate, period or capacity needs nothing there).
-    fn drops_full_states(&self) -> bool {
-        !matches!(self, Stored::Postgres(_))
-    }
-}
+use crate::store::{DynStore, Stored};
 
 /// A limit whose config a reload changes, and what that asks.
 #[derive(Clone, Debug)]
@@ -165,7 +119,7 @@ pub async fn carry(
             logged = Instant::now();
             tracing::info!(
                 "{}: carried {} of {} keys to the new config",
-                crate::config::limits_table(&change.name),
+                crate::names::limits_table(&change.name),
                 ((i + 1) * AT_ONCE).min(keys.len()),
                 keys.len()
             );

@@ -10,10 +10,13 @@ use arc_swap::ArcSwap;
 
 use axum::http::{HeaderName, StatusCode};
 use serde::Deserialize;
-use serde_json::{Map, Value, json};
-use tollgate::store::DynAsyncStore;
+use serde_json::{Value, json};
 use tollgate::tower::fields;
 use tollgate::{Call, Config, Error, RateLimiter, RawConfig, Request, Status, Target};
+
+use crate::answer::decision_json;
+use crate::answer::{Answer, Body, number};
+use crate::store::DynStore;
 
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -67,96 +70,6 @@ impl Op {
         [Op::Limit, Op::Check, Op::Transaction, Op::Reset, Op::Value]
             .into_iter()
             .find(|op| op.name() == name)
-    }
-}
-
-/// What a request is answered: status, JSON body, header fields.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Answer {
-    /// The HTTP status.
-    pub status: StatusCode,
-    /// The JSON body.
-    pub body: Body,
-    /// `RateLimit-Policy`, `RateLimit` and `Retry-After`, when they apply.
-    pub headers: Vec<(HeaderName, String)>,
-    /// How the request went, for metrics: `ok`, `refused`, `invalid`, `not_defined`, `store_error`.
-    pub outcome: &'static str,
-}
-
-/// An answer's JSON body: most are built as a [`Value`]; a decision, the answer to almost
-/// every request, is written straight to its text.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Body {
-    /// Any JSON.
-    Json(Value),
-    /// `{ ok, retryAfter? }`.
-    Decision {
-        /// Granted or not.
-        ok: bool,
-        /// The wait, if any.
-        retry_after: Option<f64>,
-    },
-}
-
-impl Body {
-    /// The body as a JSON value.
-    pub fn into_value(self) -> Value {
-        match self {
-            Body::Json(value) => value,
-            Body::Decision { ok, retry_after } => decision_json(ok, retry_after),
-        }
-    }
-
-    /// Whether it grants the request, if it is a decision (of a limit, a check, a
-    /// transaction).
-    pub fn ok(&self) -> Option<bool> {
-        match self {
-            Body::Json(value) => value.get("ok")?.as_bool(),
-            Body::Decision { ok, .. } => Some(*ok),
-        }
-    }
-
-    /// The body's JSON text.
-    pub fn to_json(&self) -> String {
-        match self {
-            Body::Json(value) => value.to_string(),
-            Body::Decision { ok, retry_after } => {
-                let mut text = String::with_capacity(40);
-                text.push_str(if *ok { "{\"ok\":true" } else { "{\"ok\":false" });
-                if let Some(wait) = retry_after {
-                    text.push_str(",\"retryAfter\":");
-                    text.push_str(&number(*wait).to_string());
-                }
-                text.push('}');
-                text
-            }
-        }
-    }
-}
-
-impl Answer {
-    fn ok(body: Value) -> Self {
-        Answer {
-            status: StatusCode::OK,
-            body: Body::Json(body),
-            headers: Vec::new(),
-            outcome: "ok",
-        }
-    }
-
-    /// An error answer: `{ "error": message }`.
-    pub fn error(status: StatusCode, message: impl Into<String>) -> Self {
-        let outcome = match status {
-            StatusCode::NOT_FOUND => "not_defined",
-            StatusCode::SERVICE_UNAVAILABLE => "store_error",
-            _ => "invalid",
-        };
-        Answer {
-            status,
-            body: Body::Json(json!({ "error": message.into() })),
-            headers: Vec::new(),
-            outcome,
-        }
     }
 }
 
@@ -244,9 +157,6 @@ fn objects<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
     Ok(Vec::<Object<T>>::deserialize(deserializer)?.into_iter().map(|o| o.0).collect())
 }
 
-/// The store every server runs on, picked at run time from a URL; every call is awaited.
-pub type DynStore = Arc<dyn DynAsyncStore>;
-
 /// What a request may carry besides the name of a limit the server defines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Permissions {
@@ -276,7 +186,7 @@ pub struct Engine {
     pub leases: Option<crate::store::Leasing>,
     /// The store whose states a reload carries to a changed config (none: nothing is
     /// carried, as in the simulator, whose states live no longer than a run).
-    pub stored: Option<crate::carry::Stored>,
+    pub stored: Option<crate::store::Stored>,
 }
 
 /// The limits of one config: the limiter with its defined names, what requests may carry,
@@ -798,7 +708,7 @@ fn not_defined(name: &str) -> Answer {
         format!(
             "Rate limit {name} not defined. Define it in a {} table of the server's config \
              file, or send a config with the request.",
-            crate::config::limits_table(name)
+            crate::names::limits_table(name)
         ),
     )
 }
@@ -868,23 +778,4 @@ fn field_before(body: &[u8], line: usize, column: usize) -> Option<String> {
     let key_end = before[..colon].trim_end().strip_suffix('"')?;
     let key_start = key_end.rfind('"')?;
     Some(key_end[key_start + 1..].to_owned())
-}
-
-/// `{ ok, retryAfter? }`.
-fn decision_json(ok: bool, retry_after: Option<f64>) -> Value {
-    let mut body = Map::new();
-    body.insert("ok".into(), Value::Bool(ok));
-    if let Some(wait) = retry_after {
-        body.insert("retryAfter".into(), number(wait));
-    }
-    Value::Object(body)
-}
-
-/// A number in its shortest JSON form: `60000`, not `60000.0`.
-pub fn number(x: f64) -> Value {
-    if x.fract() == 0.0 && x.abs() < 9_007_199_254_740_992.0 {
-        Value::from(x as i64)
-    } else {
-        Value::from(x)
-    }
 }

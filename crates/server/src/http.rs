@@ -6,12 +6,15 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
-use crate::engine::{Answer, Engine, MAX_BODY, Op};
+use crate::answer::{Answer, CLOSE, close_if_unread};
+use crate::auth::{Credential, READ_PATHS, Tokens, credential};
+use crate::engine::{Engine, MAX_BODY, Op};
+use crate::error_log::ErrorLog;
 use crate::metrics::Metrics;
 
 /// What every handler shares.
@@ -49,100 +52,6 @@ pub struct App {
     pub sqlite: Option<Arc<tollgate::store::SqliteStore>>,
     /// Reloads of the config, and whether the server is draining.
     pub live: Arc<crate::live::Status>,
-}
-
-/// How often a run of failed requests is summed up in the log.
-const LOG_INTERVAL: Duration = Duration::from_secs(10);
-
-/// Failures logged without flooding: the first of an interval of `LOG_INTERVAL` (10 s) at
-/// once, the rest of it counted and summed up in one line (their count and the last message)
-/// when the interval is over. One for failed requests (5xx), one for connections that could
-/// not be accepted (out of file descriptors, say).
-pub struct ErrorLog {
-    state: parking_lot::Mutex<ErrorLogState>,
-    /// What the summary counts: `requests failed`.
-    what: &'static str,
-}
-
-impl Default for ErrorLog {
-    fn default() -> Self {
-        ErrorLog::new("requests failed")
-    }
-}
-
-#[derive(Default)]
-struct ErrorLogState {
-    /// When the interval of the last logged line began.
-    since: Option<Instant>,
-    /// Failures since, not logged.
-    more: u64,
-    last: String,
-}
-
-impl ErrorLog {
-    /// A log whose summaries count `what` (`connections could not be accepted`).
-    pub fn new(what: &'static str) -> Self {
-        ErrorLog { state: parking_lot::Mutex::default(), what }
-    }
-
-    /// A request of `op` failed with `status` and `message`.
-    pub fn record(&self, op: &str, status: StatusCode, message: &str) {
-        self.note(message, || tracing::warn!(op, status = %status, "request failed: {message}"));
-    }
-
-    /// A failure: `log` logs it, unless one was logged less than an interval ago (then it is
-    /// counted, and `message` kept for the summary).
-    pub fn note(&self, message: &str, log: impl FnOnce()) {
-        let mut state = self.state.lock();
-        let now = Instant::now();
-        if state.since.is_some_and(|since| now.duration_since(since) < LOG_INTERVAL) {
-            state.more += 1;
-            message.clone_into(&mut state.last);
-            return;
-        }
-        let (more, last) = (std::mem::take(&mut state.more), std::mem::take(&mut state.last));
-        state.since = Some(now);
-        drop(state);
-        self.summary(more, &last);
-        log();
-    }
-
-    /// Sums up the interval that is over, if any failures are still untold; for a timer.
-    pub fn flush(&self) {
-        let mut state = self.state.lock();
-        if state.since.is_some_and(|since| since.elapsed() >= LOG_INTERVAL) && state.more > 0 {
-            let (more, last) = (std::mem::take(&mut state.more), std::mem::take(&mut state.last));
-            state.since = None;
-            drop(state);
-            self.summary(more, &last);
-        }
-    }
-
-    fn summary(&self, more: u64, last: &str) {
-        if more > 0 {
-            tracing::warn!(
-                count = more,
-                "{more} more {} in the last {} s; the last: {last}",
-                self.what,
-                LOG_INTERVAL.as_secs()
-            );
-        }
-    }
-}
-
-/// The one place where answers (including errors) become HTTP responses.
-impl IntoResponse for Answer {
-    fn into_response(self) -> Response {
-        let content_type = [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))];
-        let mut response = (self.status, content_type, self.body.to_json()).into_response();
-        for (name, value) in self.headers {
-            // From a String, the value takes the buffer over: no copy.
-            if let Ok(value) = HeaderValue::try_from(value) {
-                response.headers_mut().insert(name, value);
-            }
-        }
-        response
-    }
 }
 
 /// What serves every HTTP request: the router, behind the checks of what web pages may ask
@@ -208,10 +117,6 @@ fn routes(app: Arc<App>) -> Router {
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(app)
 }
-
-/// `Connection: close`, on answers after which the connection is closed (the body was not
-/// read to its end), so that a client does not send its next request on it.
-const CLOSE: (HeaderName, &str) = (header::CONNECTION, "close");
 
 async fn operation(State(app): State<Arc<App>>, op: Op, request: Request) -> Answer {
     if crate::otel::on() {
@@ -327,97 +232,10 @@ async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next)
     refusal
 }
 
-/// A refusal of a request whose body it did not read: if the request has one (by
-/// `Transfer-Encoding` or a `Content-Length` other than 0), the connection is closed after
-/// the answer, and the answer says so, so that a client does not send its next request on it.
-pub fn close_if_unread(refusal: &mut Response, request: &axum::http::HeaderMap) {
-    let body = request.contains_key(header::TRANSFER_ENCODING)
-        || request.get(header::CONTENT_LENGTH).is_some_and(|length| length.as_bytes() != b"0");
-    if body {
-        refusal.headers_mut().insert(CLOSE.0, HeaderValue::from_static(CLOSE.1));
-    }
-}
-
-/// What a read token may call: what a web page needs to show a limit, and nothing that
-/// takes, resets or lists more.
-pub const READ_PATHS: [&str; 4] = ["/v1/value", "/v1/check", "/v1/time", "/v1/config"];
-
-/// The server's bearer tokens: those that may do anything, and those that may only read
-/// ([`READ_PATHS`]).
-#[derive(Clone, Debug, Default)]
-pub struct Tokens {
-    /// `[server] tokens`: every operation.
-    pub full: Vec<String>,
-    /// `[server] readTokens`: [`READ_PATHS`] only.
-    pub read: Vec<String>,
-}
-
-impl Tokens {
-    /// Whether the server asks for a token at all (it does when it has any).
-    pub fn required(&self) -> bool {
-        !self.full.is_empty()
-    }
-}
-
-/// What a request's `Authorization` values (each as text, if it is) say of its caller.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Credential {
-    /// None was sent.
-    Missing,
-    /// More than one was sent.
-    Several,
-    /// Not a Bearer token (another scheme, or not text).
-    NotBearer,
-    /// A Bearer token that is none of the server's.
-    Wrong,
-    /// One of the server's read tokens.
-    Read,
-    /// One of the server's (full) tokens.
-    Good,
-}
-
-/// What `values` (a request's `Authorization` values, or a gRPC call's `authorization`
-/// metadata) say, against `tokens`: the one check of the HTTP API and the rate limit service.
-pub fn credential<'v>(
-    tokens: &Tokens,
-    mut values: impl Iterator<Item = Option<&'v str>>,
-) -> Credential {
-    let (value, more) = (values.next(), values.next());
-    match (value, more) {
-        (None, _) => Credential::Missing,
-        (Some(_), Some(_)) => Credential::Several,
-        (Some(value), None) => match value.and_then(bearer) {
-            None => Credential::NotBearer,
-            Some(token) if known_token(&tokens.full, token) => Credential::Good,
-            Some(token) if known_token(&tokens.read, token) => Credential::Read,
-            Some(_) => Credential::Wrong,
-        },
-    }
-}
-
 fn unauthorized(message: &str) -> Response {
     let mut response = Answer::error(StatusCode::UNAUTHORIZED, message).into_response();
     response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     response
-}
-
-/// The token of an `Authorization` value of the Bearer scheme, whose name is
-/// case-insensitive (RFC 9110 §11.1): `bearer` works too.
-pub fn bearer(authorization: &str) -> Option<&str> {
-    authorization
-        .split_once(' ')
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, token)| token.trim_start())
-}
-
-/// Whether `presented` is one of `tokens`, compared in constant time.
-pub fn known_token(tokens: &[String], presented: &str) -> bool {
-    tokens.iter().any(|t| same(t.as_bytes(), presented.as_bytes()))
-}
-
-/// Compares without stopping at the first difference, so timing does not reveal a token.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// `/healthz`: the store answers (a read of nothing) within the store deadline, or 503;

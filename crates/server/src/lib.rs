@@ -10,16 +10,20 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
+pub mod answer;
+pub mod auth;
 pub mod browsers;
 pub mod carry;
 pub mod client;
 pub mod config;
 pub mod engine;
+pub mod error_log;
 pub mod fields;
 pub mod http;
 pub mod listen;
 pub mod live;
 pub mod metrics;
+pub mod names;
 pub mod otel;
 pub mod plot;
 pub mod rls;
@@ -239,7 +243,7 @@ fn check_config(args: CheckArgs) -> ExitCode {
             };
             let names: Vec<&str> = loaded.settings.limits.iter().map(|(n, _)| n.as_str()).collect();
             println!("{file}: ok, version {}", loaded.version);
-            println!("  limits: {}", config::names_line(&names));
+            println!("  limits: {}", names::names_line(&names));
             if let (Some(path), Some(rls)) = (&loaded.settings.rls_config, &loaded.rls) {
                 println!(
                     "  rls:    {} (domains: {})",
@@ -332,14 +336,14 @@ pub async fn app_of(
     let app = http::App {
         engine: Arc::clone(&engine),
         rls,
-        tokens: http::Tokens { full: settings.tokens.clone(), read: settings.read_tokens.clone() },
+        tokens: auth::Tokens { full: settings.tokens.clone(), read: settings.read_tokens.clone() },
         metrics: metrics::Metrics::default(),
         memory: opened.memory.clone(),
         breaker: opened.breaker.clone(),
         leases: opened.leases.clone(),
         health_deadline: settings.store_deadline,
         errors: Arc::default(),
-        accept_errors: Arc::new(http::ErrorLog::new("connections could not be accepted")),
+        accept_errors: Arc::new(error_log::ErrorLog::new("connections could not be accepted")),
         body_timeout: settings.http.body_timeout,
         sqlite_states: Arc::clone(&sqlite_states),
         browsers: browsers::BrowserRules::new(
@@ -484,8 +488,13 @@ async fn serve_async(
     // Full states carry no information: delete them now and then.
     sweeps.start();
     // SIGHUP, or a change of the files, reloads the config.
-    let reloader =
-        Arc::new(live::Reloader::new(sources, settings.clone(), overridden, Arc::clone(&app)));
+    let parts = live::Swapped {
+        engine: Arc::clone(&app.engine),
+        rls: app.rls.clone(),
+        browsers: Arc::clone(&app.browsers),
+        status: Arc::clone(&app.live),
+    };
+    let reloader = Arc::new(live::Reloader::new(sources, settings.clone(), overridden, parts));
     reloader.on_hangup();
     let _watcher = match reloader.on_change() {
         Ok(watcher) => watcher,
@@ -582,7 +591,7 @@ pub async fn serve_http(
     listener: tokio::net::TcpListener,
     router: http::Service,
     limits: config::HttpLimits,
-    accept_errors: Arc<http::ErrorLog>,
+    accept_errors: Arc<error_log::ErrorLog>,
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
@@ -623,7 +632,7 @@ fn print_banner(
     let forgets =
         if memory { " (in this process only: a restart forgets every state)" } else { "" };
     println!("  store:  {}{forgets}", tollgate::store::redacted_url(&settings.store));
-    println!("  limits: {}", config::names_line(&names));
+    println!("  limits: {}", names::names_line(&names));
     if let Some(tracing) = tracing {
         println!("  traces: {tracing}");
     }

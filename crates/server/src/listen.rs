@@ -10,7 +10,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
 use crate::config::HttpLimits;
-use crate::http::ErrorLog;
+use crate::error_log::ErrorLog;
 
 /// Resolves once the server is stopping: a connection then finishes what it is doing and
 /// closes.

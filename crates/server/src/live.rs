@@ -20,8 +20,9 @@ use tollgate::RateLimiter;
 use tollgate::core::Carry;
 
 use crate::config::{FileConfig, Overrides, SETTINGS, Settings};
-use crate::engine::{Defined, DynStore, Permissions};
+use crate::engine::{Defined, Permissions};
 use crate::rls::RlsConfig;
+use crate::store::DynStore;
 
 /// Where the config comes from: the file (if any), and the flags and environment read once
 /// at start.
@@ -196,12 +197,25 @@ pub struct Status {
     pub draining: AtomicBool,
 }
 
+/// What a reload swaps (the limits, the RLS rules, what web pages may ask), and where it
+/// says how it went.
+pub struct Swapped {
+    /// The limits (and the store whose states a changed limit carries).
+    pub engine: Arc<crate::engine::Engine>,
+    /// The rate limit service's rules, if it runs.
+    pub rls: Option<Arc<crate::rls::Rls>>,
+    /// What web pages may ask.
+    pub browsers: crate::browsers::SharedRules,
+    /// Reloads applied and refused.
+    pub status: Arc<Status>,
+}
+
 /// Reloads the config of a running server.
 pub struct Reloader {
     sources: Sources,
     /// What the server started with: the settings a reload cannot change.
     started: Settings,
-    app: Arc<crate::http::App>,
+    parts: Swapped,
     /// One reload at a time; the file's values of the settings a flag or variable overrides
     /// (see [`Loaded::overridden`]) as last read.
     one: tokio::sync::Mutex<Vec<(&'static str, String, String)>>,
@@ -212,15 +226,15 @@ pub struct Reloader {
 const QUIET: Duration = Duration::from_millis(150);
 
 impl Reloader {
-    /// A reloader of `app`, which was started with `started` (whose overridden settings
+    /// A reloader of `parts`, which were started with `started` (whose overridden settings
     /// are `overridden`) from `sources`.
     pub fn new(
         sources: Sources,
         started: Settings,
         overridden: Vec<(&'static str, String, String)>,
-        app: Arc<crate::http::App>,
+        parts: Swapped,
     ) -> Self {
-        Reloader { sources, started, app, one: tokio::sync::Mutex::new(overridden) }
+        Reloader { sources, started, parts, one: tokio::sync::Mutex::new(overridden) }
     }
 
     /// Reads the config again and applies it, or refuses it whole; `why` says what asked.
@@ -229,7 +243,7 @@ impl Reloader {
         let mut overridden = self.one.lock().await;
         let sources = self.sources.clone();
         let loaded = tokio::task::spawn_blocking(move || sources.load()).await;
-        let serving = self.app.engine.current().version.clone();
+        let serving = self.parts.engine.current().version.clone();
         match loaded.map_err(anyhow::Error::from).and_then(|loaded| loaded) {
             Ok(loaded) if loaded.version == serving => {
                 tracing::debug!(version = serving, "config unchanged ({why})");
@@ -251,7 +265,7 @@ impl Reloader {
                 self.apply(loaded, why).await;
             }
             Err(e) => {
-                self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
+                self.parts.status.reload_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(
                     version = serving,
                     "config reload ({why}) refused, version {serving} goes on serving: {e:#}"
@@ -288,7 +302,7 @@ impl Reloader {
                  reload is applied"
             );
         }
-        let engine = &self.app.engine;
+        let engine = &self.parts.engine;
         let before = engine.current();
         let changes = match &engine.stored {
             Some(stored) => crate::carry::changes(before.limiter(), &new.limits, stored),
@@ -302,22 +316,22 @@ impl Reloader {
         }
         let store = before.limiter().store().clone();
         engine.replace(defined(store, new, loaded.version.clone()));
-        if let (Some(rls), Some(config)) = (&self.app.rls, loaded.rls) {
+        if let (Some(rls), Some(config)) = (&self.parts.rls, loaded.rls) {
             rls.replace(config);
         }
-        self.app.browsers.store(Arc::new(crate::browsers::BrowserRules::new(
+        self.parts.browsers.store(Arc::new(crate::browsers::BrowserRules::new(
             !self.started.tokens.is_empty(),
             self.started.listen,
             &new.cors_origins,
             &new.allowed_hosts,
         )));
-        self.app.live.reloads.fetch_add(1, Ordering::Relaxed);
+        self.parts.status.reloads.fetch_add(1, Ordering::Relaxed);
         let names: Vec<&str> = new.limits.iter().map(|(n, _)| n.as_str()).collect();
         tracing::info!(
             version = loaded.version,
             "config reloaded ({why}): version {}, limits: {}",
             loaded.version,
-            crate::config::names_line(&names)
+            crate::names::names_line(&names)
         );
         if !changes.is_empty() {
             // The requests that started under the old config may still write under it: once
@@ -338,12 +352,12 @@ impl Reloader {
     /// the keys in `skip`; says in the log what it did. The keys carried.
     async fn carry(
         &self,
-        limiter: &RateLimiter<crate::engine::DynStore>,
+        limiter: &RateLimiter<DynStore>,
         change: &crate::carry::Change,
         skip: Option<&std::collections::HashSet<Option<String>>>,
     ) -> std::collections::HashSet<Option<String>> {
-        let Some(stored) = &self.app.engine.stored else { return Default::default() };
-        let name = crate::config::limits_table(&change.name);
+        let Some(stored) = &self.parts.engine.stored else { return Default::default() };
+        let name = crate::names::limits_table(&change.name);
         match crate::carry::carry(limiter, stored, change, skip).await {
             Ok(carried) => {
                 if carried.states > 0 {
@@ -354,7 +368,7 @@ impl Reloader {
                     );
                 }
                 if let (n, Some(e)) = &carried.failed {
-                    self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
+                    self.parts.status.reload_errors.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(
                         "{name} changed: {n} keys could not be carried to its new \
                          config ({e}); until they are reset or refilled they read as the \
@@ -364,7 +378,7 @@ impl Reloader {
                 carried.keys
             }
             Err(e) => {
-                self.app.live.reload_errors.fetch_add(1, Ordering::Relaxed);
+                self.parts.status.reload_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(
                     "{name} changed, but its states could not be listed to carry them \
                      to its new config: {e}"

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
 use tollgate::store::{BoxFuture, DynAsyncStore};
 
-use crate::engine::DynStore;
+use crate::store::DynStore;
 
 /// Whether spans are exported: set once at start, before any request.
 static ON: AtomicBool = AtomicBool::new(false);

@@ -8,9 +8,11 @@ use axum::http::StatusCode;
 use serde_json::{Value, json};
 use tollgate::{Config, ManualClock, MemoryStore, RateLimiter};
 
-use crate::engine::{Answer, DynStore, Engine, Op, Permissions};
+use crate::answer::Answer;
+use crate::engine::{Engine, Op, Permissions};
 use crate::plot::{Point, Recording};
 use crate::stats::Taken;
+use crate::store::DynStore;
 
 /// A simulation: the memory store on a manual clock, every random choice seeded.
 pub struct Simulation {

@@ -10,8 +10,55 @@ use tollgate::store::{
     CircuitBreaker, LeaseOptions, LeaseStats, PgStore, RedisStore, SqliteStore, Synchronous,
 };
 
-use crate::carry::Stored;
-use crate::engine::DynStore;
+/// The store every server runs on, picked at run time from a URL; every call is awaited.
+pub type DynStore = Arc<dyn tollgate::store::DynAsyncStore>;
+
+/// The store, as the concrete store whose keys a carry lists.
+#[derive(Clone)]
+pub enum Stored {
+    /// In memory.
+    Memory(Arc<MemoryStore>),
+    /// A SQLite file.
+    Sqlite(Arc<SqliteStore>),
+    /// Redis, Redis Cluster, or behind Sentinel.
+    Redis(Arc<RedisStore>),
+    /// PostgreSQL.
+    Postgres(Arc<PgStore>),
+}
+
+impl Stored {
+    /// The key and shard of every state of `name` (the memory and SQLite stores' lists are
+    /// made off the runtime's threads).
+    pub(crate) async fn keys_of(
+        &self,
+        name: &str,
+    ) -> Result<Vec<(Option<String>, u16)>, StoreError> {
+        let name = name.to_owned();
+        let blocking = |list: Box<dyn FnOnce() -> Result<_, StoreError> + Send>| async move {
+            tokio::task::spawn_blocking(list)
+                .await
+                .unwrap_or_else(|e| Err(StoreError::new(format!("listing states failed: {e}"))))
+        };
+        match self {
+            Stored::Memory(memory) => {
+                let memory = Arc::clone(memory);
+                blocking(Box::new(move || Ok(memory.keys_of(&name)))).await
+            }
+            Stored::Sqlite(sqlite) => {
+                let sqlite = Arc::clone(sqlite);
+                blocking(Box::new(move || sqlite.keys_of(&name))).await
+            }
+            Stored::Redis(redis) => redis.keys_of(&name).await,
+            Stored::Postgres(pg) => pg.keys_of(&name).await,
+        }
+    }
+
+    /// Whether the store drops a state when it is full again (PostgreSQL keeps it until a
+    /// request leaves it full, so another rate, period or capacity needs nothing there).
+    pub(crate) fn drops_full_states(&self) -> bool {
+        !matches!(self, Stored::Postgres(_))
+    }
+}
 
 /// A networked store behind its circuit breaker.
 pub type Breaker = CircuitBreaker<DynStore>;

@@ -8,10 +8,12 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tollgate::store::Unavailable;
 use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter};
+use tollgate_server::auth::Tokens;
 use tollgate_server::browsers::BrowserRules;
-use tollgate_server::engine::{DynStore, Engine, Permissions};
-use tollgate_server::http::{App, Service, Tokens, router};
+use tollgate_server::engine::{Engine, Permissions};
+use tollgate_server::http::{App, Service, router};
 use tollgate_server::metrics::Metrics;
+use tollgate_server::store::DynStore;
 use tower::ServiceExt;
 
 const T0: f64 = 1_700_000_000_000.0;

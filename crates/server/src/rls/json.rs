@@ -167,11 +167,11 @@ pub fn render(answer: &RlsAnswer) -> Value {
                 status.insert("limitRemaining".into(), json!(s.limit_remaining));
             }
             if let Some(ms) = s.duration_until_reset {
-                let d = super::service::duration(ms);
-                let text = if d.nanos == 0 {
-                    format!("{}s", d.seconds)
+                let (seconds, nanos) = super::until_reset(ms);
+                let text = if nanos == 0 {
+                    format!("{seconds}s")
                 } else {
-                    format!("{}.{:03}s", d.seconds, d.nanos / 1_000_000)
+                    format!("{seconds}.{:03}s", nanos / 1_000_000)
                 };
                 status.insert("durationUntilReset".into(), json!(text));
             }

@@ -195,6 +195,14 @@ enum Outcome {
     Shadow,
 }
 
+/// A `duration_until_reset` of `ms` milliseconds as the service answers it over either
+/// transport: rounded up to whole milliseconds, as (seconds, nanoseconds).
+pub fn until_reset(ms: f64) -> (i64, i32) {
+    let ms = ms.max(0.0).ceil();
+    let seconds = (ms / 1_000.0).floor();
+    (seconds as i64, ((ms - seconds * 1_000.0) * 1_000_000.0) as i32)
+}
+
 /// The rate limit service: a configuration and the server's limiter.
 pub struct Rls {
     engine: Arc<Engine>,

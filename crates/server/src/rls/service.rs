@@ -18,8 +18,9 @@ use tonic::{Request, Response, Status};
 
 use super::connection::{Connection, Frames, OpenCall, WATCHES_PER_CONNECTION};
 use super::{Descriptor, Rls, RlsAnswer, RlsError, RlsRequest, Unit};
+use crate::auth::{Credential, Tokens};
 use crate::config::HttpLimits;
-use crate::http::{Credential, ErrorLog};
+use crate::error_log::ErrorLog;
 
 /// The largest `ShouldRateLimit` request accepted, in bytes: the HTTP API's body limit.
 /// Envoy's requests are a few hundred bytes; tonic's own default, 4 MiB, would let one call
@@ -32,7 +33,7 @@ pub const MAX_REQUEST: usize = crate::engine::MAX_BODY;
 /// failed calls it shares with the HTTP side.
 pub struct Service {
     rls: Arc<Rls>,
-    tokens: crate::http::Tokens,
+    tokens: Tokens,
     errors: Arc<ErrorLog>,
 }
 
@@ -41,7 +42,7 @@ impl Service {
     /// `authorization: Bearer <token>` metadata with a full token (checked by [`serve`], on
     /// the call's headers): a call takes tokens, so a read token is refused.
     /// Calls the store failed go to `errors` (summed up, not a line each).
-    pub fn new(rls: Arc<Rls>, tokens: crate::http::Tokens, errors: Arc<ErrorLog>) -> Self {
+    pub fn new(rls: Arc<Rls>, tokens: Tokens, errors: Arc<ErrorLog>) -> Self {
         Service { rls, tokens, errors }
     }
 }
@@ -106,9 +107,8 @@ pub fn to_proto(answer: RlsAnswer) -> RateLimitResponse {
 
 /// Milliseconds as a protobuf duration, rounded up to whole milliseconds.
 pub fn duration(ms: f64) -> PbDuration {
-    let ms = ms.max(0.0).ceil();
-    let seconds = (ms / 1_000.0).floor();
-    PbDuration { seconds: seconds as i64, nanos: ((ms - seconds * 1_000.0) * 1_000_000.0) as i32 }
+    let (seconds, nanos) = super::until_reset(ms);
+    PbDuration { seconds, nanos }
 }
 
 #[tonic::async_trait]
@@ -273,12 +273,12 @@ pub async fn serve(
 
 /// With tokens, a call must carry `authorization: Bearer <token>` with one of them, checked
 /// on the call's headers (before its body is read).
-fn authorize(tokens: &crate::http::Tokens, request: Request<()>) -> Result<Request<()>, Status> {
+fn authorize(tokens: &Tokens, request: Request<()>) -> Result<Request<()>, Status> {
     if !tokens.required() {
         return Ok(request);
     }
     let values = request.metadata().get_all("authorization").iter().map(|v| v.to_str().ok());
-    match crate::http::credential(tokens, values) {
+    match crate::auth::credential(tokens, values) {
         Credential::Good => Ok(request),
         Credential::Missing | Credential::Several => Err(Status::unauthenticated(
             "send one authorization: Bearer <token> (none, or more than one, was sent)",
@@ -311,7 +311,7 @@ struct Bounded {
     deadline: Duration,
     calls: Arc<tokio::sync::Semaphore>,
     watches: Arc<tokio::sync::Semaphore>,
-    tokens: crate::http::Tokens,
+    tokens: Tokens,
     /// The connection this service answers (one per connection).
     connection: Arc<Connection>,
 }
@@ -345,7 +345,7 @@ impl Bounded {
         if self.tokens.required() {
             let values = request.headers().get_all("authorization").iter().map(|v| v.to_str().ok());
             if !matches!(
-                crate::http::credential(&self.tokens, values),
+                crate::auth::credential(&self.tokens, values),
                 Credential::Good | Credential::Read
             ) {
                 return Err(Status::unauthenticated(
