@@ -1,5 +1,5 @@
 //! A plain loop of one operation, for profilers (`valgrind --tool=callgrind`) and quick
-//! timing: `cargo run --release -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|one_async|two|global|runtime_config|tx|tx_async|tx1|tx2|txrefused|limit3|governor|govtwo|govtx|keys|govkeys|keybytes]`.
+//! timing: `cargo run --profile profiling -p tollgate-bench --bin profile_loop [ITERATIONS] [parts|one|one_async|two|global|runtime_config|tx|tx_async|tx1|tx2|txrefused|limit3|governor|govtwo|govtx|keys|govkeys|keybytes]`.
 use std::hint::black_box;
 
 use tollgate::{Config, MemoryStore, RateLimiter, Request, SECOND, Target};
