@@ -47,7 +47,7 @@ impl Carry {
     /// What the change from `old` to `new` asks.
     ///
     /// ```
-    /// use tollgate_core::{Carry, Config, HOUR, SECOND};
+    /// use tollgate_algebra::{Carry, Config, HOUR, SECOND};
     ///
     /// let before = Config::token_bucket(10.0, 10.0 * SECOND);
     /// assert_eq!(Carry::of(&before, &Config::token_bucket(10.0, HOUR)), Carry::Refill);
@@ -97,7 +97,7 @@ pub fn carrying(new: &Config) -> Config {
 /// One shard of 100 with 40 left becomes ten shards of 10: each is taken down to 4.
 ///
 /// ```
-/// use tollgate_core::{carry_counts, Config, State, HOUR};
+/// use tollgate_algebra::{carry_counts, Config, State, HOUR};
 ///
 /// let old = Config::token_bucket(100.0, HOUR);
 /// let new = old.with_shards(10);

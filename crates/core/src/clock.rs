@@ -75,7 +75,7 @@ impl Clock for SystemClock {
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{Clock, ManualClock};
+/// use tollgate_algebra::{Clock, ManualClock};
 ///
 /// let clock = ManualClock::new(1_000.0);
 /// let handle = clock.clone();

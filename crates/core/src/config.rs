@@ -64,7 +64,7 @@ impl fmt::Display for Kind {
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{Config, MINUTE};
+/// use tollgate_algebra::{Config, MINUTE};
 ///
 /// // 10 per minute, bursts of up to 3.
 /// const SEND_MESSAGE: Config = Config::token_bucket(10.0, MINUTE).with_capacity(3.0);
@@ -74,7 +74,7 @@ impl fmt::Display for Kind {
 /// A constant that breaks the rules does not compile:
 ///
 /// ```compile_fail
-/// use tollgate_core::Config;
+/// use tollgate_algebra::Config;
 /// const BROKEN: Config = Config::token_bucket(10.0, 0.0); // period must be > 0
 /// ```
 #[derive(Clone, Copy)]
@@ -401,7 +401,7 @@ fn parse_duration(text: &str) -> Option<f64> {
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{Config, RawConfig};
+/// use tollgate_algebra::{Config, RawConfig};
 ///
 /// let raw: RawConfig = serde_json::from_str(
 ///     r#"{ "kind": "token bucket", "rate": 10, "period": "1m", "capacity": 3 }"#,

@@ -96,7 +96,7 @@ fn window_start(alignment: f64, period: f64, now: f64) -> f64 {
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{evaluate, Config, State, MINUTE};
+/// use tollgate_algebra::{evaluate, Config, State, MINUTE};
 ///
 /// let config = Config::token_bucket(10.0, MINUTE);
 /// // 5 tokens at t = 0; six seconds later one more has flowed back.
@@ -335,7 +335,7 @@ fn name_key_error(name: &str, key: Option<&str>) -> Result<(), InvalidRequest> {
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{validate_count, Config, MINUTE};
+/// use tollgate_algebra::{validate_count, Config, MINUTE};
 ///
 /// let config = Config::token_bucket(10.0, MINUTE).with_capacity(3.0);
 /// let err = validate_count("sendMessage", &config, 4.0, false).unwrap_err();

@@ -10,7 +10,7 @@
 //! # Examples
 //!
 //! ```
-//! use tollgate_core::{evaluate, Config, Decision, MINUTE, SECOND};
+//! use tollgate_algebra::{evaluate, Config, Decision, MINUTE, SECOND};
 //!
 //! let config = Config::token_bucket(10.0, MINUTE);
 //! let t0 = 1_700_000_000_000.0;

@@ -219,7 +219,7 @@ struct Item {
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{Config, Plan, Take, MINUTE};
+/// use tollgate_algebra::{Config, Plan, Take, MINUTE};
 ///
 /// let mut plan = Plan::new(true);
 /// let take = Take { name: "send", key: Some("alice"), config: Config::token_bucket(10.0, MINUTE), count: 4.0, reserve: false };
@@ -306,7 +306,7 @@ impl<'a> Plan<'a> {
     /// # Examples
     ///
     /// ```
-    /// use tollgate_core::{Config, Plan, Take, MINUTE};
+    /// use tollgate_algebra::{Config, Plan, Take, MINUTE};
     ///
     /// let mut plan = Plan::new(true);
     /// let take = Take { name: "send", key: Some("alice"), config: Config::token_bucket(10.0, MINUTE), count: 1.0, reserve: false };
@@ -670,7 +670,7 @@ fn pick_shards(n: u16, random: u64) -> (u16, Option<u16>) {
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{longest_refusal, Decision};
+/// use tollgate_algebra::{longest_refusal, Decision};
 ///
 /// let results = [
 ///     Decision { ok: false, retry_after: Some(1_000.0) },

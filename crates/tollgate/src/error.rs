@@ -1,6 +1,6 @@
 //! The one error type of the library.
 
-use tollgate_core::{InvalidRequest, fmt_number};
+use tollgate_algebra::{InvalidRequest, fmt_number};
 
 /// Why a call did not produce a decision.
 ///

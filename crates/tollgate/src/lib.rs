@@ -1,7 +1,7 @@
 //! Application-layer rate limiting where each limit is two numbers.
 //!
 //! tollgate keeps, per (name, key, shard), a `value` and a `ts`, and updates them with the
-//! exact algebra of `tollgate-core` inside one atomic step of a [`Store`]: token buckets
+//! exact algebra of `tollgate-algebra` inside one atomic step of a [`Store`]: token buckets
 //! and fixed windows, burst `capacity`, reservations that book future tokens instead of
 //! retrying, sharding with the power of two choices for hot limits, several limits taken all
 //! or nothing, and a `retry_after` on every refusal.
@@ -77,13 +77,13 @@ pub use limiter::{
     TransactionTaken, jitter,
 };
 pub use store::{AsyncStore, MemoryStore, MemoryStoreBuilder, Store};
-pub use tollgate_core::{
+pub use tollgate_algebra::{
     Clock, Config, ConfigError, DAY, Decision, HOUR, Kind, MINUTE, ManualClock, RawConfig, Reading,
     SECOND, State, Status, SystemClock, Taken,
 };
 
 /// The algebra, re-exported: evaluate states yourself, or build a store.
-pub use tollgate_core as core;
+pub use tollgate_algebra as core;
 
 /// The README's examples, compiled and run as doc tests so they stay true.
 #[cfg(doctest)]

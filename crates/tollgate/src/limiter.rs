@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use foldhash::fast::RandomState;
 use hashbrown::HashMap;
 use smallvec::SmallVec;
-use tollgate_core::{
+use tollgate_algebra::{
     Carry, Config, Decision, Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Status, Take,
     Taken, alignment, carry_counts, carrying, read, splitmix64, unit_interval,
 };
@@ -198,8 +198,8 @@ impl<'a> Call<'a> {
     }
 }
 
-impl From<tollgate_core::Outcome> for TransactionTaken {
-    fn from(outcome: tollgate_core::Outcome) -> Self {
+impl From<tollgate_algebra::Outcome> for TransactionTaken {
+    fn from(outcome: tollgate_algebra::Outcome) -> Self {
         TransactionTaken {
             decision: TransactionDecision {
                 ok: outcome.ok,
@@ -618,14 +618,14 @@ impl<S: Store> RateLimiter<S> {
     ///
     /// [`Error::Invalid`] for a name or key out of bounds; [`Error::Store`] if the store fails.
     pub fn forget(&self, name: &str, key: Option<&str>) -> Result<(), Error> {
-        tollgate_core::validate_name_key(name, key)?;
-        Ok(self.store.delete(name, key, tollgate_core::MAX_SHARDS)?)
+        tollgate_algebra::validate_name_key(name, key)?;
+        Ok(self.store.delete(name, key, tollgate_algebra::MAX_SHARDS)?)
     }
 
     /// Carries the states of (name, key) stored under `old` over to `new`, a config that
     /// replaces it (a new release of the app, a server's reload): afterwards the key reads
     /// under `new` as SPEC §2 says, and holds no more than `old` gave it (see
-    /// [`tollgate_core::Carry`] and [`tollgate_core::carry_counts`]). Returns how many states
+    /// [`tollgate_algebra::Carry`] and [`tollgate_algebra::carry_counts`]). Returns how many states
     /// it rewrote.
     ///
     /// Needed when the kind or the number of shards changes (else the stored numbers would be
@@ -690,7 +690,7 @@ impl<S: Store> RateLimiter<S> {
     ///
     /// For an unsharded limit: its stored state (`capacity` at ts 0 if none) and its config
     /// with every default filled in (a fixed window's `start` set to its alignment), so a
-    /// client can run [`tollgate_core::evaluate`] itself. For a sharded limit: the total
+    /// client can run [`tollgate_algebra::evaluate`] itself. For a sharded limit: the total
     /// estimated from `sample_shards` sampled shards brought to the current time, and the
     /// fullest sampled shard.
     ///
@@ -832,8 +832,8 @@ impl<S: AsyncStore> RateLimiter<S> {
     ///
     /// As for [`RateLimiter::forget`].
     pub async fn forget_async(&self, name: &str, key: Option<&str>) -> Result<(), Error> {
-        tollgate_core::validate_name_key(name, key)?;
-        Ok(self.store.delete_async(name, key, tollgate_core::MAX_SHARDS).await?)
+        tollgate_algebra::validate_name_key(name, key)?;
+        Ok(self.store.delete_async(name, key, tollgate_algebra::MAX_SHARDS).await?)
     }
 
     /// [`RateLimiter::carry`], awaited.
@@ -1108,7 +1108,7 @@ impl<S> RateLimiter<S> {
         for (result, answer) in results.iter_mut().zip(&answers) {
             *result = answer.decision();
             ok &= result.ok;
-            retry_after = tollgate_core::max_option(retry_after, result.retry_after);
+            retry_after = tollgate_algebra::max_option(retry_after, result.retry_after);
         }
         // Checked before the answer is built, so that it is built where it is returned: built
         // first, it was copied there afterwards (through `memcpy`).
@@ -1200,7 +1200,7 @@ impl<S> RateLimiter<S> {
         }
         self.never_fits(calls)?;
         if calls.iter().any(|c| c.request.throws)
-            && let Some(i) = tollgate_core::longest_refusal(results)
+            && let Some(i) = tollgate_algebra::longest_refusal(results)
         {
             return Err(refused(calls[i].target.name(), results[i]));
         }
@@ -1231,11 +1231,11 @@ impl<S> RateLimiter<S> {
                 (true, None) => continue,
             };
             if *sum > allowed {
-                return Err(tollgate_core::InvalidRequest::new(format!(
+                return Err(tollgate_algebra::InvalidRequest::new(format!(
                     "Rate limit {name} count {} exceeds {}: a transaction's takes of one key add \
                      up.",
-                    tollgate_core::fmt_number(*sum),
-                    tollgate_core::fmt_number(allowed)
+                    tollgate_algebra::fmt_number(*sum),
+                    tollgate_algebra::fmt_number(allowed)
                 ))
                 .into());
             }
@@ -1253,7 +1253,7 @@ impl<S> RateLimiter<S> {
         old: &Config,
         new: &Config,
     ) -> Result<Option<SmallVec<[Slot<'a>; 4]>>, Error> {
-        tollgate_core::validate_name_key(name, key)?;
+        tollgate_algebra::validate_name_key(name, key)?;
         if Carry::of(old, new) == Carry::Nothing {
             return Ok(None);
         }
@@ -1271,7 +1271,7 @@ impl<S> RateLimiter<S> {
     /// What a reset of (target, key) deletes: the name and its number of shards.
     fn to_reset<'a>(&self, target: Target<'a>, key: Option<&str>) -> Result<(&'a str, u16), Error> {
         let shards = self.resolve(&target)?.shards();
-        tollgate_core::validate_name_key(target.name(), key)?;
+        tollgate_algebra::validate_name_key(target.name(), key)?;
         Ok((target.name(), shards))
     }
 
@@ -1284,12 +1284,12 @@ impl<S> RateLimiter<S> {
     ) -> Result<(Config, SmallVec<[Slot<'a>; 4]>), Error> {
         let config = *self.resolve(&target)?;
         let name = target.name();
-        tollgate_core::validate_name_key(name, key)?;
+        tollgate_algebra::validate_name_key(name, key)?;
         let per_shard = config.per_shard();
         let shards = if config.shards() == 1 {
             SmallVec::from_slice(&[0])
         } else {
-            tollgate_core::sample_shards(config.shards(), sample_shards, self.draw())
+            tollgate_algebra::sample_shards(config.shards(), sample_shards, self.draw())
         };
         let slots = shards
             .iter()
@@ -1351,7 +1351,7 @@ fn carrying_takes<'a>(
     old: &Config,
     new: &Config,
     slots: &[Slot<'a>],
-    states: &[Option<tollgate_core::State>],
+    states: &[Option<tollgate_algebra::State>],
     now: f64,
 ) -> Vec<OneTake<'a>> {
     let counts = match Carry::of(old, new) {
@@ -1370,7 +1370,7 @@ fn reading(
     config: &Config,
     slots: &[Slot<'_>],
     now: f64,
-    states: Vec<Option<tollgate_core::State>>,
+    states: Vec<Option<tollgate_algebra::State>>,
 ) -> Reading {
     let samples: SmallVec<[Sample; 4]> = slots
         .iter()

@@ -54,7 +54,7 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use tollgate_core::{Decision, Outcome, Plan, State};
+use tollgate_algebra::{Decision, Outcome, Plan, State};
 
 use crate::limiter::{Call, Request, Target, TransactionDecision, TransactionTaken};
 use crate::store::sql::{key_columns, saves};
@@ -190,7 +190,7 @@ macro_rules! save {
                 .bind(shard);
             match state {
                 Some(s) if $full_at => {
-                    query.bind(s.value).bind(s.ts).bind(tollgate_core::full_at(&slot.config, s))
+                    query.bind(s.value).bind(s.ts).bind(tollgate_algebra::full_at(&slot.config, s))
                 }
                 Some(s) => query.bind(s.value).bind(s.ts),
                 None => query,
@@ -358,7 +358,7 @@ mod postgres {
 #[cfg(feature = "sqlx-sqlite")]
 mod sqlite {
     use sqlx::{Row, SqliteConnection};
-    use tollgate_core::{Clock, SystemClock};
+    use tollgate_algebra::{Clock, SystemClock};
 
     use super::*;
     use crate::store::sql::{

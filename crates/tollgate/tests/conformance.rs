@@ -328,7 +328,7 @@ fn status_after_requests<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
     assert_eq!(statuses, [(2.0, 6_000.0), (5.0, 45_000.0)]);
 }
 
-/// A change of config carried over (`carry`, SPEC §2 with `tollgate_core::Carry`): another
+/// A change of config carried over (`carry`, SPEC §2 with `tollgate_algebra::Carry`): another
 /// number of shards or another kind gives nothing back, a slower refill reads the stored state
 /// under the new config, and carrying again takes nothing more.
 fn carrying_keeps_every_limit<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {

@@ -6,7 +6,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tollgate_core::{OneTake, Outcome, Plan, Slot, State, Taken};
+use tollgate_algebra::{OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::{AsyncStore, Never};
 use crate::StoreError;
@@ -297,7 +297,7 @@ impl<S: AsyncStore + 'static> AsyncStore for CircuitBreaker<S> {
 mod tests {
     use std::sync::atomic::AtomicBool;
 
-    use tollgate_core::{Config, MINUTE, ManualClock, Take};
+    use tollgate_algebra::{Config, MINUTE, ManualClock, Take};
 
     use super::*;
     use crate::MemoryStore;

@@ -1,7 +1,7 @@
 //! Leases (issue 34), whichever store keeps them: the holder's side. A store that keeps leases
 //! (Redis, PostgreSQL) runs one [`Step`] on a leased shard atomically and says what it loaded
 //! and what it answered ([`LeaseStore::lease_call`]); everything else is here, the same for
-//! every store: the answer is `tollgate_core::lease`'s on what the store loaded (a store that
+//! every store: the answer is `tollgate_algebra::lease`'s on what the store loaded (a store that
 //! disagrees is an error), and a process's holders answer `limit` from their leases, fetch
 //! the next in the background and return them near the limit.
 //!
@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use tollgate_core::lease::{Grant, Holder, Leased};
-use tollgate_core::{Config, Decision, OneTake, Slot, State, Status, Taken};
+use tollgate_algebra::lease::{Grant, Holder, Leased};
+use tollgate_algebra::{Config, Decision, OneTake, Slot, State, Status, Taken};
 
 use crate::StoreError;
 
@@ -75,7 +75,7 @@ pub(crate) trait LeaseStore: Send + Sync + 'static {
     fn clock_now(&self) -> Option<f64>;
 }
 
-/// Runs `step` on the leased shard of `slot`: the answer (tollgate-core's on what the store
+/// Runs `step` on the leased shard of `slot`: the answer (tollgate-algebra's on what the store
 /// loaded; one the store disagrees with is an error), the store's time, and the shard after.
 pub(crate) async fn step<S: LeaseStore>(
     store: &S,
@@ -116,7 +116,7 @@ pub(crate) async fn step<S: LeaseStore>(
 
 fn disagree(store: &str) -> StoreError {
     StoreError::new(format!(
-        "{store}: the store's lease step and tollgate-core disagree (a store function or \
+        "{store}: the store's lease step and tollgate-algebra disagree (a store function or \
          script of another version?)"
     ))
 }
@@ -337,7 +337,7 @@ impl Leases {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
             ^ u64::from(std::process::id()).rotate_left(32);
-        let id = tollgate_core::splitmix64(seed) >> 11;
+        let id = tollgate_algebra::splitmix64(seed) >> 11;
         Some(Leases {
             names,
             id,
@@ -380,7 +380,7 @@ impl Leases {
         }
         let made = self.made.fetch_add(1, Ordering::Relaxed);
         let entry = Arc::new(Entry {
-            id: tollgate_core::splitmix64(self.id ^ made.rotate_left(29)) >> 11,
+            id: tollgate_algebra::splitmix64(self.id ^ made.rotate_left(29)) >> 11,
             retired: AtomicBool::new(false),
             seen: AtomicU64::new(0),
             seen_at: AtomicU64::new(f64::NEG_INFINITY.to_bits()),
@@ -591,7 +591,7 @@ fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entr
 /// two that lease one name under different configs mix their leases and takes, so that
 /// neither's limit holds.
 fn said(config: &Config) -> String {
-    use tollgate_core::fmt_number;
+    use tollgate_algebra::fmt_number;
     format!(
         "{} of {} per {} ms, capacity {}",
         config.kind(),
@@ -692,14 +692,14 @@ pub(crate) async fn reset<S: LeaseStore>(
 }
 
 /// What the leasing stores' tests share (Redis, PostgreSQL): random steps on one leased shard
-/// against `tollgate_core`'s model, and several processes on one store checked against the
+/// against `tollgate_algebra`'s model, and several processes on one store checked against the
 /// interval bound.
 #[cfg(test)]
 pub(crate) mod testing {
     use std::time::Duration;
 
     use proptest::prelude::*;
-    use tollgate_core::{Clock, Config, ManualClock, OneTake, Plan, Slot, Take};
+    use tollgate_algebra::{Clock, Config, ManualClock, OneTake, Plan, Slot, Take};
 
     use super::{Answer, LeaseStats, LeaseStore, Leased, Step};
     use crate::store::AsyncStore;
@@ -792,8 +792,8 @@ pub(crate) mod testing {
     pub(crate) fn bound(config: &Config, alignment: f64, a: f64, b: f64) -> f64 {
         let window = |t: f64| ((t - alignment) / config.period()).floor();
         let inflow = match config.kind() {
-            tollgate_core::Kind::TokenBucket => config.rate() * (b - a) / config.period(),
-            tollgate_core::Kind::FixedWindow => config.rate() * (window(b) - window(a)),
+            tollgate_algebra::Kind::TokenBucket => config.rate() * (b - a) / config.period(),
+            tollgate_algebra::Kind::FixedWindow => config.rate() * (window(b) - window(a)),
         };
         config.capacity() + config.max_reserved().unwrap_or(0.0) + inflow
     }
@@ -826,7 +826,7 @@ pub(crate) mod testing {
         ]
     }
 
-    /// What `tollgate_core`'s model answers to `step` at `now` (it keeps only what the
+    /// What `tollgate_algebra`'s model answers to `step` at `now` (it keeps only what the
     /// store would save: a take that did not write leaves it as it was).
     pub(crate) fn model_step(model: &mut Leased, slot: &Slot<'_>, now: f64, step: Step) -> Answer {
         let (c, a) = (&slot.config, slot.alignment);

@@ -8,7 +8,7 @@ use hashbrown::HashTable;
 use hashbrown::hash_table::OccupiedEntry;
 use spin::mutex::{SpinMutex, SpinMutexGuard};
 use spin::relax::Yield;
-use tollgate_core::{
+use tollgate_algebra::{
     Clock, Config, Inline, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
 
@@ -273,7 +273,7 @@ impl MemoryStoreBuilder {
         self.build_with_clock(SystemClock)
     }
 
-    /// Builds the store on `clock` (a [`tollgate_core::ManualClock`] in tests).
+    /// Builds the store on `clock` (a [`tollgate_algebra::ManualClock`] in tests).
     pub fn build_with_clock<C: Clock>(self, clock: C) -> MemoryStore<C> {
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         let n = self.segments.unwrap_or(cores * 4).max(1).next_power_of_two();
@@ -1115,7 +1115,7 @@ mod tests {
     #[test]
     fn keys_of_and_a_carried_state_outliving_its_old_expiry() {
         use crate::{RateLimiter, Request};
-        use tollgate_core::{ManualClock, SECOND};
+        use tollgate_algebra::{ManualClock, SECOND};
         let clock = ManualClock::new(1_700_000_000_000.0);
         let limiter = RateLimiter::new(MemoryStore::with_clock(clock.clone()));
         let fast = Config::token_bucket(10.0, SECOND);
@@ -1178,9 +1178,11 @@ mod tests {
     fn manual(
         segments: Option<usize>,
         max_keys: Option<usize>,
-    ) -> (crate::RateLimiter<MemoryStore<tollgate_core::ManualClock>>, tollgate_core::ManualClock)
-    {
-        let clock = tollgate_core::ManualClock::new(1_700_000_000_000.0);
+    ) -> (
+        crate::RateLimiter<MemoryStore<tollgate_algebra::ManualClock>>,
+        tollgate_algebra::ManualClock,
+    ) {
+        let clock = tollgate_algebra::ManualClock::new(1_700_000_000_000.0);
         let mut builder = MemoryStore::builder().segments(segments.unwrap_or(16));
         if let Some(max) = max_keys {
             builder = builder.max_keys(max);

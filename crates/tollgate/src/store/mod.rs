@@ -1,7 +1,7 @@
 //! Where states live: the [`Store`] trait and its implementations.
 //!
 //! A store's only job is to load and save (name, key, shard) states atomically for a whole
-//! request; `tollgate-core` decides. Each request arrives as a [`Plan`]: the store loads the
+//! request; `tollgate-algebra` decides. Each request arrives as a [`Plan`]: the store loads the
 //! states of [`Plan::slots`], reads its clock once, calls [`Plan::decide`], and saves the
 //! states that the [`Outcome`] marks changed, all within one atomic unit. Because deciding
 //! is a pure function of (states, time), a store that loses a race may simply run it again.
@@ -32,15 +32,15 @@
 //!   Lua script receives the plan (slots, per-shard configs, counts, reserve flags and the
 //!   shard choices already made), loads the states, decides with `TIME` and writes, all in
 //!   one round trip; it answers with what it loaded and the time it used, and
-//!   `tollgate-core` computes the answer from those. Keys expire when they are full again.
+//!   `tollgate-algebra` computes the answer from those. Keys expire when they are full again.
 //!   One-takes that wait for a round trip go together in one script run.
 //! - **Redis Cluster** (the same [`RedisStore`] on a `redis+cluster://` URL, feature
 //!   `redis-cluster`): as Redis when a request's states share a hash slot; a sharded take
 //!   whose two shards are on different nodes runs as atomic one-shard steps
-//!   ([`tollgate_core::Plan::split`]); a transaction over several slots is refused.
+//!   ([`tollgate_algebra::Plan::split`]); a transaction over several slots is refused.
 //!
 //! Stores that read their own clock accept a fixed one in tests (for the memory store,
-//! [`MemoryStore::with_clock`] and a [`tollgate_core::ManualClock`]).
+//! [`MemoryStore::with_clock`] and a [`tollgate_algebra::ManualClock`]).
 //!
 //! (A store whose feature this build lacks links to the [list of features](crate#features).)
 //!
@@ -90,7 +90,7 @@ pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous
 use std::future::Future;
 use std::pin::Pin;
 
-use tollgate_core::{OneTake, Outcome, Plan, Slot, State, Taken};
+use tollgate_algebra::{OneTake, Outcome, Plan, Slot, State, Taken};
 
 use crate::StoreError;
 
@@ -470,21 +470,21 @@ macro_rules! immediate_async_store {
             }
             fn execute_async(
                 &self,
-                plan: &tollgate_core::Plan<'_>,
-            ) -> impl std::future::Future<Output = Result<tollgate_core::Outcome, $crate::StoreError>> + Send {
+                plan: &tollgate_algebra::Plan<'_>,
+            ) -> impl std::future::Future<Output = Result<tollgate_algebra::Outcome, $crate::StoreError>> + Send {
                 std::future::ready($crate::store::Store::execute(self, plan))
             }
             fn execute_one_async(
                 &self,
-                take: &tollgate_core::OneTake<'_>,
-            ) -> impl std::future::Future<Output = Result<tollgate_core::Taken, $crate::StoreError>> + Send {
+                take: &tollgate_algebra::OneTake<'_>,
+            ) -> impl std::future::Future<Output = Result<tollgate_algebra::Taken, $crate::StoreError>> + Send {
                 std::future::ready($crate::store::Store::execute_one(self, take))
             }
             fn read_async(
                 &self,
-                slots: &[tollgate_core::Slot<'_>],
+                slots: &[tollgate_algebra::Slot<'_>],
             ) -> impl std::future::Future<
-                Output = Result<(f64, Vec<Option<tollgate_core::State>>), $crate::StoreError>,
+                Output = Result<(f64, Vec<Option<tollgate_algebra::State>>), $crate::StoreError>,
             > + Send {
                 std::future::ready($crate::store::Store::read(self, slots))
             }
@@ -564,14 +564,14 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
 }
 
 /// What a store's one-take function or script answers for a take: the time it used,
-/// whether it wrote, and the state it loaded (from which `tollgate-core` decides).
+/// whether it wrote, and the state it loaded (from which `tollgate-algebra` decides).
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) type OneAnswer = (f64, bool, Option<State>);
 
 /// What an array of [`Taken`]s holds before a store has written it.
 const UNSET: Taken = Taken {
-    decision: tollgate_core::Decision { ok: false, retry_after: None },
-    status: tollgate_core::Status { remaining: 0.0, reset_after: 0.0 },
+    decision: tollgate_algebra::Decision { ok: false, retry_after: None },
+    status: tollgate_algebra::Status { remaining: 0.0, reset_after: 0.0 },
 };
 
 /// [`Store::execute_each`] through the plan of the takes.

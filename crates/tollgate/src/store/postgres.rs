@@ -12,8 +12,8 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, GenericClient, NoTls, Row, Statement};
-use tollgate_core::lease::{Lease, Leased};
-use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken, full_at};
+use tollgate_algebra::lease::{Lease, Leased};
+use tollgate_algebra::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken, full_at};
 
 use super::lease::{self, LeaseOptions, LeaseStats, LeaseStore, Leases, Step};
 use super::sql::{
@@ -209,7 +209,7 @@ async fn create_table<C>(shared: &Shared<C>) -> Result<(), StoreError> {
 ///     assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
 /// }
 /// ```
-pub struct PgStore<C = tollgate_core::SystemClock> {
+pub struct PgStore<C = tollgate_algebra::SystemClock> {
     shared: Arc<Shared<C>>,
 }
 
@@ -1162,7 +1162,7 @@ impl<C: Clock> PgStore<C> {
         &self,
         name: &str,
         key: Option<&str>,
-        config: &tollgate_core::Config,
+        config: &tollgate_algebra::Config,
     ) -> Result<f64, StoreError> {
         lease::leased_out(&*self.shared, &lease::look_slot(name, key, *config)).await
     }
@@ -1261,13 +1261,13 @@ impl<C: Clock> AsyncStore for PgStore<C> {
     }
 }
 
-/// The answer to `take` from what the `take` function read and did: tollgate-core's, on the
+/// The answer to `take` from what the `take` function read and did: tollgate-algebra's, on the
 /// same state and time, as for a plan.
 fn decided(take: &OneTake<'_>, (db_now, wrote, state): OneAnswer) -> Result<Taken, StoreError> {
     let (taken, new) = take.decide(db_now, state);
     if wrote != new.is_some() {
         return Err(StoreError::new(
-            "postgres: the database and tollgate-core disagree on this request; this is a bug",
+            "postgres: the database and tollgate-algebra disagree on this request; this is a bug",
         ));
     }
     Ok(taken)
@@ -1305,7 +1305,7 @@ fn decided(take: &OneTake<'_>, (db_now, wrote, state): OneAnswer) -> Result<Take
 /// # Ok(())
 /// # }
 /// ```
-pub struct PgTransaction<'t, T, C = tollgate_core::SystemClock> {
+pub struct PgTransaction<'t, T, C = tollgate_algebra::SystemClock> {
     client: &'t T,
     sql: PgSql,
     clock: Option<C>,
@@ -1399,7 +1399,7 @@ mod tests {
 /// `TOLLGATE_POSTGRES_URL` (skipped without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`).
 #[cfg(test)]
 mod group_tests {
-    use tollgate_core::{Config, MINUTE, ManualClock, Take};
+    use tollgate_algebra::{Config, MINUTE, ManualClock, Take};
 
     use super::*;
     use crate::store::backend_url;
@@ -1546,12 +1546,12 @@ mod group_tests {
         }
     }
 
-    /// Leases on PostgreSQL (issue 34): the `lease` function against tollgate-core's model,
+    /// Leases on PostgreSQL (issue 34): the `lease` function against tollgate-algebra's model,
     /// several leasing processes against the interval bound, the paths that would ignore
     /// lease records refused.
     mod leases {
         use proptest::prelude::*;
-        use tollgate_core::lease::Leased;
+        use tollgate_algebra::lease::Leased;
 
         use super::*;
         use crate::store::lease::testing::{
@@ -1593,7 +1593,7 @@ mod group_tests {
         proptest! {
             #![proptest_config(ProptestConfig::with_cases(100))]
 
-            /// Random steps on one leased shard, in PostgreSQL and in tollgate-core's model:
+            /// Random steps on one leased shard, in PostgreSQL and in tollgate-algebra's model:
             /// every answer the same (checked on each step against what the function
             /// loaded, too), and what the table keeps is the model's state and records.
             #[test]

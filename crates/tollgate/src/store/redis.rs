@@ -15,9 +15,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Client, Script, Value};
 use tokio::sync::mpsc;
 #[cfg(feature = "redis-cluster")]
-use tollgate_core::Split;
-use tollgate_core::lease::Leased;
-use tollgate_core::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
+use tollgate_algebra::Split;
+use tollgate_algebra::lease::Leased;
+use tollgate_algebra::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::redis_url::{self, Place};
 use super::ticket::{Ticket, ticket};
@@ -41,7 +41,7 @@ end
 
 /// Lua: saves the state (`v`, `ts`) under `key`, given `token_bucket`, `rate`, `period`,
 /// `cap`, `now` and `least`: deleted if it is full again by `now`, else set to expire when it
-/// will be (`tollgate_core::full_at`), counted from the script's own now and rounded up, so
+/// will be (`tollgate_algebra::full_at`), counted from the script's own now and rounded up, so
 /// never early; and never in less than `least` ms. That is 1 ms on Redis `TIME`. On a test's
 /// own clock it is 10 s: Redis expires keys in real time, which does not move that clock, so
 /// a state due back in 0.5 ms of the test's time would be gone a ms later while the test's
@@ -74,8 +74,8 @@ end
     };
 }
 
-/// Lua: a state with lease records (issue 34), as `tollgate_core::lease::Leased` keeps it.
-/// `lease_unpack(raw)` reads what [`Leased::pack`](tollgate_core::lease::Leased::pack)
+/// Lua: a state with lease records (issue 34), as `tollgate_algebra::lease::Leased` keeps it.
+/// `lease_unpack(raw)` reads what [`Leased::pack`](tollgate_algebra::lease::Leased::pack)
 /// made (`nil` for anything else): `v`, `ts` and the records `{ holder, tokens, expiry }`
 /// in the order of their holders; a `v` of NaN is a state forgotten by a reset while leases
 /// are out. `lease_fresh` starts a state that has none (never written, or forgotten): the
@@ -115,7 +115,7 @@ local function lease_fresh(recs, kind, period, cap, align, now)
 end
 
 local function lease_advance(recs, v, ts, kind, rate, period, cap, now)
-  -- tollgate-core's lease::refill: to `to` under `c`.
+  -- tollgate-algebra's lease::refill: to `to` under `c`.
   local function refill(to, c)
     if to <= ts then
       v = math.min(v, c)
@@ -173,10 +173,10 @@ end
     };
 }
 
-/// The algebra of SPEC §2 and §3 in Lua, kept equal to `tollgate-core`'s by the conformance
+/// The algebra of SPEC §2 and §3 in Lua, kept equal to `tollgate-algebra`'s by the conformance
 /// and differential tests. It loads every slot, decides all takes, and writes only if every
 /// take is granted (and the request writes); it answers with the time it used and the states
-/// it loaded, from which `tollgate-core` computes the answer itself.
+/// it loaded, from which `tollgate-algebra` computes the answer itself.
 ///
 /// KEYS: one per slot. ARGV: now ("" = Redis `TIME`), writes (0/1), slot count, then per
 /// slot kind (0 token bucket, 1 fixed window), rate, period, capacity, maxReserved ("" =
@@ -530,7 +530,7 @@ impl RedisStoreBuilder {
     /// a share of the limit's tokens ahead, in the background, and answers `limit` from it
     /// with one atomic operation and no store call while the lease lasts; the store counts
     /// leased tokens against the limit, so every process together never admits more than
-    /// the limit (`tollgate_core::lease` has the proof, as a property). Near the limit (below
+    /// the limit (`tollgate_algebra::lease` has the proof, as a property). Near the limit (below
     /// [`LeaseOptions::floor`](super::LeaseOptions::floor) of the capacity left) no leases
     /// are taken and every request is a direct take, exact as without leases.
     ///
@@ -829,7 +829,7 @@ impl<T: Clone> Connection<T> {
 ///     assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
 /// }
 /// ```
-pub struct RedisStore<C = tollgate_core::SystemClock> {
+pub struct RedisStore<C = tollgate_algebra::SystemClock> {
     inner: Arc<Inner<C>>,
     /// Where one-takes go to be grouped (see [`RedisStoreBuilder::group`]): the queue of the
     /// store's sender task, started on first use (and again if its runtime has gone).
@@ -1090,7 +1090,7 @@ impl<C: Clock> Inner<C> {
         }
         let now = unpack_time(&reply[0])?;
         let committed = matches!(&reply[1], Value::BulkString(b) if b.as_slice() == b"1");
-        // The answer comes from tollgate-core, on exactly what the script loaded and the
+        // The answer comes from tollgate-algebra, on exactly what the script loaded and the
         // time it used (a leased state refilled under its cap as the script did); the
         // script only mirrored the decision to write.
         let mut states = slots
@@ -1429,10 +1429,12 @@ fn unpack_time(v: &Value) -> Result<f64, StoreError> {
     .ok_or_else(|| garbage("the time"))
 }
 
-/// The error when the script wrote where tollgate-core, on the same states, would not (or
+/// The error when the script wrote where tollgate-algebra, on the same states, would not (or
 /// the other way round).
 fn disagree() -> StoreError {
-    StoreError::new("redis: the script and tollgate-core disagree on this request; this is a bug")
+    StoreError::new(
+        "redis: the script and tollgate-algebra disagree on this request; this is a bug",
+    )
 }
 
 /// Reads a stored state: `value` and `ts` as two packed doubles; anything else is no state.
@@ -1592,7 +1594,7 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         let key = self.inner.key(slot.name, slot.key, slot.shard);
         let reply = self.send_one(key, one_args(take, now)).await?;
         let (now, wrote, loaded) = unpack_one(&reply)?;
-        // As for a plan: the answer is tollgate-core's, on what the script loaded.
+        // As for a plan: the answer is tollgate-algebra's, on what the script loaded.
         let (taken, new) = take.decide(now, loaded);
         if wrote != new.is_some() {
             return Err(disagree());
@@ -1652,7 +1654,7 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
 
 #[cfg(test)]
 mod tests {
-    use tollgate_core::{Config, MINUTE, Take};
+    use tollgate_algebra::{Config, MINUTE, Take};
 
     use super::*;
 
@@ -1700,7 +1702,7 @@ mod tests {
 /// `TOLLGATE_REDIS_CLUSTER_URL` (skipped without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`).
 #[cfg(all(test, feature = "redis-cluster"))]
 mod give_back_tests {
-    use tollgate_core::{Config, MINUTE, ManualClock, Take};
+    use tollgate_algebra::{Config, MINUTE, ManualClock, Take};
 
     use super::*;
 
@@ -1751,7 +1753,7 @@ mod give_back_tests {
 /// `TOLLGATE_REQUIRE_BACKENDS=1`).
 #[cfg(test)]
 mod on_redis_tests {
-    use tollgate_core::{Config, MINUTE, ManualClock, SECOND, Take};
+    use tollgate_algebra::{Config, MINUTE, ManualClock, SECOND, Take};
 
     use super::*;
     use crate::store::testing::{T0, grouped_takes_answer_as_memory, writing};

@@ -10,7 +10,7 @@
     allow(dead_code)
 )]
 
-use tollgate_core::{Outcome, Plan, Slot, State, full_at};
+use tollgate_algebra::{Outcome, Plan, Slot, State, full_at};
 
 /// SQLite's table, created if missing. Two numbers per (name, key, shard), and when the state
 /// is full again (`full_at`, ms), so that a sweep can drop the states that carry no
@@ -213,9 +213,9 @@ impl PgSql {
     /// advisory lock, then reads the state (a function's statements each take a fresh
     /// snapshot under READ COMMITTED, so the read sees the last holder's commit), evaluates
     /// with the algebra of SPEC §2 (the same expressions, in the same order, as
-    /// `tollgate-core`, which the differential test checks), and writes. It answers an
+    /// `tollgate-algebra`, which the differential test checks), and writes. It answers an
     /// array: the time it used, whether it wrote (1 or 0), and the state it read (two NULLs
-    /// for none), from which `tollgate-core` computes the answer itself. An array, called in
+    /// for none), from which `tollgate-algebra` computes the answer itself. An array, called in
     /// the select list: a function called in FROM answers through a tuple store, which cost
     /// PostgreSQL about 6 us more a call (measured with pgbench).
     ///
@@ -383,7 +383,7 @@ yours does not take a leased limit (a PgStore''s own transactions do); nothing w
     }
 }
 
-/// The functions of leases on `table` (issue 34), the same steps as `tollgate_core::lease`'s
+/// The functions of leases on `table` (issue 34), the same steps as `tollgate_algebra::lease`'s
 /// `Leased` (the same expressions in the same order; the differential test checks them):
 ///
 /// - `{table}_lease(lock, name, has_key, key, shard, kind, rate, period, cap, maxr, align,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
-use tollgate_core::{
+use tollgate_algebra::{
     Clock, Config, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
 
@@ -735,14 +735,14 @@ fn sql_error(what: &str, e: rusqlite::Error) -> StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tollgate_core::{MINUTE, ManualClock, Take};
+    use tollgate_algebra::{MINUTE, ManualClock, Take};
 
     /// `keys_of` lists a name's states; a state carried to a slower refill gets its new
     /// `full_at`, so the sweep by `full_at` keeps it until it is full under the new config.
     #[test]
     fn keys_of_and_a_carried_state_outliving_its_old_full_at() {
         use crate::{RateLimiter, Request};
-        use tollgate_core::SECOND;
+        use tollgate_algebra::SECOND;
         let clock = ManualClock::new(1_700_000_000_000.0);
         let store = SqliteStore::builder().open_in_memory_with_clock(clock.clone()).unwrap();
         let limiter = RateLimiter::new(store);

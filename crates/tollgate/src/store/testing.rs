@@ -1,7 +1,7 @@
 //! What the stores' own tests share: a check that a store's grouped round trip answers as
 //! one request after the other.
 
-use tollgate_core::{Clock, Config, MINUTE, ManualClock, OneTake, SECOND, Take};
+use tollgate_algebra::{Clock, Config, MINUTE, ManualClock, OneTake, SECOND, Take};
 
 use crate::MemoryStore;
 use crate::store::{AsyncStore, Store};

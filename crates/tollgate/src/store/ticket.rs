@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 #[cfg(feature = "sqlite")]
-use tollgate_core::OneTake;
+use tollgate_algebra::OneTake;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-use tollgate_core::{Plan, Slot};
+use tollgate_algebra::{Plan, Slot};
 
 use crate::StoreError;
 
@@ -180,7 +180,7 @@ impl OwnedOne {
 #[cfg(test)]
 mod tests {
     #[cfg(all(feature = "sqlite", feature = "postgres"))]
-    use tollgate_core::{Config, MINUTE, OneTake, Plan, Slot, Take};
+    use tollgate_algebra::{Config, MINUTE, OneTake, Plan, Slot, Take};
 
     use super::*;
 

@@ -3,7 +3,7 @@
 //! config changed.
 
 use redis::Value;
-use tollgate_core::Clock;
+use tollgate_algebra::Clock;
 
 use super::{AnyConnection, Inner, RedisStore, Writes};
 use crate::StoreError;

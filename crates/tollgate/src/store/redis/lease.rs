@@ -1,5 +1,5 @@
 //! Leases on Redis (issue 34, the store's side): one script runs a [`Step`] on one shard whose
-//! state carries its lease records, exactly as `tollgate_core::lease` computes it; the
+//! state carries its lease records, exactly as `tollgate_algebra::lease` computes it; the
 //! answer is the core's, computed from what the script loaded (`store::lease`, shared with
 //! PostgreSQL, checks the script against it on every step).
 //!
@@ -10,8 +10,8 @@
 //! records.
 
 use redis::Value;
-use tollgate_core::lease::Leased;
-use tollgate_core::{Clock, Slot};
+use tollgate_algebra::lease::Leased;
+use tollgate_algebra::{Clock, Slot};
 
 use super::{AnyConnection, Inner, RedisStore, Writes, garbage, num, slot_args, unpack_f64};
 use crate::StoreError;
@@ -206,7 +206,7 @@ impl<C: Clock> LeaseStore for Inner<C> {
 
 impl<C: Clock> RedisStore<C> {
     /// Runs `step` on the leased shard of `slot` (for the tests: the answer checked against
-    /// tollgate-core's).
+    /// tollgate-algebra's).
     #[cfg(test)]
     pub(crate) async fn lease_step(
         &self,
@@ -242,7 +242,7 @@ impl<C: Clock> RedisStore<C> {
         &self,
         name: &str,
         key: Option<&str>,
-        config: &tollgate_core::Config,
+        config: &tollgate_algebra::Config,
     ) -> Result<f64, StoreError> {
         lease::leased_out(&*self.inner, &lease::look_slot(name, key, *config)).await
     }
@@ -251,7 +251,7 @@ impl<C: Clock> RedisStore<C> {
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
-    use tollgate_core::{Config, ManualClock, OneTake, Take};
+    use tollgate_algebra::{Config, ManualClock, OneTake, Take};
 
     use std::time::Duration;
 
@@ -271,7 +271,7 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
 
-        /// Random steps on one leased shard, on Redis and on tollgate-core's model: every
+        /// Random steps on one leased shard, on Redis and on tollgate-algebra's model: every
         /// answer the same (the store checks the script against the model on each step), and
         /// what Redis keeps is the model's state and records.
         #[test]
