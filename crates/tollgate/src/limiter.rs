@@ -12,7 +12,7 @@ use tollgate_algebra::{
     Taken, alignment, carry_counts, carrying, read, splitmix64, unit_interval,
 };
 
-use crate::Error;
+use crate::error::Error;
 use crate::store::{AsyncStore, MemoryStore, Store};
 
 /// A set of limits declared once, in a type of your own, so that a misspelled name does not
@@ -734,7 +734,7 @@ impl<S: AsyncStore> RateLimiter<S> {
     /// # Errors
     ///
     /// As for [`RateLimiter::limit`]. A store whose reply timed out may have taken the
-    /// tokens: its [`Error::Store`] says so (see [`crate::StoreError::may_have_taken`]).
+    /// tokens: its [`Error::Store`] says so (see [`crate::error::StoreError::may_have_taken`]).
     pub async fn limit_async<'n, 'k>(
         &self,
         target: impl Into<Target<'n>>,
@@ -1018,7 +1018,7 @@ impl<S> RateLimiter<S> {
     /// The answer to one take from a sharded limit, from what the store did with its plan.
     fn sharded_answer(
         &self,
-        outcome: Result<Outcome, crate::StoreError>,
+        outcome: Result<Outcome, crate::error::StoreError>,
         take: &Take<'_>,
         throws: bool,
     ) -> Result<Taken, Error> {
@@ -1036,7 +1036,7 @@ impl<S> RateLimiter<S> {
     #[inline(never)]
     fn store_failed(
         &self,
-        e: crate::StoreError,
+        e: crate::error::StoreError,
         name: &str,
         config: Config,
     ) -> Result<Taken, Error> {
@@ -1132,7 +1132,7 @@ impl<S> RateLimiter<S> {
     fn planned_answer(
         &self,
         calls: &[Call<'_>],
-        outcome: Result<Outcome, crate::StoreError>,
+        outcome: Result<Outcome, crate::error::StoreError>,
     ) -> Result<TransactionTaken, Error> {
         match outcome {
             Ok(outcome) => {
@@ -1150,7 +1150,7 @@ impl<S> RateLimiter<S> {
     fn transaction_failed(
         &self,
         calls: &[Call<'_>],
-        e: crate::StoreError,
+        e: crate::error::StoreError,
     ) -> Result<TransactionTaken, Error> {
         if calls.is_empty() || !self.fails_open(calls.iter().map(|c| c.target.name())) {
             return Err(e.into());

@@ -313,7 +313,7 @@ mod postgres {
     #[cfg(test)]
     mod tests {
         use super::*;
-        use crate::store::backend_url;
+        use crate::store::testing::backend_url;
 
         /// Eight connections create one missing table at once, five times over: all succeed.
         /// (Without the lock, most rounds fail on this machine.)

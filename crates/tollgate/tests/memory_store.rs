@@ -297,3 +297,28 @@ fn states_stay_apart_through_growth_and_many_names() {
     }
     assert_eq!(limiter.store().len(), 10_000);
 }
+
+/// `keys_of` lists a name's states (not those of a name it is a prefix of); a state
+/// carried to a slower refill outlives the moment the old config saw it full, and is
+/// swept once full under the new one.
+#[test]
+fn keys_of_and_a_carried_state_outliving_its_old_expiry() {
+    let clock = tollgate::ManualClock::new(1_700_000_000_000.0);
+    let limiter = RateLimiter::new(MemoryStore::with_clock(clock.clone()));
+    let fast = Config::token_bucket(10.0, tollgate::SECOND);
+    let slow = Config::token_bucket(10.0, 100.0 * tollgate::SECOND);
+    assert!(limiter.limit(("a", fast), Request::new().key("k").count(10.0)).unwrap().ok);
+    assert!(limiter.limit(("a", fast), Request::new().count(1.0)).unwrap().ok);
+    assert!(limiter.limit(("ab", fast), "k").unwrap().ok);
+    let mut keys = limiter.store().keys_of("a");
+    keys.sort();
+    assert_eq!(keys, [(None, 0), (Some("k".to_owned()), 0)]);
+    assert!(limiter.store().keys_of("b").is_empty());
+    assert_eq!(limiter.carry("a", Some("k"), &fast, &slow).unwrap(), 1);
+    clock.advance(5.0 * tollgate::SECOND);
+    assert_eq!(limiter.store().sweep(), 2, "the others, full under their config");
+    let kept = limiter.value(("a", slow), Some("k")).unwrap();
+    assert_eq!((kept.value, kept.ts), (0.0, 1_700_000_000_000.0));
+    clock.advance(101.0 * tollgate::SECOND);
+    assert_eq!(limiter.store().sweep(), 1);
+}

@@ -78,3 +78,26 @@ fn a_rolled_back_transaction_gives_the_tokens_back() {
     tx.commit().unwrap();
     assert_eq!(value(&conn), 6.0, "committed: spent");
 }
+
+/// `keys_of` lists a name's states; a state carried to a slower refill gets its new
+/// `full_at`, so the sweep by `full_at` keeps it until it is full under the new config.
+#[test]
+fn keys_of_and_a_carried_state_outliving_its_old_full_at() {
+    let clock = tollgate::ManualClock::new(1_700_000_000_000.0);
+    let store = SqliteStore::builder().open_in_memory_with_clock(clock.clone()).unwrap();
+    let limiter = RateLimiter::new(store);
+    let fast = Config::token_bucket(10.0, tollgate::SECOND);
+    let slow = Config::token_bucket(10.0, 100.0 * tollgate::SECOND);
+    assert!(limiter.limit(("a", fast), Request::new().key("k").count(10.0)).unwrap().ok);
+    assert!(limiter.limit(("a", fast), Request::new().count(1.0)).unwrap().ok);
+    assert!(limiter.limit(("ab", fast), "k").unwrap().ok);
+    let mut keys = limiter.store().keys_of("a").unwrap();
+    keys.sort();
+    assert_eq!(keys, [(None, 0), (Some("k".to_owned()), 0)]);
+    assert_eq!(limiter.carry("a", Some("k"), &fast, &slow).unwrap(), 1);
+    clock.advance(5.0 * tollgate::SECOND);
+    assert_eq!(limiter.store().sweep_full().unwrap(), 2);
+    assert_eq!(limiter.store().keys_of("a").unwrap(), [(Some("k".to_owned()), 0)]);
+    clock.advance(101.0 * tollgate::SECOND);
+    assert_eq!(limiter.store().sweep_full().unwrap(), 1);
+}

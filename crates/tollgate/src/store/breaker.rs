@@ -8,8 +8,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tollgate_algebra::{OneTake, Outcome, Plan, Slot, State, Taken};
 
-use super::{AsyncStore, Never};
-use crate::StoreError;
+use super::seam::{AsyncStore, Never};
+use crate::error::StoreError;
 
 /// Options for a [`CircuitBreaker`].
 #[derive(Debug, Clone)]
@@ -300,8 +300,8 @@ mod tests {
     use tollgate_algebra::{Config, MINUTE, ManualClock, Take};
 
     use super::*;
-    use crate::MemoryStore;
-    use crate::store::Store;
+    use crate::store::memory::MemoryStore;
+    use crate::store::seam::Store;
 
     /// The memory store, made to hang or to fail as a networked store would.
     struct Flaky {

@@ -19,7 +19,7 @@ use arc_swap::ArcSwap;
 use tollgate_algebra::lease::{Grant, Holder, Leased};
 use tollgate_algebra::{Config, Decision, OneTake, Slot, State, Status, Taken};
 
-use crate::StoreError;
+use crate::error::StoreError;
 
 /// A step on a leased shard.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -702,7 +702,7 @@ pub(crate) mod testing {
     use tollgate_algebra::{Clock, Config, ManualClock, OneTake, Plan, Slot, Take};
 
     use super::{Answer, LeaseStats, LeaseStore, Leased, Step};
-    use crate::store::AsyncStore;
+    use crate::store::seam::AsyncStore;
     use crate::store::testing::writing;
 
     #[derive(Clone, Copy, Debug)]

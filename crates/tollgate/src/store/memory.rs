@@ -12,8 +12,8 @@ use tollgate_algebra::{
     Clock, Config, Inline, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
 
-use super::Store;
-use crate::StoreError;
+use super::seam::Store;
+use crate::error::StoreError;
 
 /// Shard indices take the low 10 bits of an entry's id (shards <= 1024), names the rest.
 const SHARD_BITS: u32 = 10;
@@ -990,7 +990,7 @@ fn expiry_now(now_ms: f64) -> u32 {
     (now_ms * 0.001) as u32
 }
 
-super::immediate_async_store! {
+super::seam::immediate_async_store! {
     impl[C: Clock] for MemoryStore<C>;
 }
 
@@ -1025,7 +1025,7 @@ impl<C: Clock> Store for MemoryStore<C> {
             2 => of::<C, 2>(self, takes, answers),
             3 => of::<C, 3>(self, takes, answers),
             4 => of::<C, 4>(self, takes, answers),
-            _ => super::each_through_plan(self, takes, answers),
+            _ => super::seam::each_through_plan(self, takes, answers),
         }
     }
 
@@ -1052,8 +1052,8 @@ impl<C: Clock> Store for MemoryStore<C> {
         });
         if N > EACH || !distinct {
             // Takes of one state add up: the plan's bookkeeping does that.
-            let mut taken = [super::UNSET; N];
-            super::each_through_plan(self, takes, &mut taken)?;
+            let mut taken = [super::seam::UNSET; N];
+            super::seam::each_through_plan(self, takes, &mut taken)?;
             for (a, t) in answers.iter_mut().zip(taken) {
                 *a = answer(t);
             }
@@ -1108,33 +1108,6 @@ impl<C: Clock> Store for MemoryStore<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `keys_of` lists a name's states (not those of a name it is a prefix of); a state
-    /// carried to a slower refill outlives the moment the old config saw it full, and is
-    /// swept once full under the new one.
-    #[test]
-    fn keys_of_and_a_carried_state_outliving_its_old_expiry() {
-        use crate::{RateLimiter, Request};
-        use tollgate_algebra::{ManualClock, SECOND};
-        let clock = ManualClock::new(1_700_000_000_000.0);
-        let limiter = RateLimiter::new(MemoryStore::with_clock(clock.clone()));
-        let fast = Config::token_bucket(10.0, SECOND);
-        let slow = Config::token_bucket(10.0, 100.0 * SECOND);
-        assert!(limiter.limit(("a", fast), Request::new().key("k").count(10.0)).unwrap().ok);
-        assert!(limiter.limit(("a", fast), Request::new().count(1.0)).unwrap().ok);
-        assert!(limiter.limit(("ab", fast), "k").unwrap().ok);
-        let mut keys = limiter.store().keys_of("a");
-        keys.sort();
-        assert_eq!(keys, [(None, 0), (Some("k".to_owned()), 0)]);
-        assert!(limiter.store().keys_of("b").is_empty());
-        assert_eq!(limiter.carry("a", Some("k"), &fast, &slow).unwrap(), 1);
-        clock.advance(5.0 * SECOND);
-        assert_eq!(limiter.store().sweep(), 2, "the others, full under their config");
-        let kept = limiter.value(("a", slow), Some("k")).unwrap();
-        assert_eq!((kept.value, kept.ts), (0.0, 1_700_000_000_000.0));
-        clock.advance(101.0 * SECOND);
-        assert_eq!(limiter.store().sweep(), 1);
-    }
 
     #[test]
     fn same_bytes_is_equality() {

@@ -16,12 +16,12 @@ use tollgate_algebra::lease::{Lease, Leased};
 use tollgate_algebra::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken, full_at};
 
 use super::lease::{self, LeaseOptions, LeaseStats, LeaseStore, Leases, Step};
+use super::seam::{AsyncStore, Never, OneAnswer};
 use super::sql::{
     LOCK_CLASS, MAX_TABLE, PG_LOCK, PgSql, key_columns, lock_id, lock_ids, valid_table,
 };
 use super::ticket::{Claim, OwnedPlan, OwnedSlots, Ticket, ticket};
-use super::{AsyncStore, Never, OneAnswer};
-use crate::StoreError;
+use crate::error::StoreError;
 
 /// Options for a [`PgStore`].
 #[derive(Debug, Clone)]
@@ -121,7 +121,10 @@ impl PgStoreBuilder {
             )));
         }
         let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
-            StoreError::with_source(format!("postgres: {:?}: {e}", super::redacted_url(url)), e)
+            StoreError::with_source(
+                format!("postgres: {:?}: {e}", super::url::redacted_url(url)),
+                e,
+            )
         })?;
         config.connect_timeout(self.timeout);
         let shared = Arc::new(Shared {
@@ -238,7 +241,10 @@ impl PgStore {
     /// The URL does not parse (the message shows it with its password left out).
     pub fn check_url(url: &str) -> Result<(), StoreError> {
         url.parse::<tokio_postgres::Config>().map(drop).map_err(|e| {
-            StoreError::with_source(format!("postgres: {:?}: {e}", super::redacted_url(url)), e)
+            StoreError::with_source(
+                format!("postgres: {:?}: {e}", super::url::redacted_url(url)),
+                e,
+            )
         })
     }
 
@@ -1402,8 +1408,8 @@ mod group_tests {
     use tollgate_algebra::{Config, MINUTE, ManualClock, Take};
 
     use super::*;
-    use crate::store::backend_url;
     use crate::store::sql::take_params;
+    use crate::store::testing::backend_url;
     use crate::store::testing::{T0, grouped_takes_answer_as_memory, writing};
 
     fn url() -> Option<String> {

@@ -3,7 +3,7 @@
 
 use redis::{Client, ConnectionAddr, IntoConnectionInfo, RedisError};
 
-use super::credentials_and_hosts;
+use super::url::credentials_and_hosts;
 
 /// Where the states are, as a URL says.
 pub(super) enum Place {

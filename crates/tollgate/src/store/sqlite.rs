@@ -10,13 +10,13 @@ use tollgate_algebra::{
     Clock, Config, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
 
+use super::seam::{AsyncStore, Never, Store};
 use super::sql::{
     SQLITE_ADD_FULL_AT, SQLITE_DELETE, SQLITE_DELETE_ALL, SQLITE_HAS_FULL_AT, SQLITE_SCHEMA,
     SQLITE_SELECT, SQLITE_SWEEP, SQLITE_UPSERT, key_columns, saves,
 };
 use super::ticket::{OwnedOne, OwnedPlan, OwnedSlots, Ticket, ticket};
-use super::{AsyncStore, Never, Store};
-use crate::StoreError;
+use crate::error::StoreError;
 
 /// How SQLite makes a commit durable; see [`SqliteStoreBuilder::synchronous`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -736,31 +736,6 @@ fn sql_error(what: &str, e: rusqlite::Error) -> StoreError {
 mod tests {
     use super::*;
     use tollgate_algebra::{MINUTE, ManualClock, Take};
-
-    /// `keys_of` lists a name's states; a state carried to a slower refill gets its new
-    /// `full_at`, so the sweep by `full_at` keeps it until it is full under the new config.
-    #[test]
-    fn keys_of_and_a_carried_state_outliving_its_old_full_at() {
-        use crate::{RateLimiter, Request};
-        use tollgate_algebra::SECOND;
-        let clock = ManualClock::new(1_700_000_000_000.0);
-        let store = SqliteStore::builder().open_in_memory_with_clock(clock.clone()).unwrap();
-        let limiter = RateLimiter::new(store);
-        let fast = Config::token_bucket(10.0, SECOND);
-        let slow = Config::token_bucket(10.0, 100.0 * SECOND);
-        assert!(limiter.limit(("a", fast), Request::new().key("k").count(10.0)).unwrap().ok);
-        assert!(limiter.limit(("a", fast), Request::new().count(1.0)).unwrap().ok);
-        assert!(limiter.limit(("ab", fast), "k").unwrap().ok);
-        let mut keys = limiter.store().keys_of("a").unwrap();
-        keys.sort();
-        assert_eq!(keys, [(None, 0), (Some("k".to_owned()), 0)]);
-        assert_eq!(limiter.carry("a", Some("k"), &fast, &slow).unwrap(), 1);
-        clock.advance(5.0 * SECOND);
-        assert_eq!(limiter.store().sweep_full().unwrap(), 2);
-        assert_eq!(limiter.store().keys_of("a").unwrap(), [(Some("k".to_owned()), 0)]);
-        clock.advance(101.0 * SECOND);
-        assert_eq!(limiter.store().sweep_full().unwrap(), 1);
-    }
 
     /// A file that can only be read is an error when the store opens it, not a failure of
     /// every request after.

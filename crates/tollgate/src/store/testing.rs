@@ -1,15 +1,32 @@
-//! What the stores' own tests share: a check that a store's grouped round trip answers as
-//! one request after the other.
+//! What the stores' own tests share: the URL of a backend, and a check that a store's
+//! grouped round trip answers as one request after the other.
 
+#[cfg(any(feature = "redis", feature = "postgres"))]
 use tollgate_algebra::{Clock, Config, MINUTE, ManualClock, OneTake, SECOND, Take};
 
-use crate::MemoryStore;
-use crate::store::{AsyncStore, Store};
+#[cfg(any(feature = "redis", feature = "postgres"))]
+use super::memory::MemoryStore;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+use super::seam::{AsyncStore, OneAnswer, Store};
+
+/// The URL of a backend for a store's own tests, from `var`: `None` (the test returns early)
+/// without it, unless `TOLLGATE_REQUIRE_BACKENDS=1`, which makes it a failure.
+pub(crate) fn backend_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ if std::env::var("TOLLGATE_REQUIRE_BACKENDS").as_deref() == Ok("1") => {
+            panic!("{var} is required by TOLLGATE_REQUIRE_BACKENDS=1")
+        }
+        _ => None,
+    }
+}
 
 /// The clock's start.
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) const T0: f64 = 1_700_000_000_000.0;
 
 /// `take` as a one-take that writes.
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) fn writing<'a>(take: &Take<'a>) -> OneTake<'a> {
     OneTake::new(take, 0, true).unwrap()
 }
@@ -19,10 +36,11 @@ pub(crate) fn writing<'a>(take: &Take<'a>) -> OneTake<'a> {
 /// `send` in one round trip (answering, per take, the time it used, whether it wrote and
 /// the state it loaded): every answer as the memory store's, one take after the other,
 /// and every state in `store` as the memory store's after each group. Deletes its states.
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) async fn grouped_takes_answer_as_memory(
     clock: &ManualClock,
     store: &impl AsyncStore,
-    send: impl AsyncFn(&[OneTake<'_>]) -> Vec<super::OneAnswer>,
+    send: impl AsyncFn(&[OneTake<'_>]) -> Vec<OneAnswer>,
 ) {
     let memory = MemoryStore::with_clock(clock.clone());
     let limits = [

@@ -13,7 +13,7 @@ use tollgate_algebra::OneTake;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 use tollgate_algebra::{Plan, Slot};
 
-use crate::StoreError;
+use crate::error::StoreError;
 
 /// A request waits to be taken by the worker.
 const QUEUED: u8 = 0;

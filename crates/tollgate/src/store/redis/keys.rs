@@ -6,7 +6,7 @@ use redis::Value;
 use tollgate_algebra::Clock;
 
 use super::{AnyConnection, Inner, RedisStore, Writes};
-use crate::StoreError;
+use crate::error::StoreError;
 
 /// How many keys a `SCAN` step looks at: small steps keep Redis answering others between them.
 const STEP: u32 = 1_000;

@@ -14,7 +14,7 @@ use tollgate_algebra::lease::Leased;
 use tollgate_algebra::{Clock, Slot};
 
 use super::{AnyConnection, Inner, RedisStore, Writes, garbage, num, slot_args, unpack_f64};
-use crate::StoreError;
+use crate::error::StoreError;
 #[cfg(test)]
 use crate::store::lease::Answer;
 use crate::store::lease::{self, LeaseStore, Leases, Step};
@@ -256,16 +256,16 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::store::AsyncStore;
     use crate::store::lease::testing::{
         self, Leasing, Op, act, config, op, processes, run_op,
         transaction_takes_a_leased_limit_directly, worst,
     };
     use crate::store::lease::{LeaseOptions, LeaseStats, MOST_HELD};
+    use crate::store::seam::AsyncStore;
     use crate::store::testing::{T0, writing};
 
     fn url() -> Option<String> {
-        crate::store::backend_url("TOLLGATE_REDIS_URL")
+        crate::store::testing::backend_url("TOLLGATE_REDIS_URL")
     }
 
     proptest! {
@@ -278,7 +278,7 @@ mod tests {
         fn redis_runs_lease_steps_as_the_model(config in config(), ops in prop::collection::vec(op(), 1..40)) {
             // One Redis, and a cluster: a leased state is one key, so one slot.
             #[cfg(feature = "redis-cluster")]
-            let urls = [url(), crate::store::backend_url("TOLLGATE_REDIS_CLUSTER_URL")];
+            let urls = [url(), crate::store::testing::backend_url("TOLLGATE_REDIS_CLUSTER_URL")];
             #[cfg(not(feature = "redis-cluster"))]
             let urls = [url()];
             for url in urls.into_iter().flatten() {

@@ -20,9 +20,9 @@ use tollgate_algebra::lease::Leased;
 use tollgate_algebra::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::redis_url::{self, Place};
+use super::seam::{AsyncStore, Never, OneAnswer};
 use super::ticket::{Ticket, ticket};
-use super::{AsyncStore, Never, OneAnswer};
-use crate::StoreError;
+use crate::error::StoreError;
 
 /// Lua: `now`, the request's time in ms: `ARGV[1]` (a test's own time) or Redis `TIME`;
 /// and `least`, the shortest time a state is kept for (see `lua_save`).
@@ -606,7 +606,7 @@ impl RedisStoreBuilder {
     fn build<C>(self, url: &str, clock: Option<C>) -> Result<RedisStore<C>, StoreError> {
         let bad_url = |e: redis::RedisError| {
             let detail = e.detail().map_or_else(|| e.to_string(), str::to_string);
-            StoreError::new(format!("redis: {:?}: {detail}", super::redacted_url(url)))
+            StoreError::new(format!("redis: {:?}: {detail}", super::url::redacted_url(url)))
         };
         let parsed = redis_url::parse(url).map_err(bad_url)?;
         let one = |source| {
@@ -642,7 +642,7 @@ impl RedisStoreBuilder {
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
             clock,
-            leases: super::lease::Leases::new(self.leases),
+            leases: crate::store::lease::Leases::new(self.leases),
             replicas: parsed.replicas,
             timeout: self.timeout,
         };
@@ -856,7 +856,7 @@ struct Inner<C> {
     /// `None`: Redis `TIME`.
     clock: Option<C>,
     /// The leased limits and their holders, if any.
-    leases: Option<super::lease::Leases>,
+    leases: Option<crate::store::lease::Leases>,
     /// How many replicas must acknowledge each write (`WAIT`) before its answer is given.
     replicas: u32,
     /// The store's timeout: a write and its `WAIT` together take at most this (about).
@@ -902,7 +902,7 @@ impl RedisStore {
     pub fn check_url(url: &str) -> Result<(), StoreError> {
         redis_url::parse(url).map(drop).map_err(|e| {
             let detail = e.detail().map_or_else(|| e.to_string(), str::to_string);
-            StoreError::new(format!("redis: {:?}: {detail}", super::redacted_url(url)))
+            StoreError::new(format!("redis: {:?}: {detail}", super::url::redacted_url(url)))
         })
     }
 }
@@ -1587,7 +1587,7 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         if let Some(leases) = &self.inner.leases
             && leases.is_leased(take.slot.name)
         {
-            return super::lease::take(&self.inner, leases, take).await;
+            return crate::store::lease::take(&self.inner, leases, take).await;
         }
         let slot = &take.slot;
         let now = self.inner.clock.as_ref().map_or(f64::NAN, Clock::now);
@@ -1609,7 +1609,7 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         if let Some(leases) = &self.inner.leases
             && slots.iter().any(|s| leases.is_leased(s.name))
         {
-            return super::lease::read(&*self.inner, slots).await;
+            return crate::store::lease::read(&*self.inner, slots).await;
         }
         let keys: Vec<String> =
             slots.iter().map(|s| self.inner.key(s.name, s.key, s.shard)).collect();
@@ -1625,7 +1625,7 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         if let Some(leases) = &self.inner.leases
             && leases.is_leased(name)
         {
-            return super::lease::reset(&*self.inner, leases, name, key).await;
+            return crate::store::lease::reset(&*self.inner, leases, name, key).await;
         }
         let keys: Vec<String> = (0..shards).map(|shard| self.inner.key(name, key, shard)).collect();
         self.inner
@@ -1707,7 +1707,7 @@ mod give_back_tests {
     use super::*;
 
     fn cluster_url() -> Option<String> {
-        crate::store::backend_url("TOLLGATE_REDIS_CLUSTER_URL")
+        crate::store::testing::backend_url("TOLLGATE_REDIS_CLUSTER_URL")
     }
 
     #[tokio::test]
@@ -1759,7 +1759,7 @@ mod on_redis_tests {
     use crate::store::testing::{T0, grouped_takes_answer_as_memory, writing};
 
     fn url() -> Option<String> {
-        crate::store::backend_url("TOLLGATE_REDIS_URL")
+        crate::store::testing::backend_url("TOLLGATE_REDIS_URL")
     }
 
     /// `takes` in one round trip, at `now`: each answer as [`unpack_one`] reads it.

@@ -1,0 +1,412 @@
+//! The seam between the limiter and a store: [`Store`], called on the caller's thread, and
+//! [`AsyncStore`], awaited (with [`DynAsyncStore`], its form as a trait object, for a store
+//! picked at run time), and what the stores share to implement them.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use tollgate_algebra::{OneTake, Outcome, Plan, Slot, State, Taken};
+
+use crate::error::StoreError;
+
+/// Loads and saves limit states atomically per request.
+///
+/// Implementations must make [`Store::execute`] atomic: no other request may change the
+/// plan's slots between the load and the save, or limits over-admit.
+///
+/// A store shared between threads is `Send + Sync` (the memory and SQLite stores are); a
+/// store over a borrowed transaction need not be.
+pub trait Store {
+    /// Loads the plan's slots, decides at the store's current time, and saves the changed
+    /// states, atomically. States that are full again by then may be dropped instead.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be loaded or saved; nothing is admitted.
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError>;
+
+    /// One take from an unsharded limit, atomically: load the slot, [`OneTake::decide`],
+    /// save. The default builds a [`Plan`]; a store may serve this common request directly.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the state cannot be loaded or saved; nothing is admitted.
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        self.execute(&take.to_plan())
+            .map(|outcome| Taken { decision: outcome.decision(), status: outcome.statuses[0] })
+    }
+
+    /// A transaction of one-takes (each from an unsharded limit), all or nothing: the same
+    /// answers as [`Plan::of_one_takes`] executed, written to `answers` (one per take, in
+    /// order). The default executes that plan; the memory store decides takes of distinct
+    /// states one by one, without a plan's bookkeeping.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be loaded or saved; nothing is admitted.
+    ///
+    /// # Panics
+    ///
+    /// If `answers` is shorter than `takes`.
+    fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
+        each_through_plan(self, takes, answers)
+    }
+
+    /// [`Store::execute_each`] of exactly `N` takes, the count known to the compiler, keeping
+    /// what `answer` picks of each take's result (as [`Store::execute_one_then`] does).
+    /// `statuses` says whether `answer` keeps the statuses; when it does not, a store may
+    /// hand it results whose statuses were not worked out (not to be read). The default calls
+    /// [`Store::execute_each`]; the memory store unrolls its loops over the takes and applies
+    /// `answer` before a result leaves it, so that what the caller drops (the statuses, for
+    /// `transaction`) is never worked out, and a refused transaction does not find its states
+    /// again for statuses that nobody reads.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Store::execute_each`].
+    #[inline(always)]
+    fn execute_each_of<const N: usize, T>(
+        &self,
+        takes: &[OneTake<'_>; N],
+        answers: &mut [T; N],
+        answer: impl Fn(Taken) -> T,
+        statuses: bool,
+    ) -> Result<(), StoreError>
+    where
+        Self: Sized,
+    {
+        let _ = statuses; // every take's status is worked out here
+        let mut taken = [UNSET; N];
+        self.execute_each(takes, &mut taken)?;
+        for (a, t) in answers.iter_mut().zip(taken) {
+            *a = answer(t);
+        }
+        Ok(())
+    }
+
+    /// [`Store::execute_one`], keeping only what `answer` picks of the result. The default
+    /// maps the result; an in-process store may apply `answer` before its result leaves the
+    /// store, so that what the caller drops (the status, for `limit`) is never worked out.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Store::execute_one`].
+    #[inline(always)]
+    fn execute_one_then<T>(
+        &self,
+        take: &OneTake<'_>,
+        answer: impl FnOnce(Taken) -> T,
+    ) -> Result<T, StoreError>
+    where
+        Self: Sized,
+    {
+        self.execute_one(take).map(answer)
+    }
+
+    /// Reads the states of `slots` without changing them; returns the store's time too.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be read.
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError>;
+
+    /// Deletes the states of every shard of (name, key).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be deleted.
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError>;
+}
+
+/// Loads and saves limit states atomically per request, awaited: the seam of every store
+/// that waits on a network or a disk (Redis, PostgreSQL, SQLite), and of the memory store
+/// too, so that one async API (`RateLimiter::limit_async` and its kin) serves them all.
+///
+/// The methods are those of [`Store`] without its in-process fast paths: a round trip to a
+/// server costs far more than the bookkeeping those save. A store that answers in-process
+/// without waiting (the memory store) names its synchronous form as
+/// [`AsyncStore::Immediate`] and returns it from [`AsyncStore::immediate`]; the limiter's
+/// async calls then answer through that at once, on the calling thread, exactly as its sync
+/// calls do, and never build a future for the store.
+///
+/// The futures are `Send`, so they can be awaited in any task of a multi-threaded runtime
+/// (axum handlers, tonic services). Implementations must never block the thread that polls
+/// them: I/O is awaited, or done on a thread of the store's own.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let limiter = RateLimiter::new(MemoryStore::new()); // every store has the async API
+/// let send = ("send", Config::token_bucket(10.0, MINUTE));
+/// assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
+/// # });
+/// ```
+pub trait AsyncStore: Send + Sync {
+    /// This store's synchronous form, when it answers without waiting; [`Never`] when it
+    /// waits on I/O.
+    type Immediate: Store;
+
+    /// The store as its synchronous form, if it answers in-process without waiting: the
+    /// limiter's async calls then run the sync path through it. `None` (the default) for a
+    /// store that waits on I/O.
+    fn immediate(&self) -> Option<&Self::Immediate> {
+        None
+    }
+
+    /// Loads the plan's slots, decides at the store's current time, and saves the changed
+    /// states, atomically (as [`Store::execute`]).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be loaded or saved; nothing is admitted, unless
+    /// the error says that the request may have been applied (a reply that timed out).
+    fn execute_async(
+        &self,
+        plan: &Plan<'_>,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send;
+
+    /// One take from an unsharded limit, atomically (as [`Store::execute_one`]). The default
+    /// executes [`OneTake::to_plan`]; a store may serve this common request directly.
+    ///
+    /// # Errors
+    ///
+    /// As for [`AsyncStore::execute_async`].
+    fn execute_one_async(
+        &self,
+        take: &OneTake<'_>,
+    ) -> impl Future<Output = Result<Taken, StoreError>> + Send {
+        async move {
+            let outcome = self.execute_async(&take.to_plan()).await?;
+            Ok(Taken { decision: outcome.decision(), status: outcome.statuses[0] })
+        }
+    }
+
+    /// Reads the states of `slots` without changing them; returns the store's time too.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be read.
+    fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> impl Future<Output = Result<(f64, Vec<Option<State>>), StoreError>> + Send;
+
+    /// Deletes the states of every shard of (name, key).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the states cannot be deleted.
+    fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// A boxed future of a store call, for [`DynAsyncStore`].
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// [`AsyncStore`] in a form that can be a trait object: every [`AsyncStore`] is one, and an
+/// `Arc<dyn DynAsyncStore>` is an [`AsyncStore`] again, for a store picked at run time (the
+/// server opens one from a URL). Each call boxes its future: one allocation, nothing beside
+/// a round trip.
+pub trait DynAsyncStore: Send + Sync {
+    /// [`AsyncStore::execute_async`], boxed.
+    fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome>;
+    /// [`AsyncStore::execute_one_async`], boxed.
+    fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken>;
+    /// [`AsyncStore::read_async`], boxed.
+    fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)>;
+    /// [`AsyncStore::delete_async`], boxed.
+    fn delete_boxed<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        shards: u16,
+    ) -> BoxFuture<'a, ()>;
+}
+
+impl<S: AsyncStore> DynAsyncStore for S {
+    fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        Box::pin(AsyncStore::execute_async(self, plan))
+    }
+    fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(AsyncStore::execute_one_async(self, take))
+    }
+    fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        Box::pin(AsyncStore::read_async(self, slots))
+    }
+    fn delete_boxed<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        shards: u16,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(AsyncStore::delete_async(self, name, key, shards))
+    }
+}
+
+impl AsyncStore for dyn DynAsyncStore + '_ {
+    type Immediate = Never;
+    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        self.execute_boxed(plan).await
+    }
+    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        self.execute_one_boxed(take).await
+    }
+    async fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        self.read_boxed(slots).await
+    }
+    async fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> Result<(), StoreError> {
+        self.delete_boxed(name, key, shards).await
+    }
+}
+
+impl<S: AsyncStore + ?Sized> AsyncStore for std::sync::Arc<S> {
+    type Immediate = S::Immediate;
+    #[inline(always)]
+    fn immediate(&self) -> Option<&S::Immediate> {
+        (**self).immediate()
+    }
+    fn execute_async(
+        &self,
+        plan: &Plan<'_>,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
+        (**self).execute_async(plan)
+    }
+    fn execute_one_async(
+        &self,
+        take: &OneTake<'_>,
+    ) -> impl Future<Output = Result<Taken, StoreError>> + Send {
+        (**self).execute_one_async(take)
+    }
+    fn read_async(
+        &self,
+        slots: &[Slot<'_>],
+    ) -> impl Future<Output = Result<(f64, Vec<Option<State>>), StoreError>> + Send {
+        (**self).read_async(slots)
+    }
+    fn delete_async(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        shards: u16,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).delete_async(name, key, shards)
+    }
+}
+
+/// The [`AsyncStore::Immediate`] of a store that waits on I/O: there is no value of it.
+#[derive(Debug, Clone, Copy)]
+pub enum Never {}
+
+impl Store for Never {
+    fn execute(&self, _: &Plan<'_>) -> Result<Outcome, StoreError> {
+        match *self {}
+    }
+    fn read(&self, _: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        match *self {}
+    }
+    fn delete(&self, _: &str, _: Option<&str>, _: u16) -> Result<(), StoreError> {
+        match *self {}
+    }
+}
+
+/// A store that answers in-process, as an [`AsyncStore`]: its async calls answer at once,
+/// through its sync ones, and the limiter's async calls take its sync path directly.
+macro_rules! immediate_async_store {
+    ($(impl$([$($generics:tt)*])? for $store:ty;)*) => {$(
+        impl$(<$($generics)*>)? $crate::store::seam::AsyncStore for $store {
+            type Immediate = Self;
+            #[inline(always)]
+            fn immediate(&self) -> Option<&Self> {
+                Some(self)
+            }
+            fn execute_async(
+                &self,
+                plan: &tollgate_algebra::Plan<'_>,
+            ) -> impl std::future::Future<Output = Result<tollgate_algebra::Outcome, $crate::StoreError>> + Send {
+                std::future::ready($crate::store::seam::Store::execute(self, plan))
+            }
+            fn execute_one_async(
+                &self,
+                take: &tollgate_algebra::OneTake<'_>,
+            ) -> impl std::future::Future<Output = Result<tollgate_algebra::Taken, $crate::StoreError>> + Send {
+                std::future::ready($crate::store::seam::Store::execute_one(self, take))
+            }
+            fn read_async(
+                &self,
+                slots: &[tollgate_algebra::Slot<'_>],
+            ) -> impl std::future::Future<
+                Output = Result<(f64, Vec<Option<tollgate_algebra::State>>), $crate::StoreError>,
+            > + Send {
+                std::future::ready($crate::store::seam::Store::read(self, slots))
+            }
+            fn delete_async(
+                &self,
+                name: &str,
+                key: Option<&str>,
+                shards: u16,
+            ) -> impl std::future::Future<Output = Result<(), $crate::StoreError>> + Send {
+                std::future::ready($crate::store::seam::Store::delete(self, name, key, shards))
+            }
+        }
+    )*};
+}
+pub(crate) use immediate_async_store;
+
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        (**self).execute(plan)
+    }
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        (**self).execute_one(take)
+    }
+    fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
+        (**self).execute_each(takes, answers)
+    }
+
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        (**self).read(slots)
+    }
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+        (**self).delete(name, key, shards)
+    }
+}
+
+/// What a store's one-take function or script answers for a take: the time it used,
+/// whether it wrote, and the state it loaded (from which `tollgate-algebra` decides).
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) type OneAnswer = (f64, bool, Option<State>);
+
+/// What an array of [`Taken`]s holds before a store has written it.
+pub(crate) const UNSET: Taken = Taken {
+    decision: tollgate_algebra::Decision { ok: false, retry_after: None },
+    status: tollgate_algebra::Status { remaining: 0.0, reset_after: 0.0 },
+};
+
+/// [`Store::execute_each`] through the plan of the takes.
+pub(crate) fn each_through_plan<S: Store + ?Sized>(
+    store: &S,
+    takes: &[OneTake<'_>],
+    answers: &mut [Taken],
+) -> Result<(), StoreError> {
+    let outcome = store.execute(&Plan::of_one_takes(takes))?;
+    let each = outcome.results.iter().zip(&outcome.statuses);
+    for (answer, (&decision, &status)) in answers[..takes.len()].iter_mut().zip(each) {
+        *answer = Taken { decision, status };
+    }
+    Ok(())
+}
