@@ -60,8 +60,6 @@ mod memory;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
-#[cfg(feature = "redis")]
-mod redis_url;
 mod seam;
 #[cfg(any(
     feature = "sqlite",

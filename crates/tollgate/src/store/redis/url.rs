@@ -3,7 +3,7 @@
 
 use redis::{Client, ConnectionAddr, IntoConnectionInfo, RedisError};
 
-use super::url::credentials_and_hosts;
+use crate::store::url::credentials_and_hosts;
 
 /// Where the states are, as a URL says.
 pub(super) enum Place {

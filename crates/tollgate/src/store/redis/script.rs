@@ -1,0 +1,421 @@
+//! The Redis store's Lua: the general script (a plan, all or nothing), the one-take script
+//! and its grouped form, the give-back of a cluster's split take, and the pieces they share
+//! (the time, the save with its expiry, a leased state's records). Each decides as
+//! tollgate-algebra does; the store checks what they answer against it.
+
+/// Lua: `now`, the request's time in ms: `ARGV[1]` (a test's own time) or Redis `TIME`;
+/// and `least`, the shortest time a state is kept for (see `lua_save`).
+macro_rules! lua_now {
+    () => {
+        r#"
+local now, least = tonumber(ARGV[1]), 10000
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+  least = 1
+end
+"#
+    };
+}
+
+/// Lua: saves the state (`v`, `ts`) under `key`, given `token_bucket`, `rate`, `period`,
+/// `cap`, `now` and `least`: deleted if it is full again by `now`, else set to expire when it
+/// will be (`tollgate_algebra::full_at`), counted from the script's own now and rounded up, so
+/// never early; and never in less than `least` ms. That is 1 ms on Redis `TIME`. On a test's
+/// own clock it is 10 s: Redis expires keys in real time, which does not move that clock, so
+/// a state due back in 0.5 ms of the test's time would be gone a ms later while the test's
+/// clock still counts its tokens as taken. Kept longer, a state full by then answers as full
+/// (the algebra refills it); a state full by the script's now is deleted either way. One copy
+/// for every script.
+macro_rules! lua_save {
+    () => {
+        r#"
+do
+  local full = ts
+  local missing = cap - v
+  if missing > 0 then
+    if token_bucket then
+      full = ts + missing * period / rate
+    else
+      full = ts + math.ceil(missing / rate) * period
+    end
+  end
+  if full <= now then
+    redis.call('DEL', key)
+  else
+    -- The expiry as text made here: a number argument would be formatted by Redis with
+    -- '%.17g', about 0.5 us slower a call (measured).
+    redis.call('SET', key, struct.pack('<dd', v, ts), 'PX',
+      string.format('%d', math.max(least, math.ceil(full - now))))
+  end
+end
+"#
+    };
+}
+
+/// Lua: a state with lease records (issue 34), as `tollgate_algebra::lease::Leased` keeps it.
+/// `lease_unpack(raw)` reads what [`Leased::pack`](tollgate_algebra::lease::Leased::pack)
+/// made (`nil` for anything else): `v`, `ts` and the records `{ holder, tokens, expiry }`
+/// in the order of their holders; a `v` of NaN is a state forgotten by a reset while leases
+/// are out. `lease_fresh` starts a state that has none (never written, or forgotten): the
+/// records expired by `now` dropped, as full as the others allow. `lease_advance` refills
+/// `v`, `ts` to `now` under the cap `capacity - outstanding`, each record expired by `now`
+/// counting until its expiry (the first first) and then dropped, as `Leased::advance` does. `lease_save` stores the state
+/// with the records it keeps: until the last record expires and the state could be full
+/// again after it (no sooner may a missing key read as a full bucket); deleted when it
+/// keeps none and is full. One copy for the lease script and the plan script.
+macro_rules! lua_lease {
+    () => {
+        r#"
+local function lease_unpack(raw)
+  if #raw < 16 or (#raw - 16) % 24 ~= 0 then return nil end
+  local v, ts = struct.unpack('<dd', raw)
+  local recs = {}
+  for at = 17, #raw, 24 do
+    local h, t, e = struct.unpack('<ddd', raw, at)
+    recs[#recs + 1] = { h, t, e }
+  end
+  return v, ts, recs
+end
+
+local function lease_outstanding(recs)
+  local sum = 0
+  for i = 1, #recs do sum = sum + recs[i][2] end
+  return sum
+end
+
+local function lease_fresh(recs, kind, period, cap, align, now)
+  for i = #recs, 1, -1 do
+    if recs[i][3] <= now then table.remove(recs, i) end
+  end
+  local ts = now
+  if kind ~= 0 then ts = align + math.floor((now - align) / period) * period end
+  return math.min(cap, cap - lease_outstanding(recs)), ts
+end
+
+local function lease_advance(recs, v, ts, kind, rate, period, cap, now)
+  -- tollgate-algebra's lease::refill: to `to` under `c`.
+  local function refill(to, c)
+    if to <= ts then
+      v = math.min(v, c)
+    elseif kind == 0 then
+      v = math.min(v + (to - ts) * rate / period, c)
+      ts = to
+    else
+      local w = math.floor((to - ts) / period)
+      if w >= 1 then
+        v = math.min(v + rate * w, c)
+        ts = ts + w * period
+      end
+    end
+  end
+  while true do
+    local first
+    for i = 1, #recs do
+      if recs[i][3] <= now and (first == nil or recs[i][3] < recs[first][3]) then first = i end
+    end
+    if not first then break end
+    local expiry = recs[first][3]
+    if kind == 0 then
+      refill(expiry, cap - lease_outstanding(recs))
+      table.remove(recs, first)
+    else
+      table.remove(recs, first)
+      refill(expiry, cap - lease_outstanding(recs))
+    end
+  end
+  refill(now, cap - lease_outstanding(recs))
+  return v, ts
+end
+
+local function lease_save(key, recs, v, ts, kind, rate, period, cap, now, least)
+  local last = ts
+  for i = 1, #recs do last = math.max(last, recs[i][3]) end
+  local full = last
+  if cap - v > 0 then
+    if kind == 0 then
+      full = last + (cap - v) * period / rate
+    else
+      full = last + (math.ceil((cap - v) / rate) + 1) * period
+    end
+  end
+  if full <= now and #recs == 0 then
+    redis.call('DEL', key)
+  else
+    local packed = { struct.pack('<dd', v, ts) }
+    for i = 1, #recs do packed[#packed + 1] = struct.pack('<ddd', recs[i][1], recs[i][2], recs[i][3]) end
+    redis.call('SET', key, table.concat(packed), 'PX',
+      string.format('%d', math.max(least, math.ceil(full - now))))
+  end
+end
+"#
+    };
+}
+
+/// The algebra of SPEC §2 and §3 in Lua, kept equal to `tollgate-algebra`'s by the conformance
+/// and differential tests. It loads every slot, decides all takes, and writes only if every
+/// take is granted (and the request writes); it answers with the time it used and the states
+/// it loaded, from which `tollgate-algebra` computes the answer itself.
+///
+/// KEYS: one per slot. ARGV: now ("" = Redis `TIME`), writes (0/1), slot count, then per
+/// slot kind (0 token bucket, 1 fixed window), rate, period, capacity, maxReserved ("" =
+/// unbounded), alignment; then take count, then per take count, reserve (0/1), shards,
+/// slot of A (1-based), slot of B (0 = none). Numbers come in as the shortest text that
+/// reads back exactly; a state is stored, and times and states are answered, as
+/// little-endian doubles packed with `struct` (16 bytes a state): exact, where Lua's
+/// `tostring` keeps 14 digits and an integer reply would truncate, and far cheaper than
+/// formatting text in the script.
+pub(super) const SCRIPT: &str = concat!(
+    lua_now!(),
+    lua_lease!(),
+    r#"
+local writes = ARGV[2] == '1'
+local nslots = tonumber(ARGV[3])
+local slot = {}
+local p = 4
+for i = 1, nslots do
+  slot[i] = { kind = tonumber(ARGV[p]), rate = tonumber(ARGV[p + 1]), period = tonumber(ARGV[p + 2]),
+              cap = tonumber(ARGV[p + 3]), maxr = tonumber(ARGV[p + 4]), align = tonumber(ARGV[p + 5]) }
+  p = p + 6
+end
+local raw = redis.call('MGET', unpack(KEYS))
+-- A leased state (with records) is refilled under its cap first, as the lease script
+-- does, and taken from directly: never past what its leases leave.
+local work, changed, recs = {}, {}, {}
+for i = 1, nslots do
+  if raw[i] then
+    local v, ts, r = lease_unpack(raw[i])
+    if not v then error('tollgate: ' .. KEYS[i] .. ' is not a state; not taken') end
+    if #r > 0 or v ~= v then
+      local s = slot[i]
+      if v ~= v then v, ts = lease_fresh(r, s.kind, s.period, s.cap, s.align, now) end
+      v, ts = lease_advance(r, v, ts, s.kind, s.rate, s.period, s.cap, now)
+      recs[i] = r
+    end
+    work[i] = { v, ts }
+  end
+end
+
+local function eval(i, st, count, reserve)
+  local s = slot[i]
+  local v, ts
+  if st then
+    v, ts = st[1], st[2]
+  elseif s.kind == 0 then
+    v, ts = s.cap, now
+  else
+    v, ts = s.cap, s.align + math.floor((now - s.align) / s.period) * s.period
+  end
+  local nv, nts
+  if s.kind == 0 then
+    nv = math.min(v + (now - ts) * s.rate / s.period, s.cap) - count
+    nts = now
+  else
+    local w = math.floor((now - ts) / s.period)
+    nv = math.min(v + s.rate * w, s.cap) - count
+    nts = ts + w * s.period
+  end
+  local over = s.maxr ~= nil and -nv > s.maxr
+  return (nv >= 0) or (reserve and not over), nv, nts
+end
+
+local all_ok = true
+local ntakes = tonumber(ARGV[p])
+p = p + 1
+for _ = 1, ntakes do
+  local count, reserve = tonumber(ARGV[p]), ARGV[p + 1] == '1'
+  local shards, a, b = tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3]), tonumber(ARGV[p + 4])
+  p = p + 5
+  local ok_a, va, ta = eval(a, work[a], count, reserve)
+  local put
+  local ok
+  if b == 0 or shards < 2 or work[a] == nil then
+    ok, put = ok_a, { { a, va, ta } }
+  else
+    local ok_b, vb, tb = eval(b, work[b], count, reserve)
+    if ok_a and ok_b and vb > va then
+      ok, put = true, { { b, vb, tb } }
+    elseif ok_a then
+      ok, put = true, { { a, va, ta } }
+    elseif ok_b then
+      ok, put = true, { { b, vb, tb } }
+    else
+      local balance = va + vb + count
+      local ca = va + count - balance / 2
+      local cb = vb + count - balance / 2
+      local oka, nva, nta = eval(a, work[a], ca, reserve)
+      local okb, nvb, ntb = eval(b, work[b], cb, reserve)
+      ok = oka and okb
+      put = { { a, nva, nta }, { b, nvb, ntb } }
+    end
+  end
+  if ok then
+    for _, w in ipairs(put) do
+      work[w[1]] = { w[2], w[3] }
+      changed[w[1]] = true
+    end
+  end
+  all_ok = all_ok and ok
+end
+
+if all_ok and writes then
+  for i = 1, nslots do
+    if changed[i] and recs[i] then
+      local s = slot[i]
+      lease_save(KEYS[i], recs[i], work[i][1], work[i][2], s.kind, s.rate, s.period, s.cap, now, least)
+    elseif changed[i] then
+      local key, v, ts = KEYS[i], work[i][1], work[i][2]
+      local token_bucket, rate, period, cap = slot[i].kind == 0, slot[i].rate, slot[i].period, slot[i].cap
+"#,
+    lua_save!(),
+    r#"
+    end
+  end
+end
+
+local reply = { struct.pack('<d', now), (all_ok and writes) and '1' or '0' }
+for i = 1, nslots do
+  reply[i + 2] = raw[i] or ''
+end
+return reply
+"#
+);
+
+/// Lua: one take from one unsharded limit, with no tables, loops or closures, which cost a
+/// script far more than its arithmetic. The same algebra as [`SCRIPT`] (the differential
+/// and conformance tests run both). Given `key` and `args` (see [`SCRIPT_ONE`]) and `time`
+/// (Redis `TIME` once read, else nil), it leaves the answer in `answer`.
+macro_rules! lua_one {
+    () => {
+        concat!(
+            r#"
+local writes, kind, reserve, rate, period, cap, maxr, align, count, now =
+  struct.unpack('<BBBddddddd', args)
+local least = 10000
+if now ~= now then
+  least = 1
+  if not time then
+    local t = redis.call('TIME')
+    time = t[1] * 1000 + t[2] / 1000
+  end
+  now = time
+end
+local raw = redis.call('GET', key)
+local v, ts
+if raw then
+  -- A state with lease records (or something else) is not this script's to change.
+  if #raw ~= 16 then error('tollgate: ' .. key .. ' holds leases or is not a state; not taken') end
+  v, ts = struct.unpack('<dd', raw)
+elseif kind == 0 then
+  v, ts = cap, now
+else
+  v, ts = cap, align + math.floor((now - align) / period) * period
+end
+local nv, nts
+if kind == 0 then
+  nv = math.min(v + (now - ts) * rate / period, cap) - count
+  nts = now
+else
+  local w = math.floor((now - ts) / period)
+  nv = math.min(v + rate * w, cap) - count
+  nts = ts + w * period
+end
+local wrote = '0'
+-- maxr is NaN when unbounded: the comparison is then false.
+if writes == 1 and (nv >= 0 or (reserve == 1 and not (-nv > maxr))) then
+  wrote = '1'
+  local token_bucket, v, ts = kind == 0, nv, nts
+"#,
+            lua_save!(),
+            r#"
+end
+local answer = struct.pack('<d', now) .. wrote .. (raw or '')
+"#
+        )
+    };
+}
+
+/// The common request alone: one take from one unsharded limit.
+///
+/// KEYS: the state. ARGV: one string of 59 bytes, [`one_args`](super::one_args): writes, kind (0 token
+/// bucket, 1 fixed window) and reserve as bytes, then rate, period, capacity, maxReserved
+/// (NaN = unbounded), alignment, count and now (NaN = Redis `TIME`) as little-endian
+/// doubles. One argument read by one `struct.unpack` costs the server about a quarter less
+/// than ten arguments in text read by `tonumber` each (measured: 12 -> 9 us a call), and is
+/// exact. Answers one string: the time it used (a packed double), `1` if it wrote (else
+/// `0`), then the state it loaded (16 bytes, or nothing).
+pub(super) const SCRIPT_ONE: &str =
+    concat!("local key, args, time = KEYS[1], ARGV[1], nil\n", lua_one!(), "return answer\n");
+
+/// Several one-takes sent together (see [`RedisStoreBuilder::group`](super::RedisStoreBuilder::group)): the same as
+/// [`SCRIPT_ONE`] for each (KEYS\[i\], ARGV\[i\]) in turn, one Redis `TIME` for all, all
+/// in one atomic run; answers the list of their answers. A state named twice is read again
+/// after its first take, so the takes answer as if sent one after the other. A take that
+/// fails (its key holds something else than a state) fails alone, before it writes: its
+/// answer is [`SCRIPT_ERROR`] and the reason. Not used for one take alone: the loop and the
+/// list cost about 2 us more a call than [`SCRIPT_ONE`].
+pub(super) const SCRIPT_GROUP: &str = concat!(
+    "local time\nlocal function one(key, args)\n",
+    lua_one!(),
+    r#"
+return answer
+end
+local answers = {}
+for i = 1, #KEYS do
+  local ok, answer = pcall(one, KEYS[i], ARGV[i])
+  if not ok then
+    answer = 'script error: ' .. (type(answer) == 'table' and tostring(answer.err) or tostring(answer))
+  end
+  answers[i] = answer
+end
+return answers
+"#
+);
+
+/// How an answer of [`SCRIPT_GROUP`] for a take that failed begins (its ninth byte, `r`,
+/// is never that of a take's answer, `0` or `1`).
+pub(super) const SCRIPT_ERROR: &[u8] = b"script error: ";
+
+/// Gives a take back to one state (Redis Cluster, when the second shard of a take across two
+/// nodes refused): if the state is still exactly what the take wrote, the state it replaced
+/// is restored; if another request changed it since, the amount is added back at the
+/// script's now, up to capacity. Either way the limit holds no more than had the take never
+/// happened.
+///
+/// KEYS: the state. ARGV: now ("" = `TIME`), the state written (16 bytes), the state it
+/// replaced (16 bytes, or "" for none), kind (0/1), rate, period, capacity, amount.
+#[cfg(feature = "redis-cluster")]
+pub(super) const GIVE_BACK: &str = concat!(
+    lua_now!(),
+    r#"
+local kind, rate, period, cap = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local cur = redis.call('GET', KEYS[1])
+local v, ts
+if cur == ARGV[2] then
+  if ARGV[3] == '' then
+    redis.call('DEL', KEYS[1])
+    return 1
+  end
+  v, ts = struct.unpack('<dd', ARGV[3])
+elseif cur and #cur == 16 then
+  v, ts = struct.unpack('<dd', cur)
+  if kind == 0 then
+    v = math.min(v + (now - ts) * rate / period, cap)
+    ts = now
+  else
+    local w = math.floor((now - ts) / period)
+    v = math.min(v + rate * w, cap)
+    ts = ts + w * period
+  end
+  v = math.min(v + tonumber(ARGV[8]), cap)
+else
+  -- Gone (full again, or reset): nothing to give back.
+  return 0
+end
+local key, token_bucket = KEYS[1], kind == 0
+"#,
+    lua_save!(),
+    r#"
+return 1
+"#
+);
