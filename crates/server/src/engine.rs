@@ -394,7 +394,7 @@ impl Engine {
 
     /// `GET /v1/time`: the store's clock.
     pub async fn time(&self) -> Answer {
-        match self.current().limiter.store().read_boxed(&[]).await {
+        match self.current().limiter.store().read_async(&[]).await {
             Ok((now, _)) => Answer::ok(json!({ "now": number(now) })),
             Err(err) => store_failed(&err),
         }

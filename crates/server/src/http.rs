@@ -273,7 +273,7 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
             }
         }
         None => {
-            let probe = defined.limiter().store().read_boxed(&[]);
+            let probe = defined.limiter().store().read_async(&[]);
             match tokio::time::timeout(app.health_deadline, probe).await {
                 Ok(read) => read.map(drop),
                 Err(_) => Err(late()),

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
-use tollgate::store::{BoxFuture, DynAsyncStore};
+use tollgate::store::{AsyncStore, BoxFuture, Store};
 
 use crate::store::DynStore;
 
@@ -208,23 +208,27 @@ fn time<'a, T: 'a>(call: BoxFuture<'a, T>) -> BoxFuture<'a, T> {
     })
 }
 
-impl DynAsyncStore for Timed {
-    fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
-        time(self.0.execute_boxed(plan))
+impl AsyncStore for Timed {
+    /// The memory store answers in-process: nothing to wait for, nothing timed.
+    fn immediate(&self) -> Option<&dyn Store> {
+        self.0.immediate()
     }
-    fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
-        time(self.0.execute_one_boxed(take))
+    fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        time(self.0.execute_async(plan))
     }
-    fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
-        time(self.0.read_boxed(slots))
+    fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        time(self.0.execute_one_async(take))
     }
-    fn delete_boxed<'a>(
+    fn read_async<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        time(self.0.read_async(slots))
+    }
+    fn delete_async<'a>(
         &'a self,
         name: &'a str,
         key: Option<&'a str>,
         shards: u16,
     ) -> BoxFuture<'a, ()> {
-        time(self.0.delete_boxed(name, key, shards))
+        time(self.0.delete_async(name, key, shards))
     }
 }
 

@@ -10,8 +10,9 @@ use tollgate::store::{
     CircuitBreaker, LeaseOptions, LeaseStats, PgStore, RedisStore, SqliteStore, Synchronous,
 };
 
-/// The store every server runs on, picked at run time from a URL; every call is awaited.
-pub type DynStore = Arc<dyn tollgate::store::DynAsyncStore>;
+/// The store every server runs on, picked at run time from a URL: every call is awaited,
+/// but on the memory store, which answers in-process (see `AsyncStore::immediate`).
+pub type DynStore = Arc<dyn tollgate::AsyncStore>;
 
 /// The store, as the concrete store whose keys a carry lists.
 #[derive(Clone)]

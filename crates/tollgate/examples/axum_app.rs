@@ -20,12 +20,12 @@ use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use tollgate::store::{DynAsyncStore, PgStore, RedisStore};
+use tollgate::store::{PgStore, RedisStore};
 use tollgate::tower::{Key, LimitSpec, RateLimitLayer};
-use tollgate::{Config, Limits, MINUTE, MemoryStore, RateLimiter, Request as Take};
+use tollgate::{AsyncStore, Config, Limits, MINUTE, MemoryStore, RateLimiter, Request as Take};
 
 /// The limiter over the store picked at start.
-type Limiter = Arc<RateLimiter<Arc<dyn DynAsyncStore>>>;
+type Limiter = Arc<RateLimiter<Arc<dyn AsyncStore>>>;
 
 #[derive(Clone, Copy)]
 enum Limit {
@@ -102,7 +102,7 @@ async fn upload(
 }
 
 /// The store of `STORE`: `memory` (the default), `redis://...` or `postgres://...`.
-async fn store() -> Result<Arc<dyn DynAsyncStore>, tollgate::StoreError> {
+async fn store() -> Result<Arc<dyn AsyncStore>, tollgate::StoreError> {
     let url = std::env::var("STORE").unwrap_or_else(|_| "memory".into());
     Ok(if url.starts_with("redis") {
         Arc::new(RedisStore::open(&url)?)

@@ -68,6 +68,8 @@ mod limiter;
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 pub mod sqlx;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 #[cfg(feature = "tower")]
 pub mod tower;
 
@@ -164,6 +166,8 @@ mod guide {
     struct StoresSqlite;
     #[doc = include_str!("../../../docs/src/stores/sqlx.md")]
     struct StoresSqlx;
+    // Its store is run against the exported conformance suite.
+    #[cfg(feature = "testing")]
     #[doc = include_str!("../../../docs/src/stores/writing.md")]
     struct StoresWriting;
 }

@@ -792,7 +792,7 @@ impl<S: AsyncStore> RateLimiter<S> {
         calls: &[Call<'_>],
     ) -> Result<TransactionDecision, Error> {
         if let Some(now) = self.store.immediate() {
-            return self.transaction_answering::<_, Decision>(now, calls);
+            return self.transaction_answering::<_, Decision>(&now, calls);
         }
         self.planned_transaction_async(calls).await.map(|t| t.decision)
     }
@@ -807,7 +807,7 @@ impl<S: AsyncStore> RateLimiter<S> {
         calls: &[Call<'_>],
     ) -> Result<TransactionTaken, Error> {
         if let Some(now) = self.store.immediate() {
-            return self.transaction_answering::<_, Taken>(now, calls);
+            return self.transaction_answering::<_, Taken>(&now, calls);
         }
         self.planned_transaction_async(calls).await
     }
@@ -897,7 +897,7 @@ impl<S: AsyncStore> RateLimiter<S> {
         answer: impl Fn(Taken) -> T,
     ) -> Result<T, Error> {
         if let Some(now) = self.store.immediate() {
-            return self.single(now, writes, target, request, answer);
+            return self.single(&now, writes, target, request, answer);
         }
         self.single_async(writes, target, request, answer).await
     }

@@ -8,11 +8,9 @@ use std::sync::Arc;
 
 use http::{Request, Response, StatusCode};
 use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
-use tollgate::store::{Never, Unavailable};
+use tollgate::store::{BoxFuture, Unavailable};
 use tollgate::tower::{Key, LimitSpec, RateLimitLayer};
-use tollgate::{
-    AsyncStore, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Store, StoreError,
-};
+use tollgate::{AsyncStore, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Store};
 use tower::{Layer, ServiceExt};
 
 mod common;
@@ -22,30 +20,34 @@ mod common;
 struct Awaited<S>(S);
 
 impl<S: Store + Send + Sync> AsyncStore for Awaited<S> {
-    type Immediate = Never;
-    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        tokio::task::yield_now().await;
-        self.0.execute(plan)
+    fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        Box::pin(async move {
+            tokio::task::yield_now().await;
+            self.0.execute(plan)
+        })
     }
-    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        tokio::task::yield_now().await;
-        self.0.execute_one(take)
+    fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(async move {
+            tokio::task::yield_now().await;
+            self.0.execute_one(take)
+        })
     }
-    async fn read_async(
-        &self,
-        slots: &[Slot<'_>],
-    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        tokio::task::yield_now().await;
-        self.0.read(slots)
+    fn read_async<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        Box::pin(async move {
+            tokio::task::yield_now().await;
+            self.0.read(slots)
+        })
     }
-    async fn delete_async(
-        &self,
-        name: &str,
-        key: Option<&str>,
+    fn delete_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
         shards: u16,
-    ) -> Result<(), StoreError> {
-        tokio::task::yield_now().await;
-        self.0.delete(name, key, shards)
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            tokio::task::yield_now().await;
+            self.0.delete(name, key, shards)
+        })
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tollgate_algebra::{OneTake, Outcome, Plan, Slot, State, Taken};
 
-use super::seam::{AsyncStore, Never};
+use super::seam::{AsyncStore, BoxFuture};
 use crate::error::StoreError;
 
 /// Options for a [`CircuitBreaker`].
@@ -262,34 +262,37 @@ async fn probe<S: AsyncStore + 'static>(shared: Weak<Shared<S>>) {
 }
 
 impl<S: AsyncStore + 'static> AsyncStore for CircuitBreaker<S> {
-    type Immediate = Never;
-
-    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        self.closed()?;
-        self.guarded(plan.writes(), self.shared.store.execute_async(plan)).await
+    fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        Box::pin(async move {
+            self.closed()?;
+            self.guarded(plan.writes(), self.shared.store.execute_async(plan)).await
+        })
     }
 
-    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        self.closed()?;
-        self.guarded(take.writes, self.shared.store.execute_one_async(take)).await
+    fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(async move {
+            self.closed()?;
+            self.guarded(take.writes, self.shared.store.execute_one_async(take)).await
+        })
     }
 
-    async fn read_async(
-        &self,
-        slots: &[Slot<'_>],
-    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        self.closed()?;
-        self.guarded(false, self.shared.store.read_async(slots)).await
+    fn read_async<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        Box::pin(async move {
+            self.closed()?;
+            self.guarded(false, self.shared.store.read_async(slots)).await
+        })
     }
 
-    async fn delete_async(
-        &self,
-        name: &str,
-        key: Option<&str>,
+    fn delete_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
         shards: u16,
-    ) -> Result<(), StoreError> {
-        self.closed()?;
-        self.guarded(true, self.shared.store.delete_async(name, key, shards)).await
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            self.closed()?;
+            self.guarded(true, self.shared.store.delete_async(name, key, shards)).await
+        })
     }
 }
 
@@ -328,23 +331,24 @@ mod tests {
     }
 
     impl AsyncStore for Flaky {
-        type Immediate = Never;
-        async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-            self.call(|| Store::execute(&self.memory, plan)).await
+        fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+            Box::pin(async move { self.call(|| Store::execute(&self.memory, plan)).await })
         }
-        async fn read_async(
-            &self,
-            slots: &[Slot<'_>],
-        ) -> Result<(f64, Vec<Option<State>>), StoreError> {
-            self.call(|| Store::read(&self.memory, slots)).await
+        fn read_async<'a>(
+            &'a self,
+            slots: &'a [Slot<'_>],
+        ) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+            Box::pin(async move { self.call(|| Store::read(&self.memory, slots)).await })
         }
-        async fn delete_async(
-            &self,
-            name: &str,
-            key: Option<&str>,
+        fn delete_async<'a>(
+            &'a self,
+            name: &'a str,
+            key: Option<&'a str>,
             shards: u16,
-        ) -> Result<(), StoreError> {
-            self.call(|| Store::delete(&self.memory, name, key, shards)).await
+        ) -> BoxFuture<'a, ()> {
+            Box::pin(
+                async move { self.call(|| Store::delete(&self.memory, name, key, shards)).await },
+            )
         }
     }
 

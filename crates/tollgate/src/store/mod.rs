@@ -9,8 +9,9 @@
 //!
 //! The seam has two forms: [`Store`], called on the caller's thread (the memory store,
 //! SQLite, a caller's own SQLite transaction), and [`AsyncStore`], awaited (every store;
-//! Redis and PostgreSQL only this one). A store that answers in-process names its sync form
-//! as [`AsyncStore::Immediate`], so that the async API takes the sync path on it.
+//! Redis and PostgreSQL only this one; object-safe, so `Arc<dyn AsyncStore>` holds a store
+//! picked at run time). A store that answers in-process hands out its sync form from
+//! [`AsyncStore::immediate`], so that the async API takes the sync path on it.
 //!
 //! # How each store does it
 //!
@@ -86,7 +87,7 @@ pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use postgres::{PgStore, PgStoreBuilder, PgTransaction};
 #[cfg(feature = "redis")]
 pub use redis::{RedisStore, RedisStoreBuilder};
-pub use seam::{AsyncStore, BoxFuture, DynAsyncStore, Never, Store};
+pub use seam::{AsyncStore, BoxFuture, Store};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous, create_schema};
 pub use unavailable::Unavailable;

@@ -16,7 +16,7 @@ use tollgate_algebra::lease::{Lease, Leased};
 use tollgate_algebra::{Clock, Kind, OneTake, Outcome, Plan, Slot, State, Taken, full_at};
 
 use super::lease::{self, LeaseOptions, LeaseStats, LeaseStore, Leases, Step};
-use super::seam::{AsyncStore, Never, OneAnswer};
+use super::seam::{AsyncStore, BoxFuture, OneAnswer};
 use super::sql::{
     LOCK_CLASS, MAX_TABLE, PG_LOCK, PgSql, key_columns, lock_id, lock_ids, valid_table,
 };
@@ -1207,63 +1207,66 @@ impl<C: Clock> LeaseStore for Shared<C> {
 }
 
 impl<C: Clock> AsyncStore for PgStore<C> {
-    type Immediate = Never;
-
-    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        // A transaction takes a leased limit directly (see `decide`), not from the lease.
-        if let Some(leases) = &self.shared.leases
-            && let Some(slot) =
-                plan.slots().iter().find(|s| leases.is_leased(s.name) && s.config.shards() > 1)
-        {
-            return Err(StoreError::new(format!(
-                "postgres: {:?} is leased, and a leased limit does not have shards yet; nothing \
+    fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        Box::pin(async move {
+            // A transaction takes a leased limit directly (see `decide`), not from the lease.
+            if let Some(leases) = &self.shared.leases
+                && let Some(slot) =
+                    plan.slots().iter().find(|s| leases.is_leased(s.name) && s.config.shards() > 1)
+            {
+                return Err(StoreError::new(format!(
+                    "postgres: {:?} is leased, and a leased limit does not have shards yet; nothing \
                  was taken",
-                slot.name
-            )));
-        }
-        let (plan, now) = (Box::new(OwnedPlan::new(plan)), self.now());
-        self.submit(|ticket| Job::Plan(plan, now, ticket)).await
+                    slot.name
+                )));
+            }
+            let (plan, now) = (Box::new(OwnedPlan::new(plan)), self.now());
+            self.submit(|ticket| Job::Plan(plan, now, ticket)).await
+        })
     }
 
     /// The common request in one statement (see the `take` function of the table), alone
     /// or grouped with others that wait (see [`PgStoreBuilder::connections`]).
-    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        if let Some(leases) = &self.shared.leases
-            && leases.is_leased(take.slot.name)
-        {
-            return lease::take(&self.shared, leases, take).await;
-        }
-        let row = OneRow::new(take, self.now());
-        let answer = self.submit(|ticket| Job::One(row, ticket)).await?;
-        decided(take, answer)
+    fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(async move {
+            if let Some(leases) = &self.shared.leases
+                && leases.is_leased(take.slot.name)
+            {
+                return lease::take(&self.shared, leases, take).await;
+            }
+            let row = OneRow::new(take, self.now());
+            let answer = self.submit(|ticket| Job::One(row, ticket)).await?;
+            decided(take, answer)
+        })
     }
 
-    async fn read_async(
-        &self,
-        slots: &[Slot<'_>],
-    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        if let Some(leases) = &self.shared.leases
-            && slots.iter().any(|s| leases.is_leased(s.name))
-        {
-            return lease::read(&*self.shared, slots).await;
-        }
-        let (slots, now) = (OwnedSlots::new(slots), self.now());
-        self.submit(|ticket| Job::Read(slots, now, ticket)).await
+    fn read_async<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        Box::pin(async move {
+            if let Some(leases) = &self.shared.leases
+                && slots.iter().any(|s| leases.is_leased(s.name))
+            {
+                return lease::read(&*self.shared, slots).await;
+            }
+            let (slots, now) = (OwnedSlots::new(slots), self.now());
+            self.submit(|ticket| Job::Read(slots, now, ticket)).await
+        })
     }
 
-    async fn delete_async(
-        &self,
-        name: &str,
-        key: Option<&str>,
+    fn delete_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
         shards: u16,
-    ) -> Result<(), StoreError> {
-        if let Some(leases) = &self.shared.leases
-            && leases.is_leased(name)
-        {
-            return lease::reset(&*self.shared, leases, name, key).await;
-        }
-        let (name, key) = (name.to_owned(), key.map(str::to_owned));
-        self.submit(|ticket| Job::Delete(name, key, shards, ticket)).await
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if let Some(leases) = &self.shared.leases
+                && leases.is_leased(name)
+            {
+                return lease::reset(&*self.shared, leases, name, key).await;
+            }
+            let (name, key) = (name.to_owned(), key.map(str::to_owned));
+            self.submit(|ticket| Job::Delete(name, key, shards, ticket)).await
+        })
     }
 }
 
@@ -1346,42 +1349,45 @@ impl<'t, T: GenericClient + Sync, C: Clock> PgTransaction<'t, T, C> {
 }
 
 impl<T: GenericClient + Sync, C: Clock> AsyncStore for PgTransaction<'_, T, C> {
-    type Immediate = Never;
-
-    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        execute_in(self.client, &text(&self.sql), plan, self.now())
-            .await
-            .map_err(|e| pg_error("request failed", e))
+    fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        Box::pin(async move {
+            execute_in(self.client, &text(&self.sql), plan, self.now())
+                .await
+                .map_err(|e| pg_error("request failed", e))
+        })
     }
 
-    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        let row = OneRow::new(take, self.now());
-        let rows = query(self.client, text(&self.sql).take, &row.params())
-            .await
-            .map_err(|e| pg_error("request failed", e))?;
-        let found = rows.first().ok_or_else(|| StoreError::new("postgres: no answer"))?;
-        decided(take, answer(found)?)
+    fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(async move {
+            let row = OneRow::new(take, self.now());
+            let rows = query(self.client, text(&self.sql).take, &row.params())
+                .await
+                .map_err(|e| pg_error("request failed", e))?;
+            let found = rows.first().ok_or_else(|| StoreError::new("postgres: no answer"))?;
+            decided(take, answer(found)?)
+        })
     }
 
-    async fn read_async(
-        &self,
-        slots: &[Slot<'_>],
-    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        load(self.client, &text(&self.sql), slots, self.now(), true)
-            .await
-            .map(|(now, states, _)| (now, states))
-            .map_err(|e| pg_error("read failed", e))
+    fn read_async<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        Box::pin(async move {
+            load(self.client, &text(&self.sql), slots, self.now(), true)
+                .await
+                .map(|(now, states, _)| (now, states))
+                .map_err(|e| pg_error("read failed", e))
+        })
     }
 
-    async fn delete_async(
-        &self,
-        name: &str,
-        key: Option<&str>,
+    fn delete_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
         shards: u16,
-    ) -> Result<(), StoreError> {
-        delete_all(self.client, &text(&self.sql), name, key, shards)
-            .await
-            .map_err(|e| pg_error("delete failed", e))
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            delete_all(self.client, &text(&self.sql), name, key, shards)
+                .await
+                .map_err(|e| pg_error("delete failed", e))
+        })
     }
 }
 

@@ -1,9 +1,10 @@
 //! The seam between the limiter and a store: [`Store`], called on the caller's thread, and
-//! [`AsyncStore`], awaited (with [`DynAsyncStore`], its form as a trait object, for a store
-//! picked at run time), and what the stores share to implement them.
+//! [`AsyncStore`], awaited (object-safe: `Arc<dyn AsyncStore>` holds a store picked at run
+//! time), and what the stores share to implement them.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use tollgate_algebra::{OneTake, Outcome, Plan, Slot, State, Taken};
 
@@ -123,11 +124,15 @@ pub trait Store {
 /// too, so that one async API (`RateLimiter::limit_async` and its kin) serves them all.
 ///
 /// The methods are those of [`Store`] without its in-process fast paths: a round trip to a
-/// server costs far more than the bookkeeping those save. A store that answers in-process
-/// without waiting (the memory store) names its synchronous form as
-/// [`AsyncStore::Immediate`] and returns it from [`AsyncStore::immediate`]; the limiter's
-/// async calls then answer through that at once, on the calling thread, exactly as its sync
-/// calls do, and never build a future for the store.
+/// server costs far more than the bookkeeping those save. Each returns a boxed future, so
+/// that the trait is object-safe: an `Arc<dyn AsyncStore>` (or a `Box`) holds a store picked
+/// at run time, and is an `AsyncStore` itself. The box is one allocation per call, nothing
+/// beside a round trip.
+///
+/// A store that answers in-process without waiting (the memory store) hands out its
+/// synchronous form from [`AsyncStore::immediate`]; the limiter's async calls then answer
+/// through that at once, on the calling thread, exactly as its sync calls do, and never
+/// build a future for the store (nor box one, behind a `dyn AsyncStore` too).
 ///
 /// The futures are `Send`, so they can be awaited in any task of a multi-threaded runtime
 /// (axum handlers, tonic services). Implementations must never block the thread that polls
@@ -136,23 +141,25 @@ pub trait Store {
 /// # Examples
 ///
 /// ```
-/// use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+/// use std::sync::Arc;
+/// use tollgate::{AsyncStore, Config, MemoryStore, RateLimiter, MINUTE};
 ///
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// let limiter = RateLimiter::new(MemoryStore::new()); // every store has the async API
 /// let send = ("send", Config::token_bucket(10.0, MINUTE));
 /// assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
+///
+/// // A store picked at run time.
+/// let store: Arc<dyn AsyncStore> = Arc::new(MemoryStore::new());
+/// let limiter = RateLimiter::new(store);
+/// assert!(limiter.limit_async(send, "alice").await.unwrap().ok);
 /// # });
 /// ```
 pub trait AsyncStore: Send + Sync {
-    /// This store's synchronous form, when it answers without waiting; [`Never`] when it
-    /// waits on I/O.
-    type Immediate: Store;
-
-    /// The store as its synchronous form, if it answers in-process without waiting: the
-    /// limiter's async calls then run the sync path through it. `None` (the default) for a
+    /// The store as a synchronous [`Store`], if it answers in-process without waiting: the
+    /// limiter's async calls then run its sync path through it. `None` (the default) for a
     /// store that waits on I/O.
-    fn immediate(&self) -> Option<&Self::Immediate> {
+    fn immediate(&self) -> Option<&dyn Store> {
         None
     }
 
@@ -163,10 +170,7 @@ pub trait AsyncStore: Send + Sync {
     ///
     /// A [`StoreError`] if the states cannot be loaded or saved; nothing is admitted, unless
     /// the error says that the request may have been applied (a reply that timed out).
-    fn execute_async(
-        &self,
-        plan: &Plan<'_>,
-    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send;
+    fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome>;
 
     /// One take from an unsharded limit, atomically (as [`Store::execute_one`]). The default
     /// executes [`OneTake::to_plan`]; a store may serve this common request directly.
@@ -174,14 +178,11 @@ pub trait AsyncStore: Send + Sync {
     /// # Errors
     ///
     /// As for [`AsyncStore::execute_async`].
-    fn execute_one_async(
-        &self,
-        take: &OneTake<'_>,
-    ) -> impl Future<Output = Result<Taken, StoreError>> + Send {
-        async move {
+    fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(async move {
             let outcome = self.execute_async(&take.to_plan()).await?;
             Ok(Taken { decision: outcome.decision(), status: outcome.statuses[0] })
-        }
+        })
     }
 
     /// Reads the states of `slots` without changing them; returns the store's time too.
@@ -189,40 +190,14 @@ pub trait AsyncStore: Send + Sync {
     /// # Errors
     ///
     /// A [`StoreError`] if the states cannot be read.
-    fn read_async(
-        &self,
-        slots: &[Slot<'_>],
-    ) -> impl Future<Output = Result<(f64, Vec<Option<State>>), StoreError>> + Send;
+    fn read_async<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)>;
 
     /// Deletes the states of every shard of (name, key).
     ///
     /// # Errors
     ///
     /// A [`StoreError`] if the states cannot be deleted.
-    fn delete_async(
-        &self,
-        name: &str,
-        key: Option<&str>,
-        shards: u16,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
-}
-
-/// A boxed future of a store call, for [`DynAsyncStore`].
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
-
-/// [`AsyncStore`] in a form that can be a trait object: every [`AsyncStore`] is one, and an
-/// `Arc<dyn DynAsyncStore>` is an [`AsyncStore`] again, for a store picked at run time (the
-/// server opens one from a URL). Each call boxes its future: one allocation, nothing beside
-/// a round trip.
-pub trait DynAsyncStore: Send + Sync {
-    /// [`AsyncStore::execute_async`], boxed.
-    fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome>;
-    /// [`AsyncStore::execute_one_async`], boxed.
-    fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken>;
-    /// [`AsyncStore::read_async`], boxed.
-    fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)>;
-    /// [`AsyncStore::delete_async`], boxed.
-    fn delete_boxed<'a>(
+    fn delete_async<'a>(
         &'a self,
         name: &'a str,
         key: Option<&'a str>,
@@ -230,144 +205,108 @@ pub trait DynAsyncStore: Send + Sync {
     ) -> BoxFuture<'a, ()>;
 }
 
-impl<S: AsyncStore> DynAsyncStore for S {
-    fn execute_boxed<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
-        Box::pin(AsyncStore::execute_async(self, plan))
-    }
-    fn execute_one_boxed<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
-        Box::pin(AsyncStore::execute_one_async(self, take))
-    }
-    fn read_boxed<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
-        Box::pin(AsyncStore::read_async(self, slots))
-    }
-    fn delete_boxed<'a>(
-        &'a self,
-        name: &'a str,
-        key: Option<&'a str>,
-        shards: u16,
-    ) -> BoxFuture<'a, ()> {
-        Box::pin(AsyncStore::delete_async(self, name, key, shards))
-    }
-}
+/// The future of an [`AsyncStore`] call: boxed, `Send`, answering a [`StoreError`] or `T`.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
 
-impl AsyncStore for dyn DynAsyncStore + '_ {
-    type Immediate = Never;
-    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        self.execute_boxed(plan).await
-    }
-    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        self.execute_one_boxed(take).await
-    }
-    async fn read_async(
-        &self,
-        slots: &[Slot<'_>],
-    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        self.read_boxed(slots).await
-    }
-    async fn delete_async(
-        &self,
-        name: &str,
-        key: Option<&str>,
-        shards: u16,
-    ) -> Result<(), StoreError> {
-        self.delete_boxed(name, key, shards).await
-    }
+/// An [`AsyncStore`] behind a pointer (`Arc<S>`, `Box<S>`, `S` a `dyn AsyncStore` too) is one.
+macro_rules! forward_async_store {
+    ($($pointer:ident),*) => {$(
+        impl<S: AsyncStore + ?Sized> AsyncStore for $pointer<S> {
+            #[inline(always)]
+            fn immediate(&self) -> Option<&dyn Store> {
+                (**self).immediate()
+            }
+            fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+                (**self).execute_async(plan)
+            }
+            fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+                (**self).execute_one_async(take)
+            }
+            fn read_async<'a>(
+                &'a self,
+                slots: &'a [Slot<'_>],
+            ) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+                (**self).read_async(slots)
+            }
+            fn delete_async<'a>(
+                &'a self,
+                name: &'a str,
+                key: Option<&'a str>,
+                shards: u16,
+            ) -> BoxFuture<'a, ()> {
+                (**self).delete_async(name, key, shards)
+            }
+        }
+    )*};
 }
-
-impl<S: AsyncStore + ?Sized> AsyncStore for std::sync::Arc<S> {
-    type Immediate = S::Immediate;
-    #[inline(always)]
-    fn immediate(&self) -> Option<&S::Immediate> {
-        (**self).immediate()
-    }
-    fn execute_async(
-        &self,
-        plan: &Plan<'_>,
-    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
-        (**self).execute_async(plan)
-    }
-    fn execute_one_async(
-        &self,
-        take: &OneTake<'_>,
-    ) -> impl Future<Output = Result<Taken, StoreError>> + Send {
-        (**self).execute_one_async(take)
-    }
-    fn read_async(
-        &self,
-        slots: &[Slot<'_>],
-    ) -> impl Future<Output = Result<(f64, Vec<Option<State>>), StoreError>> + Send {
-        (**self).read_async(slots)
-    }
-    fn delete_async(
-        &self,
-        name: &str,
-        key: Option<&str>,
-        shards: u16,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        (**self).delete_async(name, key, shards)
-    }
-}
-
-/// The [`AsyncStore::Immediate`] of a store that waits on I/O: there is no value of it.
-#[derive(Debug, Clone, Copy)]
-pub enum Never {}
-
-impl Store for Never {
-    fn execute(&self, _: &Plan<'_>) -> Result<Outcome, StoreError> {
-        match *self {}
-    }
-    fn read(&self, _: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        match *self {}
-    }
-    fn delete(&self, _: &str, _: Option<&str>, _: u16) -> Result<(), StoreError> {
-        match *self {}
-    }
-}
+forward_async_store!(Arc, Box);
 
 /// A store that answers in-process, as an [`AsyncStore`]: its async calls answer at once,
 /// through its sync ones, and the limiter's async calls take its sync path directly.
 macro_rules! immediate_async_store {
     ($(impl$([$($generics:tt)*])? for $store:ty;)*) => {$(
         impl$(<$($generics)*>)? $crate::store::seam::AsyncStore for $store {
-            type Immediate = Self;
             #[inline(always)]
-            fn immediate(&self) -> Option<&Self> {
+            fn immediate(&self) -> Option<&dyn $crate::store::seam::Store> {
                 Some(self)
             }
-            fn execute_async(
-                &self,
-                plan: &tollgate_algebra::Plan<'_>,
-            ) -> impl std::future::Future<Output = Result<tollgate_algebra::Outcome, $crate::StoreError>> + Send {
-                std::future::ready($crate::store::seam::Store::execute(self, plan))
+            fn execute_async<'a>(
+                &'a self,
+                plan: &'a tollgate_algebra::Plan<'_>,
+            ) -> $crate::store::seam::BoxFuture<'a, tollgate_algebra::Outcome> {
+                Box::pin(std::future::ready($crate::store::seam::Store::execute(self, plan)))
             }
-            fn execute_one_async(
-                &self,
-                take: &tollgate_algebra::OneTake<'_>,
-            ) -> impl std::future::Future<Output = Result<tollgate_algebra::Taken, $crate::StoreError>> + Send {
-                std::future::ready($crate::store::seam::Store::execute_one(self, take))
+            fn execute_one_async<'a>(
+                &'a self,
+                take: &'a tollgate_algebra::OneTake<'_>,
+            ) -> $crate::store::seam::BoxFuture<'a, tollgate_algebra::Taken> {
+                Box::pin(std::future::ready($crate::store::seam::Store::execute_one(self, take)))
             }
-            fn read_async(
-                &self,
-                slots: &[tollgate_algebra::Slot<'_>],
-            ) -> impl std::future::Future<
-                Output = Result<(f64, Vec<Option<tollgate_algebra::State>>), $crate::StoreError>,
-            > + Send {
-                std::future::ready($crate::store::seam::Store::read(self, slots))
+            fn read_async<'a>(
+                &'a self,
+                slots: &'a [tollgate_algebra::Slot<'_>],
+            ) -> $crate::store::seam::BoxFuture<'a, (f64, Vec<Option<tollgate_algebra::State>>)> {
+                Box::pin(std::future::ready($crate::store::seam::Store::read(self, slots)))
             }
-            fn delete_async(
-                &self,
-                name: &str,
-                key: Option<&str>,
+            fn delete_async<'a>(
+                &'a self,
+                name: &'a str,
+                key: Option<&'a str>,
                 shards: u16,
-            ) -> impl std::future::Future<Output = Result<(), $crate::StoreError>> + Send {
-                std::future::ready($crate::store::seam::Store::delete(self, name, key, shards))
+            ) -> $crate::store::seam::BoxFuture<'a, ()> {
+                Box::pin(std::future::ready($crate::store::seam::Store::delete(self, name, key, shards)))
             }
         }
     )*};
 }
 pub(crate) use immediate_async_store;
 
-impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+/// A borrowed store is one: the limiter's async calls run the sync path on what
+/// [`AsyncStore::immediate`] hands out.
+impl<S: Store + ?Sized> Store for &S {
+    #[inline(always)]
+    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+        (**self).execute(plan)
+    }
+    #[inline(always)]
+    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+        (**self).execute_one(take)
+    }
+    #[inline(always)]
+    fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
+        (**self).execute_each(takes, answers)
+    }
+    #[inline(always)]
+    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+        (**self).read(slots)
+    }
+    #[inline(always)]
+    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+        (**self).delete(name, key, shards)
+    }
+}
+
+impl<S: Store + ?Sized> Store for Arc<S> {
     fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
         (**self).execute(plan)
     }

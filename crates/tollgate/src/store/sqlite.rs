@@ -10,7 +10,7 @@ use tollgate_algebra::{
     Clock, Config, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
 
-use super::seam::{AsyncStore, Never, Store};
+use super::seam::{AsyncStore, BoxFuture, Store};
 use super::sql::{
     SQLITE_ADD_FULL_AT, SQLITE_DELETE, SQLITE_DELETE_ALL, SQLITE_HAS_FULL_AT, SQLITE_SCHEMA,
     SQLITE_SELECT, SQLITE_SWEEP, SQLITE_UPSERT, key_columns, saves,
@@ -572,34 +572,37 @@ impl<C: Clock> Store for SqliteStore<C> {
 }
 
 impl<C: Clock> AsyncStore for SqliteStore<C> {
-    type Immediate = Never;
-
-    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        let plan = Box::new(OwnedPlan::new(plan));
-        self.submit(|ticket| Job::Plan(plan, ticket)).await
+    fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        Box::pin(async move {
+            let plan = Box::new(OwnedPlan::new(plan));
+            self.submit(|ticket| Job::Plan(plan, ticket)).await
+        })
     }
 
-    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        let one = OwnedOne::new(take);
-        self.submit(|ticket| Job::One(one, ticket)).await
+    fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(async move {
+            let one = OwnedOne::new(take);
+            self.submit(|ticket| Job::One(one, ticket)).await
+        })
     }
 
-    async fn read_async(
-        &self,
-        slots: &[Slot<'_>],
-    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        let slots = OwnedSlots::new(slots);
-        self.submit(|ticket| Job::Read(slots, ticket)).await
+    fn read_async<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        Box::pin(async move {
+            let slots = OwnedSlots::new(slots);
+            self.submit(|ticket| Job::Read(slots, ticket)).await
+        })
     }
 
-    async fn delete_async(
-        &self,
-        name: &str,
-        key: Option<&str>,
+    fn delete_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
         shards: u16,
-    ) -> Result<(), StoreError> {
-        let (name, key) = (name.into(), key.map(Into::into));
-        self.submit(|ticket| Job::Delete(name, key, shards, ticket)).await
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let (name, key) = (name.into(), key.map(Into::into));
+            self.submit(|ticket| Job::Delete(name, key, shards, ticket)).await
+        })
     }
 }
 

@@ -343,8 +343,8 @@ impl<S: AsyncStore> RateLimit<S, ()> {
         }
         let calls = calls(&keys);
         let outcome = match calls.as_slice() {
-            [call] => limiter.limit_call_with_status_on(store, call).map(one_decided),
-            _ => limiter.transaction_with_status_on(store, &calls).map(all_decided),
+            [call] => limiter.limit_call_with_status_on(&store, call).map(one_decided),
+            _ => limiter.transaction_with_status_on(&store, &calls).map(all_decided),
         };
         Some(verdict(&keys, outcome))
     }

@@ -10,7 +10,7 @@ use redis::{Script, Value};
 use tokio::sync::mpsc;
 use tollgate_algebra::{Clock, OneTake, Outcome, Plan, Slot, State, Taken};
 
-use super::seam::{AsyncStore, Never, OneAnswer};
+use super::seam::{AsyncStore, BoxFuture, OneAnswer};
 use crate::error::StoreError;
 use url::Place;
 
@@ -535,100 +535,103 @@ impl<C: Clock> Inner<C> {
 }
 
 impl<C: Clock> AsyncStore for RedisStore<C> {
-    type Immediate = Never;
-
-    async fn execute_async(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        let inner = &self.inner;
-        // A transaction takes a leased limit directly (the script refills it under the cap
-        // its leases set); its shards are not leased.
-        if let Some(leases) = &inner.leases
-            && let Some(take) =
-                plan.takes().find(|t| t.shards > 1 && leases.is_leased(plan.slots()[t.a].name))
-        {
-            return Err(StoreError::new(format!(
-                "redis: {:?} is leased, and a leased limit does not take shards; nothing was \
+    fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
+        Box::pin(async move {
+            let inner = &self.inner;
+            // A transaction takes a leased limit directly (the script refills it under the cap
+            // its leases set); its shards are not leased.
+            if let Some(leases) = &inner.leases
+                && let Some(take) =
+                    plan.takes().find(|t| t.shards > 1 && leases.is_leased(plan.slots()[t.a].name))
+            {
+                return Err(StoreError::new(format!(
+                    "redis: {:?} is leased, and a leased limit does not take shards; nothing was \
                  taken",
-                plan.slots()[take.a].name
-            )));
-        }
-        let keys: Vec<String> =
-            plan.slots().iter().map(|s| inner.key(s.name, s.key, s.shard)).collect();
-        #[cfg(feature = "redis-cluster")]
-        if inner.is_cluster() {
-            let first = hash_slot(keys[0].as_bytes());
-            if keys[1..].iter().any(|k| hash_slot(k.as_bytes()) != first) {
-                return inner.execute_split(plan, &keys).await;
+                    plan.slots()[take.a].name
+                )));
             }
-        }
-        inner.run(plan, &keys).await.map(|ran| ran.outcome)
+            let keys: Vec<String> =
+                plan.slots().iter().map(|s| inner.key(s.name, s.key, s.shard)).collect();
+            #[cfg(feature = "redis-cluster")]
+            if inner.is_cluster() {
+                let first = hash_slot(keys[0].as_bytes());
+                if keys[1..].iter().any(|k| hash_slot(k.as_bytes()) != first) {
+                    return inner.execute_split(plan, &keys).await;
+                }
+            }
+            inner.run(plan, &keys).await.map(|ran| ran.outcome)
+        })
     }
 
-    async fn execute_one_async(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        if let Some(leases) = &self.inner.leases
-            && leases.is_leased(take.slot.name)
-        {
-            return crate::store::lease::take(&self.inner, leases, take).await;
-        }
-        let slot = &take.slot;
-        let now = self.inner.clock.as_ref().map_or(f64::NAN, Clock::now);
-        let key = self.inner.key(slot.name, slot.key, slot.shard);
-        let reply = self.send_one(key, one_args(take, now)).await?;
-        let (now, wrote, loaded) = unpack_one(&reply)?;
-        // As for a plan: the answer is tollgate-algebra's, on what the script loaded.
-        let (taken, new) = take.decide(now, loaded);
-        if wrote != new.is_some() {
-            return Err(disagree());
-        }
-        Ok(taken)
+    fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        Box::pin(async move {
+            if let Some(leases) = &self.inner.leases
+                && leases.is_leased(take.slot.name)
+            {
+                return crate::store::lease::take(&self.inner, leases, take).await;
+            }
+            let slot = &take.slot;
+            let now = self.inner.clock.as_ref().map_or(f64::NAN, Clock::now);
+            let key = self.inner.key(slot.name, slot.key, slot.shard);
+            let reply = self.send_one(key, one_args(take, now)).await?;
+            let (now, wrote, loaded) = unpack_one(&reply)?;
+            // As for a plan: the answer is tollgate-algebra's, on what the script loaded.
+            let (taken, new) = take.decide(now, loaded);
+            if wrote != new.is_some() {
+                return Err(disagree());
+            }
+            Ok(taken)
+        })
     }
 
-    async fn read_async(
-        &self,
-        slots: &[Slot<'_>],
-    ) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        if let Some(leases) = &self.inner.leases
-            && slots.iter().any(|s| leases.is_leased(s.name))
-        {
-            return crate::store::lease::read(&*self.inner, slots).await;
-        }
-        let keys: Vec<String> =
-            slots.iter().map(|s| self.inner.key(s.name, s.key, s.shard)).collect();
-        self.inner.read_keys(&keys).await
+    fn read_async<'a>(&'a self, slots: &'a [Slot<'_>]) -> BoxFuture<'a, (f64, Vec<Option<State>>)> {
+        Box::pin(async move {
+            if let Some(leases) = &self.inner.leases
+                && slots.iter().any(|s| leases.is_leased(s.name))
+            {
+                return crate::store::lease::read(&*self.inner, slots).await;
+            }
+            let keys: Vec<String> =
+                slots.iter().map(|s| self.inner.key(s.name, s.key, s.shard)).collect();
+            self.inner.read_keys(&keys).await
+        })
     }
 
-    async fn delete_async(
-        &self,
-        name: &str,
-        key: Option<&str>,
+    fn delete_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
         shards: u16,
-    ) -> Result<(), StoreError> {
-        if let Some(leases) = &self.inner.leases
-            && leases.is_leased(name)
-        {
-            return crate::store::lease::reset(&*self.inner, leases, name, key).await;
-        }
-        let keys: Vec<String> = (0..shards).map(|shard| self.inner.key(name, key, shard)).collect();
-        self.inner
-            .on_connection(Writes::Yes, |conn| async move {
-                match conn {
-                    AnyConnection::One(mut conn) => {
-                        redis::cmd("DEL").arg(&keys).query_async::<()>(&mut conn).await
-                    }
-                    // One command per key: a cluster refuses a DEL over several hash slots.
-                    #[cfg(feature = "redis-cluster")]
-                    AnyConnection::Cluster(conn) => {
-                        let each =
-                            keys.iter().map(|k| {
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if let Some(leases) = &self.inner.leases
+                && leases.is_leased(name)
+            {
+                return crate::store::lease::reset(&*self.inner, leases, name, key).await;
+            }
+            let keys: Vec<String> =
+                (0..shards).map(|shard| self.inner.key(name, key, shard)).collect();
+            self.inner
+                .on_connection(Writes::Yes, |conn| async move {
+                    match conn {
+                        AnyConnection::One(mut conn) => {
+                            redis::cmd("DEL").arg(&keys).query_async::<()>(&mut conn).await
+                        }
+                        // One command per key: a cluster refuses a DEL over several hash slots.
+                        #[cfg(feature = "redis-cluster")]
+                        AnyConnection::Cluster(conn) => {
+                            let each = keys.iter().map(|k| {
                                 let mut conn = conn.clone();
                                 async move {
                                     redis::cmd("DEL").arg(k).query_async::<()>(&mut conn).await
                                 }
                             });
-                        futures_util::future::try_join_all(each).await.map(drop)
+                            futures_util::future::try_join_all(each).await.map(drop)
+                        }
                     }
-                }
-            })
-            .await
+                })
+                .await
+        })
     }
 }
 
