@@ -107,10 +107,31 @@ fn async_on_memory(c: &mut Criterion) {
     g.finish();
 }
 
+fn async_on_a_store_picked_at_run_time(c: &mut Criterion) {
+    // The memory store behind `Arc<dyn AsyncStore>`, as the server holds its store: the
+    // async API against the sync one on the same store, each future polled once.
+    let t = tollgate();
+    let store: std::sync::Arc<dyn tollgate::AsyncStore> =
+        std::sync::Arc::new(tollgate::MemoryStore::new());
+    let d = tollgate::RateLimiter::new(store);
+    let mut g = c.benchmark_group("dyn_store_one_key");
+    g.bench_function("sync", |b| b.iter(|| t.limit(Limit::PerUser, black_box(USER)).unwrap()));
+    g.bench_function("async", |b| {
+        b.iter(|| ready(d.limit_async(Limit::PerUser, black_box(USER))).unwrap())
+    });
+    g.finish();
+    let mut g = c.benchmark_group("dyn_store_transaction_of_three");
+    g.bench_function("sync", |b| b.iter(|| t.transaction(&transaction_calls()).unwrap().ok));
+    g.bench_function("async", |b| {
+        b.iter(|| ready(d.transaction_async(&transaction_calls())).unwrap().ok)
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
     targets = one_key_one_thread, global_one_thread, many_keys, one_key_two_threads, transaction_of_three,
-        async_on_memory
+        async_on_memory, async_on_a_store_picked_at_run_time
 }
 criterion_main!(benches);

@@ -1,6 +1,7 @@
 //! [`RateLimiter`]: the operations of SPEC §4 over any [`Store`].
 
 use std::cell::Cell;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -13,7 +14,7 @@ use tollgate_algebra::{
 };
 
 use crate::error::Error;
-use crate::store::{AsyncStore, MemoryStore, Store};
+use crate::store::{AsyncStore, MemoryStore, OnImmediate, Store};
 
 /// A set of limits declared once, in a type of your own, so that a misspelled name does not
 /// compile.
@@ -791,8 +792,9 @@ impl<S: AsyncStore> RateLimiter<S> {
         &self,
         calls: &[Call<'_>],
     ) -> Result<TransactionDecision, Error> {
-        if let Some(now) = self.store.immediate() {
-            return self.transaction_answering::<_, Decision>(&now, calls);
+        if self.store.immediate().is_some() {
+            let transaction = Transaction { limiter: self, calls, answer: PhantomData::<Decision> };
+            return self.store.on_immediate(transaction);
         }
         self.planned_transaction_async(calls).await.map(|t| t.decision)
     }
@@ -806,8 +808,9 @@ impl<S: AsyncStore> RateLimiter<S> {
         &self,
         calls: &[Call<'_>],
     ) -> Result<TransactionTaken, Error> {
-        if let Some(now) = self.store.immediate() {
-            return self.transaction_answering::<_, Taken>(&now, calls);
+        if self.store.immediate().is_some() {
+            let transaction = Transaction { limiter: self, calls, answer: PhantomData::<Taken> };
+            return self.store.on_immediate(transaction);
         }
         self.planned_transaction_async(calls).await
     }
@@ -896,8 +899,9 @@ impl<S: AsyncStore> RateLimiter<S> {
         request: Request<'_>,
         answer: impl Fn(Taken) -> T,
     ) -> Result<T, Error> {
-        if let Some(now) = self.store.immediate() {
-            return self.single(&now, writes, target, request, answer);
+        if self.store.immediate().is_some() {
+            let one = One { limiter: self, writes, target, request, answer: &answer };
+            return self.store.on_immediate(one);
         }
         self.single_async(writes, target, request, answer).await
     }
@@ -935,6 +939,39 @@ impl<S: AsyncStore> RateLimiter<S> {
         let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
         let outcome = self.store.execute_async(&plan).await;
         self.planned_answer(calls, outcome)
+    }
+}
+
+/// One take on an in-process store's sync path, for the async API (see
+/// [`AsyncStore::on_immediate`]).
+struct One<'l, 'n, 'k, 'a, S, F> {
+    limiter: &'l RateLimiter<S>,
+    writes: bool,
+    target: Target<'n>,
+    request: Request<'k>,
+    answer: &'a F,
+}
+
+impl<S, T, F: Fn(Taken) -> T> OnImmediate for One<'_, '_, '_, '_, S, F> {
+    type Output = Result<T, Error>;
+    #[inline(always)]
+    fn on<St: Store>(self, store: &St) -> Result<T, Error> {
+        self.limiter.single(store, self.writes, self.target, self.request, self.answer)
+    }
+}
+
+/// A transaction on an in-process store's sync path, for the async API.
+struct Transaction<'l, 'c, S, A> {
+    limiter: &'l RateLimiter<S>,
+    calls: &'c [Call<'c>],
+    answer: PhantomData<A>,
+}
+
+impl<S, A: Answer> OnImmediate for Transaction<'_, '_, S, A> {
+    type Output = Result<A::Transaction, Error>;
+    #[inline(always)]
+    fn on<St: Store>(self, store: &St) -> Result<A::Transaction, Error> {
+        self.limiter.transaction_answering::<St, A>(store, self.calls)
     }
 }
 

@@ -99,8 +99,11 @@ pub fn run_async<S: AsyncStore + 'static>(make: impl Fn(&Runtime, ManualClock) -
     run_all(&|| async_api(&make));
 }
 
+/// A behaviour of the suite, on the API `A`.
+type Behaviour<A> = fn(&dyn Fn() -> (A, ManualClock));
+
 fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
-    let all: [fn(&dyn Fn() -> (A, ManualClock)); 17] = [
+    let all: [Behaviour<A>; 17] = [
         behaviours::token_bucket_spec_numbers,
         behaviours::token_bucket_spec_numbers_reserved,
         behaviours::fixed_window_spec_numbers,

@@ -37,6 +37,16 @@ conformance!(
     sync and async
 );
 
+// The memory store picked at run time: the async calls take its sync path as a `&dyn Store`
+// (`AsyncStore::immediate`), as the server's do.
+conformance!(
+    memory_behind_dyn,
+    |_: &tokio::runtime::Runtime, clock| -> std::sync::Arc<dyn tollgate::AsyncStore> {
+        std::sync::Arc::new(tollgate::MemoryStore::with_clock(clock))
+    },
+    true
+);
+
 #[cfg(feature = "sqlite")]
 conformance!(
     sqlite_in_memory,

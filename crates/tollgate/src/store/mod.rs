@@ -87,6 +87,8 @@ pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use postgres::{PgStore, PgStoreBuilder, PgTransaction};
 #[cfg(feature = "redis")]
 pub use redis::{RedisStore, RedisStoreBuilder};
+#[doc(hidden)]
+pub use seam::OnImmediate;
 pub use seam::{AsyncStore, BoxFuture, Store};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous, create_schema};
