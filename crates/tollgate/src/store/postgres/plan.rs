@@ -8,8 +8,8 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, GenericClient};
 use tollgate_algebra::{Outcome, Plan, Slot, State, full_at};
 
-use super::lease::leased;
 use super::schema::{Stmts, query};
+use super::single::leased;
 use crate::store::sql::{LOCK_CLASS, key_columns, lock_ids};
 
 /// Loads the states of `slots` and the time in one query (after taking their locks, in

@@ -1,7 +1,10 @@
 //! The PostgreSQL store's schema and statements: the table and its functions, created once
 //! when a store opens; the statements a request runs, prepared on a worker's connection
 //! ([`Conn`]) or sent as text with their parameters' types in a caller's transaction
-//! ([`text`]); and the error of a statement that failed.
+//! ([`text`]); a statement bounded by the store's timeout, and the error of one that failed.
+
+use std::future::Future;
+use std::time::Duration;
 
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, GenericClient, NoTls, Row, Statement};
@@ -208,4 +211,45 @@ pub(super) fn pg_error(what: &str, e: tokio_postgres::Error) -> StoreError {
         None => e.to_string(),
     };
     StoreError::with_source(format!("postgres: {what}: {detail}{hint}"), e)
+}
+
+/// `request` within `timeout`, and whether the connection is still good afterwards (not
+/// after a timeout or a lost connection; an error answered by the database leaves it good).
+/// A request that `writes` and may have reached the database before its connection failed
+/// or it timed out may have run: its error says so.
+pub(super) async fn bounded<T>(
+    timeout: Duration,
+    writes: bool,
+    request: impl Future<Output = Result<T, tokio_postgres::Error>>,
+) -> (Result<T, StoreError>, bool) {
+    match tokio::time::timeout(timeout, request).await {
+        Ok(Ok(answer)) => (Ok(answer), true),
+        Ok(Err(e)) => {
+            let lost = e.is_closed();
+            let error = request_error(e, writes);
+            (Err(error), !lost)
+        }
+        Err(_) => (Err(timed_out(timeout, writes)), false),
+    }
+}
+
+pub(super) fn timed_out(timeout: Duration, writes: bool) -> StoreError {
+    let error = StoreError::new(format!("postgres: no answer within {timeout:?}")).unavailable();
+    if writes { error.sent() } else { error }
+}
+
+/// The error of a statement that failed: one that may have run (a lost connection) says so,
+/// and one of the database being unavailable (a lost connection, a statement or lock that
+/// timed out, a server shutting down) is marked so.
+pub(super) fn request_error(e: tokio_postgres::Error, writes: bool) -> StoreError {
+    use tokio_postgres::error::SqlState;
+    let lost = e.is_closed();
+    let slow = e.code().is_some_and(|code| {
+        [SqlState::QUERY_CANCELED, SqlState::LOCK_NOT_AVAILABLE, SqlState::ADMIN_SHUTDOWN]
+            .contains(code)
+            || code.code().starts_with("08")
+    });
+    let error = pg_error("request failed", e);
+    let error = if lost && writes { error.sent() } else { error };
+    if lost || slow { error.unavailable() } else { error }
 }

@@ -1,16 +1,18 @@
 //! The common request, one take from one unsharded limit, in one statement: the table's
 //! `take` function, or `takes` for the one-takes a worker runs together; each answer read
-//! back and checked against tollgate-algebra's.
+//! back and checked against tollgate-algebra's. A step on a leased shard is one statement
+//! too, the table's `lease` function: its parameters and its answer are here.
 
 use std::time::Duration;
 
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
-use tollgate_algebra::{Kind, OneTake, State, Taken};
+use tollgate_algebra::lease::{Lease, Leased};
+use tollgate_algebra::{Kind, OneTake, Slot, State, Taken};
 
-use super::schema::Conn;
-use super::worker::{bounded, request_error, timed_out};
+use super::schema::{Conn, bounded, request_error, timed_out};
 use crate::error::StoreError;
+use crate::store::lease::Step;
 use crate::store::seam::OneAnswer;
 use crate::store::sql::{key_columns, lock_id};
 
@@ -193,4 +195,77 @@ pub(super) fn decided(
         ));
     }
     Ok(taken)
+}
+
+/// A step on a leased shard, as the parameters of the table's `lease` function.
+pub(super) struct LeaseRow {
+    take: OneRow,
+    step: i32,
+    args: Vec<f64>,
+}
+
+impl LeaseRow {
+    pub(super) fn new(slot: &Slot<'_>, step: Step, now: Option<f64>) -> LeaseRow {
+        // Holder ids are below 2^53: exact as doubles.
+        #[allow(clippy::cast_precision_loss)]
+        let (code, args) = match step {
+            Step::Take { count, reserve, writes } => {
+                (0, vec![count, f64::from(u8::from(reserve)), f64::from(u8::from(writes))])
+            }
+            Step::Grant { holder, want, unused, term, share } => {
+                (1, vec![holder as f64, want, unused, term, share])
+            }
+            Step::Release { holder, unused } => (2, vec![holder as f64, unused]),
+            Step::Forget => (3, Vec::new()),
+        };
+        let one = OneTake { slot: *slot, count: 0.0, reserve: false, writes: true };
+        LeaseRow { take: OneRow::new(&one, now), step: code, args }
+    }
+
+    pub(super) fn params(&self) -> [&(dyn ToSql + Sync); 14] {
+        let t = &self.take;
+        [
+            &t.lock,
+            &t.name,
+            &t.has_key,
+            &t.key,
+            &t.shard,
+            &t.kind,
+            &t.rate,
+            &t.period,
+            &t.cap,
+            &t.max_reserved,
+            &t.alignment,
+            &t.now,
+            &self.step,
+            &self.args,
+        ]
+    }
+}
+
+/// Reads an answer of the `lease` function: the time it used, what it loaded, what it said.
+pub(super) fn lease_answer(rows: &[Row]) -> Result<(f64, Leased, Vec<f64>), StoreError> {
+    let garbage = || StoreError::new("postgres: the lease function answered garbage");
+    let [row] = rows else { return Err(garbage()) };
+    let array: Vec<f64> = row.try_get(0).map_err(|_| garbage())?;
+    let [now, had, value, ts, n, ref rest @ ..] = array[..] else { return Err(garbage()) };
+    let n = n as usize;
+    if rest.len() < 3 * n {
+        return Err(garbage());
+    }
+    let (records, said) = rest.split_at(3 * n);
+    Ok((now, leased((had == 1.0).then_some(State { value, ts }), records), said.to_vec()))
+}
+
+/// A row's state and lease records (holder, tokens, expiry each) as `Leased`: a value of NaN
+/// is a state forgotten by a reset while leases are out.
+pub(super) fn leased(state: Option<State>, records: &[f64]) -> Leased {
+    Leased {
+        state: state.filter(|s| !s.value.is_nan()),
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        leases: records
+            .chunks(3)
+            .map(|r| (r[0] as u64, Lease { tokens: r[1], expiry: r[2] }))
+            .collect(),
+    }
 }

@@ -3,7 +3,6 @@
 //! on its connection within the store's timeout and answers each; a connection that failed is
 //! made again.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -14,10 +13,9 @@ use tollgate_algebra::lease::Leased;
 use tollgate_algebra::{Clock, Outcome, State};
 
 use super::Shared;
-use super::lease::{LeaseRow, lease_answer};
 use super::plan::{delete_all, in_own_transaction, load};
-use super::schema::{Conn, Stmt, pg_error, query};
-use super::single::{OneRow, send_ones};
+use super::schema::{Conn, Stmt, bounded, pg_error, query};
+use super::single::{LeaseRow, OneRow, lease_answer, send_ones};
 use crate::error::StoreError;
 use crate::store::seam::OneAnswer;
 use crate::store::ticket::{OwnedPlan, OwnedSlots, Ticket};
@@ -222,45 +220,4 @@ impl Batch {
             }
         }
     }
-}
-
-/// `request` within `timeout`, and whether the connection is still good afterwards (not
-/// after a timeout or a lost connection; an error answered by the database leaves it good).
-/// A request that `writes` and may have reached the database before its connection failed
-/// or it timed out may have run: its error says so.
-pub(super) async fn bounded<T>(
-    timeout: Duration,
-    writes: bool,
-    request: impl Future<Output = Result<T, tokio_postgres::Error>>,
-) -> (Result<T, StoreError>, bool) {
-    match tokio::time::timeout(timeout, request).await {
-        Ok(Ok(answer)) => (Ok(answer), true),
-        Ok(Err(e)) => {
-            let lost = e.is_closed();
-            let error = request_error(e, writes);
-            (Err(error), !lost)
-        }
-        Err(_) => (Err(timed_out(timeout, writes)), false),
-    }
-}
-
-pub(super) fn timed_out(timeout: Duration, writes: bool) -> StoreError {
-    let error = StoreError::new(format!("postgres: no answer within {timeout:?}")).unavailable();
-    if writes { error.sent() } else { error }
-}
-
-/// The error of a statement that failed: one that may have run (a lost connection) says so,
-/// and one of the database being unavailable (a lost connection, a statement or lock that
-/// timed out, a server shutting down) is marked so.
-pub(super) fn request_error(e: tokio_postgres::Error, writes: bool) -> StoreError {
-    use tokio_postgres::error::SqlState;
-    let lost = e.is_closed();
-    let slow = e.code().is_some_and(|code| {
-        [SqlState::QUERY_CANCELED, SqlState::LOCK_NOT_AVAILABLE, SqlState::ADMIN_SHUTDOWN]
-            .contains(code)
-            || code.code().starts_with("08")
-    });
-    let error = pg_error("request failed", e);
-    let error = if lost && writes { error.sent() } else { error };
-    if lost || slow { error.unavailable() } else { error }
 }

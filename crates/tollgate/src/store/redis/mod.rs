@@ -12,6 +12,7 @@ use tollgate_algebra::{Clock, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::seam::{AsyncStore, BoxFuture, OneAnswer};
 use crate::error::StoreError;
+use crate::store::lease::LeaseOptions;
 use url::Place;
 
 #[macro_use]
@@ -49,7 +50,7 @@ pub struct RedisStoreBuilder {
     timeout: Duration,
     connections: usize,
     group: usize,
-    leases: std::collections::HashMap<String, super::LeaseOptions>,
+    leases: std::collections::HashMap<String, LeaseOptions>,
 }
 
 impl Default for RedisStoreBuilder {
@@ -124,7 +125,7 @@ impl RedisStoreBuilder {
     /// with one atomic operation and no store call while the lease lasts; the store counts
     /// leased tokens against the limit, so every process together never admits more than
     /// the limit (`tollgate_algebra::lease` has the proof, as a property). Near the limit (below
-    /// [`LeaseOptions::floor`](super::LeaseOptions::floor) of the capacity left) no leases
+    /// [`LeaseOptions::floor`] of the capacity left) no leases
     /// are taken and every request is a direct take, exact as without leases.
     ///
     /// A transaction takes a leased limit directly from the store (not from the lease),
@@ -136,7 +137,7 @@ impl RedisStoreBuilder {
     /// [`RedisStore::release_leases`] on a graceful shutdown; a process killed with its
     /// lease keeps its tokens from the others until the lease's term ends.
     #[must_use]
-    pub fn lease(mut self, name: impl Into<String>, options: super::LeaseOptions) -> Self {
+    pub fn lease(mut self, name: impl Into<String>, options: LeaseOptions) -> Self {
         self.leases.insert(name.into(), options);
         self
     }
@@ -261,7 +262,7 @@ impl RedisStoreBuilder {
 /// [`StoreError`]: nothing is admitted; a reply that timed out may have run, and the error
 /// says so.
 ///
-/// The store is an [`AsyncStore`](super::AsyncStore): use the limiter's `*_async` calls,
+/// The store is an [`AsyncStore`]: use the limiter's `*_async` calls,
 /// inside a Tokio runtime (the connections' tasks run on the runtime that made them).
 ///
 /// # Redis Cluster
