@@ -81,7 +81,14 @@ fn reload_carries(store: &str, wait: Duration, drop_full: impl Fn(&Path)) {
     let [rate, period, capacity, shards, kind] = &names;
     for (name, n) in [(rate, 10), (period, 10), (capacity, 10), (shards, 100), (kind, 100)] {
         assert_eq!(admitted(&served, name, "k", n), n, "{name}: {}", served.stderr());
-        assert_eq!(admitted(&served, name, "k", 1), 0, "{name}: exhausted");
+        // Exhausted. The first three refill a token every 100 ms, which a slow store (or a
+        // busy machine) may take to answer the ten: those are drained until one is refused.
+        let refills = n == 10;
+        let mut more = 0;
+        while admitted(&served, name, "k", 1) == 1 {
+            more += 1;
+            assert!(refills && more <= 20, "{name}: not exhausted after {more} more");
+        }
     }
     let version = |served: &Served| {
         let agent: ureq::Agent =
