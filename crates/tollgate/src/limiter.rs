@@ -792,9 +792,9 @@ impl<S: AsyncStore> RateLimiter<S> {
         &self,
         calls: &[Call<'_>],
     ) -> Result<TransactionDecision, Error> {
-        if self.store.immediate().is_some() {
+        if let Some(now) = self.store.immediate() {
             let transaction = Transaction { limiter: self, calls, answer: PhantomData::<Decision> };
-            return self.store.on_immediate(transaction);
+            return self.store.on_immediate(now, transaction);
         }
         self.planned_transaction_async(calls).await.map(|t| t.decision)
     }
@@ -808,9 +808,9 @@ impl<S: AsyncStore> RateLimiter<S> {
         &self,
         calls: &[Call<'_>],
     ) -> Result<TransactionTaken, Error> {
-        if self.store.immediate().is_some() {
+        if let Some(now) = self.store.immediate() {
             let transaction = Transaction { limiter: self, calls, answer: PhantomData::<Taken> };
-            return self.store.on_immediate(transaction);
+            return self.store.on_immediate(now, transaction);
         }
         self.planned_transaction_async(calls).await
     }
@@ -899,9 +899,9 @@ impl<S: AsyncStore> RateLimiter<S> {
         request: Request<'_>,
         answer: impl Fn(Taken) -> T,
     ) -> Result<T, Error> {
-        if self.store.immediate().is_some() {
+        if let Some(now) = self.store.immediate() {
             let one = One { limiter: self, writes, target, request, answer: &answer };
-            return self.store.on_immediate(one);
+            return self.store.on_immediate(now, one);
         }
         self.single_async(writes, target, request, answer).await
     }

@@ -175,25 +175,18 @@ pub trait AsyncStore: Send + Sync {
         None
     }
 
-    /// `visit` on what [`AsyncStore::immediate`] hands out, with the store's own type where
-    /// it is known: the limiter's async calls on an in-process store then compile to its sync
-    /// path exactly, inlined. Not for store authors (the default, through `immediate`, is
-    /// right for every store): tollgate's in-process stores override it (see the module's
-    /// doc for why it exists).
-    ///
-    /// # Panics
-    ///
-    /// On a store whose `immediate` is `None`: the limiter asks that first.
+    /// `visit` on `immediate`, what [`AsyncStore::immediate`] handed out, or on the store
+    /// itself with its own type where it is known: the limiter's async calls on an in-process
+    /// store then compile to its sync path exactly, inlined. Not for store authors (the
+    /// default, on `immediate`, is right for every store): tollgate's in-process stores
+    /// override it (see the module's doc for why it exists).
     #[doc(hidden)]
     #[inline(always)]
-    fn on_immediate<V: OnImmediate>(&self, visit: V) -> V::Output
+    fn on_immediate<V: OnImmediate>(&self, immediate: &dyn Store, visit: V) -> V::Output
     where
         Self: Sized,
     {
-        match self.immediate() {
-            Some(store) => visit.on(&store),
-            None => unreachable!("on_immediate on a store that waits"),
-        }
+        visit.on(&immediate)
     }
 
     /// Loads the plan's slots, decides at the store's current time, and saves the changed
@@ -296,6 +289,7 @@ macro_rules! immediate_async_store {
             #[inline(always)]
             fn on_immediate<V: $crate::store::seam::OnImmediate>(
                 &self,
+                _: &dyn $crate::store::seam::Store,
                 visit: V,
             ) -> V::Output {
                 visit.on(self)
@@ -331,50 +325,40 @@ macro_rules! immediate_async_store {
 }
 pub(crate) use immediate_async_store;
 
-/// A borrowed store is one: the limiter's async calls run the sync path on what
-/// [`AsyncStore::immediate`] hands out, a `&dyn Store` (for a store behind a `dyn
-/// AsyncStore`, whose type is not known).
-impl<S: Store + ?Sized> Store for &S {
-    #[inline(always)]
-    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        (**self).execute(plan)
-    }
-    #[inline(always)]
-    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        (**self).execute_one(take)
-    }
-    #[inline(always)]
-    fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
-        (**self).execute_each(takes, answers)
-    }
-    #[inline(always)]
-    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        (**self).read(slots)
-    }
-    #[inline(always)]
-    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-        (**self).delete(name, key, shards)
-    }
+/// A store behind a pointer is one: a borrowed one (the limiter's async calls run the sync
+/// path on what [`AsyncStore::immediate`] hands out, a `&dyn Store`, for a store behind a
+/// `dyn AsyncStore`, whose type is not known), or a shared one.
+macro_rules! forward_store {
+    ($($pointer:ty),*) => {$(
+        impl<S: Store + ?Sized> Store for $pointer {
+            #[inline(always)]
+            fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
+                (**self).execute(plan)
+            }
+            #[inline(always)]
+            fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
+                (**self).execute_one(take)
+            }
+            #[inline(always)]
+            fn execute_each(
+                &self,
+                takes: &[OneTake<'_>],
+                answers: &mut [Taken],
+            ) -> Result<(), StoreError> {
+                (**self).execute_each(takes, answers)
+            }
+            #[inline(always)]
+            fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
+                (**self).read(slots)
+            }
+            #[inline(always)]
+            fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
+                (**self).delete(name, key, shards)
+            }
+        }
+    )*};
 }
-
-impl<S: Store + ?Sized> Store for Arc<S> {
-    fn execute(&self, plan: &Plan<'_>) -> Result<Outcome, StoreError> {
-        (**self).execute(plan)
-    }
-    fn execute_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
-        (**self).execute_one(take)
-    }
-    fn execute_each(&self, takes: &[OneTake<'_>], answers: &mut [Taken]) -> Result<(), StoreError> {
-        (**self).execute_each(takes, answers)
-    }
-
-    fn read(&self, slots: &[Slot<'_>]) -> Result<(f64, Vec<Option<State>>), StoreError> {
-        (**self).read(slots)
-    }
-    fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
-        (**self).delete(name, key, shards)
-    }
-}
+forward_store!(&S, Arc<S>);
 
 /// What a store's one-take function or script answers for a take: the time it used,
 /// whether it wrote, and the state it loaded (from which `tollgate-algebra` decides).
