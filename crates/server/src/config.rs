@@ -12,6 +12,13 @@ use tollgate::{Config, HOUR, MINUTE, RawConfig};
 
 /// The default address: loopback only.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8787";
+
+/// The limit name `CL.THROTTLE` takes from unless `respThrottleName` says otherwise.
+pub const DEFAULT_THROTTLE_NAME: &str = "cl.throttle";
+
+/// How long a Redis protocol connection may sit idle: Redis keeps them for ever (its
+/// `timeout` is 0), pools keep them long; five minutes frees what a crashed client left.
+pub const DEFAULT_RESP_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// The default store: a SQLite file in the working directory.
 pub const DEFAULT_STORE: &str = "sqlite://tollgate.db";
 
@@ -94,6 +101,9 @@ struct ServerSection {
     shutdown_deadline: Option<Period>,
     rls_listen: Option<String>,
     rls_config: Option<std::path::PathBuf>,
+    resp_listen: Option<String>,
+    resp_throttle_name: Option<String>,
+    resp_idle_timeout: Option<Period>,
     cors_origins: Option<Vec<String>>,
     allowed_hosts: Option<Vec<String>>,
     public_metrics: Option<bool>,
@@ -145,7 +155,7 @@ const fn setting(field: &'static str, var: &'static str, kind: Kind, live: bool)
 }
 
 /// Every `[server]` setting, in the order `serve --help` lists them.
-pub const SETTINGS: [Setting; 18] = [
+pub const SETTINGS: [Setting; 21] = [
     setting("listen", "TOLLGATE_LISTEN", Kind::Text, false),
     setting("store", "TOLLGATE_STORE", Kind::Text, false),
     setting("tokens", "TOLLGATE_TOKENS", Kind::List, false),
@@ -161,6 +171,9 @@ pub const SETTINGS: [Setting; 18] = [
     setting("drainDelay", "TOLLGATE_DRAIN_DELAY", Kind::Duration, false),
     setting("rlsListen", "TOLLGATE_RLS_LISTEN", Kind::Text, false),
     setting("rlsConfig", "TOLLGATE_RLS_CONFIG", Kind::Text, false),
+    setting("respListen", "TOLLGATE_RESP_LISTEN", Kind::Text, false),
+    setting("respThrottleName", "TOLLGATE_RESP_THROTTLE_NAME", Kind::Text, false),
+    setting("respIdleTimeout", "TOLLGATE_RESP_IDLE_TIMEOUT", Kind::Duration, false),
     setting("corsOrigins", "TOLLGATE_CORS_ORIGINS", Kind::List, true),
     setting("allowedHosts", "TOLLGATE_ALLOWED_HOSTS", Kind::List, true),
     setting("publicMetrics", "TOLLGATE_PUBLIC_METRICS", Kind::Bool, false),
@@ -197,6 +210,13 @@ pub struct Settings {
     /// envoyproxy/ratelimit's configuration (a YAML file or a directory), for the RLS and
     /// `POST /json`.
     pub rls_config: Option<std::path::PathBuf>,
+    /// Where the Redis protocol listens, if anywhere (SPEC §6d).
+    pub resp_listen: Option<SocketAddr>,
+    /// The limit name redis-cell's `CL.THROTTLE` takes from (default `cl.throttle`).
+    pub resp_throttle_name: String,
+    /// A Redis protocol connection that sends nothing, or takes none of its replies, this
+    /// long is closed (default 5 minutes: clients keep pooled connections open and idle).
+    pub resp_idle_timeout: Duration,
     /// The origins whose web pages may call the API (`*`: any); see [`crate::browsers`].
     pub cors_origins: Vec<String>,
     /// Host names a server without tokens answers to, besides loopback and its address.
@@ -221,7 +241,7 @@ impl Settings {
     ///
     /// The address, and how to fix it.
     pub fn public_without_tokens(&self, allowed: bool) -> anyhow::Result<()> {
-        for addr in std::iter::once(self.listen).chain(self.rls_listen) {
+        for addr in std::iter::once(self.listen).chain(self.rls_listen).chain(self.resp_listen) {
             if self.tokens.is_empty() && !addr.ip().is_loopback() && !allowed {
                 anyhow::bail!(
                     "refusing to listen on {addr} without tokens: anyone who can reach it could \
@@ -502,6 +522,9 @@ impl Overrides {
                 "drainDelay" => server.drain_delay = Some(period()),
                 "rlsListen" => server.rls_listen = Some(value.clone()),
                 "rlsConfig" => server.rls_config = Some(value.into()),
+                "respListen" => server.resp_listen = Some(value.clone()),
+                "respThrottleName" => server.resp_throttle_name = Some(value.clone()),
+                "respIdleTimeout" => server.resp_idle_timeout = Some(period()),
                 "corsOrigins" => server.cors_origins = Some(list()?),
                 "allowedHosts" => server.allowed_hosts = Some(list()?),
                 "publicMetrics" => server.public_metrics = Some(boolean()?),
@@ -664,6 +687,25 @@ impl FileConfig {
                  [server] rlsConfig), envoyproxy/ratelimit's YAML file or a directory of them"
             );
         }
+        let resp_listen = match server.resp_listen.clone() {
+            None => None,
+            Some(addr) => Some(addr.parse::<SocketAddr>().with_context(|| {
+                format!(
+                    "{}: the Redis protocol's address {addr:?} is not IP:PORT",
+                    server.label("respListen")
+                )
+            })?),
+        };
+        let resp_throttle_name =
+            server.resp_throttle_name.clone().unwrap_or_else(|| DEFAULT_THROTTLE_NAME.into());
+        tollgate::core::validate_name_key(&resp_throttle_name, None)
+            .with_context(|| server.label("respThrottleName"))?;
+        let resp_idle_timeout = time(
+            "respIdleTimeout",
+            &server.resp_idle_timeout,
+            DEFAULT_RESP_IDLE_TIMEOUT,
+            Duration::from_secs(1),
+        )?;
         let cors_origins = server.cors_origins.clone().unwrap_or_default();
         for origin in &cors_origins {
             if origin != "*" && !is_origin(origin) {
@@ -699,6 +741,9 @@ impl FileConfig {
             http,
             rls_listen,
             rls_config,
+            resp_listen,
+            resp_throttle_name,
+            resp_idle_timeout,
             cors_origins,
             allowed_hosts,
             public_metrics: server.public_metrics.unwrap_or(false),
@@ -1087,6 +1132,9 @@ mod tests {
             ("TOLLGATE_DRAIN_DELAY", "0"),
             ("TOLLGATE_RLS_LISTEN", "127.0.0.1:9002"),
             ("TOLLGATE_RLS_CONFIG", "rls.yaml"),
+            ("TOLLGATE_RESP_LISTEN", "127.0.0.1:9004"),
+            ("TOLLGATE_RESP_THROTTLE_NAME", "throttled"),
+            ("TOLLGATE_RESP_IDLE_TIMEOUT", "1m"),
             ("TOLLGATE_CORS_ORIGINS", "https://a.example, http://localhost:3000"),
             ("TOLLGATE_ALLOWED_HOSTS", "tollgate.internal"),
             ("TOLLGATE_PUBLIC_METRICS", "true"),
@@ -1112,6 +1160,9 @@ mod tests {
         );
         assert_eq!(s.rls_listen, Some("127.0.0.1:9002".parse().unwrap()));
         assert_eq!(s.rls_config, Some("rls.yaml".into()));
+        assert_eq!(s.resp_listen, Some("127.0.0.1:9004".parse().unwrap()));
+        assert_eq!(s.resp_throttle_name, "throttled");
+        assert_eq!(s.resp_idle_timeout, Duration::from_secs(60));
         assert_eq!(s.cors_origins, ["https://a.example", "http://localhost:3000"]);
         assert_eq!(s.allowed_hosts, ["tollgate.internal"]);
         assert!(s.public_metrics);

@@ -15,7 +15,7 @@ use crate::answer::{Answer, CLOSE, close_if_unread};
 use crate::auth::{Credential, READ_PATHS, Tokens, credential};
 use crate::engine::{Engine, MAX_BODY, Op};
 use crate::error_log::ErrorLog;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Protocol};
 
 /// What every handler shares.
 pub struct App {
@@ -24,7 +24,7 @@ pub struct App {
     /// Accepted bearer tokens; none: no authentication.
     pub tokens: Tokens,
     /// Counters for `/metrics`.
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     /// The memory store, if that is the store: its live states are a metric.
     pub memory: Option<Arc<tollgate::MemoryStore>>,
     /// The circuit breaker of a networked store, for its metrics.
@@ -142,7 +142,7 @@ async fn operate(app: Arc<App>, op: Op, request: Request) -> Answer {
         Ok(body) => app.engine.run(op, &body).await,
         Err(answer) => answer,
     };
-    app.metrics.record(op.name(), answer.outcome, start.elapsed());
+    app.metrics.record(Protocol::Http, op.name(), answer.outcome, start.elapsed());
     if answer.status.is_server_error() {
         let body = answer.body.to_json();
         app.errors.record(op.name(), answer.status, &body);

@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod names;
 pub mod otel;
 pub mod plot;
+pub mod resp;
 pub mod rls;
 pub mod simulate;
 pub mod stats;
@@ -90,6 +91,9 @@ struct CheckArgs {
     /// The store `serve` would open (as its --store): only its form is checked.
     #[arg(long)]
     store: Option<String>,
+    /// The Redis protocol's address `serve` would listen on (as its --resp-listen).
+    #[arg(long, value_name = "ADDR")]
+    resp_listen: Option<String>,
     /// As `serve --allow-unauthenticated-public`: a non-loopback address without tokens.
     #[arg(long)]
     allow_unauthenticated_public: bool,
@@ -125,6 +129,10 @@ struct ServeArgs {
     /// HTTP listener.
     #[arg(long, value_name = "PATH")]
     rls_config: Option<PathBuf>,
+    /// Also serve the Redis protocol on this address, for example 127.0.0.1:6380:
+    /// redis-cell's CL.THROTTLE and the TG.* commands, for any Redis client.
+    #[arg(long, value_name = "ADDR")]
+    resp_listen: Option<String>,
 }
 
 /// `serve --help`'s list of variables.
@@ -229,6 +237,7 @@ fn check_config(args: CheckArgs) -> ExitCode {
             ("listen", "--listen", args.listen),
             ("store", "--store", args.store),
             ("rlsConfig", "--rls-config", rls_config),
+            ("respListen", "--resp-listen", args.resp_listen),
         ],
     );
     let checked = sources.load().and_then(|loaded| {
@@ -273,6 +282,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             ("store", "--store", args.store),
             ("rlsListen", "--rls-listen", args.rls_listen),
             ("rlsConfig", "--rls-config", rls_config),
+            ("respListen", "--resp-listen", args.resp_listen),
         ],
     );
     let loaded = sources.load()?;
@@ -337,7 +347,7 @@ pub async fn app_of(
         engine: Arc::clone(&engine),
         rls,
         tokens: auth::Tokens { full: settings.tokens.clone(), read: settings.read_tokens.clone() },
-        metrics: metrics::Metrics::default(),
+        metrics: Arc::default(),
         memory: opened.memory.clone(),
         breaker: opened.breaker.clone(),
         leases: opened.leases.clone(),
@@ -479,8 +489,20 @@ async fn serve_async(
         Some(listener) => Some(listener.local_addr()?),
         None => None,
     };
-    // Each listener may hold maxConnections; both must fit in the open files allowed.
-    let listeners = if rls_addr.is_some() { 2 } else { 1 };
+    let resp_listener = match settings.resp_listen {
+        None => None,
+        Some(resp_addr) => Some(
+            tokio::net::TcpListener::bind(resp_addr)
+                .await
+                .with_context(|| format!("cannot listen on {resp_addr}"))?,
+        ),
+    };
+    let resp_addr = match &resp_listener {
+        Some(listener) => Some(listener.local_addr()?),
+        None => None,
+    };
+    // Each listener may hold maxConnections; all must fit in the open files allowed.
+    let listeners = 1 + u64::from(rls_addr.is_some()) + u64::from(resp_addr.is_some());
     let http_limits = config::HttpLimits {
         max_connections: listen::fit_open_files(settings.http.max_connections, listeners),
         ..settings.http
@@ -547,6 +569,25 @@ async fn serve_async(
         }
         _ => None,
     };
+    let resp_server = resp_listener.map(|listener| {
+        let resp = resp::Resp {
+            engine: Arc::clone(&app.engine),
+            tokens: app.tokens.clone(),
+            metrics: Arc::clone(&app.metrics),
+            errors: Arc::clone(&app.errors),
+            throttle_name: settings.resp_throttle_name.clone(),
+            idle_timeout: settings.resp_idle_timeout,
+            command_timeout: settings.http.body_timeout,
+            next_id: std::sync::atomic::AtomicU64::new(0),
+        };
+        tokio::spawn(resp::serve(
+            listener,
+            Arc::new(resp),
+            http_limits,
+            Arc::clone(&app.accept_errors),
+            stopped(),
+        ))
+    });
     // Summing up failed requests in the log, when an interval of them is over.
     let errors = Arc::clone(&app);
     tokio::spawn(async move {
@@ -560,10 +601,13 @@ async fn serve_async(
     let accept_errors = Arc::clone(&app.accept_errors);
     let leases = app.leases.clone();
     // Last, once every signal has its handler: whoever reads the banner may send them.
-    print_banner(&settings, addr, rls_addr, tracing.as_deref());
+    print_banner(&settings, addr, rls_addr, resp_addr, tracing.as_deref());
     serve_http(listener, http::router(app), http_limits, accept_errors, stopped()).await?;
     if let Some(rls_server) = rls_server {
         rls_server.await??;
+    }
+    if let Some(resp_server) = resp_server {
+        resp_server.await??;
     }
     // Leased tokens go back to the limit now, not when their leases expire.
     if let Some(leasing) = leases {
@@ -624,6 +668,7 @@ fn print_banner(
     settings: &Settings,
     addr: SocketAddr,
     rls: Option<SocketAddr>,
+    resp: Option<SocketAddr>,
     tracing: Option<&str>,
 ) {
     let names: Vec<&str> = settings.limits.iter().map(|(n, _)| n.as_str()).collect();
@@ -639,6 +684,9 @@ fn print_banner(
     println!("  auth:   {}", if settings.tokens.is_empty() { "none" } else { "bearer tokens" });
     if let Some(rls) = rls {
         println!("  rls:    grpc://{rls} (envoy.service.ratelimit.v3)");
+    }
+    if let Some(resp) = resp {
+        println!("  resp:   redis://{resp} (CL.THROTTLE as {}, TG.*)", settings.resp_throttle_name);
     }
     if let Some(name) = names.first() {
         let auth =

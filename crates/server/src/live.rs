@@ -180,6 +180,9 @@ pub fn restart_needed(old: &Settings, new: &Settings) -> Vec<&'static str> {
         "drainDelay" => old.http.drain_delay != new.http.drain_delay,
         "rlsListen" => old.rls_listen != new.rls_listen,
         "rlsConfig" => old.rls_config != new.rls_config,
+        "respListen" => old.resp_listen != new.resp_listen,
+        "respThrottleName" => old.resp_throttle_name != new.resp_throttle_name,
+        "respIdleTimeout" => old.resp_idle_timeout != new.resp_idle_timeout,
         "publicMetrics" => old.public_metrics != new.public_metrics,
         _ => false,
     };

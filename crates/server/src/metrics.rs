@@ -8,14 +8,26 @@ use std::time::Duration;
 /// Upper bounds of the latency histogram's buckets, in seconds.
 const BUCKETS: [f64; 12] =
     [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
-const OPS: [&str; 5] = ["limit", "check", "transaction", "reset", "value"];
+const OPS: [&str; 8] =
+    ["limit", "check", "transaction", "reset", "value", "time", "config", "throttle"];
 const OUTCOMES: [&str; 5] = ["ok", "refused", "invalid", "not_defined", "store_error"];
+
+/// The listener a request came by: its `protocol` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// The HTTP/JSON API.
+    Http = 0,
+    /// The Redis protocol.
+    Resp = 1,
+}
+
+const PROTOCOLS: [&str; 2] = ["http", "resp"];
 
 /// The server's counters.
 #[derive(Default)]
 pub struct Metrics {
-    requests: [[AtomicU64; OUTCOMES.len()]; OPS.len()],
-    latency: [Histogram; OPS.len()],
+    requests: [[[AtomicU64; OUTCOMES.len()]; OPS.len()]; PROTOCOLS.len()],
+    latency: [[Histogram; OPS.len()]; PROTOCOLS.len()],
 }
 
 #[derive(Default)]
@@ -26,16 +38,23 @@ struct Histogram {
 }
 
 impl Metrics {
-    /// Counts one request of `op` that ended as `outcome` and took `elapsed`. Names outside
-    /// the known sets are not counted.
-    pub fn record(&self, op: &'static str, outcome: &'static str, elapsed: Duration) {
+    /// Counts one request of `op` that came by `protocol`, ended as `outcome` and took
+    /// `elapsed`. Names outside the known sets are not counted.
+    pub fn record(
+        &self,
+        protocol: Protocol,
+        op: &'static str,
+        outcome: &'static str,
+        elapsed: Duration,
+    ) {
         let (Some(o), Some(r)) =
             (OPS.iter().position(|x| *x == op), OUTCOMES.iter().position(|x| *x == outcome))
         else {
             return;
         };
-        self.requests[o][r].fetch_add(1, Ordering::Relaxed);
-        let h = &self.latency[o];
+        let p = protocol as usize;
+        self.requests[p][o][r].fetch_add(1, Ordering::Relaxed);
+        let h = &self.latency[p][o];
         h.count.fetch_add(1, Ordering::Relaxed);
         h.sum_nanos.fetch_add(elapsed.as_nanos().try_into().unwrap_or(u64::MAX), Ordering::Relaxed);
         let secs = elapsed.as_secs_f64();
@@ -59,20 +78,25 @@ impl Metrics {
     ) -> String {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut out = String::new();
-        out.push_str("# HELP tollgate_requests_total Requests by operation and outcome.\n");
+        out.push_str(
+            "# HELP tollgate_requests_total Requests by operation, outcome and protocol.\n",
+        );
         out.push_str("# TYPE tollgate_requests_total counter\n");
         let mut store_errors = 0;
-        for (op, counts) in OPS.iter().zip(&self.requests) {
-            for (outcome, n) in OUTCOMES.iter().zip(counts) {
-                let n = get(n);
-                if *outcome == "store_error" {
-                    store_errors += n;
-                }
-                if n > 0 {
-                    let _ = writeln!(
-                        out,
-                        "tollgate_requests_total{{op=\"{op}\",outcome=\"{outcome}\"}} {n}"
-                    );
+        for (protocol, requests) in PROTOCOLS.iter().zip(&self.requests) {
+            for (op, counts) in OPS.iter().zip(requests) {
+                for (outcome, n) in OUTCOMES.iter().zip(counts) {
+                    let n = get(n);
+                    if *outcome == "store_error" {
+                        store_errors += n;
+                    }
+                    if n > 0 {
+                        let _ = writeln!(
+                            out,
+                            "tollgate_requests_total{{op=\"{op}\",outcome=\"{outcome}\",\
+                             protocol=\"{protocol}\"}} {n}"
+                        );
+                    }
                 }
             }
         }
@@ -136,27 +160,33 @@ impl Metrics {
                 b.failures,
             );
         }
-        out.push_str("# HELP tollgate_request_duration_seconds Time to answer, by operation.\n");
+        out.push_str(
+            "# HELP tollgate_request_duration_seconds Time to answer, by operation and protocol.\n",
+        );
         out.push_str("# TYPE tollgate_request_duration_seconds histogram\n");
-        for (op, h) in OPS.iter().zip(&self.latency) {
-            let count = get(&h.count);
-            if count == 0 {
-                continue;
-            }
-            for (bound, n) in BUCKETS.iter().zip(&h.buckets) {
+        for (protocol, latency) in PROTOCOLS.iter().zip(&self.latency) {
+            for (op, h) in OPS.iter().zip(latency) {
+                let count = get(&h.count);
+                if count == 0 {
+                    continue;
+                }
+                let labels = format!("op=\"{op}\",protocol=\"{protocol}\"");
+                for (bound, n) in BUCKETS.iter().zip(&h.buckets) {
+                    let _ = writeln!(
+                        out,
+                        "tollgate_request_duration_seconds_bucket{{{labels},le=\"{bound}\"}} {}",
+                        get(n)
+                    );
+                }
                 let _ = writeln!(
                     out,
-                    "tollgate_request_duration_seconds_bucket{{op=\"{op}\",le=\"{bound}\"}} {}",
-                    get(n)
+                    "tollgate_request_duration_seconds_bucket{{{labels},le=\"+Inf\"}} {count}"
                 );
+                let sum = get(&h.sum_nanos) as f64 / 1e9;
+                let _ = writeln!(out, "tollgate_request_duration_seconds_sum{{{labels}}} {sum}");
+                let _ =
+                    writeln!(out, "tollgate_request_duration_seconds_count{{{labels}}} {count}");
             }
-            let _ = writeln!(
-                out,
-                "tollgate_request_duration_seconds_bucket{{op=\"{op}\",le=\"+Inf\"}} {count}"
-            );
-            let sum = get(&h.sum_nanos) as f64 / 1e9;
-            let _ = writeln!(out, "tollgate_request_duration_seconds_sum{{op=\"{op}\"}} {sum}");
-            let _ = writeln!(out, "tollgate_request_duration_seconds_count{{op=\"{op}\"}} {count}");
         }
         out
     }
@@ -225,17 +255,20 @@ mod tests {
     #[test]
     fn buckets_are_cumulative() {
         let m = Metrics::default();
-        m.record("limit", "ok", Duration::from_micros(300));
-        m.record("limit", "refused", Duration::from_millis(2));
-        m.record("weird", "ok", Duration::ZERO);
+        m.record(Protocol::Http, "limit", "ok", Duration::from_micros(300));
+        m.record(Protocol::Http, "limit", "refused", Duration::from_millis(2));
+        m.record(Protocol::Resp, "throttle", "ok", Duration::from_millis(2));
+        m.record(Protocol::Http, "weird", "ok", Duration::ZERO);
         let text = m.render(3, Some(42), Some(7), None);
         for line in [
-            "tollgate_requests_total{op=\"limit\",outcome=\"ok\"} 1",
-            "tollgate_requests_total{op=\"limit\",outcome=\"refused\"} 1",
-            "tollgate_request_duration_seconds_bucket{op=\"limit\",le=\"0.00025\"} 0",
-            "tollgate_request_duration_seconds_bucket{op=\"limit\",le=\"0.0005\"} 1",
-            "tollgate_request_duration_seconds_bucket{op=\"limit\",le=\"0.0025\"} 2",
-            "tollgate_request_duration_seconds_count{op=\"limit\"} 2",
+            "tollgate_requests_total{op=\"limit\",outcome=\"ok\",protocol=\"http\"} 1",
+            "tollgate_requests_total{op=\"limit\",outcome=\"refused\",protocol=\"http\"} 1",
+            "tollgate_requests_total{op=\"throttle\",outcome=\"ok\",protocol=\"resp\"} 1",
+            "tollgate_request_duration_seconds_bucket{op=\"limit\",protocol=\"http\",le=\"0.00025\"} 0",
+            "tollgate_request_duration_seconds_bucket{op=\"limit\",protocol=\"http\",le=\"0.0005\"} 1",
+            "tollgate_request_duration_seconds_bucket{op=\"limit\",protocol=\"http\",le=\"0.0025\"} 2",
+            "tollgate_request_duration_seconds_count{op=\"limit\",protocol=\"http\"} 2",
+            "tollgate_request_duration_seconds_count{op=\"throttle\",protocol=\"resp\"} 1",
             "tollgate_store_errors_total 0",
             "tollgate_failed_open_total 3",
             "tollgate_live_states 42",

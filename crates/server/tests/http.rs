@@ -12,7 +12,6 @@ use tollgate_server::auth::Tokens;
 use tollgate_server::browsers::BrowserRules;
 use tollgate_server::engine::{Engine, Permissions};
 use tollgate_server::http::{App, Service, router};
-use tollgate_server::metrics::Metrics;
 use tollgate_server::store::DynStore;
 use tower::ServiceExt;
 
@@ -42,7 +41,7 @@ fn serve(
     router(Arc::new(App {
         engine: Arc::new(Engine::new(limiter, permissions)),
         tokens,
-        metrics: Metrics::default(),
+        metrics: std::sync::Arc::default(),
         memory: None,
         breaker: None,
         leases: None,
@@ -657,10 +656,10 @@ async fn metrics_and_openapi() {
     let m = get(&app, "/metrics").await;
     let text = m.body.as_str().unwrap();
     for line in [
-        "tollgate_requests_total{op=\"limit\",outcome=\"ok\"} 1",
-        "tollgate_requests_total{op=\"limit\",outcome=\"refused\"} 1",
-        "tollgate_requests_total{op=\"limit\",outcome=\"not_defined\"} 1",
-        "tollgate_request_duration_seconds_count{op=\"limit\"} 3",
+        "tollgate_requests_total{op=\"limit\",outcome=\"ok\",protocol=\"http\"} 1",
+        "tollgate_requests_total{op=\"limit\",outcome=\"refused\",protocol=\"http\"} 1",
+        "tollgate_requests_total{op=\"limit\",outcome=\"not_defined\",protocol=\"http\"} 1",
+        "tollgate_request_duration_seconds_count{op=\"limit\",protocol=\"http\"} 3",
     ] {
         assert!(text.contains(line), "{line} in\n{text}");
     }

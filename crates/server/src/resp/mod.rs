@@ -1,0 +1,152 @@
+//! The Redis protocol (SPEC §6d): `tollgate serve --resp-listen ADDR` answers redis-cell's
+//! `CL.THROTTLE`, the `TG.*` commands and the connection commands that Redis clients send
+//! on their own, to any Redis client, over RESP2 or (after `HELLO 3`) RESP3.
+//!
+//! A connection reads what the client sent, runs every whole command in it in order, and
+//! writes their replies at once (pipelining); it reads again only when those are written. So
+//! a connection holds at most one read, one command not yet whole ([`wire::MAX_COMMAND`])
+//! and [`FLUSH_AT`] bytes of replies: a client that writes and never reads stops being
+//! read from, and costs the server no more.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::auth::Tokens;
+use crate::config::HttpLimits;
+use crate::engine::Engine;
+use crate::error_log::ErrorLog;
+use crate::listen::{Stopping, serve_connections};
+use crate::metrics::Metrics;
+
+pub mod session;
+pub mod tg;
+pub mod throttle;
+pub mod wire;
+
+/// Replies are sent once this many bytes wait, even before the read's commands are all run.
+pub const FLUSH_AT: usize = 64 * 1024;
+
+/// How much is read at a time.
+const READ_AT_ONCE: usize = 16 * 1024;
+
+/// What every connection shares.
+pub struct Resp {
+    /// The operations.
+    pub engine: Arc<Engine>,
+    /// Accepted tokens; none: no `AUTH` needed.
+    pub tokens: Tokens,
+    /// The counters of `/metrics` (`protocol="resp"`).
+    pub metrics: Arc<Metrics>,
+    /// Failed requests, logged without flooding.
+    pub errors: Arc<ErrorLog>,
+    /// The limit name `CL.THROTTLE` takes from (`respThrottleName`).
+    pub throttle_name: String,
+    /// A connection that sends nothing (or takes none of its replies) this long is closed.
+    pub idle_timeout: Duration,
+    /// A command begun must arrive whole within this (`bodyTimeout`).
+    pub command_timeout: Duration,
+    /// The ids `CLIENT ID` answers.
+    pub next_id: AtomicU64,
+}
+
+/// Serves the Redis protocol on `listener` until `stop` resolves, with the other listeners'
+/// bounds (see [`serve_connections`]).
+///
+/// # Errors
+///
+/// The listener fails for good.
+pub async fn serve(
+    listener: TcpListener,
+    resp: Arc<Resp>,
+    limits: HttpLimits,
+    accept_errors: Arc<ErrorLog>,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    serve_connections(listener, "resp", limits, accept_errors, stop, move |tcp, stopping| {
+        connection(Arc::clone(&resp), tcp, stopping)
+    })
+    .await
+}
+
+/// Why a connection ends.
+enum End {
+    /// The client closed it, or asked to (`QUIT`), or broke the protocol.
+    Done,
+    /// It said nothing, or took no replies, for too long; or the server is stopping.
+    Cut,
+}
+
+async fn connection(resp: Arc<Resp>, mut tcp: TcpStream, mut stopping: Stopping) {
+    let mut session = session::Session::new(&resp);
+    let mut input = BytesMut::with_capacity(READ_AT_ONCE);
+    let mut args = Vec::with_capacity(8);
+    let mut out = wire::Out::new();
+    loop {
+        // Every whole command received, in order.
+        let mut close = false;
+        loop {
+            match wire::parse(&input, &mut args) {
+                Ok(Some(used)) => {
+                    if !args.is_empty() {
+                        let argv: Vec<&[u8]> = args.iter().map(|r| &input[r.clone()]).collect();
+                        close = session.run(&resp, &argv, &mut out).await == session::Next::Close;
+                    }
+                    input.advance(used);
+                    if close {
+                        break;
+                    }
+                    if out.buf.len() >= FLUSH_AT && send(&mut tcp, &mut out, &resp).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    out.error(&format!("Protocol error: {}", e.0));
+                    close = true;
+                    break;
+                }
+            }
+        }
+        if send(&mut tcp, &mut out, &resp).await.is_err() || close {
+            return;
+        }
+        // More: within the idle timeout between commands, the command timeout within one.
+        let wait = if input.is_empty() { resp.idle_timeout } else { resp.command_timeout };
+        if input.capacity() - input.len() < READ_AT_ONCE / 4 {
+            input.reserve(READ_AT_ONCE);
+        }
+        let read = tokio::select! {
+            biased;
+            read = tokio::time::timeout(wait, tcp.read_buf(&mut input)) => read,
+            () = stopping.wait() => return,
+        };
+        let end = match read {
+            Ok(Ok(0)) | Ok(Err(_)) => End::Done,
+            Ok(Ok(_)) => continue,
+            Err(_) => End::Cut,
+        };
+        if let End::Cut = end {
+            // Said in the reply Redis gives no client either: the connection just closes.
+            tracing::debug!("resp: a connection idle for {wait:?} closed");
+        }
+        return;
+    }
+}
+
+/// Writes the replies waiting, within the idle timeout.
+async fn send(tcp: &mut TcpStream, out: &mut wire::Out, resp: &Resp) -> Result<(), ()> {
+    if out.buf.is_empty() {
+        return Ok(());
+    }
+    let written = tokio::time::timeout(resp.idle_timeout, tcp.write_all(&out.buf)).await;
+    out.buf.clear();
+    match written {
+        Ok(Ok(())) => Ok(()),
+        _ => Err(()),
+    }
+}
