@@ -313,6 +313,69 @@ fn each_request_is_one_span_in_the_callers_trace() {
     assert_eq!(unknown.attribute("http.response.status_code"), Some(&Any::IntValue(404)));
 }
 
+/// A Redis protocol command is a span too: named for its command, with the operation, the
+/// protocol, the outcome and the time in the store.
+#[test]
+fn each_redis_command_is_one_span() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let received = receive(listener);
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("http://{addr}");
+    let config = dir.path().join("tollgate.toml");
+    std::fs::write(&config, "[limits.api]\nkind = \"token bucket\"\nrate = 1\nperiod = \"1m\"\n")
+        .unwrap();
+    let resp = format!("127.0.0.1:{}", common::free_port());
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--store", "memory", "--resp-listen", &resp])
+        .args(["--config", config.to_str().unwrap()]);
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("OTEL_") {
+            command.env_remove(name);
+        }
+    }
+    command.envs([
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ]);
+    let _served = common::Served::start(command, false);
+    let mut redis = TcpStream::connect(&resp).unwrap();
+    redis
+        .write_all(b"CL.THROTTLE k 1 1 60\r\nTG.LIMIT api KEY k\r\nTG.LIMIT api KEY k\r\nPING\r\n")
+        .unwrap();
+    let mut replies = BufReader::new(redis);
+    let mut last = String::new();
+    while last != "+PONG\r\n" {
+        last.clear();
+        replies.read_line(&mut last).unwrap();
+    }
+    let start = Instant::now();
+    while spans(&received).len() < 3 && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let spans = spans(&received);
+    // PING is not an operation: no span.
+    assert_eq!(spans.len(), 3, "{spans:#?}");
+    let named = |name: &str| spans.iter().filter(|s| s.name == name).collect::<Vec<_>>();
+    let [throttle] = named("RESP CL.THROTTLE")[..] else { panic!("{spans:#?}") };
+    assert_eq!(throttle.text("tollgate.operation"), "throttle");
+    assert_eq!(throttle.text("tollgate.protocol"), "resp");
+    assert_eq!(throttle.text("tollgate.outcome"), "ok");
+    assert!(matches!(throttle.attribute("tollgate.store_ms"), Some(Any::DoubleValue(_))));
+    let mut outcomes: Vec<&str> = named("RESP TG.LIMIT")
+        .iter()
+        .map(|s| {
+            assert_eq!(s.text("tollgate.operation"), "limit");
+            assert_eq!(s.text("tollgate.limits"), "api");
+            s.text("tollgate.outcome")
+        })
+        .collect();
+    outcomes.sort_unstable();
+    assert_eq!(outcomes, ["ok", "refused"]);
+}
+
 /// Without an endpoint nothing is exported: no connection is opened, not even to the
 /// standard default (`localhost:4318`), where this test listens.
 #[test]

@@ -158,6 +158,10 @@ fn cl_throttle_answers_as_redis_cell() {
     assert_eq!(refused, [1, 16, 0, 2, 32]);
     // Two tokens at once wait for two to come back.
     assert_eq!(throttle(&mut c, &[&key, "15", "30", "60", "2"]), [1, 16, 0, 4, 32]);
+    // redis-cell's end-to-end test: a burst of 0, one token every 2 s.
+    let e2e = unique("e2e");
+    assert_eq!(throttle(&mut c, &[&e2e, "0", "1", "2", "1"]), [0, 1, 0, -1, 2]);
+    assert_eq!(throttle(&mut c, &[&e2e, "0", "1", "2", "1"]), [1, 1, 0, 2, 2]);
     // A larger burst for the same key: tollgate keeps the key's tokens (none), which now
     // refill towards 26; redis-cell keeps the time at which the bucket is full, and would
     // grant the 10 more at once. The one difference, in the guide's "From redis-cell".
@@ -369,7 +373,7 @@ fn is_fields(items: &[R]) -> bool {
         "capacity",
     ];
     !items.is_empty()
-        && items.len() % 2 == 0
+        && items.len().is_multiple_of(2)
         && items.chunks(2).all(|p| match &p[0] {
             R::BulkString(name) => {
                 let name = String::from_utf8_lossy(name);

@@ -132,6 +132,8 @@ mod guide {
     struct MigrateGovernor;
     #[doc = include_str!("../../../docs/src/migrate/limitador.md")]
     struct MigrateLimitador;
+    #[doc = include_str!("../../../docs/src/migrate/redis-cell.md")]
+    struct MigrateRedisCell;
     #[doc = include_str!("../../../docs/src/operations/kubernetes.md")]
     struct OperationsKubernetes;
     #[doc = include_str!("../../../docs/src/operations/redis-ha.md")]
@@ -150,6 +152,8 @@ mod guide {
     struct ServerMetrics;
     #[doc = include_str!("../../../docs/src/server/reload.md")]
     struct ServerReload;
+    #[doc = include_str!("../../../docs/src/server/resp.md")]
+    struct ServerResp;
     #[doc = include_str!("../../../docs/src/server/security.md")]
     struct ServerSecurity;
     #[doc = include_str!("../../../docs/src/simulator.md")]

@@ -105,7 +105,14 @@ impl Session {
             return Next::Go;
         }
         match command {
-            "cl.throttle" => self.throttle(resp, args, out).await,
+            "cl.throttle" => {
+                if crate::otel::on() {
+                    let span = crate::otel::span("RESP CL.THROTTLE", "throttle", &NO_HEADERS);
+                    traced(span, self.throttle(resp, args, out)).await;
+                } else {
+                    self.throttle(resp, args, out).await;
+                }
+            }
             "ping" => match args {
                 [] => out.simple("PONG"),
                 [message] => out.bulk(message),
@@ -158,7 +165,15 @@ impl Session {
                 out.bulk(now.subsec_micros().to_string().as_bytes());
             }
             _ => match tg::parse(command, args) {
-                Some(parsed) => self.tg(resp, parsed, out).await,
+                Some(parsed) if crate::otel::on() => {
+                    let name = span_name(command);
+                    let op = parsed.as_ref().map_or("invalid", Tg::name);
+                    let span = crate::otel::span(name, op, &NO_HEADERS);
+                    traced(span, self.tg(resp, parsed, out)).await;
+                }
+                Some(parsed) => {
+                    self.tg(resp, parsed, out).await;
+                }
                 None => unknown(out, argv),
             },
         }
@@ -295,16 +310,19 @@ impl Session {
         }
     }
 
-    async fn throttle(&mut self, resp: &Resp, args: &[&[u8]], out: &mut Out) {
+    /// Runs `CL.THROTTLE`; how it went, for metrics and spans.
+    async fn throttle(&mut self, resp: &Resp, args: &[&[u8]], out: &mut Out) -> &'static str {
         let start = Instant::now();
         if self.access == Access::Read {
-            return self.read_only(resp, "CL.THROTTLE", "throttle", start, out);
+            self.read_only(resp, "CL.THROTTLE", "throttle", start, out);
+            return "invalid";
         }
         let parsed = match throttle::args(args) {
             Ok(parsed) => parsed,
             Err(message) => {
                 resp.metrics.record(Via::Resp, "throttle", "invalid", start.elapsed());
-                return out.error(&message);
+                out.error(&message);
+                return "invalid";
             }
         };
         let defined = resp.engine.current();
@@ -339,17 +357,23 @@ impl Session {
             }
         };
         resp.metrics.record(Via::Resp, "throttle", outcome, start.elapsed());
+        outcome
     }
 
-    async fn tg(&mut self, resp: &Resp, parsed: Result<Tg, String>, out: &mut Out) {
+    /// Runs a `TG.*` command; how it went, for metrics and spans.
+    async fn tg(&mut self, resp: &Resp, parsed: Result<Tg, String>, out: &mut Out) -> &'static str {
         let start = Instant::now();
         let tg = match parsed {
             Ok(tg) => tg,
-            Err(message) => return out.error(&message),
+            Err(message) => {
+                out.error(&message);
+                return "invalid";
+            }
         };
         if self.access == Access::Read && !tg.reads_only() {
             let command = format!("TG.{}", tg.name().to_ascii_uppercase());
-            return self.read_only(resp, &command, tg.name(), start, out);
+            self.read_only(resp, &command, tg.name(), start, out);
+            return "invalid";
         }
         let answer = match &tg {
             Tg::Run(op, body) => resp.engine.run(*op, body).await,
@@ -373,6 +397,7 @@ impl Session {
             error_reply(resp, tg.name(), &answer, out);
         }
         resp.metrics.record(Via::Resp, tg.name(), answer.outcome, start.elapsed());
+        answer.outcome
     }
 
     fn read_only(
@@ -392,6 +417,37 @@ impl Session {
             ),
         );
     }
+}
+
+/// No header fields: a Redis command carries no trace context.
+static NO_HEADERS: std::sync::LazyLock<axum::http::HeaderMap> =
+    std::sync::LazyLock::new(axum::http::HeaderMap::new);
+
+/// A command's span, named as HTTP's are by their route.
+fn span_name(command: &str) -> &'static str {
+    match command {
+        "tg.limit" => "RESP TG.LIMIT",
+        "tg.check" => "RESP TG.CHECK",
+        "tg.transaction" => "RESP TG.TRANSACTION",
+        "tg.reset" => "RESP TG.RESET",
+        "tg.value" => "RESP TG.VALUE",
+        "tg.time" => "RESP TG.TIME",
+        _ => "RESP TG.CONFIG",
+    }
+}
+
+/// `work` under `span`, with `tollgate.protocol` and its outcome.
+async fn traced(mut span: crate::otel::Span, work: impl Future<Output = &'static str> + Send) {
+    if span.recording() {
+        span.set("tollgate.protocol", "resp");
+    }
+    crate::otel::traced(span, work, |span, outcome: &&'static str| {
+        span.set("tollgate.outcome", *outcome);
+        if *outcome == "store_error" {
+            span.failed();
+        }
+    })
+    .await;
 }
 
 /// An answer that is not a success as an error reply: `-RATELIMITED name retryAfter` for a

@@ -107,12 +107,20 @@ pub async fn throttle(defined: &Defined, name: &str, args: Args<'_>) -> Result<T
 /// The five integers, from the decision and the bucket's status after it (of the state as
 /// it stands when refused):
 /// - `remaining`: the whole tokens in the bucket;
-/// - `retry_after`: the wait for the tokens asked, in seconds rounded up, -1 when granted;
-/// - `reset_after`: the time until the bucket is full, in seconds rounded up.
+/// - `retry_after`: the wait for the tokens asked, in seconds, -1 when granted;
+/// - `reset_after`: the time until the bucket is full, in seconds.
+///
+/// Seconds are redis-cell's: whole seconds, one more when at least a millisecond is left
+/// over (1.0005 s is 1, 1.001 s is 2), so that a caller never comes back too early.
 pub fn reply(capacity: f64, ok: bool, retry_after: Option<f64>, status: Status) -> Throttled {
     // Float sums of refills may land a hair below a whole token.
     let remaining = (status.remaining + 1e-9).floor() as i64;
-    let seconds = |ms: f64| (ms / 1_000.0 - 1e-9).ceil().max(0.0) as i64;
+    let seconds = |ms: f64| {
+        let ms = ms.max(0.0);
+        let whole = (ms / 1_000.0).trunc();
+        let left = (ms - whole * 1_000.0 + 1e-6).trunc();
+        whole as i64 + i64::from(left >= 1.0)
+    };
     Throttled {
         limited: i64::from(!ok),
         limit: capacity as i64,
@@ -122,5 +130,93 @@ pub fn reply(capacity: f64, ok: bool, retry_after: Option<f64>, status: Status) 
             _ => -1,
         },
         reset_after: seconds(status.reset_after),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tollgate::{ManualClock, MemoryStore, RateLimiter};
+
+    use super::*;
+    use crate::engine::Permissions;
+    use crate::store::DynStore;
+
+    fn words(line: &str) -> Vec<Vec<u8>> {
+        line.split(' ').map(|w| w.as_bytes().to_vec()).collect()
+    }
+
+    /// redis-cell's own table of cases (its `it_rate_limits`: a burst of 5, one token a
+    /// second, a clock set by the test), replayed on tollgate's token bucket: every integer
+    /// the same.
+    #[test]
+    fn redis_cells_cases_give_its_integers() {
+        let clock = ManualClock::new(1_000_000.0);
+        let store: DynStore = Arc::new(MemoryStore::with_clock(clock.clone()));
+        let defined = Defined::new(RateLimiter::builder(store).build(), Permissions::default());
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        // (ms after the start, quantity, remaining, reset_after ms, retry_after s, limited)
+        let cases: [(f64, i64, i64, f64, i64, bool); 15] = [
+            (0.0, 6, 5, 0.0, -1, true),
+            (0.0, 1, 4, 1_000.0, -1, false),
+            (0.0, 1, 3, 2_000.0, -1, false),
+            (0.0, 1, 2, 3_000.0, -1, false),
+            (0.0, 1, 1, 4_000.0, -1, false),
+            (0.0, 1, 0, 5_000.0, -1, false),
+            (0.0, 1, 0, 5_000.0, 1, true),
+            (3_000.0, 1, 2, 3_000.0, -1, false),
+            (3_100.0, 1, 1, 3_900.0, -1, false),
+            (4_000.0, 1, 1, 4_000.0, -1, false),
+            (8_000.0, 1, 4, 1_000.0, -1, false),
+            (9_500.0, 1, 4, 1_000.0, -1, false),
+            (9_500.0, 0, 4, 1_000.0, -1, false),
+            (9_500.0, 2, 2, 3_000.0, -1, false),
+            (9_500.0, 5, 2, 3_000.0, 3, true),
+        ];
+        for (i, (at, quantity, remaining, reset_ms, retry, limited)) in
+            cases.into_iter().enumerate()
+        {
+            clock.set(1_000_000.0 + at);
+            let argv = words(&format!("foo 4 1 1 {quantity}"));
+            let argv: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
+            let t =
+                runtime.block_on(throttle(&defined, "cl.throttle", args(&argv).unwrap())).unwrap();
+            // redis-cell's reply: its durations in seconds, up when a millisecond is over.
+            let reset = (reset_ms / 1_000.0_f64).ceil() as i64;
+            assert_eq!(
+                t,
+                Throttled {
+                    limited: i64::from(limited),
+                    limit: 5,
+                    remaining,
+                    retry_after: retry,
+                    reset_after: reset,
+                },
+                "case {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn seconds_round_up_from_a_millisecond() {
+        let status = |reset_after| Status { remaining: 0.0, reset_after };
+        let secs = |ms| reply(1.0, true, None, status(ms)).reset_after;
+        assert_eq!(
+            [secs(0.0), secs(0.5), secs(999.0), secs(1_000.0), secs(1_000.5)],
+            [0, 0, 1, 1, 1]
+        );
+        assert_eq!([secs(1_001.0), secs(1_999.999_999_9), secs(3_900.0)], [2, 2, 4]);
+        let refused = reply(16.0, false, Some(1_950.0), status(31_990.0));
+        assert_eq!((refused.retry_after, refused.reset_after), (2, 32));
+    }
+
+    #[test]
+    fn arguments_are_read_as_redis_cell_reads_them() {
+        let argv = words("user123 15 30 60");
+        let argv: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
+        let parsed = args(&argv).unwrap();
+        assert_eq!((parsed.key, parsed.quantity), ("user123", 1));
+        assert_eq!(parsed.config, Config::token_bucket(30.0, 60_000.0).with_capacity(16.0));
     }
 }
