@@ -448,6 +448,22 @@ fn exactly_the_burst(store: &str) {
     assert_eq!(admitted, 50, "{store}");
     let mut c = served.client();
     assert_eq!(throttle(&mut c, &[&key, "49", "1", "86400", "0"])[2], 0, "{store}");
+    // Pipelined over four keys, interleaved (a networked store runs different keys' commands
+    // at once): every key's answers still come in its commands' order, 4 3 2 1 0 left, then
+    // refused, and every reply in the order sent.
+    let keys: Vec<String> = (0..4).map(|i| format!("{key}-{i}")).collect();
+    let mut pipe = redis::pipe();
+    for _ in 0..7 {
+        for k in &keys {
+            pipe.cmd("CL.THROTTLE").arg(k).arg(4).arg(1).arg(86_400);
+        }
+    }
+    let replies: Vec<Vec<i64>> = pipe.query(&mut c).unwrap();
+    for (i, k) in keys.iter().enumerate() {
+        let theirs: Vec<(i64, i64)> =
+            replies.iter().skip(i).step_by(4).map(|r| (r[0], r[2])).collect();
+        assert_eq!(theirs, [(0, 4), (0, 3), (0, 2), (0, 1), (0, 0), (1, 0), (1, 0)], "{store} {k}");
+    }
 }
 
 #[test]

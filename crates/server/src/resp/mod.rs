@@ -81,11 +81,53 @@ enum End {
     Cut,
 }
 
+/// The most pipelined `CL.THROTTLE` one connection runs at once on a networked store.
+pub const AT_ONCE: usize = 64;
+
+/// Pipelined `CL.THROTTLE` commands of distinct keys, waiting to run together: on a store
+/// across the network each would otherwise wait for the round trips of those before it.
+/// Commands on different keys commute, so running them at once changes no answer; a key
+/// seen again, or any other command, first runs what waits, so every key's commands (and
+/// everything around them) keep their order. Replies are written in the order sent.
+#[derive(Default)]
+struct Together {
+    /// Each command's arguments after its name.
+    commands: Vec<Vec<Vec<u8>>>,
+}
+
+impl Together {
+    /// Whether `argv` may join: a `CL.THROTTLE` with a key not already waiting.
+    fn joins(&self, argv: &[&[u8]]) -> bool {
+        argv.len() >= 2
+            && argv[0].eq_ignore_ascii_case(b"cl.throttle")
+            && self.commands.len() < AT_ONCE
+            && !self.commands.iter().any(|c| c[0] == argv[1])
+    }
+
+    /// Runs what waits, at once, and writes the replies in order.
+    async fn run(&mut self, resp: &Resp, protocol: wire::Protocol, out: &mut wire::Out) {
+        if self.commands.is_empty() {
+            return;
+        }
+        let commands = std::mem::take(&mut self.commands);
+        let replies = futures_util::future::join_all(
+            commands.iter().map(|argv| session::throttle_now(resp, protocol, argv)),
+        )
+        .await;
+        for reply in replies {
+            out.buf.extend_from_slice(&reply);
+        }
+    }
+}
+
 async fn connection(resp: Arc<Resp>, mut tcp: TcpStream, mut stopping: Stopping) {
     let mut session = session::Session::new(&resp);
     let mut input = BytesMut::with_capacity(READ_AT_ONCE);
     let mut args = Vec::with_capacity(8);
     let mut out = wire::Out::new();
+    // An in-process store answers at once: nothing to gain from running commands together.
+    let networked = resp.engine.current().limiter().store().immediate().is_none();
+    let mut together = Together::default();
     loop {
         // Every whole command received, in order.
         let mut close = false;
@@ -94,7 +136,13 @@ async fn connection(resp: Arc<Resp>, mut tcp: TcpStream, mut stopping: Stopping)
                 Ok(Some(used)) => {
                     if !args.is_empty() {
                         let argv: Vec<&[u8]> = args.iter().map(|r| &input[r.clone()]).collect();
-                        close = session.run(&resp, &argv, &mut out).await == session::Next::Close;
+                        if networked && session.may_take() && together.joins(&argv) {
+                            together.commands.push(argv[1..].iter().map(|a| a.to_vec()).collect());
+                        } else {
+                            together.run(&resp, session.protocol(), &mut out).await;
+                            close =
+                                session.run(&resp, &argv, &mut out).await == session::Next::Close;
+                        }
                     }
                     input.advance(used);
                     if close {
@@ -106,12 +154,14 @@ async fn connection(resp: Arc<Resp>, mut tcp: TcpStream, mut stopping: Stopping)
                 }
                 Ok(None) => break,
                 Err(e) => {
+                    together.run(&resp, session.protocol(), &mut out).await;
                     out.error(&format!("Protocol error: {}", e.0));
                     close = true;
                     break;
                 }
             }
         }
+        together.run(&resp, session.protocol(), &mut out).await;
         if send(&mut tcp, &mut out, &resp).await.is_err() || close {
             return;
         }

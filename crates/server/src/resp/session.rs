@@ -71,6 +71,16 @@ const COMMANDS: [(&str, i64, &[&str]); 19] = [
 ];
 
 impl Session {
+    /// Whether it may take (it authenticated with a full token, or needs none).
+    pub fn may_take(&self) -> bool {
+        self.access == Access::Full
+    }
+
+    /// The protocol its replies are written in.
+    pub fn protocol(&self) -> Protocol {
+        self.protocol
+    }
+
     /// A new connection's: RESP2, authenticated only if the server has no tokens.
     pub fn new(resp: &Resp) -> Self {
         Session {
@@ -317,47 +327,7 @@ impl Session {
             self.read_only(resp, "CL.THROTTLE", "throttle", start, out);
             return "invalid";
         }
-        let parsed = match throttle::args(args) {
-            Ok(parsed) => parsed,
-            Err(message) => {
-                resp.metrics.record(Via::Resp, "throttle", "invalid", start.elapsed());
-                out.error(&message);
-                return "invalid";
-            }
-        };
-        let defined = resp.engine.current();
-        let name = resp.throttle_name.as_str();
-        let outcome = match throttle::throttle(&defined, name, parsed).await {
-            Ok(t) => {
-                out.array(5);
-                for n in [t.limited, t.limit, t.remaining, t.retry_after, t.reset_after] {
-                    out.integer(n);
-                }
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64);
-                let taken = if t.limited == 0 {
-                    crate::stats::Taken::of(true, None)
-                } else {
-                    crate::stats::Taken::of(false, Some(t.retry_after as f64))
-                };
-                resp.engine.stats.record(name, taken, now);
-                if t.limited == 0 { "ok" } else { "refused" }
-            }
-            Err(e) => {
-                let answer = match e {
-                    tollgate::Error::Store(e) => crate::engine::store_failed(&e),
-                    other => Answer::error(
-                        axum::http::StatusCode::BAD_REQUEST,
-                        format!("CL.THROTTLE: {other}"),
-                    ),
-                };
-                error_reply(resp, "throttle", &answer, out);
-                answer.outcome
-            }
-        };
-        resp.metrics.record(Via::Resp, "throttle", outcome, start.elapsed());
-        outcome
+        run_throttle(resp, args, out, start).await
     }
 
     /// Runs a `TG.*` command; how it went, for metrics and spans.
@@ -417,6 +387,67 @@ impl Session {
             ),
         );
     }
+}
+
+/// `CL.THROTTLE`'s work once the connection may run it: its reply written to `out`; how it
+/// went, for metrics and spans.
+async fn run_throttle(resp: &Resp, args: &[&[u8]], out: &mut Out, start: Instant) -> &'static str {
+    let parsed = match throttle::args(args) {
+        Ok(parsed) => parsed,
+        Err(message) => {
+            resp.metrics.record(Via::Resp, "throttle", "invalid", start.elapsed());
+            out.error(&message);
+            return "invalid";
+        }
+    };
+    let defined = resp.engine.current();
+    let name = resp.throttle_name.as_str();
+    let outcome = match throttle::throttle(&defined, name, parsed).await {
+        Ok(t) => {
+            out.array(5);
+            for n in [t.limited, t.limit, t.remaining, t.retry_after, t.reset_after] {
+                out.integer(n);
+            }
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            let taken = if t.limited == 0 {
+                crate::stats::Taken::of(true, None)
+            } else {
+                crate::stats::Taken::of(false, Some(t.retry_after as f64))
+            };
+            resp.engine.stats.record(name, taken, now);
+            if t.limited == 0 { "ok" } else { "refused" }
+        }
+        Err(e) => {
+            let answer = match e {
+                tollgate::Error::Store(e) => crate::engine::store_failed(&e),
+                other => Answer::error(
+                    axum::http::StatusCode::BAD_REQUEST,
+                    format!("CL.THROTTLE: {other}"),
+                ),
+            };
+            error_reply(resp, "throttle", &answer, out);
+            answer.outcome
+        }
+    };
+    resp.metrics.record(Via::Resp, "throttle", outcome, start.elapsed());
+    outcome
+}
+
+/// `CL.THROTTLE argv` (its name left out) for a connection that may take, replying in
+/// `protocol`: what [`super`] runs at once for pipelined commands on a networked store.
+pub async fn throttle_now(resp: &Resp, protocol: Protocol, argv: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = Out { buf: Vec::with_capacity(48), protocol };
+    let args: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
+    let work = run_throttle(resp, &args, &mut out, Instant::now());
+    if crate::otel::on() {
+        let span = crate::otel::span("RESP CL.THROTTLE", "throttle", &NO_HEADERS);
+        traced(span, work).await;
+    } else {
+        work.await;
+    }
+    out.buf
 }
 
 /// No header fields: a Redis command carries no trace context.
