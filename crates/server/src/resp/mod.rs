@@ -195,6 +195,10 @@ async fn send(tcp: &mut TcpStream, out: &mut wire::Out, resp: &Resp) -> Result<(
     }
     let written = tokio::time::timeout(resp.idle_timeout, tcp.write_all(&out.buf)).await;
     out.buf.clear();
+    // A large reply (`TG.CONFIG` of many limits) does not stay with the connection.
+    if out.buf.capacity() > 4 * FLUSH_AT {
+        out.buf.shrink_to(FLUSH_AT);
+    }
     match written {
         Ok(Ok(())) => Ok(()),
         _ => Err(()),

@@ -165,7 +165,7 @@ impl Session {
             },
             "client" => self.client(args, out),
             "command" => command_info(args, out),
-            "info" => info(resp, self, out),
+            "info" => info(self, out),
             "time" => {
                 let now = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
@@ -624,8 +624,7 @@ fn summary(name: &str) -> &'static str {
 }
 
 /// `INFO [section...]`: the fields clients read (the version, that nothing is loading).
-fn info(resp: &Resp, session: &Session, out: &mut Out) {
-    let _ = resp;
+fn info(session: &Session, out: &mut Out) {
     let text = format!(
         "# Server\r\nredis_version:{REDIS_VERSION}\r\nredis_mode:standalone\r\n\
          tollgate_version:{}\r\nprocess_id:{}\r\n\r\n# Clients\r\nclient_id:{}\r\n\r\n\
