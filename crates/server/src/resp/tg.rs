@@ -12,7 +12,7 @@
 //! ```
 //!
 //! Each is read into the JSON body its HTTP twin takes and run by the same
-//! [`Engine::run`], so that both answer the same numbers and the same errors; the answer's
+//! [`crate::engine::Engine::run`], so that both answer the same numbers and the same errors; the answer's
 //! JSON becomes the reply (objects are maps: a RESP3 map, or a flat array of fields and
 //! values in RESP2).
 
