@@ -109,6 +109,13 @@ impl Together {
         if self.commands.is_empty() {
             return;
         }
+        if let [one] = &self.commands[..] {
+            // The common case of a hot key: one at a time, nothing to join.
+            let reply = session::throttle_now(resp, protocol, one).await;
+            out.buf.extend_from_slice(&reply);
+            self.commands.clear();
+            return;
+        }
         let commands = std::mem::take(&mut self.commands);
         let replies = futures_util::future::join_all(
             commands.iter().map(|argv| session::throttle_now(resp, protocol, argv)),
@@ -128,6 +135,7 @@ async fn connection(resp: Arc<Resp>, mut tcp: TcpStream, mut stopping: Stopping)
     // An in-process store answers at once: nothing to gain from running commands together.
     let networked = resp.engine.current().limiter().store().immediate().is_none();
     let mut together = Together::default();
+    let mut last_key: Vec<u8> = Vec::new();
     loop {
         // Every whole command received, in order.
         let mut close = false;
@@ -136,7 +144,12 @@ async fn connection(resp: Arc<Resp>, mut tcp: TcpStream, mut stopping: Stopping)
                 Ok(Some(used)) => {
                     if !args.is_empty() {
                         let argv: Vec<&[u8]> = args.iter().map(|r| &input[r.clone()]).collect();
-                        if networked && session.may_take() && together.joins(&argv) {
+                        // A key just run again (a hot key) runs as it comes: nothing to
+                        // run beside it, and nothing to copy.
+                        let again = argv.get(1).is_some_and(|k| *k == last_key.as_slice());
+                        if networked && !again && session.may_take() && together.joins(&argv) {
+                            last_key.clear();
+                            last_key.extend_from_slice(argv[1]);
                             together.commands.push(argv[1..].iter().map(|a| a.to_vec()).collect());
                         } else {
                             together.run(&resp, session.protocol(), &mut out).await;
