@@ -96,9 +96,13 @@ struct Together {
 }
 
 impl Together {
-    /// Whether `argv` may join: a `CL.THROTTLE` with a key not already waiting.
+    /// Whether `argv` may join: a `CL.THROTTLE` with a key not already waiting, of a size
+    /// that can be valid (a key of at most 1024 bytes, numbers of at most 20), so that what
+    /// waits stays within 64 small copies.
     fn joins(&self, argv: &[&[u8]]) -> bool {
-        argv.len() >= 2
+        (2..=6).contains(&argv.len())
+            && argv[1].len() <= 1024
+            && argv[2..].iter().all(|a| a.len() <= 20)
             && argv[0].eq_ignore_ascii_case(b"cl.throttle")
             && self.commands.len() < AT_ONCE
             && !self.commands.iter().any(|c| c[0] == argv[1])
