@@ -671,15 +671,18 @@ impl FileConfig {
         };
         let store_deadline =
             time("storeDeadline", &server.store_deadline, DEFAULT_STORE_DEADLINE, ms)?;
-        let rls_listen = match server.rls_listen.clone() {
-            None => None,
-            Some(addr) => Some(addr.parse::<SocketAddr>().with_context(|| {
-                format!(
-                    "{}: the rate limit service's address {addr:?} is not IP:PORT",
-                    server.label("rlsListen")
-                )
-            })?),
+        // A listener's address, if set: `IP:PORT`, or an error that names its setting.
+        let address = |field: &str, value: &Option<String>, what: &str| {
+            value
+                .as_deref()
+                .map(|addr| {
+                    addr.parse::<SocketAddr>().with_context(|| {
+                        format!("{}: {what} address {addr:?} is not IP:PORT", server.label(field))
+                    })
+                })
+                .transpose()
         };
+        let rls_listen = address("rlsListen", &server.rls_listen, "the rate limit service's")?;
         let rls_config = server.rls_config.clone();
         if rls_listen.is_some() && rls_config.is_none() {
             bail!(
@@ -687,15 +690,7 @@ impl FileConfig {
                  [server] rlsConfig), envoyproxy/ratelimit's YAML file or a directory of them"
             );
         }
-        let resp_listen = match server.resp_listen.clone() {
-            None => None,
-            Some(addr) => Some(addr.parse::<SocketAddr>().with_context(|| {
-                format!(
-                    "{}: the Redis protocol's address {addr:?} is not IP:PORT",
-                    server.label("respListen")
-                )
-            })?),
-        };
+        let resp_listen = address("respListen", &server.resp_listen, "the Redis protocol's")?;
         let resp_throttle_name =
             server.resp_throttle_name.clone().unwrap_or_else(|| DEFAULT_THROTTLE_NAME.into());
         tollgate::core::validate_name_key(&resp_throttle_name, None)

@@ -657,7 +657,7 @@ pub fn store_failed(e: &tollgate::StoreError) -> Answer {
 }
 
 /// Wall-clock Unix milliseconds, for the dashboard's buckets.
-fn now_ms() -> u64 {
+pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)

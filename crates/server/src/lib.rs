@@ -477,30 +477,8 @@ async fn serve_async(
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen))?;
     let addr: SocketAddr = listener.local_addr()?;
-    let rls_listener = match settings.rls_listen {
-        None => None,
-        Some(rls_addr) => Some(
-            tokio::net::TcpListener::bind(rls_addr)
-                .await
-                .with_context(|| format!("cannot listen on {rls_addr}"))?,
-        ),
-    };
-    let rls_addr = match &rls_listener {
-        Some(listener) => Some(listener.local_addr()?),
-        None => None,
-    };
-    let resp_listener = match settings.resp_listen {
-        None => None,
-        Some(resp_addr) => Some(
-            tokio::net::TcpListener::bind(resp_addr)
-                .await
-                .with_context(|| format!("cannot listen on {resp_addr}"))?,
-        ),
-    };
-    let resp_addr = match &resp_listener {
-        Some(listener) => Some(listener.local_addr()?),
-        None => None,
-    };
+    let (rls_listener, rls_addr) = bind_if_set(settings.rls_listen).await?;
+    let (resp_listener, resp_addr) = bind_if_set(settings.resp_listen).await?;
     // Each listener may hold maxConnections; all must fit in the open files allowed.
     let listeners = 1 + u64::from(rls_addr.is_some()) + u64::from(resp_addr.is_some());
     let http_limits = config::HttpLimits {
@@ -619,6 +597,19 @@ async fn serve_async(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// A listener bound to `addr` if one is set, and the address it got (port 0: the one the
+/// system picked).
+async fn bind_if_set(
+    addr: Option<SocketAddr>,
+) -> anyhow::Result<(Option<tokio::net::TcpListener>, Option<SocketAddr>)> {
+    let Some(addr) = addr else { return Ok((None, None)) };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let bound = listener.local_addr()?;
+    Ok((Some(listener), Some(bound)))
 }
 
 /// Serves `router` on `listener` over HTTP/1.1 until `stop` resolves, with the limits of

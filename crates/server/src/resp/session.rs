@@ -116,12 +116,7 @@ impl Session {
         }
         match command {
             "cl.throttle" => {
-                if crate::otel::on() {
-                    let span = crate::otel::span("RESP CL.THROTTLE", "throttle", &NO_HEADERS);
-                    traced(span, self.throttle(resp, args, out)).await;
-                } else {
-                    self.throttle(resp, args, out).await;
-                }
+                traced("RESP CL.THROTTLE", "throttle", self.throttle(resp, args, out)).await;
             }
             "ping" => match args {
                 [] => out.simple("PONG"),
@@ -175,14 +170,9 @@ impl Session {
                 out.bulk(now.subsec_micros().to_string().as_bytes());
             }
             _ => match tg::parse(command, args) {
-                Some(parsed) if crate::otel::on() => {
-                    let name = span_name(command);
-                    let op = parsed.as_ref().map_or("invalid", Tg::name);
-                    let span = crate::otel::span(name, op, &NO_HEADERS);
-                    traced(span, self.tg(resp, parsed, out)).await;
-                }
                 Some(parsed) => {
-                    self.tg(resp, parsed, out).await;
+                    let op = parsed.as_ref().map_or("invalid", Tg::name);
+                    traced(span_name(command), op, self.tg(resp, parsed, out)).await;
                 }
                 None => unknown(out, argv),
             },
@@ -408,9 +398,7 @@ async fn run_throttle(resp: &Resp, args: &[&[u8]], out: &mut Out, start: Instant
             for n in [t.limited, t.limit, t.remaining, t.retry_after, t.reset_after] {
                 out.integer(n);
             }
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64);
+            let now = crate::engine::now_ms();
             let taken = if t.limited == 0 {
                 crate::stats::Taken::of(true, None)
             } else {
@@ -441,12 +429,7 @@ pub async fn throttle_now(resp: &Resp, protocol: Protocol, argv: &[Vec<u8>]) -> 
     let mut out = Out { buf: Vec::with_capacity(48), protocol };
     let args: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
     let work = run_throttle(resp, &args, &mut out, Instant::now());
-    if crate::otel::on() {
-        let span = crate::otel::span("RESP CL.THROTTLE", "throttle", &NO_HEADERS);
-        traced(span, work).await;
-    } else {
-        work.await;
-    }
+    traced("RESP CL.THROTTLE", "throttle", work).await;
     out.buf
 }
 
@@ -468,7 +451,18 @@ fn span_name(command: &str) -> &'static str {
 }
 
 /// `work` under `span`, with `tollgate.protocol` and its outcome.
-async fn traced(mut span: crate::otel::Span, work: impl Future<Output = &'static str> + Send) {
+/// `work`, under a span named `name` for the operation `op` when tracing is on; as it is
+/// otherwise.
+async fn traced(
+    name: &'static str,
+    op: &'static str,
+    work: impl Future<Output = &'static str> + Send,
+) {
+    if !crate::otel::on() {
+        work.await;
+        return;
+    }
+    let mut span = crate::otel::span(name, op, &NO_HEADERS);
     if span.recording() {
         span.set("tollgate.protocol", "resp");
     }
