@@ -14,14 +14,15 @@ use serde_json::{Value, json};
 
 use common::Served;
 
-/// Three token buckets refilled in a second (so that an exhausted state is full, and dropped,
-/// a second later under this config), a token bucket of 100 an hour and a fixed window of
-/// 100 an hour; their names carry `tag`, so that runs sharing a Redis or a table do not meet.
+/// Three token buckets refilled in three seconds (so that an exhausted state is full, and
+/// dropped, three seconds later under this config: the reload must come before that, on a
+/// loaded machine too), a token bucket of 100 an hour and a fixed window of 100 an hour; their
+/// names carry `tag`, so that runs sharing a Redis or a table do not meet.
 fn before(tag: &str) -> String {
     format!(
-        "[limits.rate{tag}]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1s\"\ncapacity = 10\n\n\
-         [limits.period{tag}]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1s\"\ncapacity = 10\n\n\
-         [limits.capacity{tag}]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1s\"\ncapacity = 10\n\n\
+        "[limits.rate{tag}]\nkind = \"token bucket\"\nrate = 10\nperiod = \"3s\"\ncapacity = 10\n\n\
+         [limits.period{tag}]\nkind = \"token bucket\"\nrate = 10\nperiod = \"3s\"\ncapacity = 10\n\n\
+         [limits.capacity{tag}]\nkind = \"token bucket\"\nrate = 10\nperiod = \"3s\"\ncapacity = 10\n\n\
          [limits.shards{tag}]\nkind = \"token bucket\"\nrate = 100\nperiod = \"1h\"\n\n\
          [limits.kind{tag}]\nkind = \"fixed window\"\nrate = 100\nperiod = \"1h\"\nstart = 0\n"
     )
@@ -33,7 +34,7 @@ fn after(tag: &str) -> String {
     format!(
         "[limits.rate{tag}]\nkind = \"token bucket\"\nrate = 1\nperiod = \"1h\"\ncapacity = 10\n\n\
          [limits.period{tag}]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1h\"\ncapacity = 10\n\n\
-         [limits.capacity{tag}]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1s\"\ncapacity = 10000\n\n\
+         [limits.capacity{tag}]\nkind = \"token bucket\"\nrate = 10\nperiod = \"3s\"\ncapacity = 10000\n\n\
          [limits.shards{tag}]\nkind = \"token bucket\"\nrate = 100\nperiod = \"1h\"\nshards = 10\n\n\
          [limits.kind{tag}]\nkind = \"token bucket\"\nrate = 100\nperiod = \"1h\"\n"
     )
@@ -79,9 +80,11 @@ fn reload_carries(store: &str, wait: Duration, drop_full: impl Fn(&Path)) {
     let served = serve(dir.path(), &store, &config);
     let names = ["rate", "period", "capacity", "shards", "kind"].map(|n| format!("{n}{tag}"));
     let [rate, period, capacity, shards, kind] = &names;
-    for (name, n) in [(rate, 10), (period, 10), (capacity, 10), (shards, 100), (kind, 100)] {
+    // The hour-long limits first: the refilling ones are exhausted last, just before the reload,
+    // which must come while the old config still sees them short of full (3 s).
+    for (name, n) in [(shards, 100), (kind, 100), (rate, 10), (period, 10), (capacity, 10)] {
         assert_eq!(admitted(&served, name, "k", n), n, "{name}: {}", served.stderr());
-        // Exhausted. The first three refill a token every 100 ms, which a slow store (or a
+        // Exhausted. The last three refill a token every 300 ms, which a slow store (or a
         // busy machine) may take to answer the ten: those are drained until one is refused.
         let refills = n == 10;
         let mut more = 0;
@@ -109,10 +112,10 @@ fn reload_carries(store: &str, wait: Duration, drop_full: impl Fn(&Path)) {
     // Past the moment the old config saw the others full, and the store's drop of full states.
     std::thread::sleep(wait);
     drop_full(dir.path());
-    // Under the new config about 0.02 tokens came back to `rate`, 0.1 to `period`.
+    // Under the new config about 0.001 tokens came back to `rate`, 0.01 to `period`.
     assert_eq!(admitted(&served, rate, "k", 12), 0, "rate: {}", served.stderr());
     assert_eq!(admitted(&served, period, "k", 12), 0, "period: {}", served.stderr());
-    // `capacity` refills at 10 a second from empty, up to 10,000: the stored state is kept
+    // `capacity` refills at 10 in 3 s from empty, up to 10,000: the stored state is kept
     // (a dropped one reads as 10,000 at ts 0).
     let kept = value(&served, capacity, "k");
     assert_ne!(kept["ts"], json!(0), "capacity: dropped: {kept}");
@@ -126,17 +129,18 @@ fn rand_tag() -> u128 {
         % 1_000_000
 }
 
-/// The memory store sweeps full states every 10 s.
+/// The memory store sweeps full states every 10 s: one sweep comes between the moment the
+/// old config sees them full (3 s after the reload at most) and 13 s.
 #[test]
 fn a_reload_carries_every_state_memory() {
-    reload_carries("memory", Duration::from_secs(11), |_| {});
+    reload_carries("memory", Duration::from_secs(13), |_| {});
 }
 
 /// The SQLite store deletes the states whose `full_at` has passed every minute: done here at
 /// once with the server's own statement.
 #[test]
 fn a_reload_carries_every_state_sqlite() {
-    reload_carries("sqlite://DIR/states.db", Duration::from_millis(1_500), |dir| {
+    reload_carries("sqlite://DIR/states.db", Duration::from_millis(3_500), |dir| {
         let db = rusqlite::Connection::open(dir.join("states.db")).unwrap();
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -152,14 +156,14 @@ fn a_reload_carries_every_state_sqlite() {
 #[test]
 fn a_reload_carries_every_state_redis() {
     let Some(url) = common::backend("TOLLGATE_REDIS_URL") else { return };
-    reload_carries(&url, Duration::from_millis(1_500), |_| {});
+    reload_carries(&url, Duration::from_millis(3_500), |_| {});
 }
 
 /// The same on Redis Cluster (the keys found on every primary).
 #[test]
 fn a_reload_carries_every_state_redis_cluster() {
     let Some(url) = common::backend("TOLLGATE_REDIS_CLUSTER_URL") else { return };
-    reload_carries(&url, Duration::from_millis(1_500), |_| {});
+    reload_carries(&url, Duration::from_millis(3_500), |_| {});
 }
 
 /// PostgreSQL keeps a state until a request leaves it full; a change of kind or shards is
@@ -167,5 +171,5 @@ fn a_reload_carries_every_state_redis_cluster() {
 #[test]
 fn a_reload_carries_every_state_postgres() {
     let Some(url) = common::backend("TOLLGATE_POSTGRES_URL") else { return };
-    reload_carries(&url, Duration::from_millis(1_500), |_| {});
+    reload_carries(&url, Duration::from_millis(3_500), |_| {});
 }
