@@ -49,6 +49,29 @@ export interface ClientOptions {
   fetch?: typeof fetch;
 }
 
+/**
+ * Answers a request of the API as the server would, without HTTP: `method` and `path` as the
+ * HTTP API names them (`POST /v1/limit`), `body` its JSON. The `tollgate` package's
+ * in-process limiter is one: it hands a client the engine of its own process.
+ */
+export type Door = (
+  method: string,
+  path: string,
+  body: string | undefined,
+) => Promise<{ status: number; text: string; fields?: Record<string, string> }>;
+
+/** A client whose requests go through a `Door` instead of HTTP. */
+export interface DoorOptions {
+  door: Door;
+}
+
+/** The options of `transaction`. */
+export interface TransactionOptions {
+  /** Also give the answer's IETF `RateLimit-Policy` and `RateLimit` header fields (and
+   *  `Retry-After` on a refusal), as the server writes them: what the middleware sends. */
+  fields?: boolean;
+}
+
 /** The options of `limit` and `check`. */
 export interface LimitOptions {
   /** The key (a user, an IP); none: one shared value for the name. */
@@ -73,8 +96,9 @@ type ConfigFor<Limits, Name extends string> = Name extends LimitName<Limits>
   ? { config?: RateLimitConfig }
   : { config: RateLimitConfig };
 
-/** The options argument: optional for known names, required (for its config) otherwise. */
-type Args<Limits, Name extends string, Options> = Name extends LimitName<Limits>
+/** The options argument of a call: optional for known names, required (for its config)
+ *  otherwise. */
+export type Args<Limits, Name extends string, Options> = Name extends LimitName<Limits>
   ? [options?: Options & ConfigFor<Limits, Name>]
   : [options: Options & ConfigFor<Limits, Name>];
 
@@ -91,6 +115,9 @@ export interface RateLimitResult {
 export interface TransactionResult extends RateLimitResult {
   /** One answer per request, in order. */
   results: RateLimitResult[];
+  /** With `fields: true`: the answer's rate limit header fields by their lower-case names
+   *  (`ratelimit-policy`, `ratelimit`, `retry-after`). */
+  fields?: Record<string, string>;
 }
 
 /** One request of a transaction. */
@@ -200,12 +227,25 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
   readonly #send: Send;
   readonly #limits: Partial<Record<string, RateLimitConfig>>;
 
-  constructor(options: ClientOptions, limits?: Limits) {
-    if (typeof options?.url !== "string" || !/^https?:\/\//.test(options.url)) {
-      throw new TypeError(`url must be an http:// or https:// URL; got ${String(options?.url)}`);
+  constructor(options: ClientOptions | DoorOptions, limits?: Limits) {
+    this.#limits = { ...limits };
+    this.#headers = {};
+    this.#timeoutMs = DEFAULT_TIMEOUT_MS;
+    this.#maxAnswerBytes = DEFAULT_MAX_ANSWER_BYTES;
+    if (typeof (options as Partial<DoorOptions> | undefined)?.door === "function") {
+      // Paths go to the door as they are; it answers within its own store deadline.
+      const door = (options as DoorOptions).door;
+      this.#url = "";
+      this.#send = (method, path, _headers, body) => door(method, path, body);
+      return;
     }
+    const url = (options as { url?: unknown } | undefined)?.url;
+    if (typeof url !== "string" || !/^https?:\/\//.test(url)) {
+      throw new TypeError(`url must be an http:// or https:// URL; got ${String(url)}`);
+    }
+    options = options as ClientOptions;
     this.#url = options.url.replace(/\/+$/, "");
-    this.#headers = { "content-type": "application/json" };
+    this.#headers["content-type"] = "application/json";
     if (options.token !== undefined) {
       this.#headers.authorization = `Bearer ${options.token}`;
     }
@@ -220,7 +260,6 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       : onNode()
         ? nodeSend()
         : fetchSend(globalThis.fetch.bind(globalThis));
-    this.#limits = { ...limits };
   }
 
   /** Takes `count` tokens (default 1) from `name`'s limit for `key`. */
@@ -284,6 +323,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
   /** Takes from several limits all or nothing: if any refuses, none is taken. */
   async transaction<Name extends LimitName<Limits> | (string & {})>(
     requests: ReadonlyArray<TransactionRequest<Name>>,
+    options?: TransactionOptions,
   ): Promise<TransactionResult> {
     const limits = requests.map((r) => ({
       name: r.name,
@@ -292,13 +332,15 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       reserve: r.reserve,
       config: r.config ?? this.#limits[r.name],
     }));
-    return this.#post("/v1/transaction", { limits }, true, (answer) => {
+    return this.#post("/v1/transaction", { limits }, true, (answer, fields) => {
       const overall = decisionOf(answer);
       const results = (answer as { results?: unknown }).results;
       if (!Array.isArray(results) || results.length !== limits.length) {
         throw new WrongShape(`not one result per request (${limits.length})`);
       }
-      return { ...overall, results: results.map(decisionOf) };
+      const result: TransactionResult = { ...overall, results: results.map(decisionOf) };
+      if (options?.fields) result.fields = { ...fields };
+      return result;
     });
   }
 
@@ -318,7 +360,12 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     return this.#post(path, body, path === "/v1/limit", decisionOf);
   }
 
-  #post<T>(path: string, body: object, writes: boolean, read: (answer: unknown) => T): Promise<T> {
+  #post<T>(
+    path: string,
+    body: object,
+    writes: boolean,
+    read: (answer: unknown, fields?: Record<string, string>) => T,
+  ): Promise<T> {
     return this.#request("POST", path, JSON.stringify(body), writes, read);
   }
 
@@ -332,7 +379,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     path: string,
     body: string | undefined,
     writes: boolean,
-    read: (answer: unknown) => T,
+    read: (answer: unknown, fields?: Record<string, string>) => T,
   ): Promise<T> {
     const url = this.#url + path;
     let response: Reply;
@@ -362,23 +409,33 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     }
     if (status === 200) {
       try {
-        return read(answer);
+        return read(answer, response.fields);
       } catch (e) {
         throw e instanceof WrongShape ? unexpected(e.what, answer) : e;
       }
     }
-    if (status === 429 && isObject(answer) && answer.kind === "RateLimited") {
-      const { name, retryAfter } = answer;
-      if (typeof name === "string" && isWait(retryAfter)) {
-        throw new RateLimitError(name, retryAfter);
-      }
-    }
-    if (isObject(answer) && typeof answer.error === "string") {
-      // The server's own error: nothing taken unless it says otherwise.
-      throw new TollgateError(answer.error, status, answer.mayHaveTaken === true, answer);
-    }
-    throw httpError(status, text, writes, answer);
+    throw answerError(status, text, answer, writes);
   }
+}
+
+/**
+ * The error of an answer whose status is not 200, `answer` its parsed JSON body: a
+ * `RateLimitError` for a refusal with `throws`, a `TollgateError` otherwise (`writes`: whether
+ * the request could take tokens). Exported for the `tollgate` package, whose in-process
+ * calls read the engine's answers as this client reads the server's.
+ */
+export function answerError(status: number, text: string, answer: unknown, writes: boolean): Error {
+  if (status === 429 && isObject(answer) && answer.kind === "RateLimited") {
+    const { name, retryAfter } = answer;
+    if (typeof name === "string" && isWait(retryAfter)) {
+      return new RateLimitError(name, retryAfter);
+    }
+  }
+  if (isObject(answer) && typeof answer.error === "string") {
+    // The server's own error: nothing taken unless it says otherwise.
+    return new TollgateError(answer.error, status, answer.mayHaveTaken === true, answer);
+  }
+  return httpError(status, text, writes, answer);
 }
 
 /** What is wrong with a 200 answer's shape: thrown by the readers below. */

@@ -4,7 +4,7 @@
 import * as http from "node:http";
 import * as https from "node:https";
 
-import { NoAnswer, declaresMore, type Send } from "./transport.js";
+import { NoAnswer, declaresMore, fieldsOf, type Send } from "./transport.js";
 
 export function httpSend(): Send {
   const agents = {
@@ -77,7 +77,12 @@ export function httpSend(): Send {
           if (!response.complete) return fail(NoAnswer.cut(url));
           settled = true;
           clearTimeout(timer);
-          resolve({ status, text: Buffer.concat(chunks, size).toString("utf8") });
+          const text = Buffer.concat(chunks, size).toString("utf8");
+          const fields = fieldsOf((name) => {
+            const value = response.headers[name];
+            return Array.isArray(value) ? value.join(", ") : value;
+          });
+          resolve({ status, text, fields });
         });
       });
       request.end(body);

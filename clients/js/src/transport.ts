@@ -2,10 +2,26 @@
 // limiter: the platform's fetch costs more than twice as much per call there, measured in
 // bench.mjs), the platform's fetch everywhere else or when one is given.
 
-/** An answer: its status and its body as text. */
+/** An answer: its status, its body as text, and its rate limit header fields. */
 export interface Reply {
   status: number;
   text: string;
+  /** `RateLimit-Policy`, `RateLimit` and `Retry-After`, by their lower-case names, when the
+   *  answer has them (a `limit` or `transaction` answer does). */
+  fields?: Record<string, string>;
+}
+
+/** The header fields kept from an answer (the rest say nothing the API reads). */
+export const FIELDS = ["ratelimit-policy", "ratelimit", "retry-after"] as const;
+
+/** The rate limit fields of an answer's headers, read by `get`. */
+export function fieldsOf(get: (name: string) => string | null | undefined): Record<string, string> | undefined {
+  let fields: Record<string, string> | undefined;
+  for (const name of FIELDS) {
+    const value = get(name);
+    if (typeof value === "string") (fields ??= {})[name] = value;
+  }
+  return fields;
 }
 
 /** Refused, or no such host: errors of a request that never left. */
@@ -78,7 +94,8 @@ export function fetchSend(fetcher: typeof fetch): Send {
         await response.body?.cancel().catch(() => {});
         throw NoAnswer.tooLarge(url, response.status, maxBytes);
       }
-      return { status: response.status, text: await readCapped(response, url, maxBytes) };
+      const text = await readCapped(response, url, maxBytes);
+      return { status: response.status, text, fields: fieldsOf((name) => response.headers.get(name)) };
     } catch (e) {
       if (e instanceof NoAnswer) throw e;
       const error = e as { name?: string; message?: string; cause?: { code?: string; message?: string } };

@@ -558,6 +558,17 @@ impl FileConfig {
         toml::from_str(text).map_err(|e| anyhow::anyhow!(shown_error(&e, text)))
     }
 
+    /// Parses a config given as JSON of the file's shape (`{"server": {...}, "limits":
+    /// {...}}`): how the in-process packages (Node, Python) hand over their options and limits,
+    /// checked by the same rules and named in the same errors as a file.
+    ///
+    /// # Errors
+    ///
+    /// Not JSON of this shape.
+    pub fn from_json(text: &str) -> anyhow::Result<Self> {
+        serde_json::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
     /// The limits this file defines, validated; the examples when it defines none and `examples`.
     fn limits(&self, examples: bool) -> anyhow::Result<Vec<(String, Config)>> {
         if self.limits.is_empty() && examples {

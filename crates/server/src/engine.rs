@@ -392,6 +392,39 @@ impl Engine {
         result.unwrap_or_else(|answer| answer)
     }
 
+    /// A `limit` (`writes`) or `check` of a limit defined here, without a body: what the
+    /// in-process packages (Node, Python) call for their most frequent calls. The same
+    /// decision, stats and errors as [`Engine::run`] with `{name, key, count, reserve}`; no
+    /// header fields.
+    ///
+    /// # Errors
+    ///
+    /// The answer [`Engine::run`] would give: a name not defined, a bad count, the store's
+    /// failure.
+    pub async fn take(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        count: Option<f64>,
+        reserve: bool,
+        writes: bool,
+    ) -> Result<tollgate::Decision, Answer> {
+        let defined = self.current();
+        let target = defined.target(name, None)?;
+        let request = Defined::request_of(key, count, reserve);
+        let decision = if writes {
+            defined.limiter.limit_async(target, request).await
+        } else {
+            defined.limiter.check_async(target, request).await
+        };
+        let decision = decision.map_err(|e| defined.error(e))?;
+        if writes {
+            let taken = crate::stats::Taken::of(decision.ok, decision.retry_after);
+            self.stats.record(name, taken, now_ms());
+        }
+        Ok(decision)
+    }
+
     /// `GET /v1/time`: the store's clock.
     pub async fn time(&self) -> Answer {
         match self.current().limiter.store().read_async(&[]).await {
@@ -442,15 +475,19 @@ impl Defined {
     }
 
     fn request<'a>(body: &'a LimitBody<'_>) -> Request<'a> {
-        let mut request = Request::new().count(body.count.unwrap_or(1.0));
-        if let Some(key) = &body.key {
+        // `throws` is applied after the decision, so a 429 carries the same header fields as
+        // any refusal.
+        Self::request_of(body.key.as_deref(), body.count, body.reserve)
+    }
+
+    fn request_of(key: Option<&str>, count: Option<f64>, reserve: bool) -> Request<'_> {
+        let mut request = Request::new().count(count.unwrap_or(1.0));
+        if let Some(key) = key {
             request = request.key(key);
         }
-        if body.reserve {
+        if reserve {
             request = request.reserve();
         }
-        // `throws` is applied here, after the decision, so a 429 carries the same header
-        // fields as any refusal.
         request
     }
 

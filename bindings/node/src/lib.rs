@@ -1,0 +1,191 @@
+//! The native half of the `tollgate` npm package: tollgate's engine inside a Node process.
+//!
+//! Each operation takes the JSON body of its HTTP request and gives back what the server
+//! would answer (status, body, `RateLimit` header fields), from the same engine, so that the
+//! package's TypeScript half reads answers exactly as `tollgate-client` reads the server's.
+//! Store work runs on napi-rs's tokio runtime, never on Node's event loop; an operation that
+//! needs no I/O (the memory store, a take from a lease) is answered at once ([`Limiter::run`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+use tollgate_server::answer::Answer;
+use tollgate_server::config::{FileConfig, Overrides, Settings};
+use tollgate_server::engine::{Engine, Op};
+use tollgate_server::store::{self, Leasing};
+
+/// What an operation is answered, as one string (one string crosses into JavaScript for
+/// less than an object of three fields does): the HTTP status the server would send (three
+/// digits), the JSON body (compact: no newline in it), then each header field
+/// (`RateLimit-Policy`, `RateLimit`, `Retry-After`) as `\n` name `\n` value.
+fn reply(answer: Answer) -> String {
+    let mut out = answer.status.as_u16().to_string();
+    out.push_str(&answer.body.to_json());
+    for (name, value) in answer.headers {
+        out.push('\n');
+        out.push_str(name.as_str());
+        out.push('\n');
+        out.push_str(&value);
+    }
+    out
+}
+
+/// A decision as a number, or an answer that is not one as its string (see [`Limiter::take`]).
+type Taken = Either<f64, String>;
+
+/// The settings of `config`: JSON of a config file's shape (its `[server]` store settings and
+/// its `[limits.*]`), checked as a file is.
+fn settings(config: &str) -> Result<Settings> {
+    let file = FileConfig::from_json(config).map_err(invalid)?;
+    file.settings(&Overrides::default(), false).map_err(invalid)
+}
+
+fn invalid(e: anyhow::Error) -> Error {
+    Error::new(Status::InvalidArg, format!("{e:#}"))
+}
+
+/// Checks `config` as [`open`] would, opening nothing: a bad store URL or limit throws at
+/// once, where the constructor is called.
+#[napi]
+pub fn validate(config: String) -> Result<()> {
+    settings(&config).map(|_| ())
+}
+
+/// Opens the store and defines the limits of `config` (see [`validate`]).
+#[napi]
+pub async fn open(config: String) -> Result<Limiter> {
+    let settings = settings(&config)?;
+    let opened =
+        store::open(&settings.store, settings.max_keys, settings.store_deadline, &settings.lease)
+            .await
+            .map_err(|e| Error::new(Status::GenericFailure, format!("{e:#}")))?;
+    let store = opened.store.clone();
+    let mut engine =
+        Engine::serving(tollgate_server::live::defined(store, &settings, String::new()));
+    engine.leases = opened.leases.clone();
+    engine.stored = Some(opened.stored.clone());
+    Ok(Limiter {
+        engine: Arc::new(engine),
+        immediate: opened.memory.is_some(),
+        leases: opened.leases,
+        deadline: settings.store_deadline,
+    })
+}
+
+/// A store opened, with the limits defined on it.
+#[napi]
+pub struct Limiter {
+    engine: Arc<Engine>,
+    /// The memory store: every operation is ready at its first poll.
+    immediate: bool,
+    leases: Option<Leasing>,
+    deadline: Duration,
+}
+
+#[napi]
+impl Limiter {
+    /// Answers `op` (`limit`, `check`, `transaction`, `reset`, `value`) with the JSON `body`
+    /// (see [`reply`]). The work is polled once here, inside the runtime's context: what needs
+    /// no I/O (the memory store, a leased limit's take from its lease) is answered now, as a
+    /// string; the rest goes on on the runtime's threads, and a promise is answered.
+    #[napi(ts_return_type = "string | Promise<string>")]
+    pub fn run<'e>(
+        &self,
+        env: &'e Env,
+        op: String,
+        body: String,
+    ) -> Result<Either<String, PromiseRaw<'e, String>>> {
+        let op = operation(&op)?;
+        let engine = Arc::clone(&self.engine);
+        let mut work = Box::pin(async move { engine.run(op, body.as_bytes()).await });
+        match within_runtime_if_available(|| (&mut work).now_or_never()) {
+            Some(answer) => Ok(Either::A(reply(answer))),
+            None => Ok(Either::B(env.spawn_future(async move { Ok(reply(work.await)) })?)),
+        }
+    }
+
+    /// A `limit` (`writes`) or `check` of a limit defined at open, without JSON: the calls
+    /// made most. A decision is a number (`-1`: granted with tokens on hand; `w >= 0`: granted
+    /// after a wait of `w` ms, a reservation; `-2 - w`: refused, retry in `w` ms); anything
+    /// else is the answer [`Limiter::run`] would give (an error), as its string. Answered now
+    /// when no I/O was needed, else a promise (as `run`).
+    #[napi(ts_return_type = "number | string | Promise<number | string>")]
+    pub fn take<'e>(
+        &self,
+        env: &'e Env,
+        name: String,
+        key: Option<String>,
+        count: Option<f64>,
+        reserve: bool,
+        writes: bool,
+    ) -> Result<Either<Taken, PromiseRaw<'e, Taken>>> {
+        let number = |taken: std::result::Result<tollgate::Decision, Answer>| match taken {
+            Ok(d) => Either::A(match (d.ok, d.retry_after) {
+                (true, None) => -1.0,
+                (true, Some(wait)) => wait,
+                (false, wait) => -2.0 - wait.unwrap_or(0.0),
+            }),
+            Err(answer) => Either::B(reply(answer)),
+        };
+        if self.immediate {
+            // The memory store: ready at the first poll, polled where it stands (no box, no
+            // runtime: it has no timer or socket).
+            let work = self.engine.take(&name, key.as_deref(), count, reserve, writes);
+            return match work.now_or_never() {
+                Some(taken) => Ok(Either::A(number(taken))),
+                None => Err(Error::new(
+                    Status::GenericFailure,
+                    "the memory store did not answer at once",
+                )),
+            };
+        }
+        let engine = Arc::clone(&self.engine);
+        let mut work = Box::pin(async move {
+            number(engine.take(&name, key.as_deref(), count, reserve, writes).await)
+        });
+        match within_runtime_if_available(|| (&mut work).now_or_never()) {
+            Some(answer) => Ok(Either::A(answer)),
+            None => Ok(Either::B(env.spawn_future(async move { Ok(work.await) })?)),
+        }
+    }
+
+    /// The store's clock (`{"now": ms}`), as `GET /v1/time` answers it.
+    #[napi]
+    pub async fn time(&self) -> Result<String> {
+        Ok(reply(self.engine.time().await))
+    }
+
+    /// The limits defined, every default filled in, as `GET /v1/config` answers them.
+    #[napi]
+    pub fn config(&self) -> String {
+        reply(self.engine.config())
+    }
+
+    /// Gives back every lease this process holds (a leased limit's tokens not used yet go
+    /// back to the store for other processes), waiting at most the store deadline.
+    #[napi]
+    pub async fn close(&self) -> Result<()> {
+        let Some(leasing) = self.leases.clone() else { return Ok(()) };
+        match tokio_timeout(self.deadline, leasing.release()).await {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(Error::new(Status::GenericFailure, e.to_string())),
+            None => Err(Error::new(
+                Status::GenericFailure,
+                format!("the leases were not all given back within {:?}", self.deadline),
+            )),
+        }
+    }
+}
+
+/// `work`, or none if it takes longer than `deadline`.
+async fn tokio_timeout<T>(deadline: Duration, work: impl Future<Output = T>) -> Option<T> {
+    tokio::time::timeout(deadline, work).await.ok()
+}
+
+fn operation(name: &str) -> Result<Op> {
+    Op::parse(name)
+        .ok_or_else(|| Error::new(Status::InvalidArg, format!("unknown operation {name:?}")))
+}

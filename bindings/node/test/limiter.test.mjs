@@ -1,0 +1,203 @@
+// The in-process limiter on every store: each call of the client's API, its answers and its
+// errors, through the real addon.
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import {
+  HOUR,
+  MINUTE,
+  RateLimitError,
+  RateLimiter,
+  TollgateError,
+  calculateRateLimit,
+} from "../dist/index.js";
+import { fresh, stores } from "./stores.mjs";
+
+for (const [label, store] of stores()) {
+  test(`every call on the ${label} store`, { skip: store === undefined && "no URL" }, async () => {
+    const send = fresh("send");
+    const day = fresh("day");
+    const limiter = new RateLimiter({ store }, {
+      [send]: { kind: "token bucket", rate: 10, period: MINUTE, capacity: 3 },
+      [day]: { kind: "fixed window", rate: 2, period: HOUR, start: 0 },
+    });
+    try {
+      // Three granted, the fourth refused with the wait for one token (6 s at 10 a minute).
+      for (let i = 0; i < 3; i++) assert.deepEqual(await limiter.limit(send, { key: "{alice}" }), { ok: true });
+      const refused = await limiter.limit(send, { key: "{alice}" });
+      assert.equal(refused.ok, false);
+      assert.ok(refused.retryAfter > 5_000 && refused.retryAfter <= 6_000, String(refused.retryAfter));
+      // Another key is its own.
+      assert.equal((await limiter.limit(send, { key: "{bob}" })).ok, true);
+      // check takes nothing.
+      assert.equal((await limiter.check(send, { key: "{bob}", count: 2 })).ok, true);
+      assert.equal((await limiter.check(send, { key: "{bob}", count: 2 })).ok, true);
+      // throws: a RateLimitError naming the limit.
+      await assert.rejects(limiter.limit(send, { key: "{alice}", throws: true }), (e) => {
+        assert.ok(e instanceof RateLimitError);
+        assert.equal(e.name, send);
+        assert.ok(e.retryAfter > 0);
+        return true;
+      });
+      // A reservation is granted with the wait, and pushes the value below zero.
+      const reserved = await limiter.limit(send, { key: "{alice}", reserve: true });
+      assert.equal(reserved.ok, true);
+      assert.ok(reserved.retryAfter > 0);
+      // getValue: the stored state and the full config; the client computes from it as the
+      // engine does.
+      const value = await limiter.getValue(send, { key: "{alice}" });
+      assert.ok(value.value < 0, JSON.stringify(value));
+      assert.equal(value.config.capacity, 3);
+      assert.equal(value.config.shards, 1);
+      const now = await limiter.getServerTime();
+      assert.ok(Math.abs(now - Date.now()) < 5_000, `${now} vs ${Date.now()}`);
+      assert.equal(calculateRateLimit(value, value.config, now, 1).ok, false);
+      // A transaction is all or nothing: bob's send would grant, day's third would not. (The
+      // keys' hash tag keeps a transaction's states in one slot of a Redis Cluster.)
+      assert.equal((await limiter.limit(day, { key: "{bob}", count: 2 })).ok, true);
+      const before = (await limiter.getValue(send, { key: "{bob}" })).value;
+      const all = await limiter.transaction([
+        { name: send, key: "{bob}" },
+        { name: day, key: "{bob}" },
+      ], { fields: true });
+      assert.equal(all.ok, false);
+      assert.deepEqual(all.results.map((r) => r.ok), [true, false]);
+      assert.ok(Math.abs((await limiter.getValue(send, { key: "{bob}" })).value - before) < 0.01);
+      assert.match(all.fields["ratelimit-policy"], new RegExp(`"${send}";q=10;w=60, "${day}";q=2;w=3600`));
+      assert.ok(Number(all.fields["retry-after"]) >= 1, JSON.stringify(all.fields));
+      // reset: the next request starts full.
+      await limiter.reset(send, { key: "{alice}" });
+      assert.equal((await limiter.getValue(send, { key: "{alice}" })).ts, 0);
+      assert.equal((await limiter.limit(send, { key: "{alice}", count: 3 })).ok, true);
+      // A name not among the limits, with a config of the call's own; and without one, a
+      // TollgateError that took nothing.
+      const inline = await limiter.limit(fresh("inline"), {
+        key: "a",
+        config: { kind: "token bucket", rate: 1, period: MINUTE },
+      });
+      assert.equal(inline.ok, true);
+      await assert.rejects(limiter.limit(fresh("unknown"), { key: "a" }), (e) => {
+        assert.ok(e instanceof TollgateError);
+        assert.equal(e.status, 404);
+        assert.equal(e.mayHaveTaken, false);
+        return true;
+      });
+      // Bad input: SPEC §2's message, nothing consumed.
+      await assert.rejects(limiter.limit(send, { key: "{bob}", count: -1 }), (e) => {
+        assert.ok(e instanceof TollgateError);
+        assert.equal(e.status, 400);
+        assert.match(e.message, /count/);
+        return true;
+      });
+    } finally {
+      await limiter.close();
+    }
+  });
+}
+
+test("a bad store URL or limit throws a TypeError at the constructor", () => {
+  assert.throws(() => new RateLimiter({ store: "mongodb://127.0.0.1" }), (e) => {
+    assert.ok(e instanceof TypeError);
+    assert.match(e.message, /unknown store; use memory, sqlite:\/\/PATH/);
+    return true;
+  });
+  assert.throws(
+    () => new RateLimiter({ store: "memory" }, { x: { kind: "token bucket", rate: -1, period: MINUTE } }),
+    /\[limits\.x\]: invalid config: rate is -1/,
+  );
+  assert.throws(
+    () => new RateLimiter({ store: "memory", leases: { x: true } }, { x: { kind: "token bucket", rate: 1, period: MINUTE } }),
+    /lease = true needs a Redis or PostgreSQL store/,
+  );
+  assert.throws(() => new RateLimiter({ store: "memory", leases: { y: true } }, {}), /leases names "y"/);
+  assert.throws(() => new RateLimiter({}), /store must be a store URL/);
+});
+
+test("a store that is down fails each call with a TollgateError, never ok", async () => {
+  const name = fresh("down");
+  for (const store of ["redis://127.0.0.1:1", "postgres://postgres@127.0.0.1:1/test"]) {
+    const limiter = new RateLimiter({ store, storeDeadline: 500 }, {
+      [name]: { kind: "token bucket", rate: 10, period: MINUTE },
+    });
+    for (const call of [
+      () => limiter.limit(name, { key: "a" }),
+      () => limiter.transaction([{ name, key: "a" }]),
+      () => limiter.check(name, { key: "a" }),
+    ]) {
+      await assert.rejects(call(), (e) => {
+        assert.ok(e instanceof TollgateError, String(e));
+        assert.equal(e.status, 503);
+        // Refused before anything went out: nothing taken.
+        assert.equal(e.mayHaveTaken, false);
+        return true;
+      });
+    }
+  }
+});
+
+test("the memory store answers under the promise, without a turn of the event loop", async () => {
+  const name = fresh("fast");
+  const limiter = new RateLimiter("memory", {
+    [name]: { kind: "token bucket", rate: 1, period: HOUR, capacity: 1_000 },
+  });
+  await limiter.limit(name); // opened
+  // Each answer is ready when its promise is made: 2,000 awaited calls run as microtasks,
+  // and no timer gets a turn in between.
+  let ticks = 0;
+  const timer = setInterval(() => ticks++, 0);
+  for (let i = 0; i < 2_000; i++) await limiter.limit(name, { key: String(i % 10) });
+  clearInterval(timer);
+  assert.equal(ticks, 0);
+  const value = await limiter.getValue(name, { key: "0" });
+  assert.ok(Math.abs(value.value - 800) < 0.01, JSON.stringify(value));
+});
+
+test("{ url } is the server's client: the same class, the same calls", async () => {
+  const { startServer } = await import("../../../clients/js/test/server.mjs");
+  const server = await startServer();
+  try {
+    const name = fresh("remote");
+    const config = { kind: "token bucket", rate: 10, period: MINUTE, capacity: 2 };
+    const remote = new RateLimiter({ url: server.url }, { [name]: config });
+    const local = new RateLimiter({ store: "memory" }, { [name]: config });
+    for (const limiter of [remote, local]) {
+      const answers = [];
+      for (let i = 0; i < 3; i++) answers.push((await limiter.limit(name, { key: "k" })).ok);
+      assert.deepEqual(answers, [true, true, false]);
+      const t = await limiter.transaction([{ name, key: "k" }], { fields: true });
+      assert.equal(t.fields["ratelimit-policy"], `"${name}";q=10;w=60`);
+      assert.match(t.fields.ratelimit, new RegExp(`^"${name}";r=0;t=\\d+$`));
+    }
+  } finally {
+    await server.stop();
+  }
+});
+
+test("limit and check answer alike by the direct path (a defined limit) and the JSON path (a config in the call)", async () => {
+  const defined = fresh("direct");
+  const inline = fresh("json");
+  const config = { kind: "token bucket", rate: 1, period: HOUR, capacity: 5, maxReserved: 2 };
+  const limiter = new RateLimiter("memory", { [defined]: config });
+  await limiter.getServerTime(); // open: the direct path is taken from here on
+  const calls = [
+    ["limit", { count: 2 }], ["check", { count: 4 }], ["limit", { count: 3 }], ["limit", {}],
+    ["limit", { reserve: true }], ["limit", { count: 2, reserve: true }], ["check", {}],
+  ];
+  for (const [call, options] of calls) {
+    const direct = await limiter[call](defined, { key: "k", ...options });
+    const json = await limiter[call](inline, { key: "k", config, ...options });
+    assert.equal(direct.ok, json.ok, `${call} ${JSON.stringify(options)}`);
+    assert.equal("retryAfter" in direct, "retryAfter" in json);
+    if (direct.retryAfter !== undefined) assert.ok(Math.abs(direct.retryAfter - json.retryAfter) < 50);
+  }
+  // The same errors, word for word (but the name), and a refusal with throws.
+  const outcomes = async (name, extra) =>
+    Promise.all([
+      limiter.limit(name, { key: "k", count: -1, ...extra }).catch((e) => `${e.constructor.name} ${e.status} ${e.message}`),
+      limiter.limit(name, { key: "k", throws: true, ...extra }).catch((e) => `${e.constructor.name} ${e.name}`),
+    ]).then((all) => all.map((x) => x.replace(name, "NAME")));
+  const direct = await outcomes(defined, {});
+  assert.deepEqual(direct, await outcomes(inline, { config }));
+  assert.match(direct[0], /^TollgateError 400 Rate limit NAME count -1 must be/);
+  assert.equal(direct[1], "RateLimitError NAME");
+});

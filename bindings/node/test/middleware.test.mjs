@@ -1,0 +1,183 @@
+// Each framework's middleware through real HTTP requests to a real listening app, over the
+// in-process limiter and over a server's client: the status, the header fields and the body
+// as the tower layer writes them (crates/tollgate/src/tower: `"name";q=<rate in the
+// window>;w=<window s>`, `"name";r=<remaining, down>;t=<s until full, up>`, `Retry-After` in
+// whole seconds up, `{"kind": "RateLimited", "name", "retryAfter"}`).
+import assert from "node:assert/strict";
+import { createServer } from "node:http";
+import { test } from "node:test";
+
+import { serve } from "@hono/node-server";
+import express from "express";
+import { rateLimit as expressRateLimit } from "express-rate-limit";
+import Fastify from "fastify";
+import { Hono } from "hono";
+
+import { MINUTE, RateLimiter } from "../dist/index.js";
+import { TollgateStore, rateLimit } from "../dist/express.js";
+import { rateLimitHook } from "../dist/fastify.js";
+import { rateLimiter } from "../dist/hono.js";
+import { startServer } from "../../../clients/js/test/server.mjs";
+import { fresh } from "./stores.mjs";
+
+/** Listens on a free loopback port; resolves to { url, close }. */
+function listening(server) {
+  return new Promise((resolve) => {
+    server.listen(0, "127.0.0.1", () => {
+      const { port } = server.address();
+      resolve({ url: `http://127.0.0.1:${port}`, close: () => new Promise((done) => server.close(done)) });
+    });
+  });
+}
+
+const apps = {
+  async express(options) {
+    const app = express();
+    app.get("/", rateLimit(options), (_req, res) => res.send("hello"));
+    // Express's app is a request listener: a node:http server around it.
+    return listening(createServer(app));
+  },
+  async fastify(options) {
+    const app = Fastify();
+    app.addHook("onRequest", rateLimitHook(options));
+    app.get("/", async () => "hello");
+    const url = await app.listen({ port: 0, host: "127.0.0.1" });
+    return { url, close: () => app.close() };
+  },
+  async hono(options) {
+    const app = new Hono();
+    app.use("*", rateLimiter(options));
+    app.get("/", (c) => c.text("hello"));
+    return new Promise((resolve) => {
+      const server = serve({ fetch: app.fetch, port: 0, hostname: "127.0.0.1" }, (info) => {
+        resolve({ url: `http://127.0.0.1:${info.port}`, close: () => new Promise((done) => server.close(done)) });
+      });
+    });
+  },
+};
+
+async function get(url, headers = {}) {
+  const response = await fetch(url, { headers });
+  return { status: response.status, headers: response.headers, body: await response.text() };
+}
+
+const config = { kind: "token bucket", rate: 10, period: MINUTE, capacity: 2 };
+
+/** Three requests for one user: two pass, the third is refused, as the tower layer says. */
+async function threeRequests(framework, limiter, name) {
+  const app = await apps[framework]({ limiter, limits: name, key: { header: "x-user" } });
+  try {
+    const user = { "x-user": "alice" };
+    const first = await get(`${app.url}/`, user);
+    assert.equal(first.status, 200, first.body);
+    assert.equal(first.body, "hello");
+    assert.equal(first.headers.get("ratelimit-policy"), `"${name}";q=10;w=60`);
+    assert.equal(first.headers.get("ratelimit"), `"${name}";r=1;t=6`);
+    const second = await get(`${app.url}/`, user);
+    assert.equal(second.status, 200);
+    assert.equal(second.headers.get("ratelimit"), `"${name}";r=0;t=12`);
+    const third = await get(`${app.url}/`, user);
+    assert.equal(third.status, 429);
+    assert.equal(third.headers.get("ratelimit-policy"), `"${name}";q=10;w=60`);
+    assert.equal(third.headers.get("ratelimit"), `"${name}";r=0;t=12`);
+    assert.equal(third.headers.get("retry-after"), "6");
+    assert.match(third.headers.get("content-type"), /application\/json/);
+    const body = JSON.parse(third.body);
+    assert.equal(body.kind, "RateLimited");
+    assert.equal(body.name, name);
+    assert.ok(body.retryAfter > 5_000 && body.retryAfter <= 6_000, String(body.retryAfter));
+    // Another user is not refused; a request without the header is refused with 400, and
+    // nothing is taken.
+    assert.equal((await get(`${app.url}/`, { "x-user": "bob" })).status, 200);
+    const keyless = await get(`${app.url}/`);
+    assert.equal(keyless.status, 400);
+    assert.match(JSON.parse(keyless.body).error, /no key in the request/);
+  } finally {
+    await app.close();
+  }
+}
+
+for (const framework of Object.keys(apps)) {
+  test(`${framework}: in-process`, async () => {
+    const name = fresh(framework);
+    await threeRequests(framework, new RateLimiter({ store: "memory" }, { [name]: config }), name);
+  });
+
+  test(`${framework}: over a server's client`, async () => {
+    const name = fresh(framework);
+    const server = await startServer({
+      config: `[limits.${name}]\nkind = "token bucket"\nrate = 10\nperiod = "1m"\ncapacity = 2\n`,
+    });
+    try {
+      await threeRequests(framework, new RateLimiter({ url: server.url }), name);
+    } finally {
+      await server.stop();
+    }
+  });
+}
+
+test("express: several limits all or nothing, the IP by default, a store down is 503", async () => {
+  const perIp = fresh("perIp");
+  const global = fresh("global");
+  const limiter = new RateLimiter("memory", {
+    [perIp]: { kind: "token bucket", rate: 10, period: MINUTE, capacity: 5 },
+    [global]: { kind: "fixed window", rate: 1, period: MINUTE, start: 0 },
+  });
+  const app = await apps.express({ limiter, limits: [perIp, global] });
+  try {
+    assert.equal((await get(`${app.url}/`)).status, 200);
+    const refused = await get(`${app.url}/`);
+    assert.equal(refused.status, 429);
+    assert.equal(JSON.parse(refused.body).name, global);
+    // Refused by the global limit, the per-IP limit kept its token: 4 left, not 3.
+    assert.match(refused.headers.get("ratelimit"), new RegExp(`"${perIp}";r=4;t=\\d+, "${global}";r=0;t=\\d+`));
+  } finally {
+    await app.close();
+  }
+  const down = new RateLimiter({ store: "redis://127.0.0.1:1" }, { [perIp]: config });
+  const failing = await apps.express({ limiter: down, limits: perIp });
+  try {
+    const answer = await get(`${failing.url}/`);
+    assert.equal(answer.status, 503);
+    assert.equal(JSON.parse(answer.body).mayHaveTaken, false);
+  } finally {
+    await failing.close();
+  }
+});
+
+test("express-rate-limit with a TollgateStore: two apps on one Redis admit the limit once", { skip: !process.env.TOLLGATE_REDIS_URL && "no TOLLGATE_REDIS_URL" }, async () => {
+  const name = fresh("erl");
+  const servers = [];
+  for (let i = 0; i < 2; i++) {
+    const limiter = new RateLimiter({ store: process.env.TOLLGATE_REDIS_URL });
+    const app = express();
+    app.use(
+      expressRateLimit({
+        windowMs: MINUTE,
+        limit: 3,
+        keyGenerator: (req) => req.get("x-user") ?? "anonymous",
+        store: new TollgateStore({ limiter, name }),
+        standardHeaders: "draft-6",
+        legacyHeaders: false,
+      }),
+    );
+    app.get("/", (_req, res) => res.send("hello"));
+    servers.push(await listening(createServer(app)));
+  }
+  try {
+    const statuses = [];
+    for (let i = 0; i < 6; i++) statuses.push((await get(`${servers[i % 2].url}/`, { "x-user": "carol" })).status);
+    assert.deepEqual(statuses, [200, 200, 200, 429, 429, 429]);
+    // express-rate-limit's own fields, from the store's answer.
+    const last = await get(`${servers[0].url}/`, { "x-user": "carol" });
+    assert.equal(last.headers.get("ratelimit-limit"), "3");
+    assert.equal(last.headers.get("ratelimit-remaining"), "0");
+    assert.equal((await get(`${servers[1].url}/`, { "x-user": "dave" })).status, 200);
+  } finally {
+    for (const s of servers) await s.close();
+  }
+  assert.throws(
+    () => new TollgateStore({ limiter: new RateLimiter("memory") }).init({ limit: 3, windowMs: MINUTE, skipFailedRequests: true }),
+    /does not support skipFailedRequests/,
+  );
+});

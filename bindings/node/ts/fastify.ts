@@ -1,0 +1,41 @@
+// Fastify: an onRequest hook taking a request's limits (ts/middleware.ts).
+
+import { decide, limitsOf, type MiddlewareOptions } from "./middleware.js";
+
+export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
+
+/** The parts of Fastify's request and reply the hook uses. */
+interface FastifyRequest {
+  ip?: string;
+  headers: Record<string, string | string[] | undefined>;
+}
+interface FastifyReply {
+  headers(values: Record<string, string>): FastifyReply;
+  code(status: number): FastifyReply;
+  type(type: string): FastifyReply;
+  send(body: string): FastifyReply;
+}
+
+/**
+ * An `onRequest` hook that takes `limits` for each request, keyed as `key` says (default:
+ * `request.ip`; set Fastify's `trustProxy` behind a proxy).
+ *
+ * ```ts
+ * app.addHook("onRequest", rateLimitHook({ limiter, limits: "perIp" }));
+ * ```
+ */
+export function rateLimitHook<Req extends FastifyRequest = FastifyRequest>(
+  options: MiddlewareOptions<Req>,
+): (request: Req, reply: FastifyReply) => Promise<FastifyReply | undefined> {
+  const limits = limitsOf(options.limits);
+  return async (request, reply) => {
+    const header = (name: string) => {
+      const value = request.headers[name];
+      return Array.isArray(value) ? value.join(", ") : value;
+    };
+    const verdict = await decide(options, limits, request, { ip: request.ip, header });
+    reply.headers(verdict.headers);
+    if (verdict.pass) return undefined;
+    return reply.code(verdict.status).type("application/json").send(verdict.body ?? "");
+  };
+}

@@ -1,0 +1,235 @@
+// tollgate for Node: the API of tollgate-client with tollgate's Rust engine inside this process
+// (`{ store }`), or a tollgate server's (`{ url }`). One class, two doors: the calls, their
+// answers and their errors are the same, because in-process calls go through the client's own
+// code with the engine as its door (SPEC §6e).
+
+import {
+  RateLimiter as Client,
+  RateLimitError,
+  answerError,
+  type Args,
+  type ClientOptions,
+  type Door,
+  type LimitOptions,
+  type RateLimitConfig,
+  type RateLimitResult,
+} from "tollgate-client";
+
+import { addon, type NativeLimiter } from "./native.js";
+
+export * from "tollgate-client";
+
+/** A leased limit's tuning (SPEC §6's `lease`); `true` takes the defaults. */
+export interface LeaseOptions {
+  /** Milliseconds a lease is held before it is given back; default 2,000. */
+  term?: number;
+  /** The most of the capacity one lease may take, more than 0 and at most 1. */
+  share?: number;
+  /** The part of the capacity left unleased for the others, from 0 to 1. */
+  floor?: number;
+}
+
+/** Where an in-process limiter keeps its states, and how it treats them. */
+export interface StoreOptions {
+  /**
+   * A store URL (SPEC §6): `memory`, `sqlite://PATH` (`?synchronous=full` for every write on
+   * disk), `redis://HOST:PORT/DB`, `redis+cluster://HOST:PORT,HOST:PORT`,
+   * `redis+sentinel://HOST:PORT,…/MASTER` (each `rediss…` over TLS) or
+   * `postgres://USER@HOST/DB`.
+   */
+  store: string;
+  /** Milliseconds a call may wait for Redis or PostgreSQL (or SQLite's write lock) before it
+   *  fails with a `TollgateError`; default 250. */
+  storeDeadline?: number;
+  /** The memory store: the most live states (the least recently used go first). */
+  maxKeys?: number;
+  /** Limits served from leases (Redis and PostgreSQL): a hot key's tokens taken in batches
+   *  per process, within the limit's bound over every process. */
+  leases?: Record<string, true | LeaseOptions>;
+  /** Limits granted while the store fails (their calls answer `ok: true` and count it). */
+  failOpen?: string[];
+}
+
+/** A limiter's settings as a config file's: `{ server, limits }` as JSON. */
+function configJson(options: StoreOptions, limits: Record<string, RateLimitConfig> | undefined): string {
+  if (typeof options.store !== "string") {
+    throw new TypeError(`store must be a store URL such as "memory"; got ${String(options.store)}`);
+  }
+  const server: Record<string, unknown> = { store: options.store };
+  if (options.storeDeadline !== undefined) server.storeDeadline = options.storeDeadline;
+  if (options.maxKeys !== undefined) server.maxKeys = options.maxKeys;
+  const tables: Record<string, Record<string, unknown>> = {};
+  for (const [name, config] of Object.entries(limits ?? {})) tables[name] = { ...config };
+  const known = (what: string, name: string) => {
+    if (!(name in tables)) {
+      throw new TypeError(`${what} names ${JSON.stringify(name)}, which is not among the limits`);
+    }
+    return tables[name]!;
+  };
+  for (const [name, lease] of Object.entries(options.leases ?? {})) {
+    known("leases", name).lease = lease === true ? true : { ...lease };
+  }
+  for (const name of options.failOpen ?? []) known("failOpen", name).failOpen = true;
+  return JSON.stringify({ server, limits: tables });
+}
+
+/** The addon's check of a config, thrown as the client throws a bad option: a TypeError. */
+function validated(config: string): string {
+  try {
+    addon().validate(config);
+  } catch (e) {
+    throw new TypeError((e as Error).message);
+  }
+  return config;
+}
+
+const OPS: Record<string, string> = {
+  "/v1/limit": "limit",
+  "/v1/check": "check",
+  "/v1/transaction": "transaction",
+  "/v1/reset": "reset",
+  "/v1/value": "value",
+};
+
+type Reply = { status: number; text: string; fields?: Record<string, string> };
+
+/** An answer's string (see native.ts) as the client's reply. */
+function reply(answer: string): Reply {
+  const status = Number(answer.slice(0, 3));
+  const end = answer.indexOf("\n", 3);
+  if (end < 0) return { status, text: answer.slice(3) };
+  const fields: Record<string, string> = {};
+  const parts = answer.slice(end + 1).split("\n");
+  for (let i = 0; i + 1 < parts.length; i += 2) fields[parts[i]!] = parts[i + 1]!;
+  return { status, text: answer.slice(3, end), fields };
+}
+
+/** The engine of this process, once it is open (or why it could not be). */
+interface Engine {
+  opening: Promise<NativeLimiter>;
+  ready?: NativeLimiter;
+  failed?: string;
+}
+
+/** The engine of this process as the client's door: each path to its operation. */
+function doorOf(engine: Engine): Door {
+  const { opening } = engine;
+  const answer = (l: NativeLimiter, method: string, path: string, body: string | undefined): Promise<Reply> => {
+    if (method === "GET" && path === "/v1/time") return l.time().then(reply);
+    if (method === "GET" && path === "/v1/config") return Promise.resolve(reply(l.config()));
+    const op = OPS[path];
+    if (op === undefined) {
+      return Promise.resolve({ status: 404, text: JSON.stringify({ error: `no such operation ${path}` }) });
+    }
+    // Answered now when no I/O was needed (the memory store, a lease's take): under the
+    // promise, without a turn of the event loop.
+    const answered = l.run(op, body ?? "");
+    return typeof answered === "string" ? Promise.resolve(reply(answered)) : answered.then(reply);
+  };
+  return async (method, path, body) => {
+    if (engine.ready) return answer(engine.ready, method, path, body);
+    try {
+      return answer(await opening, method, path, body);
+    } catch {
+      // The store could not be opened: nothing was taken, as when the server's store fails.
+      return {
+        status: 503,
+        text: JSON.stringify({ error: `the store could not be opened: ${engine.failed}`, mayHaveTaken: false }),
+      };
+    }
+  };
+}
+
+const engines = new WeakMap<object, Engine>();
+
+/**
+ * `limit` or `check` (`writes`) of a limit defined at open, without the JSON of the general
+ * path: the calls made most. Undefined when the general path must answer (the engine not
+ * open yet, a config in the call, an argument the addon does not take as it is).
+ */
+function take(
+  engine: Engine | undefined,
+  name: string,
+  options: (LimitOptions & { config?: RateLimitConfig }) | undefined,
+  writes: boolean,
+): Promise<RateLimitResult> | undefined {
+  const limiter = engine?.ready;
+  if (limiter === undefined || options?.config !== undefined) return undefined;
+  let answered: number | string | Promise<number | string>;
+  try {
+    answered = limiter.take(name, options?.key, options?.count, options?.reserve === true, writes);
+  } catch {
+    // An argument of the wrong type, refused before any work: the general path says why.
+    return undefined;
+  }
+  const settle = (r: number | string): RateLimitResult => {
+    if (typeof r === "string") {
+      const { status, text } = reply(r);
+      throw answerError(status, text, JSON.parse(text), writes);
+    }
+    if (r === -1) return { ok: true };
+    if (r >= 0) return { ok: true, retryAfter: r };
+    const retryAfter = -2 - r;
+    if (options?.throws) throw new RateLimitError(name, retryAfter);
+    return { ok: false, retryAfter };
+  };
+  if (typeof answered === "object") return answered.then(settle);
+  try {
+    return Promise.resolve(settle(answered));
+  } catch (e) {
+    return Promise.reject(e);
+  }
+}
+
+/**
+ * A rate limiter: in this process on a store (`{ store: "redis://127.0.0.1:6379" }`, or the
+ * URL alone), or a tollgate server's (`{ url: "http://127.0.0.1:8787" }`). `limits` names
+ * configs, checked by the compiler at every call.
+ *
+ * ```ts
+ * const limiter = new RateLimiter({ store: "memory" }, {
+ *   sendMessage: { kind: "token bucket", rate: 10, period: MINUTE, capacity: 3 },
+ * });
+ * const { ok, retryAfter } = await limiter.limit("sendMessage", { key: userId });
+ * ```
+ *
+ * A bad store URL or limit throws a `TypeError` here; a store that cannot be reached fails
+ * each call with a `TollgateError` (`mayHaveTaken: false`) until it can.
+ */
+export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> extends Client<Limits> {
+  constructor(options: string | StoreOptions | ClientOptions, limits?: Limits) {
+    if (typeof options === "object" && options !== null && "url" in options) {
+      super(options, limits);
+      return;
+    }
+    const store = typeof options === "string" ? { store: options } : options;
+    const config = validated(configJson(store, limits));
+    const engine: Engine = { opening: addon().open(config) };
+    // Each call reports a failure to open; none is left unhandled.
+    engine.opening.then(
+      (limiter) => (engine.ready = limiter),
+      (e: Error) => (engine.failed = e.message),
+    );
+    // The limits are defined in the engine: calls carry no config of their own.
+    super({ door: doorOf(engine) }, undefined);
+    engines.set(this, engine);
+  }
+
+  override limit<Name extends string>(name: Name, ...[options]: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult> {
+    return take(engines.get(this), name, options, true) ?? super.limit(name, ...([options] as Args<Limits, Name, LimitOptions>));
+  }
+
+  override check<Name extends string>(name: Name, ...[options]: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult> {
+    return take(engines.get(this), name, options, false) ?? super.check(name, ...([options] as Args<Limits, Name, LimitOptions>));
+  }
+
+  /** Gives back the leases this process holds (their unused tokens return to the store for
+   *  other processes); call it before the process exits. Nothing to do for a server's
+   *  limiter or a store without leases. */
+  async close(): Promise<void> {
+    const engine = engines.get(this);
+    if (engine === undefined) return;
+    const limiter = await engine.opening.catch(() => undefined);
+    await limiter?.close();
+  }
+}

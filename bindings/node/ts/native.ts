@@ -1,0 +1,58 @@
+// The addon (src/lib.rs, built by scripts/build-addon.mjs): tollgate's engine in this process.
+
+import { createRequire } from "node:module";
+
+/** A store opened, with its limits defined. Answers are strings: a three-digit HTTP status,
+ *  the JSON body, then `\n` name `\n` value per header field (see src/lib.rs). */
+export interface NativeLimiter {
+  /** An answer now when no I/O was needed (the memory store, a lease's take), else a promise. */
+  run(op: string, body: string): string | Promise<string>;
+  /** A `limit` (`writes`) or `check` of a limit defined at open: a number for a decision
+   *  (`-1` granted; `w >= 0` granted after a wait; `-2 - w` refused, retry in `w` ms), the
+   *  answer's string for anything else; a promise when I/O was needed. */
+  take(
+    name: string,
+    key: string | undefined,
+    count: number | undefined,
+    reserve: boolean,
+    writes: boolean,
+  ): number | string | Promise<number | string>;
+  time(): Promise<string>;
+  config(): string;
+  close(): Promise<void>;
+}
+
+interface Addon {
+  validate(config: string): void;
+  open(config: string): Promise<NativeLimiter>;
+}
+
+/** The addon's file name for this platform: `tollgate.linux-x64-gnu.node` and the like. */
+export function addonName(): string {
+  let abi = "";
+  if (process.platform === "linux") {
+    const report = process.report?.getReport?.() as { header?: { glibcVersionRuntime?: string } } | undefined;
+    abi = report?.header?.glibcVersionRuntime ? "-gnu" : "-musl";
+  } else if (process.platform === "win32") {
+    abi = "-msvc";
+  }
+  return `tollgate.${process.platform}-${process.arch}${abi}.node`;
+}
+
+let loaded: Addon | undefined;
+
+/** The addon, loaded on first use; a clear error when this platform has none. */
+export function addon(): Addon {
+  if (loaded) return loaded;
+  const name = addonName();
+  try {
+    loaded = createRequire(import.meta.url)(`../${name}`) as Addon;
+  } catch (e) {
+    throw new Error(
+      `tollgate: no native addon ${name} for this platform in the package (${(e as Error).message}); ` +
+        "build it from the repository with `npm run build:addon` in bindings/node, or use a " +
+        "tollgate server with { url } instead of { store }",
+    );
+  }
+  return loaded;
+}
