@@ -127,12 +127,12 @@ class AsyncRateLimiter:
         return _core.decision(await self._send("POST", self._core.check_url, body))
 
     async def transaction(
-        self, limits: Sequence[TransactionCall], throws: bool = False
+        self, limits: Sequence[TransactionCall], throws: bool = False, fields: bool = False
     ) -> TransactionResult:
         """Takes from every limit or from none."""
         body, count = self._core.transaction(limits, throws)
         reply = await self._send("POST", self._core.transaction_url, body, writes=True)
-        return _core.transaction_result(reply, count)
+        return _core.transaction_result(reply, count, fields)
 
     async def reset(self, name: str, key: Optional[str] = None) -> None:
         """Forgets the state of ``name`` for ``key``."""

@@ -68,6 +68,10 @@ def normalize_config(config: Mapping[str, Any]) -> Dict[str, Any]:
     return {camel(key): value for key, value in config.items()}
 
 
+#: The header fields an answer's reader keeps.
+FIELDS = ("ratelimit-policy", "ratelimit", "retry-after")
+
+
 class Reply(NamedTuple):
     """An answer, read whole: what the readers below need of it."""
 
@@ -78,6 +82,9 @@ class Reply(NamedTuple):
     status: int
     reason: str
     content: bytes
+    #: The answer's rate limit header fields (``ratelimit-policy``, ``ratelimit``,
+    #: ``retry-after``), when it has them.
+    fields: Mapping[str, str] = {}
 
 
 class Body:
@@ -85,12 +92,13 @@ class Body:
     will, in its Content-Length). Asked for as ``identity`` (see :func:`headers`), so what
     arrives is what is read: an answer encoded all the same is not the API's."""
 
-    __slots__ = ("_path", "_writes", "_status", "_reason", "_cap", "_data")
+    __slots__ = ("_path", "_writes", "_status", "_reason", "_cap", "_data", "_fields")
 
     def __init__(self, path: str, writes: bool, response: httpx.Response, cap: int) -> None:
         self._path, self._writes, self._cap = path, writes, cap
         self._status, self._reason = response.status_code, response.reason_phrase
         self._data = bytearray()
+        self._fields = {f: response.headers[f] for f in FIELDS if f in response.headers}
         length = response.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap:
             raise self._too_large()
@@ -104,7 +112,8 @@ class Body:
             raise self._too_large()
 
     def reply(self) -> Reply:
-        return Reply(self._path, self._writes, self._status, self._reason, bytes(self._data))
+        data = bytes(self._data)
+        return Reply(self._path, self._writes, self._status, self._reason, data, self._fields)
 
     def _too_large(self) -> TollgateError:
         return TollgateError(
@@ -236,15 +245,19 @@ def decision(reply: Reply) -> Decision:
     return decision_of(answer(reply), reply)
 
 
-def transaction_result(reply: Reply, count: int) -> TransactionResult:
-    """A transaction's answer, with one decision per limit of the `count` sent."""
+def transaction_result(reply: Reply, count: int, fields: bool = False) -> TransactionResult:
+    """A transaction's answer, with one decision per limit of the `count` sent (and the
+    answer's rate limit header fields if `fields`)."""
     body = answer(reply)
     overall = decision_of(body, reply)
     results = body.get("results")
     if not isinstance(results, list) or len(results) != count:
         raise _unexpected(reply, f"not one result per limit ({count})")
     return TransactionResult(
-        overall.ok, overall.retry_after, [decision_of(r, reply) for r in results]
+        overall.ok,
+        overall.retry_after,
+        [decision_of(r, reply) for r in results],
+        dict(reply.fields) if fields else None,
     )
 
 
@@ -286,45 +299,16 @@ def encode(body: Any) -> bytes:
         raise TollgateError(f"the request cannot be sent as JSON: {e}") from None
 
 
-class Core:
-    """A client's URLs, its configs in code, and how it builds request bodies."""
+class Bodies:
+    """How a client builds request bodies, with its configs in code: the server's client
+    (:class:`Core`) and the in-process one (the ``pytollgate`` package) alike."""
 
-    __slots__ = (
-        "base",
-        "limits",
-        "limit_url",
-        "check_url",
-        "transaction_url",
-        "reset_url",
-        "value_url",
-        "time_url",
-        "config_url",
-    )
+    __slots__ = ("limits",)
 
-    def __init__(self, url: str, limits: Optional[Limits]) -> None:
-        if not isinstance(url, str):
-            raise TypeError(f"url is a string such as 'http://127.0.0.1:8787', not {url!r}")
-        base = url.rstrip("/")
-        try:
-            parsed = httpx.URL(base)
-        except httpx.InvalidURL as e:
-            raise ValueError(f"url {url!r} is not a URL: {e}") from None
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError(f"url {url!r} must be http:// or https:// with a host")
-        if parsed.query or parsed.fragment:
-            raise ValueError(f"url {url!r} must have no query or fragment")
-        self.base = base
+    def __init__(self, limits: Optional[Limits]) -> None:
         self.limits: Dict[str, Dict[str, Any]] = {
             name: normalize_config(config) for name, config in (limits or {}).items()
         }
-        # Parsed once: each request takes the URL object as it is.
-        self.limit_url = httpx.URL(base + "/v1/limit")
-        self.check_url = httpx.URL(base + "/v1/check")
-        self.transaction_url = httpx.URL(base + "/v1/transaction")
-        self.reset_url = httpx.URL(base + "/v1/reset")
-        self.value_url = httpx.URL(base + "/v1/value")
-        self.time_url = httpx.URL(base + "/v1/time")
-        self.config_url = httpx.URL(base + "/v1/config")
 
     def config_for(
         self, name: str, config: Optional[Mapping[str, Any]]
@@ -415,6 +399,44 @@ class Core:
         if inline is not None:
             body["config"] = inline
         return encode(body)
+
+
+class Core(Bodies):
+    """A client's URLs, its configs in code, and how it builds request bodies."""
+
+    __slots__ = (
+        "base",
+        "limit_url",
+        "check_url",
+        "transaction_url",
+        "reset_url",
+        "value_url",
+        "time_url",
+        "config_url",
+    )
+
+    def __init__(self, url: str, limits: Optional[Limits]) -> None:
+        if not isinstance(url, str):
+            raise TypeError(f"url is a string such as 'http://127.0.0.1:8787', not {url!r}")
+        base = url.rstrip("/")
+        try:
+            parsed = httpx.URL(base)
+        except httpx.InvalidURL as e:
+            raise ValueError(f"url {url!r} is not a URL: {e}") from None
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"url {url!r} must be http:// or https:// with a host")
+        if parsed.query or parsed.fragment:
+            raise ValueError(f"url {url!r} must have no query or fragment")
+        super().__init__(limits)
+        self.base = base
+        # Parsed once: each request takes the URL object as it is.
+        self.limit_url = httpx.URL(base + "/v1/limit")
+        self.check_url = httpx.URL(base + "/v1/check")
+        self.transaction_url = httpx.URL(base + "/v1/transaction")
+        self.reset_url = httpx.URL(base + "/v1/reset")
+        self.value_url = httpx.URL(base + "/v1/value")
+        self.time_url = httpx.URL(base + "/v1/time")
+        self.config_url = httpx.URL(base + "/v1/config")
 
 
 def headers(token: Optional[str]) -> Dict[str, str]:

@@ -116,14 +116,15 @@ class RateLimiter:
         return _core.decision(self._send("POST", self._core.check_url, body))
 
     def transaction(
-        self, limits: Sequence[TransactionCall], throws: bool = False
+        self, limits: Sequence[TransactionCall], throws: bool = False, fields: bool = False
     ) -> TransactionResult:
         """Takes from every limit or from none: each a :class:`LimitCall` or a dict of
         ``name``, ``key``, ``count``, ``reserve``, ``config``. ``throws``: a refusal raises
-        :class:`RateLimitError` (naming the limit with the longest wait)."""
+        :class:`RateLimitError` (naming the limit with the longest wait). ``fields``: also
+        give the answer's ``RateLimit`` header fields (``TransactionResult.fields``)."""
         body, count = self._core.transaction(limits, throws)
         reply = self._send("POST", self._core.transaction_url, body, writes=True)
-        return _core.transaction_result(reply, count)
+        return _core.transaction_result(reply, count, fields)
 
     def reset(self, name: str, key: Optional[str] = None) -> None:
         """Forgets the state of ``name`` for ``key``: it is full again."""

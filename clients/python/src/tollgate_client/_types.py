@@ -61,6 +61,10 @@ class TransactionResult:
     ok: bool
     retry_after: Optional[float] = None
     results: List[Decision] = field(default_factory=list)
+    #: With ``fields=True``: the answer's ``RateLimit-Policy``, ``RateLimit`` and
+    #: ``Retry-After`` header fields by their lower-case names, as the server wrote them
+    #: (what the middleware sends).
+    fields: Optional[Dict[str, str]] = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""What the blocking and the asyncio limiters share: the config handed to the engine, and
+how its answers become the client's."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any, Dict, Iterable, Mapping, Optional, Union
+
+from tollgate_client import Decision, RateLimitError, _core
+
+from . import _native
+
+#: Paths of the HTTP API, by operation, for messages (the readers name the path).
+PATHS = {
+    "limit": "/v1/limit",
+    "check": "/v1/check",
+    "transaction": "/v1/transaction",
+    "reset": "/v1/reset",
+    "value": "/v1/value",
+    "time": "/v1/time",
+    "config": "/v1/config",
+}
+WRITES = {"limit": True, "transaction": True, "reset": True}
+
+LeaseOptions = Union[bool, Mapping[str, float]]
+
+
+def _ms(seconds: float, what: str) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"{what} is a number of seconds, not {seconds!r}")
+    return seconds * 1_000
+
+
+def config_json(
+    store: str,
+    limits: Optional[Mapping[str, Mapping[str, Any]]],
+    store_deadline: Optional[float],
+    max_keys: Optional[int],
+    leases: Optional[Mapping[str, LeaseOptions]],
+    fail_open: Optional[Iterable[str]],
+) -> str:
+    """The limiter's settings as a config file's: ``{server, limits}`` as JSON."""
+    if not isinstance(store, str):
+        raise TypeError(f"store is a store URL such as 'memory', not {store!r}")
+    server: Dict[str, Any] = {"store": store}
+    if store_deadline is not None:
+        server["storeDeadline"] = _ms(store_deadline, "store_deadline")
+    if max_keys is not None:
+        server["maxKeys"] = max_keys
+    tables: Dict[str, Dict[str, Any]] = {
+        name: _core.normalize_config(config) for name, config in (limits or {}).items()
+    }
+
+    def known(what: str, name: str) -> Dict[str, Any]:
+        if name not in tables:
+            raise ValueError(f"{what} names {name!r}, which is not among the limits")
+        return tables[name]
+
+    for name, lease in (leases or {}).items():
+        if lease is True:
+            known("leases", name)["lease"] = True
+        elif isinstance(lease, Mapping):
+            tuning = dict(lease)
+            if "term" in tuning:
+                tuning["term"] = _ms(tuning["term"], "a lease's term")
+            known("leases", name)["lease"] = tuning
+        else:
+            raise TypeError(f"leases[{name!r}] is True or a dict of term, share, floor")
+    for name in fail_open or ():
+        known("fail_open", name)["failOpen"] = True
+    return json.dumps({"server": server, "limits": tables})
+
+
+def validated(config: str) -> str:
+    _native.validate(config)
+    return config
+
+
+def reply(op: str, answer: _native.Reply) -> _core.Reply:
+    status, content, headers = answer
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = ""
+    return _core.Reply(PATHS[op], WRITES.get(op, False), status, reason, content, dict(headers))
+
+
+def decision(
+    taken: _native.Taken, op: str, name: str, throws: bool
+) -> Decision:
+    """The decision of a direct ``take`` (see ``_native.Taken``), as the JSON path reads it."""
+    if isinstance(taken, tuple):
+        return _core.decision(reply(op, taken))
+    if taken == -1:
+        return Decision(True)
+    if taken >= 0:
+        return Decision(True, taken)
+    wait = -2 - taken
+    if throws:
+        raise RateLimitError(name, wait, "RateLimited")
+    return Decision(False, wait)

@@ -1,0 +1,383 @@
+//! The native half of the `pytollgate` Python package: tollgate's engine inside a Python
+//! process.
+//!
+//! Each operation takes the JSON body of its HTTP request and gives back what the server would
+//! answer (status and body), from the same engine, so that the package's Python half reads
+//! answers with `tollgate_client`'s own readers. The work is polled once where it is asked
+//! (inside the runtime's context): what needs no I/O (the memory store, a take from a lease)
+//! is answered there. The rest runs on this module's tokio runtime: a blocking call waits for
+//! it with the GIL released; an asyncio call gets its answer through the event loop's
+//! `call_soon_threadsafe`, with no thread of its own.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyBytes;
+use tollgate_server::answer::Answer;
+use tollgate_server::config::{FileConfig, Overrides, Settings};
+use tollgate_server::engine::{Engine as Served, Op};
+use tollgate_server::store::{self, Leasing};
+
+/// The runtime every store's I/O runs on: its threads, not Python's.
+static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
+    tokio::runtime::Builder::new_multi_thread()
+        .thread_name("tollgate")
+        .enable_all()
+        .build()
+        .expect("the tokio runtime of pytollgate could not start")
+});
+
+/// An answer: the HTTP status the server would send, its JSON body, and its header fields
+/// (`RateLimit-Policy`, `RateLimit`, `Retry-After`: names in lower case).
+type Reply = (u16, Vec<u8>, Vec<(String, String)>);
+
+fn reply(answer: Answer) -> Reply {
+    let headers = answer.headers.into_iter().map(|(n, v)| (n.as_str().to_owned(), v)).collect();
+    (answer.status.as_u16(), answer.body.to_json().into_bytes(), headers)
+}
+
+/// A decision as a number (`-1`: granted with tokens on hand; `w >= 0`: granted after a wait
+/// of `w` ms; `-2 - w`: refused, retry in `w` ms), or an answer that is not one.
+enum Taken {
+    Decision(f64),
+    Answer(Reply),
+}
+
+impl Taken {
+    fn of(taken: Result<tollgate::Decision, Answer>) -> Self {
+        match taken {
+            Ok(d) => Taken::Decision(match (d.ok, d.retry_after) {
+                (true, None) => -1.0,
+                (true, Some(wait)) => wait,
+                (false, wait) => -2.0 - wait.unwrap_or(0.0),
+            }),
+            Err(answer) => Taken::Answer(reply(answer)),
+        }
+    }
+
+    fn into_py(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        match self {
+            Taken::Decision(n) => Ok(n.into_pyobject(py)?.into_any().unbind()),
+            Taken::Answer(answer) => reply_py(py, answer),
+        }
+    }
+}
+
+/// The settings of `config`: JSON of a config file's shape, checked as a file is.
+fn settings(config: &str) -> PyResult<Settings> {
+    let invalid = |e: anyhow::Error| PyValueError::new_err(format!("{e:#}"));
+    let file = FileConfig::from_json(config).map_err(invalid)?;
+    file.settings(&Overrides::default(), false).map_err(invalid)
+}
+
+/// Checks `config` as `open` would, opening nothing: a bad store URL or limit raises
+/// `ValueError` at once.
+#[pyfunction]
+fn validate(config: &str) -> PyResult<()> {
+    settings(config).map(|_| ())
+}
+
+/// Opens the store of `config` and defines its limits, waiting with the GIL released.
+#[pyfunction]
+fn open(py: Python<'_>, config: &str) -> PyResult<Engine> {
+    let settings = settings(config)?;
+    py.detach(|| RUNTIME.block_on(Engine::open(settings)))
+}
+
+/// The same for asyncio: `future` (of `loop`) gets the engine, or the error, when it is open.
+#[pyfunction]
+fn open_async(config: &str, event_loop: Py<PyAny>, future: Py<PyAny>) -> PyResult<()> {
+    let settings = settings(config)?;
+    RUNTIME.spawn(async move {
+        let opened = Engine::open(settings).await;
+        attach_from_runtime(|py| {
+            let value = opened.and_then(|engine| Ok(Py::new(py, engine)?.into_any()));
+            settle(py, &event_loop, &future, value);
+        });
+    });
+    Ok(())
+}
+
+/// Set when the interpreter begins to exit ([`quiesce`]): a runtime thread that would take
+/// the GIL then must not (a thread that asks for it during finalization is ended where it
+/// stands, and its unwinding drops Python objects without the GIL: a crash).
+static EXITING: AtomicBool = AtomicBool::new(false);
+/// Runtime threads between deciding to take the GIL and having given it back.
+static ATTACHED: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f` with the GIL from a runtime thread, unless the interpreter is exiting (then the
+/// Python objects `f` would have touched are dropped without it: their references are freed
+/// later, or never, which is no matter at exit).
+fn attach_from_runtime(f: impl FnOnce(Python<'_>)) {
+    ATTACHED.fetch_add(1, Ordering::SeqCst);
+    if !EXITING.load(Ordering::SeqCst) {
+        Python::attach(f);
+    }
+    ATTACHED.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Registered with `atexit`: from now on no runtime thread takes the GIL, and those that
+/// have decided to are waited for (at most a second, the GIL released meanwhile).
+#[pyfunction]
+fn quiesce(py: Python<'_>) {
+    EXITING.store(true, Ordering::SeqCst);
+    py.detach(|| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        while ATTACHED.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+}
+
+/// Sets `future`'s result (or exception) from the event loop's own thread, unless it was
+/// cancelled meanwhile (see `pytollgate._aio.settle`).
+fn settle(py: Python<'_>, event_loop: &Py<PyAny>, future: &Py<PyAny>, value: PyResult<Py<PyAny>>) {
+    static SETTLE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let result = (|| -> PyResult<()> {
+        let settle = SETTLE.get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("pytollgate._aio")?.getattr("settle")?.unbind())
+        })?;
+        let (ok, value) = match value {
+            Ok(value) => (true, value),
+            Err(e) => (false, e.into_value(py).into_any()),
+        };
+        event_loop.call_method1(py, "call_soon_threadsafe", (settle, future, ok, value))?;
+        Ok(())
+    })();
+    // A loop already closed: no one waits for the answer any more.
+    if let Err(e) = result {
+        e.write_unraisable(py, None);
+    }
+}
+
+/// A store opened, with its limits defined.
+#[pyclass(frozen, module = "pytollgate._native")]
+struct Engine {
+    engine: Arc<Served>,
+    /// The memory store: every operation is ready at its first poll.
+    immediate: bool,
+    leases: Option<Leasing>,
+    deadline: Duration,
+}
+
+type Work<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl Engine {
+    async fn open(settings: Settings) -> PyResult<Engine> {
+        let opened = store::open(
+            &settings.store,
+            settings.max_keys,
+            settings.store_deadline,
+            &settings.lease,
+        )
+        .await
+        .map_err(|e| PyRuntimeError::new_err(format!("{e:#}")))?;
+        let mut engine = Served::serving(tollgate_server::live::defined(
+            opened.store.clone(),
+            &settings,
+            String::new(),
+        ));
+        engine.leases = opened.leases.clone();
+        engine.stored = Some(opened.stored.clone());
+        Ok(Engine {
+            engine: Arc::new(engine),
+            immediate: opened.memory.is_some(),
+            leases: opened.leases,
+            deadline: settings.store_deadline,
+        })
+    }
+
+    /// `work` answered now if it needs no I/O; else the work, to go on.
+    fn now<T>(mut work: Work<T>) -> Result<T, Work<T>> {
+        let _runtime = RUNTIME.enter();
+        (&mut work).now_or_never().ok_or(work)
+    }
+
+    /// `work` to its end, blocking with the GIL released if it must wait.
+    fn blocking<T: Send>(py: Python<'_>, work: Work<T>) -> T {
+        match Self::now(work) {
+            Ok(done) => done,
+            Err(work) => py.detach(|| RUNTIME.block_on(work)),
+        }
+    }
+
+    /// `work` to its end for asyncio: `Some` when it is answered now, else `None` and
+    /// `future` gets it.
+    fn awaited<T: Send + 'static>(
+        work: Work<T>,
+        event_loop: Py<PyAny>,
+        future: Py<PyAny>,
+        into_py: fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
+    ) -> Option<T> {
+        match Self::now(work) {
+            Ok(done) => Some(done),
+            Err(work) => {
+                RUNTIME.spawn(async move {
+                    let done = work.await;
+                    attach_from_runtime(|py| {
+                        let value = into_py(py, done);
+                        settle(py, &event_loop, &future, value);
+                    });
+                });
+                None
+            }
+        }
+    }
+
+    fn run_work(&self, op: &str, body: &[u8]) -> PyResult<Work<Reply>> {
+        let op = Op::parse(op)
+            .ok_or_else(|| PyValueError::new_err(format!("unknown operation {op:?}")))?;
+        let (engine, body) = (Arc::clone(&self.engine), body.to_vec());
+        Ok(Box::pin(async move { reply(engine.run(op, &body).await) }))
+    }
+
+    fn take_work(
+        &self,
+        name: String,
+        key: Option<String>,
+        count: Option<f64>,
+        reserve: bool,
+        writes: bool,
+    ) -> Work<Taken> {
+        let engine = Arc::clone(&self.engine);
+        Box::pin(async move {
+            Taken::of(engine.take(&name, key.as_deref(), count, reserve, writes).await)
+        })
+    }
+}
+
+fn reply_py(py: Python<'_>, (status, body, headers): Reply) -> PyResult<Py<PyAny>> {
+    Ok((status, PyBytes::new(py, &body), headers).into_pyobject(py)?.into_any().unbind())
+}
+
+fn taken_py(py: Python<'_>, taken: Taken) -> PyResult<Py<PyAny>> {
+    taken.into_py(py)
+}
+
+#[pymethods]
+impl Engine {
+    /// Whether operations are answered at once (the memory store).
+    #[getter]
+    fn immediate(&self) -> bool {
+        self.immediate
+    }
+
+    /// Answers `op` (`limit`, `check`, `transaction`, `reset`, `value`) with the JSON `body`:
+    /// `(status, body, headers)`.
+    fn run(&self, py: Python<'_>, op: &str, body: &[u8]) -> PyResult<Py<PyAny>> {
+        let work = self.run_work(op, body)?;
+        reply_py(py, Self::blocking(py, work))
+    }
+
+    /// The same for asyncio: the answer now, or None and `future` gets it.
+    fn run_async(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        body: &[u8],
+        event_loop: Py<PyAny>,
+        future: Py<PyAny>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let work = self.run_work(op, body)?;
+        Self::awaited(work, event_loop, future, reply_py).map(|done| reply_py(py, done)).transpose()
+    }
+
+    /// A `limit` (`writes`) or `check` of a limit defined at open, without JSON: a decision as
+    /// a number (see `Taken`), or `(status, body, headers)` for anything else.
+    #[pyo3(signature = (name, key, count, reserve, writes))]
+    fn take(
+        &self,
+        py: Python<'_>,
+        name: String,
+        key: Option<String>,
+        count: Option<f64>,
+        reserve: bool,
+        writes: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let work = self.take_work(name, key, count, reserve, writes);
+        if self.immediate {
+            // The memory store: ready where it stands, with the GIL held (no I/O).
+            return match Self::now(work) {
+                Ok(done) => done.into_py(py),
+                Err(_) => Err(PyRuntimeError::new_err("the memory store did not answer at once")),
+            };
+        }
+        Self::blocking(py, work).into_py(py)
+    }
+
+    /// The same for asyncio: the answer now, or None and `future` gets it.
+    #[pyo3(signature = (name, key, count, reserve, writes, event_loop, future))]
+    #[allow(clippy::too_many_arguments)]
+    fn take_async(
+        &self,
+        py: Python<'_>,
+        name: String,
+        key: Option<String>,
+        count: Option<f64>,
+        reserve: bool,
+        writes: bool,
+        event_loop: Py<PyAny>,
+        future: Py<PyAny>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let work = self.take_work(name, key, count, reserve, writes);
+        Self::awaited(work, event_loop, future, taken_py).map(|done| done.into_py(py)).transpose()
+    }
+
+    /// The store's clock, as `GET /v1/time` answers it: `(status, body, headers)`.
+    fn time(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let engine = Arc::clone(&self.engine);
+        reply_py(py, Self::blocking(py, Box::pin(async move { reply(engine.time().await) })))
+    }
+
+    /// The same for asyncio.
+    fn time_async(
+        &self,
+        py: Python<'_>,
+        event_loop: Py<PyAny>,
+        future: Py<PyAny>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let engine = Arc::clone(&self.engine);
+        let work: Work<Reply> = Box::pin(async move { reply(engine.time().await) });
+        Self::awaited(work, event_loop, future, reply_py).map(|done| reply_py(py, done)).transpose()
+    }
+
+    /// The limits defined, every default filled in, as `GET /v1/config` answers them.
+    fn config(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        reply_py(py, reply(self.engine.config()))
+    }
+
+    /// Gives back every lease this process holds, waiting at most the store deadline (GIL
+    /// released).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(leasing) = self.leases.clone() else { return Ok(()) };
+        let deadline = self.deadline;
+        let released =
+            py.detach(|| RUNTIME.block_on(tokio::time::timeout(deadline, leasing.release())));
+        match released {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(PyRuntimeError::new_err(e.to_string())),
+            Err(_) => Err(PyRuntimeError::new_err(format!(
+                "the leases were not all given back within {deadline:?}"
+            ))),
+        }
+    }
+}
+
+/// tollgate's engine, for `pytollgate`.
+#[pymodule]
+fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_function(wrap_pyfunction!(validate, module)?)?;
+    module.add_function(wrap_pyfunction!(open, module)?)?;
+    module.add_function(wrap_pyfunction!(open_async, module)?)?;
+    module.add_class::<Engine>()?;
+    let quiesce = wrap_pyfunction!(quiesce, module)?;
+    module.py().import("atexit")?.call_method1("register", (quiesce,))?;
+    Ok(())
+}

@@ -1,0 +1,54 @@
+"""The stores the tests run on: memory and a SQLite file always; Redis, Redis Cluster and
+PostgreSQL from TOLLGATE_REDIS_URL, TOLLGATE_REDIS_CLUSTER_URL and TOLLGATE_POSTGRES_URL.
+Without one its tests skip, unless TOLLGATE_REQUIRE_BACKENDS=1, where they fail."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import List, Optional, Tuple
+
+import pytest
+
+REQUIRED = os.environ.get("TOLLGATE_REQUIRE_BACKENDS") == "1"
+NETWORKED = [
+    ("redis", "TOLLGATE_REDIS_URL"),
+    ("redis cluster", "TOLLGATE_REDIS_CLUSTER_URL"),
+    ("postgres", "TOLLGATE_POSTGRES_URL"),
+]
+
+
+def networked(variable: str) -> Optional[str]:
+    url = os.environ.get(variable)
+    if url is None and REQUIRED:
+        pytest.fail(f"TOLLGATE_REQUIRE_BACKENDS=1 but {variable} is not set")
+    return url
+
+
+def stores(tmp: str) -> List[Tuple[str, Optional[str]]]:
+    return [("memory", "memory"), ("sqlite", f"sqlite://{tmp}/states.db")] + [
+        (label, os.environ.get(variable)) for label, variable in NETWORKED
+    ]
+
+
+STORE_LABELS = ["memory", "sqlite"] + [label for label, _ in NETWORKED]
+
+
+@pytest.fixture(params=STORE_LABELS)
+def store(request: pytest.FixtureRequest, tmp_path: object) -> str:
+    label = request.param
+    if label == "memory":
+        return "memory"
+    if label == "sqlite":
+        return f"sqlite://{tmp_path}/states.db"
+    variable = dict(NETWORKED)[label]
+    url = networked(variable)
+    if url is None:
+        pytest.skip(f"no {variable}")
+    return url
+
+
+def fresh(prefix: str) -> str:
+    """A name no earlier run used (runs share Redis and PostgreSQL)."""
+    return f"{prefix}{os.getpid()}x{int(time.time() * 1000)}x{random.randrange(10**6)}"
