@@ -88,7 +88,7 @@ pub struct Limiter {
 #[napi]
 impl Limiter {
     /// Answers `op` (`limit`, `check`, `transaction`, `reset`, `value`) with the JSON `body`
-    /// (see [`reply`]). The work is polled once here, inside the runtime's context: what needs
+    /// (the string of `reply`). The work is polled once here, inside the runtime's context: what needs
     /// no I/O (the memory store, a leased limit's take from its lease) is answered now, as a
     /// string; the rest goes on on the runtime's threads, and a promise is answered.
     #[napi(ts_return_type = "string | Promise<string>")]
