@@ -98,6 +98,10 @@ struct ReadmeDoctests;
 mod guide {
     #[doc = include_str!("../../../docs/src/clients.md")]
     struct Clients;
+    #[doc = include_str!("../../../docs/src/node.md")]
+    struct Node;
+    #[doc = include_str!("../../../docs/src/python.md")]
+    struct Python;
     #[doc = include_str!("../../../docs/src/concepts/algorithms.md")]
     struct ConceptsAlgorithms;
     #[doc = include_str!("../../../docs/src/concepts/capacity-and-reservations.md")]
