@@ -41,12 +41,14 @@ export interface StoreOptions {
   /** Milliseconds a call may wait for Redis or PostgreSQL (or SQLite's write lock) before it
    *  fails with a `TollgateError`; default 250. */
   storeDeadline?: number;
-  /** The memory store: the most live states (the least recently used go first). */
+  /** The memory store: the most live states. At the bound, full states are swept first; a
+   *  request that needs a new state past it fails with a `TollgateError` (nothing is evicted,
+   *  which would reset a limit). */
   maxKeys?: number;
   /** Limits served from leases (Redis and PostgreSQL): a hot key's tokens taken in batches
    *  per process, within the limit's bound over every process. */
   leases?: Record<string, true | LeaseOptions>;
-  /** Limits granted while the store fails (their calls answer `ok: true` and count it). */
+  /** Limits granted while the store fails (fail open); the others fail closed. */
   failOpen?: string[];
 }
 
