@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use napi::bindgen_prelude::*;
+use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
 use napi_derive::napi;
 use tollgate_server::answer::Answer;
 use tollgate_server::config::{FileConfig, Overrides, Settings};
@@ -35,6 +36,12 @@ fn reply(answer: Answer) -> String {
 
 /// A decision as a number, or an answer that is not one as its string (see [`Limiter::take`]).
 type Taken = Either<f64, String>;
+
+/// The function the answers of `take` that had to wait come back through, as `[id, answer]`,
+/// on the event loop: one for the limiter, made once (a thread-safe function of its own per
+/// call, as a promise from Rust makes, cost more than the call). Weak: the package's
+/// JavaScript holds the event loop open while answers are awaited.
+type Settler = ThreadsafeFunction<(u32, Taken), (), (u32, Taken), Status, false, true>;
 
 /// The settings of `config`: JSON of a config file's shape (its `[server]` store settings and
 /// its `[limits.*]`), checked as a file is.
@@ -69,6 +76,7 @@ pub async fn open(config: String) -> Result<Limiter> {
     engine.stored = Some(opened.stored.clone());
     Ok(Limiter {
         engine: Arc::new(engine),
+        settler: std::sync::OnceLock::new(),
         immediate: opened.memory.is_some(),
         leases: opened.leases,
         deadline: settings.store_deadline,
@@ -79,6 +87,8 @@ pub async fn open(config: String) -> Result<Limiter> {
 #[napi]
 pub struct Limiter {
     engine: Arc<Engine>,
+    /// Where the answers of `take` that waited go (set once, by `settleWith`).
+    settler: std::sync::OnceLock<Arc<Settler>>,
     /// The memory store: every operation is ready at its first poll.
     immediate: bool,
     leases: Option<Leasing>,
@@ -107,21 +117,32 @@ impl Limiter {
         }
     }
 
+    /// Sets the function through which the answers of [`Limiter::take`] that had to wait
+    /// come back, as `[id, answer]`; once per limiter.
+    #[napi]
+    pub fn settle_with(&self, settler: Settler) -> Result<()> {
+        self.settler
+            .set(Arc::new(settler))
+            .map_err(|_| Error::new(Status::GenericFailure, "settleWith was called already"))
+    }
+
     /// A `limit` (`writes`) or `check` of a limit defined at open, without JSON: the calls
     /// made most. A decision is a number (`-1`: granted with tokens on hand; `w >= 0`: granted
     /// after a wait of `w` ms, a reservation; `-2 - w`: refused, retry in `w` ms); anything
     /// else is the answer [`Limiter::run`] would give (an error), as its string. Answered now
-    /// when no I/O was needed, else a promise (as `run`).
-    #[napi(ts_return_type = "number | string | Promise<number | string>")]
-    pub fn take<'e>(
+    /// when no I/O was needed; else nothing is returned, and the answer comes back through
+    /// the settler (see `settleWith`) with `id`.
+    #[napi(ts_return_type = "number | string | null")]
+    #[allow(clippy::too_many_arguments)]
+    pub fn take(
         &self,
-        env: &'e Env,
         name: String,
         key: Option<String>,
         count: Option<f64>,
         reserve: bool,
         writes: bool,
-    ) -> Result<Either<Taken, PromiseRaw<'e, Taken>>> {
+        id: u32,
+    ) -> Result<Option<Taken>> {
         let number = |taken: std::result::Result<tollgate::Decision, Answer>| match taken {
             Ok(d) => Either::A(match (d.ok, d.retry_after) {
                 (true, None) => -1.0,
@@ -135,21 +156,28 @@ impl Limiter {
             // runtime: it has no timer or socket).
             let work = self.engine.take(&name, key.as_deref(), count, reserve, writes);
             return match work.now_or_never() {
-                Some(taken) => Ok(Either::A(number(taken))),
+                Some(taken) => Ok(Some(number(taken))),
                 None => Err(Error::new(
                     Status::GenericFailure,
                     "the memory store did not answer at once",
                 )),
             };
         }
+        let Some(settler) = self.settler.get().cloned() else {
+            return Err(Error::new(Status::GenericFailure, "settleWith was not called"));
+        };
         let engine = Arc::clone(&self.engine);
         let mut work = Box::pin(async move {
             number(engine.take(&name, key.as_deref(), count, reserve, writes).await)
         });
-        match within_runtime_if_available(|| (&mut work).now_or_never()) {
-            Some(answer) => Ok(Either::A(answer)),
-            None => Ok(Either::B(env.spawn_future(async move { Ok(work.await) })?)),
+        if let Some(answer) = within_runtime_if_available(|| (&mut work).now_or_never()) {
+            return Ok(Some(answer));
         }
+        napi::bindgen_prelude::spawn(async move {
+            let answer = work.await;
+            settler.call((id, answer), ThreadsafeFunctionCallMode::NonBlocking);
+        });
+        Ok(None)
     }
 
     /// The store's clock (`{"now": ms}`), as `GET /v1/time` answers it.

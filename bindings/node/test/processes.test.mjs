@@ -63,3 +63,20 @@ test("a leased hot limit in 3 processes stays within its bound with one killed -
   // And the tokens were used: not a limiter that refuses all.
   assert.ok(total >= 50, `only ${total} granted`);
 });
+
+test("a script whose only work is a call waiting on Redis lives until its answer, and then exits", { skip: !redis && "no TOLLGATE_REDIS_URL" }, async () => {
+  // The answers that wait come back through one weak thread-safe function; the package holds
+  // the event loop open while any is awaited, and lets it go after.
+  const index = new URL("../dist/index.js", import.meta.url).href;
+  const script = `
+    import { RateLimiter } from ${JSON.stringify(index)};
+    const limiter = new RateLimiter({ store: ${JSON.stringify(redis)} }, { x: { kind: "token bucket", rate: 2, period: 60000 } });
+    const key = "live" + process.pid + Date.now();
+    const answers = [];
+    for (let i = 0; i < 3; i++) answers.push((await limiter.limit("x", { key })).ok);
+    console.log(JSON.stringify(answers));`;
+  const started = Date.now();
+  const { stdout } = await run("node", ["--input-type=module", "-e", script], { timeout: 20_000 });
+  assert.equal(stdout.trim(), "[true,true,false]");
+  assert.ok(Date.now() - started < 10_000, `took ${Date.now() - started} ms to exit`);
+});

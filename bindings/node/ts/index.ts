@@ -106,11 +106,31 @@ function reply(answer: string): Reply {
   return { status, text: answer.slice(3, end), fields };
 }
 
-/** The engine of this process, once it is open (or why it could not be). */
+/** The engine of this process, once it is open (or why it could not be), and the `take`s
+ *  waiting for their answers. */
 interface Engine {
   opening: Promise<NativeLimiter>;
   ready?: NativeLimiter;
   failed?: string;
+  /** Resolvers of the `take`s whose answers come back through the settler, by id. */
+  waiting: Map<number, (answer: number | string) => void>;
+  nextId: number;
+  /** Holds the event loop open while answers are awaited (the settler does not). */
+  hold?: ReturnType<typeof setInterval>;
+}
+
+/** Takes the answers of `take` that waited: one function for the limiter, called on the
+ *  event loop with each [id, answer]. */
+function settler(engine: Engine): (settled: [number, number | string]) => void {
+  return ([id, answer]) => {
+    const resolve = engine.waiting.get(id);
+    engine.waiting.delete(id);
+    if (engine.waiting.size === 0 && engine.hold !== undefined) {
+      clearInterval(engine.hold);
+      engine.hold = undefined;
+    }
+    resolve?.(answer);
+  };
 }
 
 /** The engine of this process as the client's door: each path to its operation. */
@@ -157,9 +177,11 @@ function take(
 ): Promise<RateLimitResult> | undefined {
   const limiter = engine?.ready;
   if (limiter === undefined || options?.config !== undefined) return undefined;
-  let answered: number | string | Promise<number | string>;
+  let answered: number | string | null;
+  const id = engine!.nextId;
+  engine!.nextId = (id + 1) % 4_294_967_296;
   try {
-    answered = limiter.take(name, options?.key, options?.count, options?.reserve === true, writes);
+    answered = limiter.take(name, options?.key, options?.count, options?.reserve === true, writes, id);
   } catch {
     // An argument of the wrong type, refused before any work: the general path says why.
     return undefined;
@@ -175,7 +197,11 @@ function take(
     if (options?.throws) throw new RateLimitError(name, retryAfter);
     return { ok: false, retryAfter };
   };
-  if (typeof answered === "object") return answered.then(settle);
+  if (answered === null) {
+    const waiting = engine!.waiting;
+    engine!.hold ??= setInterval(() => {}, 2 ** 30);
+    return new Promise<number | string>((resolve) => waiting.set(id, resolve)).then(settle);
+  }
   try {
     return Promise.resolve(settle(answered));
   } catch (e) {
@@ -206,10 +232,13 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
     }
     const store = typeof options === "string" ? { store: options } : options;
     const config = validated(configJson(store, limits));
-    const engine: Engine = { opening: addon().open(config) };
+    const engine: Engine = { opening: addon().open(config), waiting: new Map(), nextId: 0 };
     // Each call reports a failure to open; none is left unhandled.
     engine.opening.then(
-      (limiter) => (engine.ready = limiter),
+      (limiter) => {
+        limiter.settleWith(settler(engine));
+        engine.ready = limiter;
+      },
       (e: Error) => (engine.failed = e.message),
     );
     // The limits are defined in the engine: calls carry no config of their own.

@@ -9,14 +9,18 @@ export interface NativeLimiter {
   run(op: string, body: string): string | Promise<string>;
   /** A `limit` (`writes`) or `check` of a limit defined at open: a number for a decision
    *  (`-1` granted; `w >= 0` granted after a wait; `-2 - w` refused, retry in `w` ms), the
-   *  answer's string for anything else; a promise when I/O was needed. */
+   *  answer's string for anything else; null when I/O was needed: the answer then comes
+   *  to the settler with `id`. */
   take(
     name: string,
     key: string | undefined,
     count: number | undefined,
     reserve: boolean,
     writes: boolean,
-  ): number | string | Promise<number | string>;
+    id: number,
+  ): number | string | null;
+  /** Where the answers of `take` that waited come back, as [id, answer]; once per limiter. */
+  settleWith(settler: (settled: [number, number | string]) => void): void;
   time(): Promise<string>;
   config(): string;
   close(): Promise<void>;
