@@ -14,7 +14,7 @@ use napi::bindgen_prelude::*;
 use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
 use napi_derive::napi;
 use tollgate_server::answer::Answer;
-use tollgate_server::config::{FileConfig, Overrides, Settings};
+use tollgate_server::config::Settings;
 use tollgate_server::engine::{Engine, Op};
 use tollgate_server::store::{self, Leasing};
 
@@ -46,12 +46,7 @@ type Settler = ThreadsafeFunction<(u32, Taken), (), (u32, Taken), Status, false,
 /// The settings of `config`: JSON of a config file's shape (its `[server]` store settings and
 /// its `[limits.*]`), checked as a file is.
 fn settings(config: &str) -> Result<Settings> {
-    let file = FileConfig::from_json(config).map_err(invalid)?;
-    file.settings(&Overrides::default(), false).map_err(invalid)
-}
-
-fn invalid(e: anyhow::Error) -> Error {
-    Error::new(Status::InvalidArg, format!("{e:#}"))
+    Settings::from_json(config).map_err(|e| Error::new(Status::InvalidArg, format!("{e:#}")))
 }
 
 /// Checks `config` as [`open`] would, opening nothing: a bad store URL or limit throws at
@@ -69,11 +64,7 @@ pub async fn open(config: String) -> Result<Limiter> {
         store::open(&settings.store, settings.max_keys, settings.store_deadline, &settings.lease)
             .await
             .map_err(|e| Error::new(Status::GenericFailure, format!("{e:#}")))?;
-    let store = opened.store.clone();
-    let mut engine =
-        Engine::serving(tollgate_server::live::defined(store, &settings, String::new()));
-    engine.leases = opened.leases.clone();
-    engine.stored = Some(opened.stored.clone());
+    let engine = Engine::opened(opened.store.clone(), &opened, &settings, String::new());
     Ok(Limiter {
         engine: Arc::new(engine),
         settler: std::sync::OnceLock::new(),
@@ -144,11 +135,7 @@ impl Limiter {
         id: u32,
     ) -> Result<Option<Taken>> {
         let number = |taken: std::result::Result<tollgate::Decision, Answer>| match taken {
-            Ok(d) => Either::A(match (d.ok, d.retry_after) {
-                (true, None) => -1.0,
-                (true, Some(wait)) => wait,
-                (false, wait) => -2.0 - wait.unwrap_or(0.0),
-            }),
+            Ok(decision) => Either::A(Engine::decision_number(decision)),
             Err(answer) => Either::B(reply(answer)),
         };
         if self.immediate {

@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyBytes;
 use tollgate_server::answer::Answer;
-use tollgate_server::config::{FileConfig, Overrides, Settings};
+use tollgate_server::config::Settings;
 use tollgate_server::engine::{Engine as Served, Op};
 use tollgate_server::store::{self, Leasing};
 
@@ -53,11 +53,7 @@ enum Taken {
 impl Taken {
     fn of(taken: Result<tollgate::Decision, Answer>) -> Self {
         match taken {
-            Ok(d) => Taken::Decision(match (d.ok, d.retry_after) {
-                (true, None) => -1.0,
-                (true, Some(wait)) => wait,
-                (false, wait) => -2.0 - wait.unwrap_or(0.0),
-            }),
+            Ok(decision) => Taken::Decision(Served::decision_number(decision)),
             Err(answer) => Taken::Answer(reply(answer)),
         }
     }
@@ -72,9 +68,7 @@ impl Taken {
 
 /// The settings of `config`: JSON of a config file's shape, checked as a file is.
 fn settings(config: &str) -> PyResult<Settings> {
-    let invalid = |e: anyhow::Error| PyValueError::new_err(format!("{e:#}"));
-    let file = FileConfig::from_json(config).map_err(invalid)?;
-    file.settings(&Overrides::default(), false).map_err(invalid)
+    Settings::from_json(config).map_err(|e| PyValueError::new_err(format!("{e:#}")))
 }
 
 /// Checks `config` as `open` would, opening nothing: a bad store URL or limit raises
@@ -179,13 +173,7 @@ impl Engine {
         )
         .await
         .map_err(|e| PyRuntimeError::new_err(format!("{e:#}")))?;
-        let mut engine = Served::serving(tollgate_server::live::defined(
-            opened.store.clone(),
-            &settings,
-            String::new(),
-        ));
-        engine.leases = opened.leases.clone();
-        engine.stored = Some(opened.stored.clone());
+        let engine = Served::opened(opened.store.clone(), &opened, &settings, String::new());
         Ok(Engine {
             engine: Arc::new(engine),
             immediate: opened.memory.is_some(),

@@ -233,6 +233,19 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// The settings of a config given as JSON of the file's shape (`{"server": {...},
+    /// "limits": {...}}`): how the in-process packages (Node, Python) hand over their options
+    /// and limits, checked by the same rules and named in the same errors as a file (no
+    /// flags or environment over it, no example limits).
+    ///
+    /// # Errors
+    ///
+    /// Not JSON of this shape, or a setting or limit that is not valid.
+    pub fn from_json(text: &str) -> anyhow::Result<Settings> {
+        let file: FileConfig = serde_json::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        file.settings(&Overrides::default(), false)
+    }
+
     /// Refuses a non-loopback address (the HTTP API's or the rate limit service's) without
     /// tokens, unless `allowed` (`--allow-unauthenticated-public`): anyone who could reach it
     /// could use and reset the limits. `serve` and `check-config` both ask.
@@ -556,17 +569,6 @@ impl FileConfig {
     /// Not TOML of this shape.
     pub fn parse(text: &str) -> anyhow::Result<Self> {
         toml::from_str(text).map_err(|e| anyhow::anyhow!(shown_error(&e, text)))
-    }
-
-    /// Parses a config given as JSON of the file's shape (`{"server": {...}, "limits":
-    /// {...}}`): how the in-process packages (Node, Python) hand over their options and limits,
-    /// checked by the same rules and named in the same errors as a file.
-    ///
-    /// # Errors
-    ///
-    /// Not JSON of this shape.
-    pub fn from_json(text: &str) -> anyhow::Result<Self> {
-        serde_json::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
     }
 
     /// The limits this file defines, validated; the examples when it defines none and `examples`.

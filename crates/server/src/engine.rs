@@ -235,6 +235,20 @@ impl Engine {
         Self::serving(Defined::new(limiter, permissions))
     }
 
+    /// An engine over `store` (the store `opened` gave, or that store wrapped) with the
+    /// limits of `settings`, reporting `opened`'s leases and carrying its states on a reload.
+    pub fn opened(
+        store: DynStore,
+        opened: &crate::store::Opened,
+        settings: &crate::config::Settings,
+        version: String,
+    ) -> Self {
+        let mut engine = Self::serving(crate::live::defined(store, settings, version));
+        engine.leases = opened.leases.clone();
+        engine.stored = Some(opened.stored.clone());
+        engine
+    }
+
     /// An engine serving `defined`.
     pub fn serving(defined: Defined) -> Self {
         Engine {
@@ -423,6 +437,17 @@ impl Engine {
             self.stats.record(name, taken, now_ms());
         }
         Ok(decision)
+    }
+
+    /// A decision of [`Engine::take`] as one number, what the in-process packages hand
+    /// across: `-1` granted with tokens on hand, `w >= 0` granted after a wait of `w` ms (a
+    /// reservation), `-2 - w` refused, retry in `w` ms.
+    pub fn decision_number(decision: tollgate::Decision) -> f64 {
+        match (decision.ok, decision.retry_after) {
+            (true, None) => -1.0,
+            (true, Some(wait)) => wait,
+            (false, wait) => -2.0 - wait.unwrap_or(0.0),
+        }
     }
 
     /// `GET /v1/time`: the store's clock.

@@ -335,11 +335,8 @@ pub async fn app_of(
         store::open(&settings.store, settings.max_keys, settings.store_deadline, &settings.lease)
             .await?;
     // When tracing, a request's time in the store is one of its span's fields.
-    let store = otel::Timed::wrap(opened.store);
-    let mut engine = Engine::serving(live::defined(store, settings, version));
-    engine.leases = opened.leases.clone();
-    engine.stored = Some(opened.stored.clone());
-    let engine = Arc::new(engine);
+    let store = otel::Timed::wrap(Arc::clone(&opened.store));
+    let engine = Arc::new(Engine::opened(store, &opened, settings, version));
     let rls = rls.map(|config| Arc::new(rls::Rls::new(Arc::clone(&engine), config)));
     // usize::MAX until the first sweep has counted the file's states.
     let sqlite_states = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
