@@ -65,6 +65,14 @@ for (const [label, store] of stores()) {
       assert.ok(Math.abs((await limiter.getValue(send, { key: "{bob}" })).value - before) < 0.01);
       assert.match(all.fields["ratelimit-policy"], new RegExp(`"${send}";q=10;w=60, "${day}";q=2;w=3600`));
       assert.ok(Number(all.fields["retry-after"]) >= 1, JSON.stringify(all.fields));
+      // adjust: the work used more than was taken (a debt), then less (given back).
+      assert.equal((await limiter.limit(day, { key: "{carol}" })).ok, true);
+      const debt = await limiter.adjust(day, { key: "{carol}", count: 2 });
+      assert.equal(debt.value, -1);
+      assert.ok(debt.retryAfter > 0, JSON.stringify(debt));
+      assert.equal((await limiter.limit(day, { key: "{carol}" })).ok, false);
+      assert.deepEqual(await limiter.adjust(day, { key: "{carol}", count: -5 }), { value: 2 });
+      await assert.rejects(limiter.adjust(day, { key: "{carol}", count: Infinity }), TypeError);
       // reset: the next request starts full.
       await limiter.reset(send, { key: "{alice}" });
       assert.equal((await limiter.getValue(send, { key: "{alice}" })).ts, 0);

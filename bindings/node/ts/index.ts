@@ -91,6 +91,7 @@ const OPS: Record<string, string> = {
   "/v1/transaction": "transaction",
   "/v1/reset": "reset",
   "/v1/value": "value",
+  "/v1/adjust": "adjust",
 };
 
 type Reply = { status: number; text: string; fields?: Record<string, string> };

@@ -14,6 +14,7 @@ from conftest import fresh
 from pytollgate import (
     HOUR,
     MINUTE,
+    Adjusted,
     AsyncRateLimiter,
     LimitCall,
     RateLimiter,
@@ -69,6 +70,14 @@ def test_every_call(store: str) -> None:
         with pytest.raises(TollgateError) as error:
             limiter.limit(send, key="{bob}", count=-1)
         assert error.value.status == 400 and "count" in error.value.message
+        # adjust: the work used more than was taken (a debt), then less (given back).
+        assert limiter.limit(day, key="{carol}").ok
+        debt = limiter.adjust(day, key="{carol}", count=2)
+        assert debt.value == -1 and debt.retry_after is not None and debt.retry_after > 0
+        assert not limiter.limit(day, key="{carol}").ok
+        assert limiter.adjust(day, key="{carol}", count=-5) == Adjusted(2)
+        with pytest.raises(ValueError):
+            limiter.adjust(day, key="{carol}", count=float("inf"))
         assert set(limiter.get_config()) == {send, day}
 
 
@@ -86,6 +95,8 @@ async def test_every_call_async(store: str) -> None:
         await limiter.reset(send, key="k")
         assert (await limiter.limit(send, key="k", count=3)).ok
         assert await limiter.get_server_time() > 1.7e12
+        assert (await limiter.adjust(day, key="{y}", count=3)).value == -1
+        assert await limiter.adjust(day, key="{y}", count=-3) == Adjusted(2)
         with pytest.raises(TollgateError) as error:
             await limiter.limit(send, key="k", count=-1)
         assert error.value.status == 400

@@ -84,6 +84,22 @@ export interface LimitOptions {
   throws?: boolean;
 }
 
+/** The options of `adjust`. */
+export interface AdjustOptions {
+  key?: string;
+  /** Signed: what the work used beyond (+) or below (-) what was taken for it. */
+  count: number;
+}
+
+/** The answer of `adjust`: the value it left, and while that is negative the wait until it
+ *  is back at 0. */
+export interface AdjustResult {
+  /** Tokens available after the adjust; negative while the limit is in debt. */
+  value: number;
+  /** Milliseconds until the value is back at 0, when it is negative. */
+  retryAfter?: number;
+}
+
 /** The options of `getValue`. */
 export interface ValueOptions {
   key?: string;
@@ -276,6 +292,25 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     ...[options]: Args<Limits, Name, LimitOptions>
   ): Promise<RateLimitResult> {
     return this.#take("/v1/check", name, options);
+  }
+
+  /**
+   * Settles a cost known only after the work (SPEC §4): `count`, signed, is what the work
+   * used beyond (+) or below (-) what was taken for it. Never refused: a debt leaves a
+   * negative value (the next requests wait for it), and a give-back never raises the limit
+   * above its capacity. The pattern: `limit` an estimate, do the work, `adjust` by the
+   * difference.
+   */
+  async adjust<Name extends string>(
+    name: Name,
+    options: AdjustOptions & ConfigFor<Limits, Name>,
+  ): Promise<AdjustResult> {
+    const count = options?.count;
+    if (typeof count !== "number" || !Number.isFinite(count)) {
+      throw new TypeError(`adjust: count must be a finite number; got ${String(count)}`);
+    }
+    const body = { name, key: options.key, count, config: options.config ?? this.#limits[name] };
+    return this.#post("/v1/adjust", body, true, adjustedOf);
   }
 
   /** Forgets every shard's state of (`name`, `key`): the next request starts full. */
@@ -479,6 +514,13 @@ function decisionOf(answer: unknown): RateLimitResult {
   if (!("retryAfter" in answer)) return { ok: answer.ok };
   if (!isWait(answer.retryAfter)) throw new WrongShape("not a decision: retryAfter is not a wait");
   return { ok: answer.ok, retryAfter: answer.retryAfter };
+}
+
+function adjustedOf(answer: unknown): AdjustResult {
+  if (!isObject(answer) || !isNumber(answer.value)) throw new WrongShape("not an adjust's answer");
+  if (!("retryAfter" in answer)) return { value: answer.value };
+  if (!isWait(answer.retryAfter)) throw new WrongShape("not an adjust's answer: retryAfter is not a wait");
+  return { value: answer.value, retryAfter: answer.retryAfter };
 }
 
 function valueOf(answer: unknown): RateLimitValue {

@@ -120,6 +120,22 @@ async function everyOperation(limiter) {
   assert.deepEqual(granted, { ok: true, results: [{ ok: true }, { ok: true }] });
   assert.equal((await limiter.getValue("daily", { key: dave })).value, 1);
 
+  // adjust: a cost settled after the work, signed, never refused, never above capacity.
+  const erin = key();
+  assert.deepEqual(await limiter.limit("daily", { key: erin, count: 2 }), { ok: true });
+  assert.deepEqual(await limiter.adjust("daily", { key: erin, count: -1 }), { value: 2 });
+  const debt = await limiter.adjust("daily", { key: erin, count: 4 });
+  assert.equal(debt.value, -2);
+  assert.ok(debt.retryAfter > 0 && debt.retryAfter <= DAY, `${debt.retryAfter}`);
+  assert.equal((await limiter.limit("daily", { key: erin })).ok, false, "the debt comes first");
+  assert.deepEqual(await limiter.adjust("daily", { key: erin, count: -10 }), { value: 3 });
+  assert.deepEqual(await limiter.adjust("oneOff", { key: erin, count: 5, config: oneOff }), {
+    value: -3,
+    retryAfter: 3 * DAY,
+  });
+  await assert.rejects(limiter.adjust("daily", { key: erin, count: Number.NaN }), TypeError);
+  assert.deepEqual(await limiter.adjust("daily", { key: erin, count: 0 }), { value: 3 });
+
   // The server's clock.
   const now = await limiter.getServerTime();
   assert.ok(Math.abs(now - Date.now()) < 5_000);
@@ -196,6 +212,7 @@ test("errors: 400 names the field, 401, 403 for a read token, 404 for an unknown
     () => reader.limit("daily", { key: k }),
     () => reader.reset("daily", { key: k }),
     () => reader.transaction([{ name: "daily", key: k }]),
+    () => reader.adjust("daily", { key: k, count: 1 }),
   ]) {
     const forbidden = await failure(write());
     assert.equal(forbidden.status, 403);

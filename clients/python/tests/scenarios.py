@@ -16,7 +16,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tollgate_client import HOUR, MINUTE, Decision, LimitCall, RateLimitError, TollgateError
+from tollgate_client import (
+    HOUR,
+    MINUTE,
+    Adjusted,
+    Decision,
+    LimitCall,
+    RateLimitError,
+    TollgateError,
+)
 
 # Floating-point slack for numbers of about 1e12 ms (an ulp there is 2.4e-4 ms).
 EPS = 1e-3
@@ -117,6 +125,30 @@ async def fixed_window_exact(c: Any, key: str) -> None:
     assert (reading.value, reading.ts) == (3, 0)
     assert await c.limit("fw", key=key, count=3, config=config) == Decision(True, None)
     assert (await c.get_value("fw", key=key, config=config)).value == 0
+
+
+async def adjust_settles_after_the_work(c: Any, key: str) -> None:
+    """adjust (SPEC §4): a cost settled after the work, signed, never refused, never above
+    capacity; a debt waits for the next window."""
+    start = await window_start(c)
+    config = window_config(start)  # 3 an hour, the window began 1 s ago
+    assert await c.limit("fw", key=key, count=2, config=config) == Decision(True, None)
+    assert await c.adjust("fw", key=key, count=-1, config=config) == Adjusted(2, None)
+    before = await c.get_server_time()
+    debt = await c.adjust("fw", key=key, count=4, config=config)
+    after = await c.get_server_time()
+    assert debt.value == -2
+    assert debt.retry_after is not None
+    assert start + HOUR - after - EPS <= debt.retry_after <= start + HOUR - before + EPS
+    assert (await c.limit("fw", key=key, config=config)).ok is False, "the debt comes first"
+    assert await c.adjust("fw", key=key, count=-10, config=config) == Adjusted(3, None)
+    try:
+        await c.adjust("fw", key=key, count=float("nan"), config=config)
+    except ValueError as e:
+        assert "finite" in str(e)
+    else:
+        raise AssertionError("a NaN count was sent")
+    assert (await c.get_value("fw", key=key, config=config)).value == 3
 
 
 async def transaction_all_or_nothing(c: Any, key: str) -> None:

@@ -122,6 +122,7 @@ async def test_403_read_token_reads_but_cannot_write(
         lambda c: c.limit("sendMessage", key=key),
         lambda c: c.reset("sendMessage", key=key),
         lambda c: c.transaction([LimitCall("sendMessage", key=key)]),
+        lambda c: c.adjust("sendMessage", key=key, count=1),
     ]
     for write in writes:
         async with open_client(flavour, read_token_server.url, token=READ_TOKEN) as c:

@@ -28,6 +28,10 @@ async def test_fixed_window_limit_reserve_check_value_reset(client: Any, key: st
     await scenarios.fixed_window_exact(client, key)
 
 
+async def test_adjust_settles_after_the_work(client: Any, key: str) -> None:
+    await scenarios.adjust_settles_after_the_work(client, key)
+
+
 async def test_transaction_all_or_nothing(client: Any, key: str) -> None:
     await scenarios.transaction_all_or_nothing(client, key)
 

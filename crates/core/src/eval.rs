@@ -135,6 +135,69 @@ pub fn evaluate(
     Evaluation { state: next, decision: Decision { ok, retry_after } }
 }
 
+/// Settles a cost known only after the work on one shard (SPEC §4, `adjust`): the state
+/// brought to `now` as SPEC §2 does, then `value' = min(value_now - count, cap)` whatever its
+/// sign. `count` is signed (what the work used beyond what was taken for it: positive takes
+/// more, negative gives back); `cap` is the most the state may be raised to: the shard's
+/// capacity, or less where leases hold some of it (`capacity - outstanding`). Never refused:
+/// the decision is always `ok`, with the `retryAfter` of SPEC §2 when the value is negative
+/// (the wait until it is back at 0).
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_algebra::{evaluate_adjust, Config, State, MINUTE};
+///
+/// let config = Config::token_bucket(10.0, MINUTE); // one token each 6 s
+/// // 2 tokens left; the work used 5 more than was taken for it: 3 in debt, 18 s to pay back.
+/// let e = evaluate_adjust(&config, Some(State { value: 2.0, ts: 0.0 }), 0.0, 0.0, 5.0, 10.0);
+/// assert_eq!(e.state.value, -3.0);
+/// assert_eq!(e.decision.retry_after, Some(18_000.0));
+/// // Giving back never raises a state above its capacity.
+/// let e = evaluate_adjust(&config, Some(State { value: 9.0, ts: 0.0 }), 0.0, 0.0, -4.0, 10.0);
+/// assert_eq!(e.state.value, 10.0);
+/// ```
+#[inline]
+pub fn evaluate_adjust(
+    shard: &Config,
+    state: Option<State>,
+    alignment: f64,
+    now: f64,
+    count: f64,
+    cap: f64,
+) -> Evaluation {
+    let state = state.unwrap_or_else(|| fresh_state(shard, alignment, now));
+    let current = advance(shard, state, now, 0.0);
+    let next = State { value: (current.value - count).min(cap), ts: current.ts };
+    let retry_after = (next.value < 0.0).then(|| {
+        let (rate, period) = (shard.rate(), shard.period());
+        let wait = match shard.kind() {
+            Kind::TokenBucket => -next.value * period / rate,
+            Kind::FixedWindow => next.ts + period * (-next.value / rate).ceil() - now,
+        };
+        settle(now, wait, |at| advance(shard, next, at, 0.0).value >= 0.0)
+    });
+    Evaluation { state: next, decision: Decision { ok: true, retry_after } }
+}
+
+/// Validates an `adjust`'s signed count: finite, and within [`MAX_AMOUNT`] either way.
+///
+/// # Errors
+///
+/// An [`InvalidRequest`] naming the limit and the count.
+///
+/// [`MAX_AMOUNT`]: crate::MAX_AMOUNT
+pub fn validate_adjust_count(name: &str, count: f64) -> Result<(), InvalidRequest> {
+    if count.is_finite() && count.abs() <= crate::config::MAX_AMOUNT {
+        return Ok(());
+    }
+    Err(InvalidRequest::new(format!(
+        "Rate limit {name} adjust count {} must be a finite number from -{max} to {max}.",
+        fmt_number(count),
+        max = fmt_number(crate::config::MAX_AMOUNT),
+    )))
+}
+
 /// `value'` and `ts'` of SPEC §2 for `count` tokens taken from `state` at `now`.
 #[inline]
 fn advance(shard: &Config, State { value, ts }: State, now: f64, count: f64) -> State {

@@ -38,9 +38,10 @@ pub use config::{
 };
 pub use eval::{
     Decision, Evaluation, InvalidRequest, MAX_KEY_BYTES, MAX_NAME_BYTES, State, Status, alignment,
-    evaluate, fresh_state, full_at, splitmix64, unit_interval, validate_count, validate_name_key,
+    evaluate, evaluate_adjust, fresh_state, full_at, splitmix64, unit_interval,
+    validate_adjust_count, validate_count, validate_name_key,
 };
 pub use plan::{
-    Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Split, Take, Taken, longest_refusal,
-    max_option, read, sample_shards,
+    Adjusted, Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Split, Take, Taken,
+    longest_refusal, max_option, read, sample_shards,
 };

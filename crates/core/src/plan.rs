@@ -5,8 +5,8 @@ use smallvec::SmallVec;
 
 use crate::config::Config;
 use crate::eval::{
-    Decision, Evaluation, InvalidRequest, State, Status, alignment, evaluate, splitmix64,
-    validate_count, validate_name_key,
+    Decision, Evaluation, InvalidRequest, State, Status, alignment, evaluate, evaluate_adjust,
+    splitmix64, validate_adjust_count, validate_count, validate_name_key,
 };
 
 /// One request to take (or check) tokens from a limit.
@@ -164,7 +164,14 @@ impl<'a> OneTake<'a> {
 
     /// The same request as a [`Plan`], for stores that serve everything through plans.
     pub fn to_plan(&self) -> Plan<'a> {
-        let item = Item { count: self.count, reserve: self.reserve, shards: 1, a: 0, b: None };
+        let item = Item {
+            count: self.count,
+            reserve: self.reserve,
+            adjust: false,
+            shards: 1,
+            a: 0,
+            b: None,
+        };
         Plan {
             writes: self.writes,
             items: smallvec::smallvec![item],
@@ -197,14 +204,18 @@ pub struct PlannedTake {
     pub shards: u16,
     /// The index in [`Plan::slots`] of shard A.
     pub a: usize,
-    /// The index of shard B, with three or more shards.
+    /// The index of shard B, with three or more shards (with two or more for an adjust).
     pub b: Option<usize>,
+    /// Whether this is an `adjust` (SPEC §4; see [`Plan::adjust`]): `count` is signed and
+    /// settled on the fuller of A and B when positive, the emptier otherwise, never refused.
+    pub adjust: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Item {
     count: f64,
     reserve: bool,
+    adjust: bool,
     shards: u16,
     a: usize,
     b: Option<usize>,
@@ -250,6 +261,10 @@ pub struct Outcome {
     pub statuses: Inline<Status>,
     /// Per slot: whether its new state must be saved.
     pub changed: Inline<bool>,
+    /// For the plan of an adjust ([`Plan::adjust`]): the value it left, signed (the adjusted
+    /// shard's times the shard count, an estimate for the whole limit as
+    /// [`Status::remaining`] is); `None` for takes.
+    pub value: Option<f64>,
 }
 
 impl Outcome {
@@ -290,6 +305,7 @@ impl<'a> Plan<'a> {
             plan.items.push(Item {
                 count: take.count,
                 reserve: take.reserve,
+                adjust: false,
                 shards: 1,
                 a,
                 b: None,
@@ -345,6 +361,7 @@ impl<'a> Plan<'a> {
             shards: item.shards,
             a: item.a,
             b: item.b,
+            adjust: item.adjust,
         })
     }
 
@@ -363,7 +380,8 @@ impl<'a> Plan<'a> {
         let (a, b) = pick_shards(shards, random);
         let a = self.slot(take, per_shard, seed, a);
         let b = b.map(|b| self.slot(take, per_shard, seed, b));
-        self.items.push(Item { count: take.count, reserve: take.reserve, shards, a, b });
+        let (count, reserve) = (take.count, take.reserve);
+        self.items.push(Item { count, reserve, adjust: false, shards, a, b });
         Ok(())
     }
 
@@ -384,6 +402,84 @@ impl<'a> Plan<'a> {
         self.slots.len() - 1
     }
 
+    /// The plan of an `adjust` (SPEC §4): settles `take.count`, signed, on (name, key), never
+    /// refused. `take.reserve` is ignored. With shards, two distinct shards are sampled
+    /// (`random` picks them) and a positive count is taken from the fuller, a negative one
+    /// given to the emptier; what a shard cannot hold above its capacity is dropped.
+    /// [`Outcome::value`] is the value it left.
+    ///
+    /// # Errors
+    ///
+    /// A bad name or key, or a count that is not finite (or past [`MAX_AMOUNT`] either way).
+    ///
+    /// [`MAX_AMOUNT`]: crate::MAX_AMOUNT
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate_algebra::{Config, Plan, State, Take, MINUTE};
+    ///
+    /// let config = Config::token_bucket(10.0, MINUTE);
+    /// let used = Take { name: "tokens", key: Some("alice"), config, count: 3.0, reserve: false };
+    /// let plan = Plan::adjust(&used, 0, 7).unwrap();
+    /// let mut states = vec![Some(State { value: 1.0, ts: 0.0 })];
+    /// let outcome = plan.decide(0.0, &mut states);
+    /// assert!(outcome.ok); // never refused: a debt of 2 delays the next requests instead
+    /// assert_eq!(outcome.value, Some(-2.0));
+    /// assert_eq!(outcome.retry_after, Some(12_000.0));
+    /// assert_eq!(states[0].unwrap().value, -2.0);
+    /// ```
+    pub fn adjust(take: &Take<'a>, seed: u64, random: u64) -> Result<Plan<'a>, InvalidRequest> {
+        validate_name_key(take.name, take.key)?;
+        validate_adjust_count(take.name, take.count)?;
+        let mut plan = Plan::new(true);
+        let shards = take.config.shards();
+        let per_shard = take.config.per_shard();
+        let (a, b) = pick_two(shards, random);
+        let a = plan.slot(take, per_shard, seed, a);
+        let b = b.map(|b| plan.slot(take, per_shard, seed, b));
+        let count = take.count;
+        plan.items.push(Item { count, reserve: false, adjust: true, shards, a, b });
+        Ok(plan)
+    }
+
+    /// An adjust's plan decided: the shard it settles on (see [`Plan::adjust`]), always
+    /// granted and written.
+    fn decide_adjust(
+        &self,
+        item: &Item,
+        now: f64,
+        states: &mut [Option<State>],
+        caps: &[f64],
+    ) -> Outcome {
+        let value_now = |slot: usize| self.eval(slot, states, now, 0.0, false).state.value;
+        let slot = match item.b {
+            Some(b) if item.shards > 1 => {
+                let (va, vb) = (value_now(item.a), value_now(b));
+                let b_wins = if item.count > 0.0 { vb > va } else { vb < va };
+                if b_wins { b } else { item.a }
+            }
+            _ => item.a,
+        };
+        let s = &self.slots[slot];
+        let cap = caps.get(slot).map_or(s.config.capacity(), |&c| c.min(s.config.capacity()));
+        let e = evaluate_adjust(&s.config, states[slot], s.alignment, now, item.count, cap);
+        states[slot] = Some(e.state);
+        let mut changed: Inline<bool> = SmallVec::from_elem(false, self.slots.len());
+        changed[slot] = true;
+        let n = f64::from(item.shards);
+        let mut status = e.status(&s.config, 0.0, now);
+        status.remaining *= n;
+        Outcome {
+            ok: true,
+            retry_after: e.decision.retry_after,
+            results: smallvec::smallvec![e.decision],
+            statuses: smallvec::smallvec![status],
+            changed,
+            value: Some(e.state.value * n),
+        }
+    }
+
     /// Decides every take against `states` (the loaded states of [`Plan::slots`], in order) at
     /// `now`, all or nothing.
     ///
@@ -397,7 +493,25 @@ impl<'a> Plan<'a> {
     /// If `states` is shorter than [`Plan::slots`].
     #[inline]
     pub fn decide(&self, now: f64, states: &mut [Option<State>]) -> Outcome {
+        self.decide_under(now, states, &[])
+    }
+
+    /// [`Plan::decide`] where some states may not be raised to their capacity: `caps[i]`, if
+    /// given, is the most an adjust may raise slot `i` to (a leased state's `capacity -
+    /// outstanding`, which a take never passes anyway). A store that keeps leases decides
+    /// with it; with no caps it is [`Plan::decide`].
+    ///
+    /// # Panics
+    ///
+    /// If `states` is shorter than [`Plan::slots`].
+    #[inline]
+    pub fn decide_under(&self, now: f64, states: &mut [Option<State>], caps: &[f64]) -> Outcome {
         assert!(states.len() >= self.slots.len(), "one state per slot");
+        if let [item] = self.items.as_slice()
+            && item.adjust
+        {
+            return self.decide_adjust(item, now, states, caps);
+        }
         if let ([item], [_]) = (self.items.as_slice(), self.slots.as_slice()) {
             // One take from one shard: the common case, without the transaction's bookkeeping.
             let e = self.eval(0, states, now, item.count, item.reserve);
@@ -415,6 +529,7 @@ impl<'a> Plan<'a> {
                 results: smallvec::smallvec![e.decision],
                 statuses: smallvec::smallvec![status],
                 changed: smallvec::smallvec![changed],
+                value: None,
             };
         }
         let mut working: Inline<Option<State>> = SmallVec::from_slice(&states[..self.slots.len()]);
@@ -450,7 +565,7 @@ impl<'a> Plan<'a> {
                 }
             }
         }
-        Outcome { ok, retry_after, results, statuses, changed }
+        Outcome { ok, retry_after, results, statuses, changed, value: None }
     }
 
     #[inline]
@@ -591,6 +706,7 @@ impl Split<'_> {
                     results: smallvec::smallvec![Decision { ok, retry_after }],
                     statuses: smallvec::smallvec![status],
                     changed,
+                    value: None,
                 }
             }
         }
@@ -601,7 +717,7 @@ impl<'a> Plan<'a> {
     /// The plan of one take of `count` from `slot` alone, with this plan's take's reserve flag
     /// and shard count (so its status is scaled to all shards) and its `writes`.
     fn single(&self, item: &Item, slot: usize, count: f64) -> Plan<'a> {
-        let one = Item { count, reserve: item.reserve, shards: item.shards, a: 0, b: None };
+        let one = Item { count, a: 0, b: None, ..*item };
         Plan {
             writes: self.writes,
             items: smallvec::smallvec![one],
@@ -624,6 +740,14 @@ impl<'a> Plan<'a> {
             return None;
         };
         let b = item.b?;
+        if item.adjust {
+            // Settled on one shard, chosen from the states read: a race can only make the
+            // choice less good, never move a token past its shard's capacity.
+            let mut after: Inline<Option<State>> = SmallVec::from_slice(&states[..2]);
+            let outcome = self.decide(now, &mut after);
+            let slot = if outcome.changed[b] { b } else { item.a };
+            return Some(Split::One { slot, plan: self.single(item, slot, item.count) });
+        }
         if item.shards <= 1 || states[item.a].is_none() {
             return Some(Split::One { slot: item.a, plan: self.single(item, item.a, item.count) });
         }
@@ -646,6 +770,19 @@ impl<'a> Plan<'a> {
             _ => Split::One { slot: item.a, plan: self.single(item, item.a, item.count) },
         })
     }
+}
+
+/// Shard A uniform in `0..n`, and B uniform among the others when `n >= 2`: an adjust's two
+/// samples (with two shards, both).
+#[inline]
+fn pick_two(n: u16, random: u64) -> (u16, Option<u16>) {
+    let (a, _) = pick_shards(n, random);
+    if n < 2 {
+        return (a, None);
+    }
+    let n = u64::from(n);
+    let offset = ((random >> 32) * (n - 1)) >> 32;
+    (a, Some(((u64::from(a) + 1 + offset) % n) as u16))
 }
 
 /// Shard A uniform in `0..n`; shard B uniform among the others when `n >= 3`.
@@ -697,6 +834,25 @@ pub fn max_option(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.max(b)),
         (a, b) => a.or(b),
+    }
+}
+
+/// What an `adjust` (SPEC §4) left: the limit's value, signed, and while it is negative the
+/// wait until it is back at 0.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adjusted {
+    /// Tokens available after the adjust: negative while the limit is in debt. For a sharded
+    /// limit, the adjusted shard's value times the shard count (an estimate for the limit).
+    pub value: f64,
+    /// Milliseconds until the value is back at 0, when it is negative (SPEC §2's `retryAfter`
+    /// for the value left): a request for one token waits at least this long.
+    pub retry_after: Option<f64>,
+}
+
+impl Outcome {
+    /// What the plan of an adjust ([`Plan::adjust`]) left; `None` for a plan of takes.
+    pub fn adjusted(&self) -> Option<Adjusted> {
+        Some(Adjusted { value: self.value?, retry_after: self.retry_after })
     }
 }
 
@@ -1028,6 +1184,218 @@ mod split_tests {
             prop_assert_eq!(&got, &expected);
             prop_assert_eq!(stepped, whole);
         }
+    }
+
+    /// One step of a sequence on one limit: a take (`limit`, maybe reserving) or an adjust,
+    /// after a wait.
+    #[derive(Clone, Copy, Debug)]
+    enum Act {
+        Take { count: f64, reserve: bool },
+        Adjust { count: f64 },
+    }
+
+    fn act() -> impl Strategy<Value = (f64, Act)> {
+        let take = ((0u32..12), any::<bool>())
+            .prop_map(|(c, reserve)| Act::Take { count: f64::from(c) / 2.0, reserve });
+        let adjust = (-16i32..=16).prop_map(|c| Act::Adjust { count: f64::from(c) / 2.0 });
+        ((0u32..4_000).prop_map(f64::from), prop_oneof![take, adjust])
+    }
+
+    fn limit() -> impl Strategy<Value = Config> {
+        (any::<bool>(), 1u32..10, 1u32..4, prop::option::of(0u32..8), 1u16..6).prop_map(
+            |(bucket, rate, burst, reserved, shards)| {
+                let rate = f64::from(rate * u32::from(shards));
+                let base = if bucket {
+                    Config::token_bucket(rate, 1_000.0)
+                } else {
+                    Config::fixed_window(rate, 1_000.0).with_start(0.0)
+                };
+                let config = base.with_capacity(rate * f64::from(burst)).with_shards(shards);
+                match reserved {
+                    Some(most) => config.with_max_reserved(f64::from(most * u32::from(shards))),
+                    None => config,
+                }
+            },
+        )
+    }
+
+    /// Runs `acts` on one (name, key) of `config` from time 0: each state after each step,
+    /// per shard; the grants (time, count); and the give-backs (time, tokens given).
+    #[allow(clippy::type_complexity)]
+    fn run_acts(
+        config: &Config,
+        acts: &[(f64, Act)],
+        random: u64,
+    ) -> (Vec<Vec<Option<State>>>, Vec<(f64, f64)>, Vec<(f64, f64)>) {
+        let shards = usize::from(config.shards());
+        let mut states: Vec<Option<State>> = vec![None; shards];
+        let (mut after, mut granted, mut given) = (Vec::new(), Vec::new(), Vec::new());
+        let mut now = 0.0;
+        for (i, &(wait, act)) in acts.iter().enumerate() {
+            now += wait;
+            let random = splitmix64(random ^ i as u64);
+            let plan = match act {
+                Act::Take { count, reserve } => {
+                    // Reservations without a bound book without one: not this test's bound.
+                    let reserve = reserve && config.max_reserved().is_some();
+                    let take = Take { name: "n", key: None, config: *config, count, reserve };
+                    let mut plan = Plan::new(true);
+                    if plan.push(&take, 0, random).is_err() {
+                        continue;
+                    }
+                    plan
+                }
+                Act::Adjust { count } => {
+                    let take =
+                        Take { name: "n", key: None, config: *config, count, reserve: false };
+                    Plan::adjust(&take, 0, random).unwrap()
+                }
+            };
+            let mut loaded: Vec<Option<State>> =
+                plan.slots().iter().map(|s| states[usize::from(s.shard)]).collect();
+            let outcome = plan.decide(now, &mut loaded);
+            for ((slot, state), changed) in plan.slots().iter().zip(loaded).zip(&outcome.changed) {
+                if *changed {
+                    states[usize::from(slot.shard)] = state;
+                }
+            }
+            match act {
+                Act::Take { count, .. } if outcome.ok => granted.push((now, count)),
+                Act::Adjust { count } if count < 0.0 => given.push((now, -count)),
+                _ => {}
+            }
+            after.push(states.clone());
+        }
+        (after, granted, given)
+    }
+
+    /// The most one unsharded limit of `config` may grant in `[a, b]` (SPEC §2): its
+    /// capacity, what flows in meanwhile, and what reservations may book ahead.
+    fn limit_bound(config: &Config, a: f64, b: f64) -> f64 {
+        let reserved = config.max_reserved().unwrap_or(0.0);
+        let inflow = match config.kind() {
+            crate::Kind::TokenBucket => config.rate() * (b - a) / config.period(),
+            // One allowance per window that begins within (a, b].
+            crate::Kind::FixedWindow => {
+                config.rate() * ((b / config.period()).floor() - (a / config.period()).floor())
+            }
+        };
+        config.capacity() + reserved + inflow
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 3_000, ..ProptestConfig::default() })]
+
+        /// An adjust never raises a shard above its capacity, however much it gives back.
+        #[test]
+        fn adjust_never_raises_a_state_above_capacity(
+            config in limit(),
+            acts in prop::collection::vec(act(), 1..60),
+            random in any::<u64>(),
+        ) {
+            let cap = config.per_shard().capacity();
+            let (after, _, _) = run_acts(&config, &acts, random);
+            for states in after {
+                for state in states.into_iter().flatten() {
+                    prop_assert!(state.value <= cap, "{} over {cap}", state.value);
+                }
+            }
+        }
+
+        /// Any sequence of takes and adjusts grants, over every interval, at most what the
+        /// limit grants without adjusts (capacity, inflow, reservations) plus what was given
+        /// back within the interval.
+        #[test]
+        fn takes_and_adjusts_grant_at_most_the_bound_plus_what_was_given_back(
+            config in limit().prop_map(|c| c.with_shards(1)),
+            acts in prop::collection::vec(act(), 1..80),
+            random in any::<u64>(),
+        ) {
+            let (_, granted, given) = run_acts(&config, &acts, random);
+            for (i, &(a, _)) in granted.iter().enumerate() {
+                let mut sum = 0.0;
+                for &(b, count) in &granted[i..] {
+                    sum += count;
+                    let back: f64 =
+                        given.iter().filter(|(t, _)| (a..=b).contains(t)).map(|(_, g)| g).sum();
+                    let bound = limit_bound(&config, a, b) + back;
+                    prop_assert!(sum <= bound + 1e-9, "{sum} granted in [{a}, {b}], bound {bound}");
+                }
+            }
+        }
+
+        /// Split into steps (Redis Cluster), an adjust settles on the same shard and leaves
+        /// the same states as the whole plan decided at once.
+        #[test]
+        fn an_adjust_split_answers_as_the_whole_plan(
+            config in limit().prop_map(|c| c.with_shards(3)),
+            count in (-16i32..=16).prop_map(|c| f64::from(c) / 2.0),
+            random in any::<u64>(),
+            a in state(),
+            b in state(),
+        ) {
+            let take = Take { name: "hot", key: None, config, count, reserve: false };
+            let plan = Plan::adjust(&take, 0, random).unwrap();
+            let now = 1_000_000.0;
+            let mut whole = [a, b];
+            let expected = plan.decide(now, &mut whole);
+            let mut stepped = [a, b];
+            let got = run_split(&plan, now, &mut stepped);
+            prop_assert_eq!(got.value, expected.value);
+            prop_assert_eq!(got.decision(), expected.decision());
+            prop_assert_eq!(stepped, whole);
+        }
+    }
+
+    #[test]
+    fn adjust_settles_on_the_fuller_shard_or_gives_to_the_emptier() {
+        let config = Config::token_bucket(40.0, MINUTE).with_shards(4); // 10 a shard
+        let take = |count| Take { name: "n", key: None, config, count, reserve: false };
+        let full = |v| Some(State { value: v, ts: 0.0 });
+        for random in 0..50u64 {
+            let plan = Plan::adjust(&take(3.0), 0, random).unwrap();
+            assert_eq!(plan.slots().len(), 2, "two sampled shards");
+            let mut states = [full(2.0), full(8.0)];
+            let outcome = plan.decide(0.0, &mut states);
+            assert_eq!(states, [full(2.0), full(5.0)], "taken from the fuller");
+            assert_eq!(outcome.value, Some(20.0));
+            assert_eq!(outcome.changed.as_slice(), &[false, true]);
+            let plan = Plan::adjust(&take(-9.0), 0, random).unwrap();
+            let mut states = [full(2.0), full(8.0)];
+            plan.decide(0.0, &mut states);
+            assert_eq!(states, [full(10.0), full(8.0)], "given to the emptier; 1 dropped");
+        }
+        // Two shards: both sampled.
+        let two = Config::token_bucket(20.0, MINUTE).with_shards(2);
+        let plan = Plan::adjust(&Take { config: two, ..take(1.0) }, 0, 3).unwrap();
+        assert_eq!(plan.slots().len(), 2);
+    }
+
+    #[test]
+    fn adjust_counts_must_be_finite() {
+        let config = Config::token_bucket(10.0, MINUTE);
+        for count in [f64::NAN, f64::INFINITY, -2e15] {
+            let take = Take { name: "n", key: None, config, count, reserve: false };
+            let err = Plan::adjust(&take, 0, 0).unwrap_err();
+            assert!(err.to_string().starts_with("Rate limit n adjust count "), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_leased_cap_bounds_what_an_adjust_gives_back() {
+        let config = Config::fixed_window(10.0, MINUTE).with_start(0.0);
+        let take = Take { name: "n", key: None, config, count: -8.0, reserve: false };
+        let plan = Plan::adjust(&take, 0, 0).unwrap();
+        let mut states = [Some(State { value: 1.0, ts: 0.0 })];
+        // 6 tokens leased out: the state may hold at most 4.
+        let outcome = plan.decide_under(1.0, &mut states, &[4.0]);
+        assert_eq!(states[0].unwrap().value, 4.0);
+        assert_eq!(outcome.value, Some(4.0));
+        // A fixed window's debt waits for whole windows.
+        let debt = Plan::adjust(&Take { count: 25.0, ..take }, 0, 0).unwrap();
+        let outcome = debt.decide(30_000.0, &mut states);
+        assert_eq!(outcome.value, Some(-21.0));
+        assert_eq!(outcome.retry_after, Some(3.0 * MINUTE - 30_000.0));
     }
 
     #[test]

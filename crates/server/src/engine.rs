@@ -40,6 +40,8 @@ pub enum Op {
     Reset,
     /// `POST /v1/value`.
     Value,
+    /// `POST /v1/adjust`.
+    Adjust,
 }
 
 impl Op {
@@ -51,6 +53,7 @@ impl Op {
             Op::Transaction => "transaction",
             Op::Reset => "reset",
             Op::Value => "value",
+            Op::Adjust => "adjust",
         }
     }
 
@@ -62,12 +65,13 @@ impl Op {
             Op::Transaction => "POST /v1/transaction",
             Op::Reset => "POST /v1/reset",
             Op::Value => "POST /v1/value",
+            Op::Adjust => "POST /v1/adjust",
         }
     }
 
     /// The operation named `name`.
     pub fn parse(name: &str) -> Option<Op> {
-        [Op::Limit, Op::Check, Op::Transaction, Op::Reset, Op::Value]
+        [Op::Limit, Op::Check, Op::Transaction, Op::Reset, Op::Value, Op::Adjust]
             .into_iter()
             .find(|op| op.name() == name)
     }
@@ -105,6 +109,19 @@ struct ResetBody {
     name: String,
     #[serde(default)]
     key: Option<String>,
+    #[serde(default, deserialize_with = "object_or_null")]
+    config: Option<RawConfig>,
+}
+
+/// SPEC §6's `{ name, key?, count, config? }` of `POST /v1/adjust`: `count` is required
+/// and signed.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct AdjustBody {
+    name: String,
+    #[serde(default)]
+    key: Option<String>,
+    count: f64,
     #[serde(default, deserialize_with = "object_or_null")]
     config: Option<RawConfig>,
 }
@@ -402,6 +419,10 @@ impl Engine {
                 Ok(b) => d.value(b, self.leases.as_ref()).await,
                 Err(answer) => Err(answer),
             },
+            Op::Adjust => match parse(body) {
+                Ok(b) => d.adjust(b).await,
+                Err(answer) => Err(answer),
+            },
         };
         result.unwrap_or_else(|answer| answer)
     }
@@ -616,6 +637,21 @@ impl Defined {
         let key = body.key.as_deref();
         self.limiter.forget_async(&body.name, key).await.map_err(|e| self.error(e))?;
         Ok(Answer::ok(json!({})))
+    }
+
+    /// Settles a cost known only after the work (SPEC §4): `{ value, retryAfter? }`, never
+    /// refused (a debt shows as a negative value and the wait until it is paid).
+    async fn adjust(&self, body: AdjustBody) -> Result<Answer, Answer> {
+        crate::otel::note("tollgate.limits", || body.name.clone());
+        let target = self.target(&body.name, body.config.as_ref())?;
+        let key = body.key.as_deref();
+        let adjusted =
+            self.limiter.adjust_async(target, key, body.count).await.map_err(|e| self.error(e))?;
+        let mut answer = json!({ "value": number(adjusted.value) });
+        if let Some(wait) = adjusted.retry_after {
+            answer["retryAfter"] = number(wait);
+        }
+        Ok(Answer::ok(answer))
     }
 
     async fn value(

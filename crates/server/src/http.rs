@@ -74,6 +74,7 @@ fn routes(app: Arc<App>) -> Router {
         .route("/v1/transaction", post(|s, b| operation(s, Op::Transaction, b)))
         .route("/v1/reset", post(|s, b| operation(s, Op::Reset, b)))
         .route("/v1/value", post(|s, b| operation(s, Op::Value, b)))
+        .route("/v1/adjust", post(|s, b| operation(s, Op::Adjust, b)))
         .route(
             "/v1/time",
             get(|State(app): State<Arc<App>>| async move { app.engine.time().await }),

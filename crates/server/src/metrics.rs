@@ -8,8 +8,8 @@ use std::time::Duration;
 /// Upper bounds of the latency histogram's buckets, in seconds.
 const BUCKETS: [f64; 12] =
     [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
-const OPS: [&str; 8] =
-    ["limit", "check", "transaction", "reset", "value", "time", "config", "throttle"];
+const OPS: [&str; 9] =
+    ["limit", "check", "transaction", "reset", "value", "adjust", "time", "config", "throttle"];
 const OUTCOMES: [&str; 5] = ["ok", "refused", "invalid", "not_defined", "store_error"];
 
 /// The listener a request came by: its `protocol` label.

@@ -87,14 +87,16 @@ impl Simulation {
             _ => {
                 return error(
                     StatusCode::BAD_REQUEST,
-                    "op: missing; one of limit, check, transaction, reset, value",
+                    "op: missing; one of limit, check, transaction, reset, value, adjust",
                 );
             }
         };
         let Some(op) = Op::parse(&op) else {
             return error(
                 StatusCode::BAD_REQUEST,
-                &format!("op: {op:?} is not one of limit, check, transaction, reset, value"),
+                &format!(
+                    "op: {op:?} is not one of limit, check, transaction, reset, value, adjust"
+                ),
             );
         };
         self.clock.set(at);
@@ -126,7 +128,7 @@ impl Simulation {
                     .map(|(l, r)| (l, if refused { Taken::Refused } else { outcome(r) }))
                     .collect()
             }
-            Op::Reset | Op::Value => return,
+            Op::Reset | Op::Value | Op::Adjust => return,
         };
         for (request, outcome) in asked {
             let Some(name) = request["name"].as_str() else { continue };

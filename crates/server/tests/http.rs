@@ -220,6 +220,50 @@ async fn transactions_are_all_or_nothing() {
     assert_eq!(post(&app, "/v1/value", r#"{"name":"example"}"#).await.body["value"], json!(3));
 }
 
+/// `POST /v1/adjust` (SPEC §4): a cost settled after the work, signed, never refused, never
+/// above capacity; a debt shows as a negative value and the wait until it is paid, and
+/// delays the next requests by exactly that.
+#[tokio::test]
+async fn adjust_settles_a_cost_after_the_work() {
+    let (app, clock) = app();
+    // `example`: 10 a minute, capacity 3. The estimate: 2.
+    let r = post(&app, "/v1/limit", r#"{"name":"example","key":"u","count":2}"#).await;
+    assert_eq!(r.body, json!({ "ok": true }));
+    // The work used 4: 2 more, 1 short (6 s at a token each 6 s).
+    let r = post(&app, "/v1/adjust", r#"{"name":"example","key":"u","count":2}"#).await;
+    assert_eq!((r.status, r.body), (StatusCode::OK, json!({ "value": -1, "retryAfter": 6000 })));
+    let r = post(&app, "/v1/limit", r#"{"name":"example","key":"u"}"#).await;
+    assert_eq!(r.body, json!({ "ok": false, "retryAfter": 12000 }), "the debt comes first");
+    // Given back: never above capacity.
+    clock.advance(3_000.0);
+    let r = post(&app, "/v1/adjust", r#"{"name":"example","key":"u","count":-10}"#).await;
+    assert_eq!(r.body, json!({ "value": 3 }));
+    let r = post(&app, "/v1/value", r#"{"name":"example","key":"u"}"#).await;
+    assert_eq!(r.body["value"], json!(3));
+    // Inline configs, as for any operation.
+    let inline = r#"{"name":"tokens","key":"u","count":1500,"config":{"kind":"fixed window","rate":1000,"period":"1m","start":0}}"#;
+    let r = post(&app, "/v1/adjust", inline).await;
+    assert_eq!(r.body["value"], json!(-500));
+    // Bad input: 400, nothing settled.
+    for body in [
+        r#"{"name":"example","key":"u"}"#,
+        r#"{"name":"example","key":"u","count":"2"}"#,
+        r#"{"name":"example","key":"u","count":1e300}"#,
+        r#"{"name":"example","key":"u","count":1,"reserve":true}"#,
+    ] {
+        let r = post(&app, "/v1/adjust", body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {:?}", r.body);
+    }
+    let r = post(&app, "/v1/adjust", r#"{"name":"nope","count":1}"#).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = post(&app, "/v1/value", r#"{"name":"example","key":"u"}"#).await;
+    assert_eq!(r.body["value"], json!(3), "nothing settled by the refused bodies");
+    let m = get(&app, "/metrics").await;
+    let text = m.body.as_str().unwrap();
+    let line = "tollgate_requests_total{op=\"adjust\",outcome=\"ok\",protocol=\"http\"} 3";
+    assert!(text.contains(line), "{line} in\n{text}");
+}
+
 #[tokio::test]
 async fn reset_value_time_config() {
     let (app, _) = app();
@@ -505,6 +549,7 @@ async fn read_tokens_read_and_nothing_else() {
         ("POST", "/v1/limit", one),
         ("POST", "/v1/reset", one),
         ("POST", "/v1/transaction", transaction),
+        ("POST", "/v1/adjust", r#"{"name":"small","key":"k","count":-1}"#),
         ("GET", "/v1/stats", ""),
         ("GET", "/metrics", ""),
         ("POST", "/json", "{}"),
@@ -671,6 +716,7 @@ async fn metrics_and_openapi() {
         "/v1/transaction",
         "/v1/reset",
         "/v1/value",
+        "/v1/adjust",
         "/v1/time",
         "/v1/config",
         "/healthz",

@@ -257,6 +257,16 @@ fn tg_commands_answer_as_http() {
     let (_, http) = served.post("/v1/value", &json!({ "name": "twin", "key": hk }));
     same(&resp, &http, "value");
     assert_eq!(resp["value"], json!(0));
+    // adjust: a cost settled after the work, signed; the twin of POST /v1/adjust.
+    let resp = tg(&mut c, &["TG.ADJUST", "twin", "KEY", &rk, "COUNT", "-2"]);
+    let (_, http) = served.post("/v1/adjust", &json!({ "name": "twin", "key": hk, "count": -2 }));
+    same(&resp, &http, "adjust");
+    assert_eq!(resp, json!({ "value": 2 }));
+    let resp = tg(&mut c, &["TG.ADJUST", "twin", "COUNT", "3", "KEY", &rk]);
+    let (_, http) = served.post("/v1/adjust", &json!({ "name": "twin", "key": hk, "count": 3 }));
+    same(&resp, &http, "adjust into debt");
+    assert_eq!(resp["value"], json!(-1));
+    assert!(resp["retryAfter"].as_f64().unwrap() > 0.0, "{resp}");
     // A transaction, all or nothing: one limit refuses, so nothing is taken of the other.
     let (rk2, hk2) = (unique("resp"), unique("http"));
     let resp = tg(
@@ -583,6 +593,7 @@ fn tokens_as_on_http() {
     for (command, args) in [
         ("TG.LIMIT", vec!["twin"]),
         ("TG.RESET", vec!["twin"]),
+        ("TG.ADJUST", vec!["twin", "COUNT", "-1"]),
         ("CL.THROTTLE", vec!["k", "1", "1", "1"]),
     ] {
         let e = error(&mut r, command, &args);

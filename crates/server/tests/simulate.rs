@@ -55,6 +55,32 @@ fn the_spec_examples() {
     );
 }
 
+/// `adjust` lines (SPEC §4): the LLM pattern, an estimate taken, the difference settled.
+#[test]
+fn adjust_lines_settle_costs_after_the_work() {
+    let sim = Simulation::new(&limits(), 0);
+    let out = run(
+        &sim,
+        &[
+            r#"{"at":0,"op":"limit","name":"tb","count":4}"#,
+            r#"{"at":0,"op":"adjust","name":"tb","count":9}"#,
+            r#"{"at":0,"op":"limit","name":"tb"}"#,
+            r#"{"at":12000,"op":"adjust","name":"tb","count":-20}"#,
+            r#"{"at":12000,"op":"adjust","name":"tb"}"#,
+        ],
+    );
+    assert_eq!(
+        out,
+        [
+            r#"{"ok":true}"#,
+            r#"{"retryAfter":18000,"value":-3}"#,
+            r#"{"ok":false,"retryAfter":24000}"#,
+            r#"{"value":10}"#,
+            r#"{"error":"invalid request body: missing field `count` at line 1 column 13","status":400}"#,
+        ]
+    );
+}
+
 #[test]
 fn a_transaction_is_refused_as_a_whole() {
     let sim = Simulation::new(&limits(), 0);
@@ -103,7 +129,7 @@ fn bad_lines_are_answered_and_the_run_goes_on() {
             r#"{"error":"a line must be a JSON object","status":400}"#,
             r#"{"error":"at: missing (ms since the Unix epoch)","status":400}"#,
             r#"{"error":"at: must be a number (ms since the Unix epoch)","status":400}"#,
-            r#"{"error":"op: \"fly\" is not one of limit, check, transaction, reset, value","status":400}"#,
+            r#"{"error":"op: \"fly\" is not one of limit, check, transaction, reset, value, adjust","status":400}"#,
             r#"{"error":"Rate limit nope not defined. Define it in a [limits.nope] table of the server's config file, or send a config with the request.","status":404}"#,
             r#"{"error":"Rate limit tb count 11 exceeds 10.","status":400}"#,
             r#"{"ok":true}"#,

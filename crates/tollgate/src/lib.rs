@@ -80,8 +80,8 @@ pub use limiter::{
 };
 pub use store::{AsyncStore, MemoryStore, MemoryStoreBuilder, Store};
 pub use tollgate_algebra::{
-    Clock, Config, ConfigError, DAY, Decision, HOUR, Kind, MINUTE, ManualClock, RawConfig, Reading,
-    SECOND, State, Status, SystemClock, Taken,
+    Adjusted, Clock, Config, ConfigError, DAY, Decision, HOUR, Kind, MINUTE, ManualClock,
+    RawConfig, Reading, SECOND, State, Status, SystemClock, Taken,
 };
 
 /// The algebra, re-exported: evaluate states yourself, or build a store.

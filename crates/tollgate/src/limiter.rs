@@ -9,8 +9,8 @@ use foldhash::fast::RandomState;
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 use tollgate_algebra::{
-    Carry, Config, Decision, Inline, OneTake, Outcome, Plan, Reading, Sample, Slot, Status, Take,
-    Taken, alignment, carry_counts, carrying, read, splitmix64, unit_interval,
+    Adjusted, Carry, Config, Decision, Inline, OneTake, Outcome, Plan, Reading, Sample, Slot,
+    Status, Take, Taken, alignment, carry_counts, carrying, read, splitmix64, unit_interval,
 };
 
 use crate::error::Error;
@@ -673,6 +673,47 @@ impl<S: Store> RateLimiter<S> {
         Ok(carried)
     }
 
+    /// Settles a cost known only after the work (SPEC §4, `adjust`): `count`, signed, is what
+    /// the work used beyond (+) or below (-) what was taken for it. Never refused: the limit's
+    /// value may go negative (a debt that delays the next requests; [`Adjusted::retry_after`]
+    /// says until when) and is never raised above its capacity (what does not fit is
+    /// dropped). The pattern: take (or reserve) an estimate, do the work, settle the
+    /// difference. With shards, a positive count is taken from the fuller of two sampled
+    /// shards, a negative one given to the emptier.
+    ///
+    /// A store failure is an error even for a limit that fails open: nothing was settled.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`] for an unknown name; [`Error::Invalid`] for a bad key or a count
+    /// that is not finite; [`Error::Store`] if the store fails.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate::{Config, ManualClock, MemoryStore, RateLimiter, Request, MINUTE};
+    ///
+    /// let limiter = RateLimiter::new(MemoryStore::with_clock(ManualClock::new(0.0)));
+    /// let tokens = ("llmTokens", Config::token_bucket(1_000.0, MINUTE)); // 1000 a minute
+    /// // Reserve the estimate before the call...
+    /// assert!(limiter.limit(tokens, Request::new().key("alice").count(300.0)).unwrap().ok);
+    /// // ...which used 450: settle the other 150.
+    /// let settled = limiter.adjust(tokens, Some("alice"), 150.0).unwrap();
+    /// assert_eq!(settled.value, 550.0);
+    /// // A call that used 100 of its 300 gives 200 back.
+    /// assert!(limiter.limit(tokens, Request::new().key("alice").count(300.0)).unwrap().ok);
+    /// assert_eq!(limiter.adjust(tokens, Some("alice"), -200.0).unwrap().value, 450.0);
+    /// ```
+    pub fn adjust<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        key: Option<&'a str>,
+        count: f64,
+    ) -> Result<Adjusted, Error> {
+        let plan = self.adjust_plan(target.into(), key, count)?;
+        adjusted(self.store.execute(&plan)?)
+    }
+
     /// The value of (name, key): one shard's stored state, or for a sharded limit the total
     /// estimated from one sampled shard. See [`RateLimiter::value_sampled`].
     ///
@@ -859,6 +900,24 @@ impl<S: AsyncStore> RateLimiter<S> {
             carried += 1;
         }
         Ok(carried)
+    }
+
+    /// [`RateLimiter::adjust`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::adjust`].
+    pub async fn adjust_async<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        key: Option<&'a str>,
+        count: f64,
+    ) -> Result<Adjusted, Error> {
+        let plan = self.adjust_plan(target.into(), key, count)?;
+        if let Some(now) = self.store.immediate() {
+            return adjusted(now.execute(&plan)?);
+        }
+        adjusted(self.store.execute_async(&plan).await?)
     }
 
     /// [`RateLimiter::value`], awaited.
@@ -1312,6 +1371,19 @@ impl<S> RateLimiter<S> {
         Ok((target.name(), shards))
     }
 
+    /// The plan of an adjust of (target, key) by `count`, validated.
+    fn adjust_plan<'a>(
+        &self,
+        target: Target<'a>,
+        key: Option<&'a str>,
+        count: f64,
+    ) -> Result<Plan<'a>, Error> {
+        let config = *self.resolve(&target)?;
+        let random = if config.shards() > 1 { self.draw() } else { 0 };
+        let take = Take { name: target.name(), key, config, count, reserve: false };
+        Ok(Plan::adjust(&take, self.setup.seed, random)?)
+    }
+
     /// What a reading of (target, key) reads: the config and the sampled slots.
     fn to_read<'a>(
         &self,
@@ -1378,6 +1450,13 @@ impl<S> RateLimiter<S> {
             None => thread_random(),
         }
     }
+}
+
+/// What a store's outcome of an adjust's plan says: a store that answers it with the
+/// outcome of takes is broken, an error rather than a made-up value.
+fn adjusted(outcome: Outcome) -> Result<Adjusted, Error> {
+    let broken = || crate::error::StoreError::new("the store answered an adjust as takes");
+    Ok(outcome.adjusted().ok_or_else(broken)?)
 }
 
 /// The takes that carry (name, key) from `old` to `new` (see [`RateLimiter::carry`]), given

@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use tokio::runtime::Runtime;
 use tollgate_algebra::{
-    Config, Decision, HOUR, MINUTE, ManualClock, Reading, SECOND, State, Taken,
+    Adjusted, Config, Decision, HOUR, MINUTE, ManualClock, Reading, SECOND, State, Taken,
 };
 
 use crate::error::Error;
@@ -40,7 +40,7 @@ use crate::store::{AsyncStore, Store};
 pub const T0: f64 = 1_700_000_000_000.0;
 
 /// The behaviours' names, in the order they run.
-pub const BEHAVIOURS: [&str; 17] = [
+pub const BEHAVIOURS: [&str; 18] = [
     "token_bucket_spec_numbers",
     "token_bucket_spec_numbers_reserved",
     "fixed_window_spec_numbers",
@@ -57,6 +57,7 @@ pub const BEHAVIOURS: [&str; 17] = [
     "sharded_never_over_admits",
     "status_after_requests",
     "carrying_keeps_every_limit",
+    "adjust_settles_after_the_work",
     "concurrent_exactness",
 ];
 
@@ -103,7 +104,7 @@ pub fn run_async<S: AsyncStore + 'static>(make: impl Fn(&Runtime, ManualClock) -
 type Behaviour<A> = fn(&dyn Fn() -> (A, ManualClock));
 
 fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
-    let all: [Behaviour<A>; 17] = [
+    let all: [Behaviour<A>; 18] = [
         behaviours::token_bucket_spec_numbers,
         behaviours::token_bucket_spec_numbers_reserved,
         behaviours::fixed_window_spec_numbers,
@@ -120,6 +121,7 @@ fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
         behaviours::sharded_never_over_admits,
         behaviours::status_after_requests,
         behaviours::carrying_keeps_every_limit,
+        behaviours::adjust_settles_after_the_work,
         behaviours::concurrent_exactness,
     ];
     for (name, behaviour) in BEHAVIOURS.iter().zip(all) {
@@ -165,6 +167,7 @@ macro_rules! conformance_tests {
             sharded_never_over_admits,
             status_after_requests,
             carrying_keeps_every_limit,
+            adjust_settles_after_the_work,
             concurrent_exactness);
     };
     (@each $api:ident, $make:expr, $when:expr; $($test:ident),*) => {
@@ -247,6 +250,13 @@ pub trait Api: Send + Sync + 'static {
         key: Option<&str>,
         sample_shards: u16,
     ) -> Result<Reading, Error>;
+    /// [`RateLimiter::adjust`].
+    fn adjust<'a>(
+        &self,
+        t: impl Into<Target<'a>>,
+        key: Option<&'a str>,
+        count: f64,
+    ) -> Result<Adjusted, Error>;
     /// [`RateLimiter::value`].
     fn value<'a>(&self, t: impl Into<Target<'a>>, key: Option<&str>) -> Result<Reading, Error> {
         self.value_sampled(t, key, 1)
@@ -317,6 +327,14 @@ impl<S: Store + Send + Sync + 'static> Api for SyncApi<S> {
         sample_shards: u16,
     ) -> Result<Reading, Error> {
         self.0.value_sampled(t, key, sample_shards)
+    }
+    fn adjust<'a>(
+        &self,
+        t: impl Into<Target<'a>>,
+        key: Option<&'a str>,
+        count: f64,
+    ) -> Result<Adjusted, Error> {
+        self.0.adjust(t, key, count)
     }
     fn race(&self, limit: Target<'static>, callers: usize, calls: usize) -> usize {
         let start = Arc::new(std::sync::Barrier::new(callers));
@@ -405,6 +423,14 @@ impl<S: AsyncStore + 'static> Api for AsyncApi<S> {
         sample_shards: u16,
     ) -> Result<Reading, Error> {
         self.on(self.limiter.value_sampled_async(t.into(), key, sample_shards))
+    }
+    fn adjust<'a>(
+        &self,
+        t: impl Into<Target<'a>>,
+        key: Option<&'a str>,
+        count: f64,
+    ) -> Result<Adjusted, Error> {
+        self.on(self.limiter.adjust_async(t.into(), key, count))
     }
     fn race(&self, limit: Target<'static>, callers: usize, calls: usize) -> usize {
         self.on(async {
@@ -692,6 +718,55 @@ pub mod behaviours {
             matches!(err, Error::RateLimited { ref name, retry_after } if name == "small" && retry_after == 20_000.0),
             "{err:?}"
         );
+    }
+
+    /// `adjust` (SPEC §4): a cost settled after the work, signed, never refused, never above
+    /// capacity; a debt delays the next requests by exactly what it owes.
+    pub fn adjust_settles_after_the_work<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+        let (l, clock) = setup();
+        let (k, u) = (Some("u"), Request::new().key("u"));
+        let settled = |value, retry_after| Adjusted { value, retry_after };
+        // 4 taken as the estimate; the work used 7: 3 more.
+        assert!(l.limit(tb(), u.count(4.0)).unwrap().ok);
+        assert_eq!(l.adjust(tb(), k, 3.0).unwrap(), settled(3.0, None));
+        // 5 more than it holds: never refused, a debt of 2 (a token each 6 s).
+        assert_eq!(l.adjust(tb(), k, 5.0).unwrap(), settled(-2.0, Some(12_000.0)));
+        assert_eq!(state(&l, tb(), k), State { value: -2.0, ts: T0 });
+        assert_eq!(l.limit(tb(), u).unwrap(), refused(18_000.0), "the debt delays the next");
+        clock.advance(6.0 * SECOND);
+        // Given back: never above capacity.
+        assert_eq!(l.adjust(tb(), k, -20.0).unwrap(), settled(10.0, None));
+        assert_eq!(l.value(tb(), k).unwrap().value, 10.0);
+        assert!(l.limit(tb(), u.count(10.0)).unwrap().ok);
+        assert_eq!(l.adjust(tb(), k, -2.5).unwrap(), settled(2.5, None));
+        // A fixed window's debt waits for whole windows: 15 short at T0 + 6 s, windows of 10
+        // from T0, back at 0 at T0 + 2 min.
+        assert_eq!(l.adjust(fw(), k, 25.0).unwrap(), settled(-15.0, Some(114_000.0)));
+        assert_eq!(l.limit(fw(), u).unwrap(), refused(114_000.0));
+        clock.advance(MINUTE);
+        assert_eq!(l.adjust(fw(), k, 0.0).unwrap(), settled(-5.0, Some(54_000.0)));
+        // Bad input is an error, and changes nothing.
+        assert!(matches!(l.adjust(tb(), k, f64::NAN), Err(Error::Invalid(_))));
+        assert!(matches!(l.adjust(tb(), k, f64::INFINITY), Err(Error::Invalid(_))));
+        assert!(matches!(l.adjust("nowhere", k, 1.0), Err(Error::NotDefined { .. })));
+        let before = state(&l, tb(), k);
+        assert!(l.adjust(tb(), Some(&"k".repeat(1025)), 1.0).is_err());
+        assert_eq!(state(&l, tb(), k), before);
+        // Sharded: a count goes to one of two sampled shards, none raised past its share.
+        let sharded =
+            Target::Inline("shardedCost", Config::token_bucket(40.0, MINUTE).with_shards(4));
+        let total = |l: &A| l.value_sampled(sharded, k, 4).unwrap().value;
+        assert_eq!(l.adjust(sharded, k, 8.0).unwrap().value, 8.0, "2 left of 10, times 4");
+        assert_eq!(total(&l), 32.0);
+        // Given back: to the emptier of two sampled shards (the short one, once sampled);
+        // what a full shard cannot hold is dropped, never moved.
+        let mut totals = Vec::new();
+        while totals.last() != Some(&40.0) && totals.len() < 64 {
+            assert!(l.adjust(sharded, k, -100.0).unwrap().value <= 40.0);
+            totals.push(total(&l));
+        }
+        assert!(totals.iter().all(|&t| t == 32.0 || t == 40.0), "{totals:?}");
+        assert_eq!(totals.last(), Some(&40.0), "{totals:?}");
     }
 
     /// A sharded limit never admits more than its capacity, and its shards stay usable.

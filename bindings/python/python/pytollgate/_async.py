@@ -6,7 +6,7 @@ import asyncio
 from types import TracebackType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Type
 
-from tollgate_client import Decision, TollgateError, TransactionResult, ValueReading, _core
+from tollgate_client import Adjusted, Decision, TollgateError, TransactionResult, ValueReading, _core
 from tollgate_client._core import Limits, TransactionCall
 
 from . import _common, _native
@@ -125,6 +125,21 @@ class AsyncRateLimiter:
     async def reset(self, name: str, key: Optional[str] = None) -> None:
         """Forgets the state of ``name`` for ``key``."""
         _core.answer(await self._run("reset", self._bodies.reset(name, key)))
+
+    async def adjust(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        *,
+        count: float,
+        config: Optional[Mapping[str, Any]] = None,
+    ) -> Adjusted:
+        """Settles a cost known only after the work: ``count``, signed, is what the work
+        used beyond (+) or below (-) what was taken for it. Never refused: a debt leaves a
+        negative value that the next requests wait for; a give-back never raises the limit
+        above its capacity."""
+        body = self._bodies.adjust(name, key, count, config)
+        return _core.adjusted(await self._run("adjust", body))
 
     async def get_value(
         self,

@@ -18,10 +18,11 @@ PATHS = {
     "transaction": "/v1/transaction",
     "reset": "/v1/reset",
     "value": "/v1/value",
+    "adjust": "/v1/adjust",
     "time": "/v1/time",
     "config": "/v1/config",
 }
-WRITES = {"limit": True, "transaction": True, "reset": True}
+WRITES = {"limit": True, "transaction": True, "reset": True, "adjust": True}
 
 LeaseOptions = Union[bool, Mapping[str, float]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Type
 
-from tollgate_client import Decision, TollgateError, TransactionResult, ValueReading, _core
+from tollgate_client import Adjusted, Decision, TollgateError, TransactionResult, ValueReading, _core
 from tollgate_client._core import Limits, TransactionCall
 
 from . import _common, _native
@@ -120,6 +120,21 @@ class RateLimiter:
     def reset(self, name: str, key: Optional[str] = None) -> None:
         """Forgets the state of ``name`` for ``key``: it is full again."""
         _core.answer(self._run("reset", self._bodies.reset(name, key)))
+
+    def adjust(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        *,
+        count: float,
+        config: Optional[Mapping[str, Any]] = None,
+    ) -> Adjusted:
+        """Settles a cost known only after the work: ``count``, signed, is what the work
+        used beyond (+) or below (-) what was taken for it. Never refused: a debt leaves a
+        negative value that the next requests wait for; a give-back never raises the limit
+        above its capacity."""
+        body = self._bodies.adjust(name, key, count, config)
+        return _core.adjusted(self._run("adjust", body))
 
     def get_value(
         self,

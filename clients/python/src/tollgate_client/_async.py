@@ -11,7 +11,7 @@ import httpx
 
 from . import _core, _deadline
 from ._core import Limits, TransactionCall
-from ._types import Decision, TransactionResult, ValueReading
+from ._types import Adjusted, Decision, TransactionResult, ValueReading
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -138,6 +138,21 @@ class AsyncRateLimiter:
         """Forgets the state of ``name`` for ``key``."""
         body = self._core.reset(name, key)
         _core.answer(await self._send("POST", self._core.reset_url, body, writes=True))
+
+    async def adjust(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        *,
+        count: float,
+        config: Optional[Mapping[str, Any]] = None,
+    ) -> Adjusted:
+        """Settles a cost known only after the work: ``count``, signed, is what the work
+        used beyond (+) or below (-) what was taken for it. Never refused: a debt leaves a
+        negative value that the next requests wait for; a give-back never raises the limit
+        above its capacity."""
+        body = self._core.adjust(name, key, count, config)
+        return _core.adjusted(await self._send("POST", self._core.adjust_url, body, writes=True))
 
     async def get_value(
         self,

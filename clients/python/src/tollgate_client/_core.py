@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 
 import httpx
 
-from ._types import Decision, LimitCall, TransactionResult, ValueReading
+from ._types import Adjusted, Decision, LimitCall, TransactionResult, ValueReading
 from ._version import __version__
 from .errors import RateLimitError, TollgateError
 
@@ -277,6 +277,19 @@ def value_reading(reply: Reply) -> ValueReading:
     raise _unexpected(reply, "not a value")
 
 
+def adjusted(reply: Reply) -> Adjusted:
+    """An adjust's answer: ``value`` a number, ``retryAfter`` absent or a wait."""
+    body = answer(reply)
+    value = _number(body.get("value"))
+    if value is not None:
+        if "retryAfter" not in body:
+            return Adjusted(value)
+        wait = _wait(body["retryAfter"])
+        if wait is not None:
+            return Adjusted(value, wait)
+    raise _unexpected(reply, "not an adjust's answer")
+
+
 def server_time(reply: Reply) -> float:
     now = _number(answer(reply).get("now"))
     if now is not None:
@@ -383,6 +396,24 @@ class Bodies:
             body["key"] = key
         return encode(body)
 
+    def adjust(
+        self,
+        name: str,
+        key: Optional[str],
+        count: float,
+        config: Optional[Mapping[str, Any]],
+    ) -> bytes:
+        finite = isinstance(count, (int, float)) and math.isfinite(count)
+        if isinstance(count, bool) or not finite:
+            raise ValueError(f"adjust: count must be a finite number; got {count!r}")
+        body: Dict[str, Any] = {"name": name, "count": count}
+        if key is not None:
+            body["key"] = key
+        inline = self.config_for(name, config)
+        if inline is not None:
+            body["config"] = inline
+        return encode(body)
+
     def value(
         self,
         name: str,
@@ -411,6 +442,7 @@ class Core(Bodies):
         "transaction_url",
         "reset_url",
         "value_url",
+        "adjust_url",
         "time_url",
         "config_url",
     )
@@ -435,6 +467,7 @@ class Core(Bodies):
         self.transaction_url = httpx.URL(base + "/v1/transaction")
         self.reset_url = httpx.URL(base + "/v1/reset")
         self.value_url = httpx.URL(base + "/v1/value")
+        self.adjust_url = httpx.URL(base + "/v1/adjust")
         self.time_url = httpx.URL(base + "/v1/time")
         self.config_url = httpx.URL(base + "/v1/config")
 

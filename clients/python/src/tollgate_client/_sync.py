@@ -9,7 +9,7 @@ import httpx
 
 from . import _core, _deadline
 from ._core import Limits, TransactionCall
-from ._types import Decision, TransactionResult, ValueReading
+from ._types import Adjusted, Decision, TransactionResult, ValueReading
 
 __all__ = ["RateLimiter"]
 
@@ -130,6 +130,21 @@ class RateLimiter:
         """Forgets the state of ``name`` for ``key``: it is full again."""
         body = self._core.reset(name, key)
         _core.answer(self._send("POST", self._core.reset_url, body, writes=True))
+
+    def adjust(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        *,
+        count: float,
+        config: Optional[Mapping[str, Any]] = None,
+    ) -> Adjusted:
+        """Settles a cost known only after the work: ``count``, signed, is what the work
+        used beyond (+) or below (-) what was taken for it. Never refused: a debt leaves a
+        negative value that the next requests wait for; a give-back never raises the limit
+        above its capacity."""
+        body = self._core.adjust(name, key, count, config)
+        return _core.adjusted(self._send("POST", self._core.adjust_url, body, writes=True))
 
     def get_value(
         self,

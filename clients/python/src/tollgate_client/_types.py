@@ -13,6 +13,7 @@ __all__ = [
     "Decision",
     "LimitCall",
     "LimitConfig",
+    "Adjusted",
     "TransactionResult",
     "ValueReading",
 ]
@@ -65,6 +66,16 @@ class TransactionResult:
     #: ``Retry-After`` header fields by their lower-case names, as the server wrote them
     #: (what the middleware sends).
     fields: Optional[Dict[str, str]] = None
+
+
+@dataclass(frozen=True)
+class Adjusted:
+    """The answer to ``adjust``: the limit's ``value`` after it (negative while in debt),
+    and while it is negative ``retry_after``, the milliseconds until it is back at 0 (the
+    next requests wait for it)."""
+
+    value: float
+    retry_after: Optional[float] = None
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,14 @@ pub struct Session {
 const REDIS_VERSION: &str = "7.2.0";
 
 /// The commands `COMMAND` lists: (name, arity as Redis writes it, flags).
-const COMMANDS: [(&str, i64, &[&str]); 19] = [
+const COMMANDS: [(&str, i64, &[&str]); 20] = [
     ("cl.throttle", -5, &["write", "fast"]),
     ("tg.limit", -2, &["write", "fast"]),
     ("tg.check", -2, &["readonly", "fast"]),
     ("tg.transaction", -1, &["write", "fast"]),
     ("tg.reset", -2, &["write", "fast"]),
     ("tg.value", -2, &["readonly", "fast"]),
+    ("tg.adjust", -4, &["write", "fast"]),
     ("tg.time", 1, &["readonly", "fast"]),
     ("tg.config", 1, &["readonly"]),
     ("auth", -2, &["noscript", "loading", "stale", "fast", "no_auth"]),
@@ -445,6 +446,7 @@ fn span_name(command: &str) -> &'static str {
         "tg.transaction" => "RESP TG.TRANSACTION",
         "tg.reset" => "RESP TG.RESET",
         "tg.value" => "RESP TG.VALUE",
+        "tg.adjust" => "RESP TG.ADJUST",
         "tg.time" => "RESP TG.TIME",
         _ => "RESP TG.CONFIG",
     }
@@ -611,6 +613,7 @@ fn summary(name: &str) -> &'static str {
         "tg.transaction" => "Takes from several limits, all or nothing",
         "tg.reset" => "Forgets a limit's state for a key",
         "tg.value" => "A limit's value for a key",
+        "tg.adjust" => "Settles a cost known after the work (signed COUNT), never refused",
         "tg.time" => "The server's clock in ms",
         "tg.config" => "The limits the server defines",
         _ => "A connection command, as Redis answers it",

@@ -58,6 +58,7 @@ fn usage(command: &str) -> &'static str {
         }
         "tg.reset" => "TG.RESET name [KEY key] [CONFIG json]",
         "tg.value" => "TG.VALUE name [KEY key] [SAMPLESHARDS n] [CONFIG json]",
+        "tg.adjust" => "TG.ADJUST name COUNT n [KEY key] [CONFIG json]",
         "tg.time" => "TG.TIME",
         _ => "TG.CONFIG",
     }
@@ -76,6 +77,7 @@ pub fn parse(command: &str, args: &[&[u8]]) -> Option<Result<Tg, String>> {
         "tg.transaction" => Op::Transaction,
         "tg.reset" => Op::Reset,
         "tg.value" => Op::Value,
+        "tg.adjust" => Op::Adjust,
         "tg.time" | "tg.config" => {
             if !args.is_empty() {
                 return Some(Err(format!("wrong number of arguments for '{command}' command")));
@@ -115,7 +117,7 @@ fn one(op: Op, name: &[u8], options: &[&[u8]]) -> Result<Map<String, Value>, Str
         let (field, json) = match (option.as_str(), op) {
             ("KEY", _) => ("key", Value::String(text(value("a key")?, "KEY")?.to_owned())),
             ("CONFIG", _) => ("config", config(value("a JSON object")?)?),
-            ("COUNT", Op::Limit | Op::Check | Op::Transaction) => {
+            ("COUNT", Op::Limit | Op::Check | Op::Transaction | Op::Adjust) => {
                 ("count", number(value("a number")?, "COUNT")?)
             }
             ("RESERVE", Op::Limit | Op::Check | Op::Transaction) => ("reserve", Value::Bool(true)),

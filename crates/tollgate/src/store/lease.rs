@@ -699,7 +699,7 @@ pub(crate) mod testing {
     use std::time::Duration;
 
     use proptest::prelude::*;
-    use tollgate_algebra::{Clock, Config, ManualClock, OneTake, Plan, Slot, Take};
+    use tollgate_algebra::{Adjusted, Clock, Config, ManualClock, OneTake, Plan, Slot, Take};
 
     use super::{Answer, LeaseStats, LeaseStore, Leased, Step};
     use crate::store::seam::AsyncStore;
@@ -1053,5 +1053,32 @@ pub(crate) mod testing {
         clock.advance(1_200.0);
         assert!(store.execute_async(&plan(&[&ten])).await.unwrap().ok);
         store.delete_async("plain", None, 1).await.ok();
+    }
+
+    /// `store`, leasing `hot` as for [`transaction_takes_a_leased_limit_directly`]: an
+    /// adjust settles on the store's state directly, and gives back no more than the leases
+    /// out leave room for (`capacity - outstanding`), else the tokens leased and those given
+    /// back could both be spent; a debt is kept with the records.
+    pub(crate) async fn an_adjust_gives_back_no_more_than_the_leases_leave(
+        store: &impl AsyncStore,
+        shared: &impl LeaseStore,
+    ) {
+        let slot = writing(&hot(1.0)).slot;
+        let grant = Step::Grant { holder: 7, want: 5.0, unused: 0.0, term: 60_000.0, share: 1.0 };
+        super::step(shared, &slot, grant).await.unwrap();
+        let adjust = |count| Plan::adjust(&hot(count), 0, 0).unwrap();
+        // 5 leased out: giving 8 back raises the rest to 5, not 10.
+        let given = store.execute_async(&adjust(-8.0)).await.unwrap();
+        assert_eq!(given.adjusted(), Some(Adjusted { value: 5.0, retry_after: None }));
+        // The work used 7 more: 2 in debt, 200 ms at 10 a second.
+        let taken = store.execute_async(&adjust(7.0)).await.unwrap();
+        assert_eq!(taken.adjusted(), Some(Adjusted { value: -2.0, retry_after: Some(200.0) }));
+        let (_, states) = store.read_async(&[slot]).await.unwrap();
+        assert_eq!(states[0].unwrap().value, -2.0);
+        // The record is still there: its 5 come back when it is returned.
+        let back = Step::Release { holder: 7, unused: 5.0 };
+        super::step(shared, &slot, back).await.unwrap();
+        let (_, states) = store.read_async(&[slot]).await.unwrap();
+        assert_eq!(states[0].unwrap().value, 3.0);
     }
 }

@@ -94,8 +94,8 @@ mod tests {
     use super::super::group_tests::{OnTable, url};
     use super::*;
     use crate::store::lease::testing::{
-        self, Leasing, Op, act, config, op, processes, run_op,
-        transaction_takes_a_leased_limit_directly, worst,
+        self, Leasing, Op, act, an_adjust_gives_back_no_more_than_the_leases_leave, config, op,
+        processes, run_op, transaction_takes_a_leased_limit_directly, worst,
     };
     use crate::store::lease::{Answer, LeaseOptions, LeaseStats};
     use crate::store::seam::AsyncStore;
@@ -240,6 +240,16 @@ mod tests {
     /// A transaction takes a leased limit directly from the table (not from a lease),
     /// all or nothing with the others, and never past what the leases out leave; the
     /// records are kept.
+    /// An adjust of a leased limit gives back no more than its leases leave room for (see
+    /// `an_adjust_gives_back_no_more_than_the_leases_leave`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_adjust_keeps_the_lease_bound() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let on = OnTable::leasing(&url, "lease_adjust", &clock, "hot").await;
+        an_adjust_gives_back_no_more_than_the_leases_leave(&on.store, &*on.store.shared).await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_transaction_takes_a_leased_limit_directly() {
         let Some(url) = url() else { return };

@@ -69,23 +69,28 @@ type Loaded = (f64, Vec<Option<State>>, Vec<Option<Vec<f64>>>);
 
 /// Decides `plan` on what [`load`] read. A state with lease records is first refilled under
 /// `capacity - outstanding` to `now` (`Leased::advance`), so a transaction takes a leased
-/// limit directly, never past what its leases leave; answers the records each keeps.
+/// limit directly, never past what its leases leave (nor does an adjust give back past
+/// it); answers the records each keeps.
 fn decide(plan: &Plan<'_>, (now, mut states, records): Loaded) -> Decided {
+    // What an adjust may raise each state to: a leased one's cap (see `Plan::decide_under`).
+    let mut caps = vec![f64::INFINITY; plan.slots().len()];
     let kept: Vec<Option<Vec<f64>>> = plan
         .slots()
         .iter()
         .zip(states.iter_mut())
         .zip(records)
-        .map(|((slot, state), records)| {
+        .zip(caps.iter_mut())
+        .map(|(((slot, state), records), cap)| {
             let mut leased = leased(*state, &records?);
             *state = Some(leased.advance(&slot.config, slot.alignment, now));
+            *cap = slot.config.capacity() - leased.outstanding();
             // Holder ids are below 2^53: exact as doubles.
             #[allow(clippy::cast_precision_loss)]
             let left = leased.leases.iter().flat_map(|(h, l)| [*h as f64, l.tokens, l.expiry]);
             Some(left.collect())
         })
         .collect();
-    let outcome = plan.decide(now, &mut states);
+    let outcome = plan.decide_under(now, &mut states, &caps);
     Decided { now, states, kept, outcome }
 }
 

@@ -257,8 +257,8 @@ mod tests {
 
     use super::*;
     use crate::store::lease::testing::{
-        self, Leasing, Op, act, config, op, processes, run_op,
-        transaction_takes_a_leased_limit_directly, worst,
+        self, Leasing, Op, act, an_adjust_gives_back_no_more_than_the_leases_leave, config, op,
+        processes, run_op, transaction_takes_a_leased_limit_directly, worst,
     };
     use crate::store::lease::{LeaseOptions, LeaseStats, MOST_HELD};
     use crate::store::seam::AsyncStore;
@@ -470,6 +470,16 @@ mod tests {
 
     /// A transaction takes a leased limit directly (the plan script refills it under the
     /// cap its records set, as the lease script does), all or nothing with a plain limit.
+    /// An adjust of a leased limit gives back no more than its leases leave room for (see
+    /// `an_adjust_gives_back_no_more_than_the_leases_leave`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_adjust_keeps_the_lease_bound() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let redis = leasing(&url, "adjust", "hot", &clock);
+        an_adjust_gives_back_no_more_than_the_leases_leave(&redis, &*redis.inner).await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_transaction_takes_a_leased_limit_directly() {
         let Some(url) = url() else { return };

@@ -452,7 +452,11 @@ impl<C: Clock> Inner<C> {
         for t in &takes {
             invocation
                 .arg(num(t.count))
-                .arg(if t.reserve { "1" } else { "0" })
+                .arg(match (t.adjust, t.reserve) {
+                    (true, _) => "2",
+                    (false, true) => "1",
+                    (false, false) => "0",
+                })
                 .arg(t.shards)
                 .arg(t.a + 1)
                 .arg(t.b.map_or(0, |b| b + 1));
@@ -471,12 +475,14 @@ impl<C: Clock> Inner<C> {
         // The answer comes from tollgate-algebra, on exactly what the script loaded and the
         // time it used (a leased state refilled under its cap as the script did); the
         // script only mirrored the decision to write.
-        let mut states = slots
+        let (mut states, caps): (Vec<_>, Vec<_>) = slots
             .iter()
             .zip(&reply[2..])
             .map(|(slot, loaded)| loaded_state(slot, loaded, now))
-            .collect::<Result<Vec<_>, _>>()?;
-        let outcome = plan.decide(now, &mut states);
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter()
+            .unzip();
+        let outcome = plan.decide_under(now, &mut states, &caps);
         if committed != (outcome.ok && plan.writes()) {
             return Err(disagree());
         }

@@ -159,7 +159,9 @@ end
 ///
 /// KEYS: one per slot. ARGV: now ("" = Redis `TIME`), writes (0/1), slot count, then per
 /// slot kind (0 token bucket, 1 fixed window), rate, period, capacity, maxReserved ("" =
-/// unbounded), alignment; then take count, then per take count, reserve (0/1), shards,
+/// unbounded), alignment; then take count, then per take count, reserve (0/1; 2 for an
+/// adjust, SPEC §4: settled on the fuller of A and B when positive, the emptier otherwise,
+/// under the capacity or a leased state's `capacity - outstanding`, never refused), shards,
 /// slot of A (1-based), slot of B (0 = none). Numbers come in as the shortest text that
 /// reads back exactly; a state is stored, and times and states are answered, as
 /// little-endian doubles packed with `struct` (16 bytes a state): exact, where Lua's
@@ -219,17 +221,33 @@ local function eval(i, st, count, reserve)
   return (nv >= 0) or (reserve and not over), nv, nts
 end
 
+local function adjust(i, count)
+  local _, nv, nts = eval(i, work[i], 0, false)
+  local cap = slot[i].cap
+  if recs[i] then cap = math.min(cap, cap - lease_outstanding(recs[i])) end
+  return math.min(nv - count, cap), nts
+end
+
 local all_ok = true
 local ntakes = tonumber(ARGV[p])
 p = p + 1
 for _ = 1, ntakes do
-  local count, reserve = tonumber(ARGV[p]), ARGV[p + 1] == '1'
+  local count, reserve, settle = tonumber(ARGV[p]), ARGV[p + 1] == '1', ARGV[p + 1] == '2'
   local shards, a, b = tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3]), tonumber(ARGV[p + 4])
   p = p + 5
   local ok_a, va, ta = eval(a, work[a], count, reserve)
   local put
   local ok
-  if b == 0 or shards < 2 or work[a] == nil then
+  if settle then
+    local i = a
+    if b ~= 0 and shards > 1 then
+      local _, na = eval(a, work[a], 0, false)
+      local _, nb = eval(b, work[b], 0, false)
+      if (count > 0 and nb > na) or (count <= 0 and nb < na) then i = b end
+    end
+    local nv, nts = adjust(i, count)
+    ok, put = true, { { i, nv, nts } }
+  elseif b == 0 or shards < 2 or work[a] == nil then
     ok, put = ok_a, { { a, va, ta } }
   else
     local ok_b, vb, tb = eval(b, work[b], count, reserve)

@@ -130,23 +130,26 @@ pub(super) fn unpack_state(v: &Value) -> Option<State> {
     }
 }
 
-/// The state of `slot` the plan script decided on, from what it `loaded` at `now`: a plain
-/// state as stored; a state with lease records refilled under `capacity - outstanding` to
-/// `now` (`Leased::advance`), as the script did.
+/// The state of `slot` the plan script decided on, from what it `loaded` at `now`, and the
+/// most an adjust may raise it to: a plain state as stored, under its capacity; a state with
+/// lease records refilled under `capacity - outstanding` to `now` (`Leased::advance`), as
+/// the script did, and under that cap.
 pub(super) fn loaded_state(
     slot: &Slot<'_>,
     loaded: &Value,
     now: f64,
-) -> Result<Option<State>, StoreError> {
+) -> Result<(Option<State>, f64), StoreError> {
+    let cap = slot.config.capacity();
     let bytes = match loaded {
         Value::BulkString(bytes) if !bytes.is_empty() => bytes,
-        _ => return Ok(None),
+        _ => return Ok((None, cap)),
     };
     if bytes.len() == 16 {
-        return Ok(unpack_state(loaded));
+        return Ok((unpack_state(loaded), cap));
     }
     let mut leased = Leased::unpack(bytes).ok_or_else(|| garbage("a state"))?;
-    Ok(Some(leased.advance(&slot.config, slot.alignment, now)))
+    let state = leased.advance(&slot.config, slot.alignment, now);
+    Ok((Some(state), cap - leased.outstanding()))
 }
 
 /// A state as the script stores it (`struct.pack('<dd', value, ts)`).
