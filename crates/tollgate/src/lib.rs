@@ -106,6 +106,8 @@ mod guide {
     struct ConceptsAlgorithms;
     #[doc = include_str!("../../../docs/src/concepts/capacity-and-reservations.md")]
     struct ConceptsCapacityAndReservations;
+    #[doc = include_str!("../../../docs/src/concepts/costs-after-the-work.md")]
+    struct ConceptsCostsAfterTheWork;
     #[doc = include_str!("../../../docs/src/concepts/failure.md")]
     struct ConceptsFailure;
     #[doc = include_str!("../../../docs/src/concepts/leases.md")]
