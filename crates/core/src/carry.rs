@@ -63,7 +63,13 @@ impl Carry {
         // exactly when the capacity rises or the refill slows.
         let slower = match new.kind() {
             Kind::TokenBucket => new.period() * old.rate() > old.period() * new.rate(),
-            Kind::FixedWindow => new.rate() < old.rate() || new.period() > old.period(),
+            // A calendar window (or a change of one) may be full later than the old windows
+            // say: rewritten, as a slower refill is.
+            Kind::FixedWindow => {
+                new.rate() < old.rate()
+                    || new.period() > old.period()
+                    || new.calendar() != old.calendar()
+            }
         };
         if slower || new.capacity() > old.capacity() { Carry::Refill } else { Carry::Nothing }
     }

@@ -4,6 +4,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::calendar::{Calendar, CalendarUnit};
+
 /// One second in milliseconds.
 pub const SECOND: f64 = 1_000.0;
 /// One minute in milliseconds.
@@ -81,6 +83,9 @@ impl fmt::Display for Kind {
 pub struct Config {
     kind: Kind,
     shards: u16,
+    /// A fixed window of calendar periods (in the padding beside `kind` and `shards`: the
+    /// config stays 48 bytes). Its `period` is then the unit's longest window.
+    calendar: Option<Calendar>,
     rate: f64,
     period: f64,
     capacity: f64,
@@ -98,6 +103,7 @@ impl PartialEq for Config {
             == (other.kind, other.shards, other.rate, other.period, other.capacity)
             && self.max_reserved() == other.max_reserved()
             && self.start() == other.start()
+            && self.calendar == other.calendar
     }
 }
 
@@ -111,6 +117,7 @@ impl std::fmt::Debug for Config {
             .field("max_reserved", &self.max_reserved())
             .field("shards", &self.shards)
             .field("start", &self.start())
+            .field("calendar", &self.calendar)
             .finish()
     }
 }
@@ -152,6 +159,7 @@ impl Config {
             capacity: rate,
             max_reserved: f64::INFINITY,
             shards: 1,
+            calendar: None,
             start: f64::NAN,
         }
     }
@@ -221,8 +229,42 @@ impl Config {
     pub const fn with_start(mut self, start: f64) -> Self {
         assert!(start_ok(start), "start must be finite and within 1e15 ms of the epoch");
         assert!(matches!(self.kind, Kind::FixedWindow), "start applies to fixed windows only");
+        assert!(self.calendar.is_none(), "a calendar window takes no start");
         self.start = start;
         self
+    }
+
+    /// Makes a fixed window's windows the periods of `calendar` (SPEC §1 `calendar` and
+    /// `timeZone`): each window is one day, ISO week, month or year of its time zone, of
+    /// unequal lengths, in place of `period` and `start`. [`Config::period`] is then the
+    /// unit's longest window (25 hours for a day).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate_algebra::{Calendar, CalendarUnit, Config};
+    ///
+    /// // 1,000 a month, reset on the 1st at midnight in Berlin.
+    /// let month = Calendar::new(CalendarUnit::Month, "Europe/Berlin").unwrap();
+    /// let quota = Config::fixed_window(1_000.0, 1.0).with_calendar(month);
+    /// assert_eq!(quota.calendar(), Some(month));
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If the config is a token bucket, or has a `start`.
+    #[must_use]
+    pub const fn with_calendar(mut self, calendar: Calendar) -> Self {
+        assert!(matches!(self.kind, Kind::FixedWindow), "calendar applies to fixed windows only");
+        assert!(self.start.is_nan(), "a calendar window takes no start");
+        self.period = calendar.unit().longest();
+        self.calendar = Some(calendar);
+        self
+    }
+
+    /// A fixed window's calendar, if its windows are calendar periods.
+    pub const fn calendar(&self) -> Option<Calendar> {
+        self.calendar
     }
 
     /// The limit's kind.
@@ -290,7 +332,7 @@ impl Config {
     /// `value` operation reports it.
     #[must_use]
     pub fn with_alignment(mut self, alignment: f64) -> Config {
-        if self.kind == Kind::FixedWindow && self.start.is_nan() {
+        if self.kind == Kind::FixedWindow && self.start.is_nan() && self.calendar.is_none() {
             self.start = alignment;
         }
         self
@@ -301,7 +343,9 @@ impl Config {
         RawConfig {
             kind: self.kind.as_str().to_owned(),
             rate: self.rate,
-            period: Period::Millis(self.period),
+            period: self.calendar.is_none().then_some(Period::Millis(self.period)),
+            calendar: self.calendar.map(|c| c.unit().as_str().to_owned()),
+            time_zone: self.calendar.map(|c| c.time_zone().to_owned()),
             capacity: Some(self.capacity),
             max_reserved: self.max_reserved(),
             shards: Some(f64::from(self.shards)),
@@ -421,8 +465,16 @@ pub struct RawConfig {
     /// Tokens added per period.
     #[serde(serialize_with = "serialize_number")]
     pub rate: f64,
-    /// Milliseconds, or a duration string.
-    pub period: Period,
+    /// Milliseconds, or a duration string; none with `calendar`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period: Option<Period>,
+    /// A fixed window's calendar unit, in place of `period` and `start`: `"day"`, `"week"`
+    /// (ISO, from Monday), `"month"` or `"year"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calendar: Option<String>,
+    /// The IANA time zone of `calendar` windows; default `"UTC"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
     /// Most tokens that can accumulate; default `rate`.
     #[serde(
         default,
@@ -480,9 +532,29 @@ impl TryFrom<&RawConfig> for Config {
             if ok { Ok(value) } else { Err(ConfigError::new(field, fmt_number(value), rule)) }
         };
         let rate = check("rate", raw.rate, rate_ok(raw.rate), RATE_RULE)?;
-        let period = raw.period.millis()?;
+        let calendar = calendar_of(raw, kind)?;
+        let period = match (&raw.period, calendar) {
+            (Some(period), None) => period.millis()?,
+            (None, Some(calendar)) => calendar.unit().longest(),
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    "period",
+                    "given".into(),
+                    "must not be given with calendar (a calendar window's length is its own)",
+                ));
+            }
+            (None, None) => {
+                return Err(ConfigError::new(
+                    "period",
+                    "missing".into(),
+                    "is required (milliseconds or a duration such as \"1m\"), unless a fixed \
+                     window has a calendar",
+                ));
+            }
+        };
         let period = check("period", period, period_ok(period), PERIOD_BOUNDS)?;
         let mut config = Config::new(kind, rate, period);
+        config.calendar = calendar;
         if let Some(capacity) = raw.capacity {
             config.capacity = check("capacity", capacity, amount_ok(capacity), CAPACITY_RULE)?;
         }
@@ -501,6 +573,13 @@ impl TryFrom<&RawConfig> for Config {
             config.shards = check("shards", shards, ok, "must be an integer in 1..=1024")? as u16;
         }
         if let Some(start) = raw.start {
+            if calendar.is_some() {
+                return Err(ConfigError::new(
+                    "start",
+                    fmt_number(start),
+                    "must not be given with calendar (calendar windows begin at local midnight)",
+                ));
+            }
             if kind != Kind::FixedWindow {
                 return Err(ConfigError::new(
                     "start",
@@ -512,6 +591,43 @@ impl TryFrom<&RawConfig> for Config {
         }
         Ok(config)
     }
+}
+
+/// The calendar of `raw`, if it has one, checked (SPEC §1: fixed windows only; a zone the
+/// database knows; `timeZone` only with `calendar`).
+fn calendar_of(raw: &RawConfig, kind: Kind) -> Result<Option<Calendar>, ConfigError> {
+    let Some(unit) = &raw.calendar else {
+        return match &raw.time_zone {
+            Some(zone) => Err(ConfigError::new(
+                "timeZone",
+                format!("{zone:?}"),
+                "applies to calendar windows only (set calendar too)",
+            )),
+            None => Ok(None),
+        };
+    };
+    let Some(unit) = CalendarUnit::parse(unit) else {
+        return Err(ConfigError::new(
+            "calendar",
+            format!("{unit:?}"),
+            "must be \"day\", \"week\", \"month\" or \"year\"",
+        ));
+    };
+    if kind != Kind::FixedWindow {
+        return Err(ConfigError::new(
+            "calendar",
+            format!("{:?}", unit.as_str()),
+            "applies to fixed windows only",
+        ));
+    }
+    let zone = raw.time_zone.as_deref().unwrap_or("UTC");
+    Calendar::new(unit, zone).map(Some).map_err(|_| {
+        ConfigError::new(
+            "timeZone",
+            format!("{zone:?}"),
+            "must be a zone of the IANA time zone database",
+        )
+    })
 }
 
 /// Serializes an `f64` that holds an integer as a JSON/TOML integer (`10`, not `10.0`).
@@ -707,7 +823,9 @@ mod tests {
         let raw = RawConfig {
             kind: "token bucket".into(),
             rate: f64::INFINITY,
-            period: Period::Millis(1.0),
+            period: Some(Period::Millis(1.0)),
+            calendar: None,
+            time_zone: None,
             capacity: None,
             max_reserved: None,
             shards: None,
@@ -720,7 +838,9 @@ mod tests {
         let raw = RawConfig {
             kind: "token bucket".into(),
             rate: 1.0,
-            period: Period::Millis(f64::NAN),
+            period: Some(Period::Millis(f64::NAN)),
+            calendar: None,
+            time_zone: None,
             capacity: None,
             max_reserved: None,
             shards: None,

@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use crate::calendar::Calendar;
 use crate::config::{Config, Kind, fmt_number};
 
 /// The two numbers stored per (name, key, shard).
@@ -75,7 +76,10 @@ pub struct Status {
 pub fn fresh_state(shard: &Config, alignment: f64, now: f64) -> State {
     let ts = match shard.kind() {
         Kind::TokenBucket => now,
-        Kind::FixedWindow => window_start(alignment, shard.period(), now),
+        Kind::FixedWindow => match shard.calendar() {
+            Some(calendar) => calendar.start(now),
+            None => window_start(alignment, shard.period(), now),
+        },
     };
     State { value: shard.capacity(), ts }
 }
@@ -122,7 +126,7 @@ pub fn evaluate(
             // retryAfter = -value' / (rate / period)
             Kind::TokenBucket => -next.value * period / rate,
             // retryAfter = ts' + period * ceil(-value' / rate) - now
-            Kind::FixedWindow => next.ts + period * (-next.value / rate).ceil() - now,
+            Kind::FixedWindow => windows_after(shard, next.ts, (-next.value / rate).ceil()) - now,
         };
         if ok {
             // A reservation: the booked tokens have flowed in once the new state is back at 0.
@@ -173,7 +177,7 @@ pub fn evaluate_adjust(
         let (rate, period) = (shard.rate(), shard.period());
         let wait = match shard.kind() {
             Kind::TokenBucket => -next.value * period / rate,
-            Kind::FixedWindow => next.ts + period * (-next.value / rate).ceil() - now,
+            Kind::FixedWindow => windows_after(shard, next.ts, (-next.value / rate).ceil()) - now,
         };
         settle(now, wait, |at| advance(shard, next, at, 0.0).value >= 0.0)
     });
@@ -208,10 +212,40 @@ fn advance(shard: &Config, State { value, ts }: State, now: f64, count: f64) -> 
             State { value: at_most(value + (now - ts) * rate / period, max) - count, ts: now }
         }
         Kind::FixedWindow => {
+            if let Some(calendar) = shard.calendar() {
+                return calendar_advance(calendar, rate, max, State { value, ts }, now, count);
+            }
             // windows = floor((now - ts) / period); value' = min(value + rate * windows, max) - count
             let windows = ((now - ts) / period).floor();
             State { value: at_most(value + rate * windows, max) - count, ts: ts + windows * period }
         }
+    }
+}
+
+/// [`advance`] of a calendar window (SPEC §2): `windows` is the number of window starts in
+/// `(ts, now]`, and `ts'` the start of the window holding `now` (`ts` when none began).
+#[cold]
+#[inline(never)]
+fn calendar_advance(
+    calendar: Calendar,
+    rate: f64,
+    max: f64,
+    State { value, ts }: State,
+    now: f64,
+    count: f64,
+) -> State {
+    let windows = calendar.windows(ts, now);
+    let ts = if windows > 0.0 { calendar.start(now) } else { ts };
+    State { value: at_most(value + rate * windows, max) - count, ts }
+}
+
+/// The start of the `k`-th window after the one starting at `ts` (k a whole number): `ts +
+/// k * period`, or `next^k(ts)` of a calendar window.
+#[inline]
+fn windows_after(shard: &Config, ts: f64, k: f64) -> f64 {
+    match shard.calendar() {
+        Some(calendar) => calendar.after(ts, k),
+        None => ts + shard.period() * k,
     }
 }
 
@@ -253,7 +287,7 @@ pub fn full_at(shard: &Config, state: State) -> f64 {
     }
     match shard.kind() {
         Kind::TokenBucket => state.ts + missing * shard.period() / shard.rate(),
-        Kind::FixedWindow => state.ts + (missing / shard.rate()).ceil() * shard.period(),
+        Kind::FixedWindow => windows_after(shard, state.ts, (missing / shard.rate()).ceil()),
     }
 }
 

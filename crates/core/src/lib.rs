@@ -23,6 +23,7 @@
 //!
 //! [tollgate]: https://docs.rs/tollgate
 
+mod calendar;
 mod carry;
 mod clock;
 mod config;
@@ -30,6 +31,7 @@ mod eval;
 pub mod lease;
 mod plan;
 
+pub use calendar::{Calendar, CalendarUnit, UnknownZone};
 pub use carry::{Carry, carry_counts, carrying};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{

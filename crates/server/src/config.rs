@@ -782,6 +782,9 @@ impl FileConfig {
             if table.config.shards.is_some_and(|n| n > 1.0) {
                 bail!("[limits.{name}] a leased limit cannot have shards yet");
             }
+            if table.config.calendar.is_some() {
+                bail!("[limits.{name}] a leased limit cannot be a calendar window yet");
+            }
             let label = format!("[limits.{name}] lease.term");
             let term = duration(
                 &label,

@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use tokio::runtime::Runtime;
 use tollgate_algebra::{
-    Adjusted, Config, Decision, HOUR, MINUTE, ManualClock, Reading, SECOND, State, Taken,
+    Adjusted, Config, DAY, Decision, HOUR, MINUTE, ManualClock, Reading, SECOND, State, Taken,
 };
 
 use crate::error::Error;
@@ -40,7 +40,7 @@ use crate::store::{AsyncStore, Store};
 pub const T0: f64 = 1_700_000_000_000.0;
 
 /// The behaviours' names, in the order they run.
-pub const BEHAVIOURS: [&str; 18] = [
+pub const BEHAVIOURS: [&str; 19] = [
     "token_bucket_spec_numbers",
     "token_bucket_spec_numbers_reserved",
     "fixed_window_spec_numbers",
@@ -58,6 +58,7 @@ pub const BEHAVIOURS: [&str; 18] = [
     "status_after_requests",
     "carrying_keeps_every_limit",
     "adjust_settles_after_the_work",
+    "calendar_windows_in_a_time_zone",
     "concurrent_exactness",
 ];
 
@@ -104,7 +105,7 @@ pub fn run_async<S: AsyncStore + 'static>(make: impl Fn(&Runtime, ManualClock) -
 type Behaviour<A> = fn(&dyn Fn() -> (A, ManualClock));
 
 fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
-    let all: [Behaviour<A>; 18] = [
+    let all: [Behaviour<A>; 19] = [
         behaviours::token_bucket_spec_numbers,
         behaviours::token_bucket_spec_numbers_reserved,
         behaviours::fixed_window_spec_numbers,
@@ -122,6 +123,7 @@ fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
         behaviours::status_after_requests,
         behaviours::carrying_keeps_every_limit,
         behaviours::adjust_settles_after_the_work,
+        behaviours::calendar_windows_in_a_time_zone,
         behaviours::concurrent_exactness,
     ];
     for (name, behaviour) in BEHAVIOURS.iter().zip(all) {
@@ -168,6 +170,7 @@ macro_rules! conformance_tests {
             status_after_requests,
             carrying_keeps_every_limit,
             adjust_settles_after_the_work,
+            calendar_windows_in_a_time_zone,
             concurrent_exactness);
     };
     (@each $api:ident, $make:expr, $when:expr; $($test:ident),*) => {
@@ -769,6 +772,42 @@ pub mod behaviours {
         assert_eq!(totals.last(), Some(&40.0), "{totals:?}");
     }
 
+    /// Calendar windows (SPEC §1, §2): each window one day of Europe/Berlin, refilled at local
+    /// midnight; a refusal waits exactly until then, a reservation for as many days as it
+    /// books. [`T0`] is 23:13:20 in Berlin (UTC+1), 46 min 40 s before midnight.
+    pub fn calendar_windows_in_a_time_zone<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+        let (l, clock) = setup();
+        let day =
+            tollgate_algebra::Calendar::new(tollgate_algebra::CalendarUnit::Day, "Europe/Berlin")
+                .expect("a zone of the database");
+        let daily = Target::Inline("daily", Config::fixed_window(3.0, 1.0).with_calendar(day));
+        let u = Request::new().key("u");
+        let (midnight, next) = (1_699_916_400_000.0, 1_700_002_800_000.0);
+        for _ in 0..3 {
+            assert_eq!(l.limit(daily, u).unwrap(), Decision::ADMIT);
+        }
+        assert_eq!(l.limit(daily, u).unwrap(), refused(next - T0));
+        let r = l.value(daily, Some("u")).unwrap();
+        assert_eq!((r.value, r.ts), (0.0, midnight), "the window began at midnight in Berlin");
+        assert_eq!(r.config.calendar(), Some(day));
+        // Booked: 3 tomorrow, then 1 more the day after.
+        let booked = l.limit(daily, u.count(3.0).reserve()).unwrap();
+        assert_eq!(booked, Decision { ok: true, retry_after: Some(next - T0) });
+        let booked = l.limit(daily, u.reserve()).unwrap();
+        assert_eq!(booked, Decision { ok: true, retry_after: Some(next + DAY - T0) });
+        // At midnight one day's tokens are back: 1 short still, for a day.
+        clock.advance(next - T0 - 1.0);
+        assert_eq!(l.value(daily, Some("u")).unwrap().ts, midnight);
+        clock.advance(1.0);
+        assert_eq!(l.check(daily, u).unwrap(), refused(DAY));
+        // An adjust's debt waits for windows too.
+        let settled = l.adjust(daily, Some("u"), 2.0).unwrap();
+        assert_eq!(settled, Adjusted { value: -3.0, retry_after: Some(DAY) });
+        // Two days on, full again.
+        clock.advance(2.0 * DAY);
+        assert!(l.limit(daily, u.count(3.0)).unwrap().ok);
+    }
+
     /// A sharded limit never admits more than its capacity, and its shards stay usable.
     pub fn sharded_never_over_admits<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
         let (l, clock) = setup();
@@ -869,6 +908,16 @@ pub mod behaviours {
             let (l, _) = setup();
             let limit = Target::Inline("race", Config::token_bucket(100.0, MINUTE));
             assert_eq!(l.race(limit, 256, 1), 100, "round {round}");
+        }
+        // A calendar window (decided outside Lua on Redis, with its writes compared and set):
+        // 64 callers for 30, five times.
+        let month = tollgate_algebra::Calendar::new(tollgate_algebra::CalendarUnit::Month, "UTC")
+            .expect("UTC");
+        for round in 0..5 {
+            let (l, _) = setup();
+            let limit =
+                Target::Inline("race", Config::fixed_window(30.0, 1.0).with_calendar(month));
+            assert_eq!(l.race(limit, 64, 1), 30, "calendar round {round}");
         }
     }
 }

@@ -481,6 +481,13 @@ pub(crate) async fn take<S: LeaseStore>(
     leases: &Leases,
     one: &OneTake<'_>,
 ) -> Result<Taken, StoreError> {
+    if one.slot.config.calendar().is_some() {
+        return Err(StoreError::new(format!(
+            "{}: {:?} is leased, and leases do not serve calendar windows yet; nothing taken",
+            S::NAME,
+            one.slot.name
+        )));
+    }
     // A check takes nothing: no lease, no entry (a read token's checks on many keys once
     // filled every entry, and their leases were granted for nothing).
     if !one.writes {

@@ -374,6 +374,13 @@ impl<C: Clock> SqliteStore<C> {
     pub fn sweep(&self, name: &str, config: &Config) -> Result<usize, StoreError> {
         let shard = config.per_shard();
         let now = self.shared.clock.now();
+        if shard.calendar().is_some() {
+            // SQL knows no time zones: a calendar window's states go when their `full_at`
+            // (written by the algebra) has passed.
+            let conn = self.shared.conn.lock();
+            let sql = "DELETE FROM tollgate_state WHERE name = ?1 AND full_at <= ?2";
+            return conn.execute(sql, params![name, now]).map_err(|e| sql_error("sweep failed", e));
+        }
         // The states that evaluate to capacity now (SPEC §2 with count 0).
         let sql = match shard.kind() {
             Kind::TokenBucket => {

@@ -312,6 +312,12 @@ impl<C: Clock> AsyncStore for PgStore<C> {
             {
                 return crate::store::lease::take(&self.shared, leases, take).await;
             }
+            if take.slot.config.calendar().is_some() {
+                // The table's `take` function counts equal windows only: a calendar window is
+                // decided here, through a plan.
+                let outcome = self.execute_async(&take.to_plan()).await?;
+                return Ok(Taken { decision: outcome.decision(), status: outcome.statuses[0] });
+            }
             let row = OneRow::new(take, self.now());
             let answer = self.submit(|ticket| Job::One(row, ticket)).await?;
             decided(take, answer)

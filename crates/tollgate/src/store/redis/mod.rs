@@ -32,10 +32,10 @@ use connection::{AnyConnection, Connection, Server, Source, cluster};
 use group::Grouped;
 #[cfg(feature = "redis-cluster")]
 use script::GIVE_BACK;
-use script::{SCRIPT, SCRIPT_GROUP, SCRIPT_ONE};
+use script::{CAS_READ, CAS_WRITE, SCRIPT, SCRIPT_GROUP, SCRIPT_ONE};
 use wire::{
-    disagree, garbage, loaded_state, num, one_args, parse_num, slot_args, unpack_f64, unpack_one,
-    unpack_state, unpack_time,
+    disagree, garbage, loaded_state, num, one_args, pack_state, parse_num, slot_args, unpack_f64,
+    unpack_one, unpack_state, unpack_time,
 };
 
 /// The most one-takes a grouped round trip carries by default: at about 4 us of Redis time
@@ -232,6 +232,8 @@ impl RedisStoreBuilder {
             one: Script::new(SCRIPT_ONE),
             one_group: Script::new(SCRIPT_GROUP),
             lease: Script::new(lease::SCRIPT_LEASE),
+            cas_read: Script::new(CAS_READ),
+            cas_write: Script::new(CAS_WRITE),
             #[cfg(feature = "redis-cluster")]
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
@@ -317,6 +319,9 @@ struct Inner<C> {
     one_group: Script,
     /// [`lease::SCRIPT_LEASE`].
     lease: Script,
+    /// [`CAS_READ`] and [`CAS_WRITE`]: calendar windows, decided here.
+    cas_read: Script,
+    cas_write: Script,
     #[cfg(feature = "redis-cluster")]
     give_back: Script,
     prefix: String,
@@ -438,6 +443,9 @@ impl<C: Clock> Inner<C> {
 
     /// Runs the script for `plan`, whose slots are stored under `keys`, in one round trip.
     async fn run(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Ran, StoreError> {
+        if plan.slots().iter().any(|s| s.config.calendar().is_some()) {
+            return self.run_decided_here(plan, keys).await;
+        }
         let slots = plan.slots();
         let mut invocation = self.script.prepare_invoke();
         for key in keys {
@@ -495,6 +503,75 @@ impl<C: Clock> Inner<C> {
             })
             .collect();
         Ok(Ran { outcome, loaded, states })
+    }
+
+    /// Runs `plan` by reading its states ([`CAS_READ`]), deciding here, and writing what
+    /// changed only if nothing changed it meanwhile ([`CAS_WRITE`]), again on a conflict: for
+    /// calendar windows, whose starts Lua cannot compute (it has no time zones). Two round
+    /// trips a request instead of one; as exact as the script, as a write never lands on a
+    /// state other than the one decided on.
+    async fn run_decided_here(&self, plan: &Plan<'_>, keys: &[String]) -> Result<Ran, StoreError> {
+        /// Tries before giving up on a state that keeps changing under the request.
+        const TRIES: usize = 32;
+        let slots = plan.slots();
+        for _ in 0..TRIES {
+            let mut read = self.cas_read.prepare_invoke();
+            for key in keys {
+                read.key(key);
+            }
+            read.arg(self.now_arg());
+            let reply: Vec<Value> =
+                self.on_connection(Writes::No, |mut conn| async move {
+                    read.invoke_async(&mut conn).await
+                })
+                .await?;
+            if reply.len() != 2 + slots.len() {
+                return Err(garbage(&format!("{} values for {} slots", reply.len(), slots.len())));
+            }
+            let now = unpack_time(&reply[0])?;
+            let least = parse_num(&reply[1]).ok_or_else(|| garbage("the least expiry"))?;
+            let (mut states, caps): (Vec<_>, Vec<_>) = slots
+                .iter()
+                .zip(&reply[2..])
+                .map(|(slot, loaded)| loaded_state(slot, loaded, now))
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .unzip();
+            let loaded: Vec<Vec<u8>> = reply
+                .into_iter()
+                .skip(2)
+                .map(|v| match v {
+                    Value::BulkString(bytes) => bytes,
+                    _ => Vec::new(),
+                })
+                .collect();
+            let outcome = plan.decide_under(now, &mut states, &caps);
+            if !(outcome.ok && plan.writes()) || !outcome.any_changed() {
+                return Ok(Ran { outcome, loaded, states });
+            }
+            let mut write = self.cas_write.prepare_invoke();
+            for (i, slot) in slots.iter().enumerate().filter(|(i, _)| outcome.changed[*i]) {
+                let state = states[i].expect("a changed slot has a state");
+                let full = tollgate_algebra::full_at(&slot.config, state);
+                let (new, px) = if full <= now {
+                    (Vec::new(), 0.0)
+                } else {
+                    (pack_state(state), least.max((full - now).ceil()))
+                };
+                write.key(&keys[i]).arg(&loaded[i][..]).arg(new).arg(format!("{px}"));
+            }
+            let wrote: i64 = self
+                .on_connection(Writes::Yes, |mut conn| async move {
+                    write.invoke_async(&mut conn).await
+                })
+                .await?;
+            if wrote == 1 {
+                return Ok(Ran { outcome, loaded, states });
+            }
+        }
+        Err(StoreError::new(
+            "redis: a calendar window's state kept changing under the request; nothing was taken",
+        ))
     }
 
     /// Reads the states under `keys` and the time: one pipeline on one Redis, one command
@@ -576,6 +653,11 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
                 && leases.is_leased(take.slot.name)
             {
                 return crate::store::lease::take(&self.inner, leases, take).await;
+            }
+            if take.slot.config.calendar().is_some() {
+                // Decided here, not by the one-take script (see `run_decided_here`).
+                let outcome = self.execute_async(&take.to_plan()).await?;
+                return Ok(Taken { decision: outcome.decision(), status: outcome.statuses[0] });
             }
             let slot = &take.slot;
             let now = self.inner.clock.as_ref().map_or(f64::NAN, Clock::now);

@@ -437,3 +437,37 @@ local key, token_bucket = KEYS[1], kind == 0
 return 1
 "#
 );
+
+/// Reads states and the time for a request decided here rather than in Lua (a calendar
+/// window: Lua knows no time zones): the time it used (a packed double), the least expiry
+/// (see `lua_save`), then each state as stored ('' for none).
+///
+/// KEYS: the states. ARGV: now ("" = Redis `TIME`).
+pub(super) const CAS_READ: &str = concat!(
+    lua_now!(),
+    r#"
+local reply = { struct.pack('<d', now), string.format('%d', least) }
+for i = 1, #KEYS do reply[i + 2] = redis.call('GET', KEYS[i]) or '' end
+return reply
+"#
+);
+
+/// Writes states decided from what [`CAS_READ`] read, if they are all still what it read:
+/// answers 1 when it wrote, 0 (writing nothing) when another request changed one since.
+///
+/// KEYS: the states to write. ARGV: per key, the state it must still hold ('' for none), the
+/// state to write ('' to delete it) and its expiry in ms.
+pub(super) const CAS_WRITE: &str = r#"
+for i = 1, #KEYS do
+  if (redis.call('GET', KEYS[i]) or '') ~= ARGV[3 * i - 2] then return 0 end
+end
+for i = 1, #KEYS do
+  local new = ARGV[3 * i - 1]
+  if new == '' then
+    redis.call('DEL', KEYS[i])
+  else
+    redis.call('SET', KEYS[i], new, 'PX', ARGV[3 * i])
+  end
+end
+return 1
+"#;

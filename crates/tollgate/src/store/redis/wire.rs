@@ -153,7 +153,6 @@ pub(super) fn loaded_state(
 }
 
 /// A state as the script stores it (`struct.pack('<dd', value, ts)`).
-#[cfg(feature = "redis-cluster")]
 pub(super) fn pack_state(state: State) -> Vec<u8> {
     let mut bytes = state.value.to_le_bytes().to_vec();
     bytes.extend_from_slice(&state.ts.to_le_bytes());
