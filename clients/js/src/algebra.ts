@@ -14,7 +14,7 @@ export const DAY = 24 * HOUR;
 interface CommonConfig {
   /** Tokens added per `period`: finite, > 0. */
   rate: number;
-  /** Milliseconds: finite, > 0. */
+  /** Milliseconds: finite, > 0. (A calendar window has none: its windows are its own.) */
   period: number;
   /** Most tokens that can accumulate; default `rate`. */
   capacity?: number;
@@ -34,10 +34,26 @@ export interface FixedWindowConfig extends CommonConfig {
   kind: "fixed window";
   /** Window alignment, ms from the Unix epoch; default: random per key (on the server). */
   start?: number;
+  calendar?: undefined;
+}
+
+/** The unit of a calendar window. */
+export type CalendarUnit = "day" | "week" | "month" | "year";
+
+/** `rate` tokens are granted at the start of each calendar period (local midnight of a day,
+ *  of an ISO week's Monday, of the 1st, of January 1st) in `timeZone`, up to `capacity`: windows
+ *  of unequal lengths, in place of `period` and `start`. */
+export interface CalendarWindowConfig extends Omit<CommonConfig, "period"> {
+  kind: "fixed window";
+  calendar: CalendarUnit;
+  /** The IANA time zone; default `"UTC"`. */
+  timeZone?: string;
+  period?: undefined;
+  start?: undefined;
 }
 
 /** A limit's config (SPEC §1). */
-export type RateLimitConfig = TokenBucketConfig | FixedWindowConfig;
+export type RateLimitConfig = TokenBucketConfig | FixedWindowConfig | CalendarWindowConfig;
 
 /** The two numbers stored per limit and key. */
 export interface RateLimitState {
@@ -82,11 +98,10 @@ export function calculateRateLimit(
   if (!(next.value < 0)) {
     return { ok, value: next.value, ts: next.ts };
   }
-  const { rate, period } = config;
   const wait =
     config.kind === "token bucket"
-      ? (-next.value * period) / rate
-      : next.ts + period * Math.ceil(-next.value / rate) - now;
+      ? (-next.value * config.period) / config.rate
+      : windowsAfter(config, next.ts, Math.ceil(-next.value / config.rate)) - now;
   const retryAfter = ok
     ? // A reservation: the booked tokens have flowed in once the new state is back at 0.
       settle(now, wait, (at) => advance(config, next, at, 0).value >= 0)
@@ -103,9 +118,18 @@ function fresh(config: RateLimitConfig, now: number): RateLimitState {
   if (config.kind === "token bucket") {
     return { value: capacity(config), ts: now };
   }
+  if (config.calendar !== undefined) {
+    return { value: capacity(config), ts: calendarStart(calendarOf(config), now) };
+  }
   const alignment = config.start ?? 0;
   const ts = alignment + Math.floor((now - alignment) / config.period) * config.period;
   return { value: capacity(config), ts };
+}
+
+/** The start of the `k`-th window after the one starting at `ts`. */
+function windowsAfter(config: FixedWindowConfig | CalendarWindowConfig, ts: number, k: number): number {
+  if (config.calendar !== undefined) return calendarAfter(calendarOf(config), ts, k);
+  return ts + config.period * k;
 }
 
 function advance(
@@ -114,13 +138,138 @@ function advance(
   now: number,
   count: number,
 ): RateLimitState {
-  const { rate, period } = config;
+  const { rate } = config;
   const max = capacity(config);
   if (config.kind === "token bucket") {
+    const { period } = config;
     return { value: atMost(state.value + ((now - state.ts) * rate) / period, max) - count, ts: now };
   }
+  if (config.calendar !== undefined) {
+    // windows: the window starts in (ts, now]; ts' the start of the one holding now.
+    const calendar = calendarOf(config);
+    const windows = calendarWindows(calendar, state.ts, now);
+    const ts = windows > 0 ? calendarStart(calendar, now) : state.ts;
+    return { value: atMost(state.value + rate * windows, max) - count, ts };
+  }
+  const { period } = config;
   const windows = Math.floor((now - state.ts) / period);
   return { value: atMost(state.value + rate * windows, max) - count, ts: state.ts + windows * period };
+}
+
+// Calendar windows (SPEC §2): the same counting as the server's (tollgate-algebra's
+// calendar.rs), on the platform's time zone database through Intl. A window's index is its
+// day, ISO week, month or year since the epoch in the zone's calendar; it starts at local
+// midnight of its first date, read as the server reads it when a change skips or repeats
+// midnight (the offset in force before a skipped midnight; the earlier of a repeated one).
+
+interface Calendar {
+  unit: CalendarUnit;
+  zone: string;
+}
+
+function calendarOf(config: CalendarWindowConfig): Calendar {
+  return { unit: config.calendar, zone: config.timeZone ?? "UTC" };
+}
+
+const LONGEST: Record<CalendarUnit, number> = {
+  day: 25 * HOUR,
+  week: 7 * DAY + HOUR,
+  month: 31 * DAY + HOUR,
+  year: 366 * DAY + HOUR,
+};
+
+// The instants dates are counted for, as the server's (years -9998 to 9998).
+const FIRST_MS = -377_642_044_800_000;
+const LAST_MS = 253_370_678_400_000;
+
+const formats = new Map<string, Intl.DateTimeFormat>();
+
+/** The wall clock of `zone` at `t` (ms, whole seconds): [year, month, day, hour, minute, second]. */
+function wall(zone: string, t: number): number[] {
+  let format = formats.get(zone);
+  if (format === undefined) {
+    format = new Intl.DateTimeFormat("en-US", {
+      timeZone: zone,
+      hourCycle: "h23",
+      era: "short",
+      year: "numeric",
+      month: "numeric",
+      day: "numeric",
+      hour: "numeric",
+      minute: "numeric",
+      second: "numeric",
+    });
+    formats.set(zone, format);
+  }
+  const parts: Record<string, string> = {};
+  for (const p of format.formatToParts(new Date(t))) parts[p.type] = p.value;
+  const year = parts.era === "BC" || parts.era === "B" ? 1 - Number(parts.year) : Number(parts.year);
+  return [year, Number(parts.month), Number(parts.day), Number(parts.hour), Number(parts.minute), Number(parts.second)];
+}
+
+/** Ms since the epoch of the proleptic Gregorian date and time, read as UTC. */
+function utc(y: number, m: number, d: number, h = 0, mi = 0, s = 0): number {
+  const date = new Date(0);
+  date.setUTCFullYear(y, m - 1, d);
+  date.setUTCHours(h, mi, s, 0);
+  return date.getTime();
+}
+
+/** The zone's offset from UTC at `t`, in ms. */
+function offset(zone: string, t: number): number {
+  const whole = Math.floor(t / 1000) * 1000;
+  const [y, m, d, h, mi, s] = wall(zone, whole);
+  return utc(y, m, d, h, mi, s) - whole;
+}
+
+function localDays(zone: string, t: number): number {
+  const clamped = Math.floor(Math.min(Math.max(t, FIRST_MS), LAST_MS));
+  const [y, m, d] = wall(zone, clamped);
+  return utc(y, m, d) / DAY;
+}
+
+function index(c: Calendar, t: number): number {
+  const days = localDays(c.zone, t);
+  if (c.unit === "day") return days;
+  // 1970-01-01 was a Thursday: its ISO week began on Monday 1969-12-29 (day -3).
+  if (c.unit === "week") return Math.floor((days + 3) / 7);
+  const date = new Date(days * DAY);
+  if (c.unit === "month") return date.getUTCFullYear() * 12 + date.getUTCMonth();
+  return date.getUTCFullYear();
+}
+
+function startOf(c: Calendar, i: number): number {
+  let y: number, m: number, d: number;
+  if (c.unit === "day" || c.unit === "week") {
+    const date = new Date((c.unit === "day" ? i : i * 7 - 3) * DAY);
+    [y, m, d] = [date.getUTCFullYear(), date.getUTCMonth() + 1, date.getUTCDate()];
+  } else if (c.unit === "month") {
+    [y, m, d] = [Math.floor(i / 12), (((i % 12) + 12) % 12) + 1, 1];
+  } else {
+    [y, m, d] = [i, 1, 1];
+  }
+  // Local midnight: the offsets a day before and after are the candidates; a repeated
+  // midnight is the earlier instant, a skipped one read with the offset before it.
+  const midnight = utc(y, m, d);
+  const before = offset(c.zone, midnight - DAY);
+  const after = offset(c.zone, midnight + DAY);
+  const valid = [before, after].map((o) => midnight - o).filter((at) => offset(c.zone, at) === midnight - at);
+  return valid.length > 0 ? Math.min(...valid) : midnight - before;
+}
+
+function calendarStart(c: Calendar, t: number): number {
+  return startOf(c, index(c, t));
+}
+
+function calendarAfter(c: Calendar, t: number, k: number): number {
+  const i = index(c, t);
+  const last = index(c, LAST_MS);
+  const reach = last - i;
+  return k <= reach ? startOf(c, i + k) : startOf(c, last) + (k - reach) * LONGEST[c.unit];
+}
+
+function calendarWindows(c: Calendar, ts: number, now: number): number {
+  return now <= ts ? 0 : index(c, now) - index(c, ts);
 }
 
 // `x < max ? x : max`, which is not Math.min for NaN: the server's choice, kept.

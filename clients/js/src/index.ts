@@ -14,6 +14,8 @@ export {
 } from "./algebra.js";
 export type {
   Calculation,
+  CalendarUnit,
+  CalendarWindowConfig,
   FixedWindowConfig,
   RateLimitConfig,
   RateLimitState,

@@ -120,3 +120,84 @@ test("the SPEC's examples", () => {
   assert.equal(nextUp(-Number.MIN_VALUE), -0);
   assert.equal(nextUp(0), Number.MIN_VALUE);
 });
+
+// Calendar windows: the same comparison over random calendar configs, zones and times around
+// the autumn daylight-saving changes of 2026 (Berlin on October 25th, New York on November
+// 1st) and month boundaries, with times up to a few windows apart.
+const ZONES = ["Europe/Berlin", "America/New_York", "Australia/Lord_Howe", "Asia/Kolkata", "UTC"];
+const UNITS = ["day", "week", "month", "year"];
+
+function makeCalendarCase(u, i) {
+  const pick = (xs) => xs[Math.floor(u() * xs.length)];
+  const unit = pick(UNITS);
+  const rate = pick([1, 3, 10, 0.7, 1 + u() * 999]);
+  const capacity = u() < 0.4 ? undefined : pick([rate, rate * 2, 1 + u() * 100]);
+  const maxReserved = u() < 0.6 ? undefined : pick([0, 1, u() * 50]);
+  const config = { kind: "fixed window", rate, calendar: unit };
+  if (u() < 0.9) config.timeZone = pick(ZONES);
+  if (capacity !== undefined) config.capacity = capacity;
+  if (maxReserved !== undefined) config.maxReserved = maxReserved;
+  const cap = capacity ?? rate;
+  const length = { day: 86_400_000, week: 7 * 86_400_000, month: 31 * 86_400_000, year: 366 * 86_400_000 }[unit];
+  // From 2026-10-20 over about three weeks, around both changes and the 1st of November.
+  const t0 = 1_792_454_400_000 + Math.floor(u() * 21 * 86_400_000) + pick([0, u()]);
+  const t1 = t0 + pick([0, u() * length, u() * 4 * length, 1, 3_600_000]);
+  const reserve = u() < 0.4;
+  const most = reserve ? (maxReserved === undefined ? cap * 3 + 5 : cap + maxReserved) : cap;
+  const count = () => pick([0, 1, most, u() * most, Math.floor(u() * (most + 1))]);
+  return { name: `k${i}`, config, t0, t1, first: count(), count: Math.min(count(), most), reserve };
+}
+
+test("calculateRateLimit equals the server for calendar windows in five zones", () => {
+  const u = random(20261127);
+  const cases = Array.from({ length: 1_500 }, (_, i) => makeCalendarCase(u, i));
+  const lines = [];
+  for (const c of cases) {
+    const body = { name: c.name, config: c.config };
+    lines.push({ at: c.t0, op: "limit", ...body, count: c.first, reserve: true });
+    lines.push({ at: c.t0, op: "value", ...body });
+    lines.push({ at: c.t1, op: "check", ...body, count: c.count, reserve: c.reserve });
+    lines.push({ at: c.t1, op: "limit", ...body, count: c.count, reserve: c.reserve });
+    lines.push({ at: c.t1, op: "value", ...body });
+  }
+  const input = lines.map((l) => JSON.stringify(l)).join("\n") + "\n";
+  const run = spawnSync(binary(), ["simulate", "--seed", "7"], { input, maxBuffer: 1 << 30, encoding: "utf8" });
+  assert.equal(run.status, 0, run.stderr);
+  const out = run.stdout.trim().split("\n").map((l) => JSON.parse(l));
+  assert.equal(out.length, lines.length);
+  const failures = [];
+  cases.forEach((c, i) => {
+    const [, before, check, limit, after] = out.slice(i * 5, i * 5 + 5);
+    const problem = (what) => failures.push({ what, case: c, before, check, limit, after });
+    if (before.error || check.error || limit.error) return problem("the server refused the request");
+    assert.equal(before.config.calendar, c.config.calendar);
+    const state = before.ts === 0 ? null : { value: before.value, ts: before.ts };
+    const calc = calculateRateLimit(state, before.config, c.t1, c.count, c.reserve);
+    for (const [op, answer] of [["check", check], ["limit", limit]]) {
+      if (answer.ok !== calc.ok || !Object.is(answer.retryAfter, calc.retryAfter)) {
+        return problem(`${op}: server ${JSON.stringify(answer)}, client ${JSON.stringify(calc)}`);
+      }
+    }
+    const dropped = after.ts === 0 && calc.value === before.config.capacity;
+    if (limit.ok && !dropped && (after.value !== calc.value || after.ts !== calc.ts)) {
+      return problem(`state: server ${JSON.stringify(after)}, client ${JSON.stringify(calc)}`);
+    }
+  });
+  assert.deepEqual(failures.slice(0, 3), []);
+  const outcomes = new Set(out.filter((_, j) => j % 5 === 3).map((a) => `${a.ok}/${a.retryAfter !== undefined}`));
+  assert.deepEqual([...outcomes].sort(), ["false/true", "true/false", "true/true"]);
+});
+
+test("a month in Berlin: refused until November 1st at local midnight, after the autumn change", () => {
+  const month = { kind: "fixed window", rate: 1000, calendar: "month", timeZone: "Europe/Berlin" };
+  const oct30 = Date.UTC(2026, 9, 30, 12); // 13:00 in Berlin (UTC+1 since the 25th)
+  const spent = calculateRateLimit(null, month, oct30, 1000);
+  assert.equal(spent.ts, Date.UTC(2026, 8, 30, 22), "October began at 00:00 UTC+2");
+  const refused = calculateRateLimit(spent, month, oct30, 1);
+  assert.equal(refused.ok, false);
+  assert.equal(oct30 + refused.retryAfter, Date.UTC(2026, 9, 31, 23), "November begins at 00:00 UTC+1");
+  const day = { kind: "fixed window", rate: 1, calendar: "day", timeZone: "Europe/Berlin" };
+  const oct25 = calculateRateLimit(null, day, Date.UTC(2026, 9, 25, 12), 1);
+  const next = calculateRateLimit(oct25, day, Date.UTC(2026, 9, 25, 12), 1);
+  assert.equal(next.retryAfter + Date.UTC(2026, 9, 25, 12) - oct25.ts, 25 * 3_600_000, "a day of 25 hours");
+});

@@ -264,6 +264,71 @@ async fn adjust_settles_a_cost_after_the_work() {
     assert!(text.contains(line), "{line} in\n{text}");
 }
 
+/// Calendar windows (SPEC §1, §2) over HTTP: a day of Europe/Berlin, refilled at local
+/// midnight (T0 is 23:13:20 there); `value` reports `calendar` and `timeZone` in place of
+/// `period` and `start`; bad calendars are 400 naming the field.
+#[tokio::test]
+async fn calendar_windows_in_a_time_zone() {
+    let (app, clock) = app();
+    let daily = r#"{"kind":"fixed window","rate":2,"calendar":"day","timeZone":"Europe/Berlin"}"#;
+    let body = format!(r#"{{"name":"daily","key":"u","config":{daily}}}"#);
+    for _ in 0..2 {
+        assert_eq!(post(&app, "/v1/limit", body.clone()).await.body, json!({ "ok": true }));
+    }
+    let r = post(&app, "/v1/limit", body.clone()).await;
+    assert_eq!(r.body, json!({ "ok": false, "retryAfter": 2_800_000 }));
+    assert_eq!(r.header("retry-after"), Some("2800"));
+    let r = post(&app, "/v1/value", body.clone()).await;
+    assert_eq!(
+        r.body,
+        json!({
+            "value": 0,
+            "ts": 1_699_916_400_000_i64,
+            "shard": 0,
+            "config": {
+                "kind": "fixed window",
+                "rate": 2,
+                "capacity": 2,
+                "shards": 1,
+                "calendar": "day",
+                "timeZone": "Europe/Berlin"
+            }
+        })
+    );
+    clock.advance(2_800_000.0);
+    assert_eq!(post(&app, "/v1/limit", body.clone()).await.body, json!({ "ok": true }));
+    for (config, error) in [
+        (
+            r#"{"kind":"token bucket","rate":2,"calendar":"day"}"#,
+            "invalid config: calendar is \"day\"; it applies to fixed windows only",
+        ),
+        (
+            r#"{"kind":"fixed window","rate":2,"calendar":"fortnight"}"#,
+            "invalid config: calendar is \"fortnight\"; it must be \"day\", \"week\", \"month\" or \"year\"",
+        ),
+        (
+            r#"{"kind":"fixed window","rate":2,"calendar":"day","timeZone":"Mars/Olympus"}"#,
+            "invalid config: timeZone is \"Mars/Olympus\"; it must be a zone of the IANA time zone database",
+        ),
+        (
+            r#"{"kind":"fixed window","rate":2,"period":"1d","calendar":"day"}"#,
+            "invalid config: period is given; it must not be given with calendar (a calendar window's length is its own)",
+        ),
+        (
+            r#"{"kind":"fixed window","rate":2,"period":"1d","timeZone":"UTC"}"#,
+            "invalid config: timeZone is \"UTC\"; it applies to calendar windows only (set calendar too)",
+        ),
+        (
+            r#"{"kind":"fixed window","rate":2}"#,
+            "invalid config: period is missing; it is required (milliseconds or a duration such as \"1m\"), unless a fixed window has a calendar",
+        ),
+    ] {
+        let r = post(&app, "/v1/limit", format!(r#"{{"name":"bad","config":{config}}}"#)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{config}");
+        assert_eq!(r.body["error"], json!(error), "{config}");
+    }
+}
+
 #[tokio::test]
 async fn reset_value_time_config() {
     let (app, _) = app();

@@ -10,6 +10,7 @@
 (everything else); neither is a subclass of the other.
 """
 
+from ._algebra import Calculation, calculate_rate_limit
 from ._async import AsyncRateLimiter
 from ._sync import RateLimiter
 from ._types import (
@@ -34,6 +35,7 @@ __all__ = [
     "SECOND",
     "Adjusted",
     "AsyncRateLimiter",
+    "Calculation",
     "Decision",
     "LimitCall",
     "LimitConfig",
@@ -43,4 +45,5 @@ __all__ = [
     "TransactionResult",
     "ValueReading",
     "__version__",
+    "calculate_rate_limit",
 ]

@@ -40,6 +40,8 @@ class LimitConfig(TypedDict, total=False):
     maxReserved: float  # default: unbounded
     shards: int  # default: 1
     start: float  # fixed windows only: alignment, ms since the Unix epoch
+    calendar: str  # fixed windows only, in place of period and start: day, week, month, year
+    timeZone: str  # the IANA zone of calendar windows; default "UTC"
 
 
 @dataclass(frozen=True)
