@@ -48,6 +48,19 @@ impl CalendarUnit {
             .find(|u| u.as_str() == text)
     }
 
+    /// The usual length of a window of this unit, in ms: a day of 24 hours, a week of 7
+    /// days, a month of 30, a year of 365 (for what must name one length, such as the
+    /// `w` of a `RateLimit-Policy` header field).
+    pub const fn usual(self) -> f64 {
+        const D: f64 = 86_400_000.0;
+        match self {
+            CalendarUnit::Day => D,
+            CalendarUnit::Week => 7.0 * D,
+            CalendarUnit::Month => 30.0 * D,
+            CalendarUnit::Year => 365.0 * D,
+        }
+    }
+
     /// The longest window of this unit, in ms, with a daylight-saving hour: the `period` a
     /// calendar config reports (an upper bound, for what needs one length).
     pub const fn longest(self) -> f64 {

@@ -326,6 +326,70 @@ fn requests_through_envoy_are_limited_per_descriptor_all_or_nothing() {
     drop(tollgate);
 }
 
+/// tollgate's extensions of the RLS config through Envoy: a user held to a burst limit and a
+/// daily cap (a calendar day in Berlin) at once (`rate_limits`, all or nothing), and the api
+/// to 4 per window of 5 minutes (`unit_multiplier`).
+const RLS_CONFIG_UNITS: &str = "
+domain: edge
+descriptors:
+  - key: user
+    rate_limits:
+      - name: burst
+        unit: hour
+        requests_per_unit: 5
+      - name: daily
+        unit: day
+        requests_per_unit: 2
+        time_zone: Europe/Berlin
+  - key: generic_key
+    value: api
+    rate_limit:
+      name: api
+      unit: minute
+      unit_multiplier: 5
+      requests_per_unit: 4
+";
+
+#[test]
+fn a_burst_limit_with_a_daily_cap_and_five_minute_windows_through_envoy() {
+    let Some(envoy) = envoy_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (tollgate, rls) = start_tollgate_with("memory", dir.path(), RLS_CONFIG_UNITS);
+    let (envoy, front, agent) = start_envoy(&envoy, dir.path(), &rls, 200, true);
+    // The warm-up took one of the api's 4 in this window. alice: two admitted (her day's 2).
+    for (daily, api) in [(1, 2), (0, 1)] {
+        let (status, headers) = get(&agent, front, "alice");
+        assert_eq!(status, 200, "{headers:?}");
+        let policy = value(&headers, "ratelimit-policy").unwrap();
+        for member in ["\"burst\";q=5;w=3600", "\"daily\";q=2;w=86400", "\"api\";q=4;w=300"] {
+            assert!(policy.contains(member), "{member} in {policy}");
+        }
+        let current = value(&headers, "ratelimit").unwrap();
+        assert!(current.contains(&format!("\"daily\";r={daily};")), "{current}");
+        assert!(current.contains(&format!("\"api\";r={api};")), "{current}");
+        assert_eq!(value(&headers, "x-ratelimit-remaining"), Some(daily.to_string().as_str()));
+    }
+    // Her third: refused by the daily cap; neither her burst limit nor the api is taken from.
+    let (status, headers) = get(&agent, front, "alice");
+    assert_eq!(status, 429, "{headers:?}");
+    let current = value(&headers, "ratelimit").unwrap();
+    assert!(current.contains("\"burst\";r=3;") && current.contains("\"api\";r=1;"), "{current}");
+    let retry: u64 = value(&headers, "retry-after").unwrap().parse().unwrap();
+    assert!((1..=25 * 3_600).contains(&retry), "until midnight in Berlin: {retry}");
+    // bob takes the api's last of the window; his second is refused by the api's window of
+    // 5 minutes, though his own limits have room.
+    let (status, headers) = get(&agent, front, "bob");
+    assert_eq!(status, 200, "{headers:?}");
+    let (status, headers) = get(&agent, front, "bob");
+    assert_eq!(status, 429, "{headers:?}");
+    let current = value(&headers, "ratelimit").unwrap();
+    assert!(current.contains("\"daily\";r=1;") && current.contains("\"api\";r=0;"), "{current}");
+    let retry: u64 = value(&headers, "retry-after").unwrap().parse().unwrap();
+    assert!((1..=300).contains(&retry), "{retry}");
+    drop(envoy);
+    drop(tollgate);
+}
+
 /// The guide's Envoy chapter, as it is written: its `ratelimit.yaml` served by tollgate, its
 /// `envoy.yaml` run by Envoy (only the three ports moved to free ones), and its loop of four
 /// requests as alice answered as the chapter prints: three admitted with its

@@ -67,6 +67,21 @@ descriptors:
     rate_limit:
       unit: second
       requests_per_unit: 0
+  - key: api_key
+    rate_limits:
+      - name: burst
+        unit: hour
+        requests_per_unit: 5
+      - name: daily
+        unit: day
+        requests_per_unit: 3
+        time_zone: Europe/Berlin
+  - key: window
+    rate_limit:
+      name: five_minutes
+      unit: minute
+      unit_multiplier: 5
+      requests_per_unit: 2
   - key: tenant
     descriptors:
       - key: llm
@@ -318,6 +333,62 @@ fn hits_overrides_unlimited_shadow_and_replaces() {
         ),
     ] {
         assert!(metrics.contains(&line), "{line} not in\n{metrics}");
+    }
+}
+
+/// tollgate's `rate_limits` (a burst limit and a calendar-day cap on one descriptor, all or
+/// nothing) and `unit_multiplier` (a window of 5 minutes).
+fn several_limits_and_n_unit_windows(store: &str) {
+    let s = start(store, &[]);
+    let key = format!("k{}", s.domain);
+    let ask = |hits| s.ask(vec![descriptor(&[("api_key", &key)])], hits);
+    // 3 of the day's 3, 3 of the hour's 5: the status is the tighter limit's.
+    let r = ask(3);
+    assert!(ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("daily", 3, DAY), 0));
+    let fields = header(&r, "RateLimit").unwrap();
+    assert!(fields.contains("\"burst\";r=2") && fields.contains("\"daily\";r=0"), "{fields}");
+    let policy = header(&r, "RateLimit-Policy").unwrap();
+    assert!(policy.contains("\"daily\";q=3;w=86400"), "{policy}");
+    // The daily cap refuses; the burst limit would admit, and nothing is taken from it.
+    let r = ask(1);
+    assert!(!ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (false, limit("daily", 3, DAY), 0));
+    // Until midnight in Berlin: at most a day away.
+    let wait = r.statuses[0].duration_until_reset.unwrap().seconds;
+    assert!(wait > 0 && wait <= 25 * 3_600, "{wait}");
+    let fields = header(&r, "RateLimit").unwrap();
+    assert!(fields.contains("\"burst\";r=2"), "nothing taken from the burst limit: {fields}");
+    // Five-minute windows from the epoch.
+    let window = || s.ask(vec![descriptor(&[("window", &key)])], 1);
+    assert!(ok(window().overall_code));
+    let r = window();
+    assert!(ok(r.overall_code));
+    assert_eq!(fixed(&r.statuses[0]), (true, limit("five_minutes", 2, MINUTE), 0));
+    let policy = header(&r, "RateLimit-Policy").unwrap();
+    assert!(policy.contains("\"five_minutes\";q=2;w=300"), "{policy}");
+    let r = window();
+    assert!(!ok(r.overall_code));
+    let wait = r.statuses[0].duration_until_reset.unwrap().seconds;
+    assert!(wait <= 300, "{wait}");
+}
+
+#[test]
+fn several_limits_and_n_unit_windows_memory() {
+    several_limits_and_n_unit_windows("memory");
+}
+
+#[test]
+fn several_limits_and_n_unit_windows_redis() {
+    if let Some(url) = backend("TOLLGATE_REDIS_URL") {
+        several_limits_and_n_unit_windows(&url);
+    }
+}
+
+#[test]
+fn several_limits_and_n_unit_windows_postgres() {
+    if let Some(url) = backend("TOLLGATE_POSTGRES_URL") {
+        several_limits_and_n_unit_windows(&url);
     }
 }
 

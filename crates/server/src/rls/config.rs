@@ -36,8 +36,9 @@ const VALID_KEYS: [&str; 16] = [
     "metadata",
 ];
 
-/// tollgate's own keys, inside a `rate_limit` only.
-const TOLLGATE_KEYS: [&str; 4] = ["kind", "capacity", "max_reserved", "shards"];
+/// tollgate's own keys, inside a `rate_limit` (or an entry of `rate_limits`) only.
+const TOLLGATE_KEYS: [&str; 6] =
+    ["kind", "capacity", "max_reserved", "shards", "unit_multiplier", "time_zone"];
 
 /// A time unit of the rate limit service's API (`RateLimitResponse.RateLimit.Unit`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,6 +180,9 @@ pub struct Rule {
     pub replaces: Vec<String>,
     /// `share_threshold`: every value that matches the wildcard shares one state.
     pub share_threshold: bool,
+    /// The descriptor's other limits, with `rate_limits` (tollgate's): each taken with this
+    /// one, all or nothing. Their `full_key` ends in `#2`, `#3`, ... (their states' names).
+    pub also: Vec<Rule>,
 }
 
 /// One level of the tree: its descriptors, by composite key (`key` or `key_value`), and the
@@ -325,6 +329,7 @@ impl RlsConfig {
             for node in &level.nodes {
                 if let Some(rule) = &node.rule {
                     out.push((domain, &rule.full_key));
+                    out.extend(rule.also.iter().map(|also| (domain, also.full_key.as_str())));
                 }
                 walk(domain, &node.children, out);
             }
@@ -388,10 +393,12 @@ fn collect_files(
 fn check_keys(file: &str, path: &str, value: &Value) -> anyhow::Result<()> {
     match value {
         Value::Object(map) => {
-            let in_rate_limit = path.ends_with("rate_limit");
+            let in_rate_limit = path.ends_with("rate_limit")
+                || path.rsplit_once('.').is_some_and(|(_, last)| last.starts_with("rate_limits["));
             for (key, child) in map {
                 let tollgate_key = in_rate_limit && TOLLGATE_KEYS.contains(&key.as_str());
-                if !VALID_KEYS.contains(&key.as_str()) && !tollgate_key {
+                let descriptor_key = key == "rate_limits" && !in_rate_limit;
+                if !VALID_KEYS.contains(&key.as_str()) && !tollgate_key && !descriptor_key {
                     bail!("{file}: {}: config error, unknown key '{key}'", at(path, key));
                 }
                 if key == "metadata" {
@@ -494,23 +501,51 @@ fn load_level(
                  (containing '*'), but found key '{composite}'"
             );
         }
-        let rule = match map.get("rate_limit") {
-            None | Some(Value::Null) => None,
-            Some(Value::Object(rate_limit)) => Some(load_rule(
-                file,
-                &format!("{path}.rate_limit"),
-                rate_limit,
-                Rule {
-                    full_key: full_key.clone(),
-                    name: String::new(),
-                    limit: Limit::Unlimited,
-                    shadow,
-                    detailed_metric,
-                    replaces: Vec::new(),
-                    share_threshold,
-                },
-            )?),
-            Some(other) => bail!("{file}: {path}.rate_limit: must be a map, not {other}"),
+        let base = Rule {
+            full_key: full_key.clone(),
+            name: String::new(),
+            limit: Limit::Unlimited,
+            shadow,
+            detailed_metric,
+            replaces: Vec::new(),
+            share_threshold,
+            also: Vec::new(),
+        };
+        let rule = match (map.get("rate_limit"), map.get("rate_limits")) {
+            (None | Some(Value::Null), None | Some(Value::Null)) => None,
+            (Some(Value::Object(rate_limit)), None | Some(Value::Null)) => {
+                Some(load_rule(file, &format!("{path}.rate_limit"), rate_limit, base)?)
+            }
+            (Some(other), None | Some(Value::Null)) => {
+                bail!("{file}: {path}.rate_limit: must be a map, not {other}")
+            }
+            (None | Some(Value::Null), Some(Value::Array(items))) => {
+                // tollgate's: several limits on one descriptor, taken all or nothing.
+                let mut rules = Vec::new();
+                for (i, item) in items.iter().enumerate() {
+                    let Value::Object(rate_limit) = item else {
+                        unreachable!("checked by check_keys")
+                    };
+                    let mut base = base.clone();
+                    if i > 0 {
+                        base.full_key = format!("{full_key}#{}", i + 1);
+                    }
+                    let at = format!("{path}.rate_limits[{i}]");
+                    rules.push(load_rule(file, &at, rate_limit, base)?);
+                }
+                if rules.is_empty() {
+                    bail!("{file}: {path}.rate_limits: must hold at least one rate limit");
+                }
+                let mut first = rules.remove(0);
+                first.also = rules;
+                Some(first)
+            }
+            (None | Some(Value::Null), Some(other)) => {
+                bail!("{file}: {path}.rate_limits: must be a list of rate limits, not {other}")
+            }
+            (Some(_), Some(_)) => bail!(
+                "{file}: {path}: give rate_limit (one limit) or rate_limits (several), not both"
+            ),
         };
         let mut children = Level::default();
         if let Some(descriptors) = map.get("descriptors") {
@@ -595,9 +630,43 @@ fn load_rule(
         Some(kind) => kind.clone(),
     };
     let fixed = kind == Value::String("fixed window".into());
+    // `unit_multiplier` (tollgate's): windows of N units.
+    let multiplier = match map.get("unit_multiplier") {
+        None | Some(Value::Null) => 1,
+        Some(Value::Number(n)) => match n.as_u64().and_then(|n| u32::try_from(n).ok()) {
+            Some(n) if n >= 1 => n,
+            _ => bail!("{file}: {path}.unit_multiplier: {n} is not an integer in 1..=4294967295"),
+        },
+        Some(other) => bail!("{file}: {path}.unit_multiplier: must be an integer, not {other}"),
+    };
+    // `time_zone` (tollgate's): a day, week, month or year of the calendar there.
+    let time_zone = match map.get("time_zone") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(zone)) => Some(zone.clone()),
+        Some(other) => bail!("{file}: {path}.time_zone: must be a string, not {other}"),
+    };
     raw.insert("kind".into(), kind);
     raw.insert("rate".into(), Value::from(requests_per_unit));
-    raw.insert("period".into(), Value::from(unit.millis()));
+    if let Some(zone) = &time_zone {
+        let calendar = match unit {
+            Unit::Day | Unit::Week | Unit::Month | Unit::Year if multiplier == 1 => {
+                unit.name().to_ascii_lowercase()
+            }
+            Unit::Day | Unit::Week | Unit::Month | Unit::Year => bail!(
+                "{file}: {path}.unit_multiplier: a calendar unit (with time_zone) is one day, \
+                 week, month or year; remove unit_multiplier or time_zone"
+            ),
+            _ => bail!(
+                "{file}: {path}.time_zone: applies to the units day, week, month and year (their \
+                 calendar periods), not {}",
+                unit.name().to_ascii_lowercase()
+            ),
+        };
+        raw.insert("calendar".into(), Value::String(calendar));
+        raw.insert("timeZone".into(), Value::String(zone.clone()));
+    } else {
+        raw.insert("period".into(), Value::from(unit.millis() * f64::from(multiplier)));
+    }
     for (ours, theirs) in
         [("capacity", "capacity"), ("max_reserved", "maxReserved"), ("shards", "shards")]
     {
@@ -605,7 +674,7 @@ fn load_rule(
             raw.insert(theirs.into(), value.clone());
         }
     }
-    if fixed {
+    if fixed && time_zone.is_none() {
         // Windows from the Unix epoch, as envoyproxy/ratelimit counts them.
         raw.insert("start".into(), Value::from(0));
     }
@@ -617,6 +686,8 @@ fn load_rule(
             "rate" => "requests_per_unit",
             "period" => "unit",
             "maxReserved" => "max_reserved",
+            "timeZone" => "time_zone",
+            "calendar" => "unit",
             other => other,
         };
         let _ = write!(message, "{field}: {e}");
@@ -686,6 +757,61 @@ mod tests {
         std::fs::write(outside.join("d.yaml"), "domain: d\ndescriptors: []\n").unwrap();
         symlink(&outside, rls.join("o")).unwrap();
         assert_eq!(RlsConfig::load(&rls).unwrap().domain_names(), ["a", "b", "d"]);
+    }
+
+    /// tollgate's `rate_limits`, `unit_multiplier` and `time_zone`, and their errors.
+    #[test]
+    fn several_limits_n_units_and_calendar_units() {
+        let c = load(
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limits:\n      - name: burst\n        \
+             unit: second\n        requests_per_unit: 10\n      - name: daily\n        unit: month\n        \
+             requests_per_unit: 1000\n        time_zone: America/New_York\n  - key: w\n    rate_limit:\n      \
+             unit: minute\n      unit_multiplier: 5\n      requests_per_unit: 2\n",
+        )
+        .unwrap();
+        let rule = c.find("d", &[("k", "x")]).unwrap();
+        assert_eq!((rule.name.as_str(), rule.full_key.as_str()), ("burst", "d.k"));
+        assert_eq!(rule.also.len(), 1);
+        let also = &rule.also[0];
+        assert_eq!((also.name.as_str(), also.full_key.as_str()), ("daily", "d.k#2"));
+        let Limit::Limited { config, .. } = &also.limit else { panic!("{:?}", also.limit) };
+        let calendar = config.calendar().unwrap();
+        assert_eq!((calendar.unit().as_str(), calendar.time_zone()), ("month", "America/New_York"));
+        let Limit::Limited { config, .. } = &c.find("d", &[("w", "x")]).unwrap().limit else {
+            panic!()
+        };
+        assert_eq!((config.period(), config.start()), (300_000.0, Some(0.0)));
+        assert_eq!(c.rules(), [("d", "d.k"), ("d", "d.k#2"), ("d", "d.w")]);
+        for (yaml, error) in [
+            (
+                "  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n    rate_limits: [{unit: second, requests_per_unit: 1}]\n",
+                "give rate_limit (one limit) or rate_limits (several), not both",
+            ),
+            ("  - key: k\n    rate_limits: []\n", "must hold at least one rate limit"),
+            (
+                "  - key: k\n    rate_limit: {unit: minute, unit_multiplier: 0, requests_per_unit: 1}\n",
+                "unit_multiplier: 0 is not an integer in 1..=4294967295",
+            ),
+            (
+                "  - key: k\n    rate_limit: {unit: minute, time_zone: UTC, requests_per_unit: 1}\n",
+                "time_zone: applies to the units day, week, month and year",
+            ),
+            (
+                "  - key: k\n    rate_limit: {unit: day, unit_multiplier: 2, time_zone: UTC, requests_per_unit: 1}\n",
+                "a calendar unit (with time_zone) is one day",
+            ),
+            (
+                "  - key: k\n    rate_limit: {unit: day, time_zone: Mars/Olympus, requests_per_unit: 1}\n",
+                "time_zone: invalid config: timeZone is \"Mars/Olympus\"",
+            ),
+            (
+                "  - key: k\n    rate_limits: [{unit: day, requests_per_unit: 1, bogus: 1}]\n",
+                "unknown key 'bogus'",
+            ),
+        ] {
+            let e = err(&format!("domain: d\ndescriptors:\n{yaml}"));
+            assert!(e.contains(error), "{yaml}: {e}");
+        }
     }
 
     const BASIC: &str = r"

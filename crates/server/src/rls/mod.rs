@@ -82,6 +82,26 @@ pub struct DescriptorStatus {
     pub duration_until_reset: Option<f64>,
 }
 
+/// Sets descriptor `index`'s status to `new`, or, when another of its limits (`rate_limits`)
+/// set one already, to the tighter of the two: over its limit before within it, then the one
+/// with fewer tokens left, then the longer wait.
+fn put(statuses: &mut [DescriptorStatus], index: usize, new: DescriptorStatus) {
+    let old = &statuses[index];
+    let tighter = old.current_limit.is_none()
+        || (
+            new.over_limit,
+            std::cmp::Reverse(new.limit_remaining),
+            new.duration_until_reset.map(|w| w.max(0.0).to_bits()),
+        ) > (
+            old.over_limit,
+            std::cmp::Reverse(old.limit_remaining),
+            old.duration_until_reset.map(|w| w.max(0.0).to_bits()),
+        );
+    if tighter {
+        statuses[index] = new;
+    }
+}
+
 impl DescriptorStatus {
     fn no_limit() -> Self {
         DescriptorStatus {
@@ -321,7 +341,36 @@ impl Rls {
         let mut matched = Vec::new();
         for (index, descriptor) in request.descriptors.iter().enumerate() {
             if let Some(m) = Self::matched(&config, request, index, descriptor)? {
+                // A descriptor's other limits (`rate_limits`), each its own take of the
+                // same key and hits: all of them in the request's all or nothing.
+                let also: Vec<Matched<'_>> = match &m.rule {
+                    Cow::Borrowed(rule) => rule
+                        .also
+                        .iter()
+                        .map(|rule| Matched {
+                            index,
+                            name: state_name(
+                                &request.domain,
+                                &rule.full_key[request.domain.len()..],
+                            ),
+                            rule: Cow::Borrowed(rule),
+                            key: m.key.clone(),
+                            hits: m.hits,
+                            metric: if rule.detailed_metric {
+                                format!(
+                                    "{}#{}",
+                                    m.metric,
+                                    &rule.full_key[rule.full_key.rfind('#').map_or(0, |i| i + 1)..]
+                                )
+                            } else {
+                                rule.full_key.clone()
+                            },
+                        })
+                        .collect(),
+                    Cow::Owned(_) => Vec::new(),
+                };
                 matched.push(m);
+                matched.extend(also);
             }
         }
         // `replaces`: a limit named by another matched limit does not count.
@@ -346,12 +395,16 @@ impl Rls {
         for m in &matched {
             match &m.rule.limit {
                 Limit::Unlimited => {
-                    statuses[m.index] = DescriptorStatus {
-                        over_limit: false,
-                        current_limit: None,
-                        limit_remaining: u32::MAX,
-                        duration_until_reset: None,
-                    };
+                    put(
+                        &mut statuses,
+                        m.index,
+                        DescriptorStatus {
+                            over_limit: false,
+                            current_limit: None,
+                            limit_remaining: u32::MAX,
+                            duration_until_reset: None,
+                        },
+                    );
                 }
                 Limit::Blocked { unit } => {
                     let wait = until_window_end(unit.millis());
@@ -360,12 +413,16 @@ impl Rls {
                     if over {
                         retry_after = retry_after.max(wait);
                     }
-                    statuses[m.index] = DescriptorStatus {
-                        over_limit: over,
-                        current_limit: Some((m.rule.name.clone(), 0, *unit)),
-                        limit_remaining: 0,
-                        duration_until_reset: Some(wait),
-                    };
+                    put(
+                        &mut statuses,
+                        m.index,
+                        DescriptorStatus {
+                            over_limit: over,
+                            current_limit: Some((m.rule.name.clone(), 0, *unit)),
+                            limit_remaining: 0,
+                            duration_until_reset: Some(wait),
+                        },
+                    );
                     let outcome = if over { Outcome::Over } else { Outcome::Shadow };
                     self.metrics.record(
                         &request.domain,
@@ -420,12 +477,16 @@ impl Rls {
             taken.push((m, *c, t.status));
             let outcome = if over { Outcome::Over } else { Outcome::Shadow };
             self.metrics.record(&request.domain, &m.metric, &m.rule.full_key, m.hits, outcome);
-            statuses[m.index] = DescriptorStatus {
-                over_limit: over,
-                current_limit: Some((m.rule.name.clone(), c.requests_per_unit, c.unit)),
-                limit_remaining: 0,
-                duration_until_reset: Some(t.status.reset_after),
-            };
+            put(
+                &mut statuses,
+                m.index,
+                DescriptorStatus {
+                    over_limit: over,
+                    current_limit: Some((m.rule.name.clone(), c.requests_per_unit, c.unit)),
+                    limit_remaining: 0,
+                    duration_until_reset: Some(t.status.reset_after),
+                },
+            );
         }
         let enforced_calls: Vec<Call<'_>> = enforced
             .iter()
@@ -577,6 +638,7 @@ impl Rls {
                 detailed_metric: false,
                 replaces: Vec::new(),
                 share_threshold: false,
+                also: Vec::new(),
             };
             return Ok(Some(Matched {
                 index,
@@ -621,16 +683,20 @@ impl Rls {
         };
         self.metrics.record(&request.domain, &m.metric, &m.rule.full_key, m.hits, outcome);
         let wait = if ok { status.reset_after } else { retry_after.unwrap_or(status.reset_after) };
-        statuses[m.index] = DescriptorStatus {
-            over_limit: over,
-            current_limit: Some((m.rule.name.clone(), c.requests_per_unit, c.unit)),
-            limit_remaining: if ok {
-                status.remaining.floor().min(f64::from(u32::MAX)) as u32
-            } else {
-                0
+        put(
+            statuses,
+            m.index,
+            DescriptorStatus {
+                over_limit: over,
+                current_limit: Some((m.rule.name.clone(), c.requests_per_unit, c.unit)),
+                limit_remaining: if ok {
+                    status.remaining.floor().min(f64::from(u32::MAX)) as u32
+                } else {
+                    0
+                },
+                duration_until_reset: Some(wait),
             },
-            duration_until_reset: Some(wait),
-        };
+        );
     }
 }
 

@@ -426,7 +426,12 @@ pub mod fields {
 
 /// `q` and `w` of a policy: the window is the period rounded up to whole seconds, and the
 /// quota the rate over that window, rounded down.
+/// A calendar window's `w` is its unit's usual length (a day of 24 hours, a month of 30 days,
+/// a year of 365) and `q` its rate: the field has no way to say "until the 1st".
 fn quota_window(config: &Config) -> (u64, u64) {
+    if let Some(calendar) = config.calendar() {
+        return (config.rate().floor() as u64, (calendar.unit().usual() / 1_000.0) as u64);
+    }
     let w = (config.period() / 1_000.0).ceil().max(1.0);
     let q = (config.rate() * w * 1_000.0 / config.period()).floor();
     (q as u64, w as u64)
