@@ -9,6 +9,18 @@
 //!
 //! A [`Calendar`] is `Copy` (it rides in every [`Config`](crate::Config)): its zone is an
 //! index into this process's table of the zones configs have named.
+//!
+//! Why jiff: a window's start needs the IANA rules of a zone at any instant (the offset on
+//! either side of a change, a skipped or repeated midnight), and that is all it needs of a
+//! time library. `jiff` reads the system's database (the one Python's `zoneinfo` reads) and
+//! carries a copy for machines without one (the `tzdb-bundle-always` feature), resolves a
+//! civil date's start of day with the same rule as `zoneinfo`'s `fold=0` and JavaScript's
+//! Temporal ("compatible"), and is maintained with the database's releases. `chrono-tz`
+//! compiles one database into the binary (a rebuild for every release of the rules, and a
+//! database other than the clients'); `time` has no IANA zones of its own. The civil
+//! arithmetic (which window holds a date, the first date of window `i`) is a few lines here
+//! (Howard Hinnant's day counting), so that the TypeScript and Python clients can repeat it
+//! exactly.
 
 use std::fmt;
 use std::sync::RwLock;
@@ -419,6 +431,35 @@ mod tests {
         let later =
             evaluate(&quota, Some(booked.state), 0.0, local(berlin, 2026, 6, 2, 8, 0), 0.0, false);
         assert_eq!(later.state, State { value: 1_000.0, ts: local(berlin, 2026, 6, 1, 0, 0) });
+    }
+
+    /// A state written under a period, read under a calendar after a change of config
+    /// (SPEC §2): the calendar's window starts in `(ts, now]` count, whatever `ts` was.
+    #[test]
+    fn a_state_of_a_period_reads_under_a_calendar() {
+        use crate::{Config, State, evaluate};
+        let day = Calendar::new(CalendarUnit::Day, "Europe/Berlin").unwrap();
+        let daily = Config::fixed_window(10.0, 1.0).with_calendar(day);
+        // Written by an hourly window at 21:00 Berlin time on March 20th, 4 left.
+        let state = State { value: 4.0, ts: local("Europe/Berlin", 2026, 3, 20, 21, 0) };
+        // Read the same evening: no midnight since, nothing comes back; ts is kept.
+        let evening = evaluate(
+            &daily,
+            Some(state),
+            0.0,
+            local("Europe/Berlin", 2026, 3, 20, 23, 0),
+            0.0,
+            false,
+        );
+        assert_eq!(evening.state, state);
+        // The next morning: one midnight, one day's 10 (capped), ts the day's start.
+        let morning = local("Europe/Berlin", 2026, 3, 21, 8, 0);
+        let e = evaluate(&daily, Some(state), 0.0, morning, 0.0, false);
+        assert_eq!(e.state, State { value: 10.0, ts: local("Europe/Berlin", 2026, 3, 21, 0, 0) });
+        assert_eq!(
+            crate::Carry::of(&Config::fixed_window(10.0, 3_600_000.0), &daily),
+            crate::Carry::Refill
+        );
     }
 
     fn zone() -> impl Strategy<Value = &'static str> {
