@@ -506,3 +506,14 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod size {
+    /// A calendar rides in a config's padding: the config stays 48 bytes (it is copied
+    /// through every request).
+    #[test]
+    fn a_config_is_48_bytes() {
+        assert_eq!(std::mem::size_of::<crate::Config>(), 48);
+        assert_eq!(std::mem::size_of::<Option<super::Calendar>>(), 4);
+    }
+}

@@ -241,12 +241,19 @@ fn calendar_advance(
 
 /// The start of the `k`-th window after the one starting at `ts` (k a whole number): `ts +
 /// k * period`, or `next^k(ts)` of a calendar window.
-#[inline]
+#[inline(always)]
 fn windows_after(shard: &Config, ts: f64, k: f64) -> f64 {
     match shard.calendar() {
-        Some(calendar) => calendar.after(ts, k),
+        Some(calendar) => calendar_after(calendar, ts, k),
         None => ts + shard.period() * k,
     }
+}
+
+/// [`Calendar::after`], out of the common path.
+#[cold]
+#[inline(never)]
+fn calendar_after(calendar: Calendar, ts: f64, k: f64) -> f64 {
+    calendar.after(ts, k)
 }
 
 /// `x.min(max)` for a `max` that is not NaN (a capacity): the same value for every `x` (a
