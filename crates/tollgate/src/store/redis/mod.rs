@@ -546,7 +546,7 @@ impl<C: Clock> Inner<C> {
                 })
                 .collect();
             let outcome = plan.decide_under(now, &mut states, &caps);
-            if !(outcome.ok && plan.writes()) || !outcome.any_changed() {
+            if !(outcome.ok && plan.writes() && outcome.any_changed()) {
                 return Ok(Ran { outcome, loaded, states });
             }
             let mut write = self.cas_write.prepare_invoke();
