@@ -916,7 +916,7 @@ pub mod behaviours {
         for round in 0..5 {
             let (l, _) = setup();
             let limit =
-                Target::Inline("race", Config::fixed_window(30.0, 1.0).with_calendar(month));
+                Target::Inline("raceMonthly", Config::fixed_window(30.0, 1.0).with_calendar(month));
             assert_eq!(l.race(limit, 64, 1), 30, "calendar round {round}");
         }
     }
