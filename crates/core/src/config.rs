@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::calendar::{Calendar, CalendarUnit};
+use crate::calendar::{Calendar, CalendarUnit, Packed};
 
 /// One second in milliseconds.
 pub const SECOND: f64 = 1_000.0;
@@ -85,7 +85,7 @@ pub struct Config {
     shards: u16,
     /// A fixed window of calendar periods (in the padding beside `kind` and `shards`: the
     /// config stays 48 bytes). Its `period` is then the unit's longest window.
-    calendar: Option<Calendar>,
+    calendar: Packed,
     rate: f64,
     period: f64,
     capacity: f64,
@@ -117,7 +117,7 @@ impl std::fmt::Debug for Config {
             .field("max_reserved", &self.max_reserved())
             .field("shards", &self.shards)
             .field("start", &self.start())
-            .field("calendar", &self.calendar)
+            .field("calendar", &self.calendar.get())
             .finish()
     }
 }
@@ -159,7 +159,7 @@ impl Config {
             capacity: rate,
             max_reserved: f64::INFINITY,
             shards: 1,
-            calendar: None,
+            calendar: Packed::NONE,
             start: f64::NAN,
         }
     }
@@ -258,13 +258,13 @@ impl Config {
         assert!(matches!(self.kind, Kind::FixedWindow), "calendar applies to fixed windows only");
         assert!(self.start.is_nan(), "a calendar window takes no start");
         self.period = calendar.unit().longest();
-        self.calendar = Some(calendar);
+        self.calendar = Packed::of(calendar);
         self
     }
 
     /// A fixed window's calendar, if its windows are calendar periods.
     pub const fn calendar(&self) -> Option<Calendar> {
-        self.calendar
+        self.calendar.get()
     }
 
     /// The limit's kind.
@@ -344,8 +344,8 @@ impl Config {
             kind: self.kind.as_str().to_owned(),
             rate: self.rate,
             period: self.calendar.is_none().then_some(Period::Millis(self.period)),
-            calendar: self.calendar.map(|c| c.unit().as_str().to_owned()),
-            time_zone: self.calendar.map(|c| c.time_zone().to_owned()),
+            calendar: self.calendar().map(|c| c.unit().as_str().to_owned()),
+            time_zone: self.calendar().map(|c| c.time_zone().to_owned()),
             capacity: Some(self.capacity),
             max_reserved: self.max_reserved(),
             shards: Some(f64::from(self.shards)),
@@ -554,7 +554,7 @@ impl TryFrom<&RawConfig> for Config {
         };
         let period = check("period", period, period_ok(period), PERIOD_BOUNDS)?;
         let mut config = Config::new(kind, rate, period);
-        config.calendar = calendar;
+        config.calendar = calendar.map_or(Packed::NONE, Packed::of);
         if let Some(capacity) = raw.capacity {
             config.capacity = check("capacity", capacity, amount_ok(capacity), CAPACITY_RULE)?;
         }

@@ -695,7 +695,7 @@ impl<S: Store> RateLimiter<S> {
     ///
     /// let limiter = RateLimiter::new(MemoryStore::with_clock(ManualClock::new(0.0)));
     /// let tokens = ("llmTokens", Config::token_bucket(1_000.0, MINUTE)); // 1000 a minute
-    /// // Reserve the estimate before the call...
+    /// // Take the estimate before the call...
     /// assert!(limiter.limit(tokens, Request::new().key("alice").count(300.0)).unwrap().ok);
     /// // ...which used 450: settle the other 150.
     /// let settled = limiter.adjust(tokens, Some("alice"), 150.0).unwrap();
