@@ -232,6 +232,27 @@ impl Defined {
         Defined { limiter, permissions, policies, version: String::new(), loaded_at: now_ms() }
     }
 
+    /// The limits of `settings` over `store`, marked with `version`: what the server serves
+    /// at start and after a reload.
+    pub fn of_settings(
+        store: DynStore,
+        settings: &crate::config::Settings,
+        version: String,
+    ) -> Self {
+        let mut builder = RateLimiter::builder(store);
+        for (name, config) in &settings.limits {
+            builder = builder.define(name.as_str(), *config);
+        }
+        for name in &settings.fail_open {
+            builder = builder.fail_open(name.as_str());
+        }
+        let permissions = Permissions {
+            inline_config: settings.allow_inline_config,
+            config_override: settings.allow_config_override,
+        };
+        Defined::new(builder.build(), permissions).with_version(version)
+    }
+
     /// The same, marked as the config of `version`.
     #[must_use]
     pub fn with_version(mut self, version: String) -> Self {
@@ -260,7 +281,7 @@ impl Engine {
         settings: &crate::config::Settings,
         version: String,
     ) -> Self {
-        let mut engine = Self::serving(crate::live::defined(store, settings, version));
+        let mut engine = Self::serving(Defined::of_settings(store, settings, version));
         engine.leases = opened.leases.clone();
         engine.stored = Some(opened.stored.clone());
         engine

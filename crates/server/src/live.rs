@@ -20,7 +20,7 @@ use tollgate::RateLimiter;
 use tollgate::core::Carry;
 
 use crate::config::{FileConfig, Overrides, SETTINGS, Settings};
-use crate::engine::{Defined, Permissions};
+use crate::engine::Defined;
 use crate::rls::RlsConfig;
 use crate::store::DynStore;
 
@@ -145,22 +145,6 @@ impl Watched {
             || name.as_encoded_bytes().starts_with(b"..")
             || self.trees.iter().any(|tree| path.starts_with(tree))
     }
-}
-
-/// The limiter of `settings` over `store`, marked with `version`.
-pub fn defined(store: DynStore, settings: &Settings, version: String) -> Defined {
-    let mut builder = RateLimiter::builder(store);
-    for (name, config) in &settings.limits {
-        builder = builder.define(name.as_str(), *config);
-    }
-    for name in &settings.fail_open {
-        builder = builder.fail_open(name.as_str());
-    }
-    let permissions = Permissions {
-        inline_config: settings.allow_inline_config,
-        config_override: settings.allow_config_override,
-    };
-    Defined::new(builder.build(), permissions).with_version(version)
 }
 
 /// The `[server]` settings that differ between `old` and `new` and that a reload does not
@@ -318,7 +302,7 @@ impl Reloader {
             converted.insert(change.name.clone(), carried);
         }
         let store = before.limiter().store().clone();
-        engine.replace(defined(store, new, loaded.version.clone()));
+        engine.replace(Defined::of_settings(store, new, loaded.version.clone()));
         if let (Some(rls), Some(config)) = (&self.parts.rls, loaded.rls) {
             rls.replace(config);
         }
