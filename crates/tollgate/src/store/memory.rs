@@ -1,7 +1,7 @@
 //! The in-process store: a segmented hash table of states behind short-held locks.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
@@ -236,6 +236,9 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     /// Names interned, over every segment.
     names: AtomicUsize,
     max_keys: Option<usize>,
+    /// One more than the second (of the store's clock, as states expire) of the last sweep
+    /// of every segment; 0 before the first. See [`MemoryStore::sweep_for_room`].
+    swept: AtomicU32,
 }
 
 /// Options for a [`MemoryStore`].
@@ -248,8 +251,9 @@ pub struct MemoryStoreBuilder {
 impl MemoryStoreBuilder {
     /// Bounds the number of live states.
     ///
-    /// At the bound, every segment is swept of full states first; if the store is still at
-    /// the bound, a request that needs a new state gets a [`StoreError`] and nothing is
+    /// At the bound, every segment is swept of full states first (at most once a second of
+    /// the store's clock: states expire in whole seconds, so a second sweep within one finds
+    /// nothing); if the store is still at the bound, a request that needs a new state gets a [`StoreError`] and nothing is
     /// admitted (fail closed), while requests for states that already exist go on as usual.
     /// Such a refusal keeps nothing: not even the request's name. Evicting a live
     /// state instead would reset that limit and let its key over-consume, so the store never
@@ -298,6 +302,7 @@ impl MemoryStoreBuilder {
             len: AtomicUsize::new(0),
             names: AtomicUsize::new(0),
             max_keys: self.max_keys,
+            swept: AtomicU32::new(0),
         }
     }
 }
@@ -365,7 +370,29 @@ impl<C: Clock> MemoryStore<C> {
     ///
     /// Sweeps also run by themselves as segments grow; call this to reclaim memory at once.
     pub fn sweep(&self) -> usize {
+        self.sweep_every_segment(expiry_now(self.clock.now()))
+    }
+
+    /// The sweep a request runs when the store is at `max_keys`: at most one a second of
+    /// the store's clock. States expire in whole seconds, and a state saved in second `s`
+    /// expires after it, so a sweep in the second of the last one finds nothing to drop;
+    /// without this, each request refused at the bound walked every state, and a flood of
+    /// new keys at the bound cost O(`max_keys`) a request (80,000 new keys at a bound of
+    /// 50,000: 124 s in a debug build, the sweeps all but all of it). Should the clock step
+    /// back, states saved then are reclaimed by the first sweep once it has passed this
+    /// second again.
+    #[cold]
+    #[inline(never)]
+    fn sweep_for_room(&self) {
         let now = expiry_now(self.clock.now());
+        if now < self.swept.load(Ordering::Relaxed) {
+            return;
+        }
+        self.sweep_every_segment(now);
+    }
+
+    fn sweep_every_segment(&self, now: u32) -> usize {
+        self.swept.fetch_max(now.saturating_add(1), Ordering::Relaxed);
         self.segments
             .iter()
             .map(|s| {
@@ -570,7 +597,7 @@ impl<C: Clock> MemoryStore<C> {
         &self,
         mut attempt: impl FnMut() -> Result<Option<R>, StoreError>,
     ) -> Result<R, StoreError> {
-        self.sweep();
+        self.sweep_for_room();
         attempt()?.ok_or_else(|| self.full_error())
     }
 
@@ -610,7 +637,7 @@ impl<C: Clock> MemoryStore<C> {
                             if swept {
                                 return Err(self.full_error());
                             }
-                            self.sweep();
+                            self.sweep_for_room();
                             swept = true;
                             continue;
                         }
@@ -1237,6 +1264,35 @@ mod tests {
             assert!(limiter.transaction(&calls).is_err());
         }
         assert_eq!((store.len(), store.names()), (10, 10));
+    }
+
+    /// At the bound a request sweeps at most once a second of the store's clock, and room
+    /// comes back in the first second in which a state can be dropped (a state full again at
+    /// `t` ms is kept until the whole second after `t`), for one take and for a transaction.
+    #[test]
+    fn at_the_bound_room_comes_back_the_second_a_state_expires() {
+        let (limiter, clock) = manual(None, Some(2));
+        let take = |name: &str| limiter.limit((name, SECONDLY), "k");
+        let both = || {
+            let calls = [
+                crate::Target::from(("c", SECONDLY)).with("k"),
+                crate::Target::from(("d", SECONDLY)).with("k"),
+            ];
+            limiter.transaction(&calls)
+        };
+        // 1,700,000,000,000 ms is a whole second: `a` and `b` are full again at +1,000 ms
+        // and kept to the end of that second.
+        assert!(take("a").unwrap().ok && take("b").unwrap().ok);
+        assert!(take("c").is_err());
+        clock.advance(1_500.0);
+        assert!(take("c").is_err() && both().is_err());
+        clock.advance(499.0);
+        assert!(take("c").is_err() && both().is_err());
+        assert_eq!(limiter.store().len(), 2);
+        clock.advance(1.0);
+        assert!(both().unwrap().ok);
+        assert_eq!(limiter.store().len(), 2);
+        assert!(take("e").is_err());
     }
 
     /// A take that leaves a new state full keeps nothing (a count of 0 on a new key).
