@@ -6,12 +6,15 @@
 //! Store work runs on napi-rs's tokio runtime, never on Node's event loop; an operation that
 //! needs no I/O (the memory store, a take from a lease) is answered at once ([`Limiter::run`]).
 
-use std::sync::Arc;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures_util::FutureExt;
 use napi::bindgen_prelude::*;
 use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
+use napi::{JsString, JsValue};
 use napi_derive::napi;
 use tollgate_server::answer::Answer;
 use tollgate_server::config::Settings;
@@ -64,26 +67,67 @@ pub async fn open(config: String) -> Result<Limiter> {
         store::open(&settings.store, settings.max_keys, settings.store_deadline, &settings.lease)
             .await
             .map_err(|e| Error::new(Status::GenericFailure, format!("{e:#}")))?;
-    let engine = Engine::opened(opened.store.clone(), &opened, &settings, String::new());
+    let mut engine = Engine::opened(opened.store.clone(), &opened, &settings, String::new());
+    // No dashboard in a Node process: nothing reads the counts.
+    engine.stats = tollgate_server::stats::Stats::off();
     Ok(Limiter {
-        engine: Arc::new(engine),
-        settler: std::sync::OnceLock::new(),
-        immediate: opened.memory.is_some(),
+        taker: Arc::new(Taker {
+            engine: Arc::new(engine),
+            settler: OnceLock::new(),
+            immediate: opened.memory.is_some(),
+        }),
+        handle: AtomicU32::new(NO_HANDLE),
         leases: opened.leases,
         deadline: settings.store_deadline,
     })
 }
 
+/// What [`take`] needs of a limiter.
+struct Taker {
+    engine: Arc<Engine>,
+    /// Where the answers of `take` that waited go (set once, by `settleWith`).
+    settler: OnceLock<Arc<Settler>>,
+    /// The memory store: every operation is ready at its first poll.
+    immediate: bool,
+}
+
+/// A limiter not given a handle yet.
+const NO_HANDLE: u32 = u32::MAX;
+
+thread_local! {
+    /// The limiters of this JavaScript thread, by the handle [`Limiter::handle`] gave:
+    /// [`take`] finds its limiter here by a number. Reaching it through the object as a
+    /// method (`napi_unwrap`, napi-rs's type tag check and borrow bookkeeping) was a fifth
+    /// of a call on the memory store.
+    static TAKERS: RefCell<Vec<Option<Arc<Taker>>>> = const { RefCell::new(Vec::new()) };
+}
+
 /// A store opened, with the limits defined on it.
 #[napi]
 pub struct Limiter {
-    engine: Arc<Engine>,
-    /// Where the answers of `take` that waited go (set once, by `settleWith`).
-    settler: std::sync::OnceLock<Arc<Settler>>,
-    /// The memory store: every operation is ready at its first poll.
-    immediate: bool,
+    taker: Arc<Taker>,
+    /// Its handle among [`TAKERS`] of the thread that asked for one, or [`NO_HANDLE`].
+    handle: AtomicU32,
     leases: Option<Leasing>,
     deadline: Duration,
+}
+
+impl Drop for Limiter {
+    /// Gives its handle back (on the thread that finalizes it, the one whose handle it is).
+    fn drop(&mut self) {
+        let handle = self.handle.load(Ordering::Relaxed);
+        if handle == NO_HANDLE {
+            return;
+        }
+        let _ = TAKERS.try_with(|takers| {
+            let mut takers = takers.borrow_mut();
+            if let Some(slot) = takers.get_mut(handle as usize)
+                && slot.as_ref().is_some_and(|t| Arc::ptr_eq(t, &self.taker))
+            {
+                *slot = None;
+            }
+        });
+    }
 }
 
 #[napi]
@@ -100,7 +144,7 @@ impl Limiter {
         body: String,
     ) -> Result<Either<String, PromiseRaw<'e, String>>> {
         let op = operation(&op)?;
-        let engine = Arc::clone(&self.engine);
+        let engine = Arc::clone(&self.taker.engine);
         let mut work = Box::pin(async move { engine.run(op, body.as_bytes()).await });
         match within_runtime_if_available(|| (&mut work).now_or_never()) {
             Some(answer) => Ok(Either::A(reply(answer))),
@@ -112,71 +156,43 @@ impl Limiter {
     /// come back, as `[id, answer]`; once per limiter.
     #[napi]
     pub fn settle_with(&self, settler: Settler) -> Result<()> {
-        self.settler
+        self.taker
+            .settler
             .set(Arc::new(settler))
             .map_err(|_| Error::new(Status::GenericFailure, "settleWith was called already"))
     }
 
-    /// A `limit` (`writes`) or `check` of a limit defined at open, without JSON: the calls
-    /// made most. A decision is a number (`-1`: granted with tokens on hand; `w >= 0`: granted
-    /// after a wait of `w` ms, a reservation; `-2 - w`: refused, retry in `w` ms); anything
-    /// else is the answer [`Limiter::run`] would give (an error), as its string. Answered now
-    /// when no I/O was needed; else nothing is returned, and the answer comes back through
-    /// the settler (see `settleWith`) with `id`.
-    #[napi(ts_return_type = "number | string | null")]
-    #[allow(clippy::too_many_arguments)]
-    pub fn take(
-        &self,
-        name: String,
-        key: Option<String>,
-        count: Option<f64>,
-        reserve: bool,
-        writes: bool,
-        id: u32,
-    ) -> Result<Option<Taken>> {
-        let number = |taken: std::result::Result<tollgate::Decision, Answer>| match taken {
-            Ok(decision) => Either::A(Engine::decision_number(decision)),
-            Err(answer) => Either::B(reply(answer)),
-        };
-        if self.immediate {
-            // The memory store: ready at the first poll, polled where it stands (no box, no
-            // runtime: it has no timer or socket).
-            let work = self.engine.take(&name, key.as_deref(), count, reserve, writes);
-            return match work.now_or_never() {
-                Some(taken) => Ok(Some(number(taken))),
-                None => Err(Error::new(
-                    Status::GenericFailure,
-                    "the memory store did not answer at once",
-                )),
-            };
+    /// This limiter's handle for [`take`] on the calling thread, given once.
+    #[napi]
+    pub fn handle(&self) -> Result<u32> {
+        let given = self.handle.load(Ordering::Relaxed);
+        if given != NO_HANDLE {
+            return Ok(given);
         }
-        let Some(settler) = self.settler.get().cloned() else {
-            return Err(Error::new(Status::GenericFailure, "settleWith was not called"));
-        };
-        let engine = Arc::clone(&self.engine);
-        let mut work = Box::pin(async move {
-            number(engine.take(&name, key.as_deref(), count, reserve, writes).await)
+        let handle = TAKERS.with(|takers| {
+            let mut takers = takers.borrow_mut();
+            let free = takers.iter().position(Option::is_none);
+            let handle = free.unwrap_or(takers.len());
+            if handle == takers.len() {
+                takers.push(None);
+            }
+            takers[handle] = Some(Arc::clone(&self.taker));
+            handle
         });
-        if let Some(answer) = within_runtime_if_available(|| (&mut work).now_or_never()) {
-            return Ok(Some(answer));
-        }
-        napi::bindgen_prelude::spawn(async move {
-            let answer = work.await;
-            settler.call((id, answer), ThreadsafeFunctionCallMode::NonBlocking);
-        });
-        Ok(None)
+        self.handle.store(handle as u32, Ordering::Relaxed);
+        Ok(handle as u32)
     }
 
     /// The store's clock (`{"now": ms}`), as `GET /v1/time` answers it.
     #[napi]
     pub async fn time(&self) -> Result<String> {
-        Ok(reply(self.engine.time().await))
+        Ok(reply(self.taker.engine.time().await))
     }
 
     /// The limits defined, every default filled in, as `GET /v1/config` answers them.
     #[napi]
     pub fn config(&self) -> String {
-        reply(self.engine.config())
+        reply(self.taker.engine.config())
     }
 
     /// Gives back every lease this process holds (a leased limit's tokens not used yet go
@@ -193,6 +209,116 @@ impl Limiter {
             )),
         }
     }
+}
+
+/// `take`'s `flags`: a key was given (else `key` is ignored: no key differs from the empty key).
+const KEY: u32 = 1;
+/// A count was given (else `count` is ignored and the default, 1, taken).
+const COUNT: u32 = 2;
+/// Reserve (SPEC §4).
+const RESERVE: u32 = 4;
+/// A `limit` (else a `check`, which writes nothing).
+const WRITES: u32 = 8;
+
+/// A `limit` or `check` of a limit defined at open, by the limiter's `handle` (see
+/// [`Limiter::handle`]), without JSON: the calls made most. `flags` is of [`KEY`], [`COUNT`],
+/// [`RESERVE`] and [`WRITES`]. A decision is a number (`-1`: granted with tokens on hand;
+/// `w >= 0`: granted after a wait of `w` ms, a reservation; `-2 - w`: refused, retry in `w`
+/// ms); anything else is the answer [`Limiter::run`] would give (an error), as its string.
+/// Answered now when no I/O was needed; else nothing is returned, and the answer comes back
+/// through the settler (see `settleWith`) with `id`. Throws for an argument of the wrong
+/// type or a handle of no limiter (then nothing was taken).
+#[napi(ts_return_type = "number | string | null")]
+pub fn take(
+    handle: u32,
+    name: JsString<'_>,
+    key: JsString<'_>,
+    count: f64,
+    flags: u32,
+    id: u32,
+) -> Result<Option<Taken>> {
+    let taker = TAKERS.with(|takers| takers.borrow().get(handle as usize).cloned().flatten());
+    let Some(taker) = taker else {
+        return Err(Error::new(Status::InvalidArg, format!("no limiter has the handle {handle}")));
+    };
+    let count = (flags & COUNT != 0).then_some(count);
+    let (reserve, writes) = (flags & RESERVE != 0, flags & WRITES != 0);
+    let number = |taken: std::result::Result<tollgate::Decision, Answer>| match taken {
+        Ok(decision) => Either::A(Engine::decision_number(decision)),
+        Err(answer) => Either::B(reply(answer)),
+    };
+    if taker.immediate {
+        // The memory store: ready at the first poll, polled where it stands (no box, no
+        // runtime: it has no timer or socket), the strings read into the stack.
+        let mut name_buf = [0; SHORT];
+        let mut key_buf = [0; SHORT];
+        let name = read_str(name, &mut name_buf)?;
+        let key = if flags & KEY != 0 { Some(read_str(key, &mut key_buf)?) } else { None };
+        let work = taker.engine.take(&name, key.as_deref(), count, reserve, writes);
+        return match work.now_or_never() {
+            Some(taken) => Ok(Some(number(taken))),
+            None => {
+                Err(Error::new(Status::GenericFailure, "the memory store did not answer at once"))
+            }
+        };
+    }
+    let Some(settler) = taker.settler.get().cloned() else {
+        return Err(Error::new(Status::GenericFailure, "settleWith was not called"));
+    };
+    let name = read_str(name, &mut [0; SHORT])?.into_owned();
+    let key =
+        if flags & KEY != 0 { Some(read_str(key, &mut [0; SHORT])?.into_owned()) } else { None };
+    let engine = Arc::clone(&taker.engine);
+    let mut work = Box::pin(async move {
+        number(engine.take(&name, key.as_deref(), count, reserve, writes).await)
+    });
+    if let Some(answer) = within_runtime_if_available(|| (&mut work).now_or_never()) {
+        return Ok(Some(answer));
+    }
+    napi::bindgen_prelude::spawn(async move {
+        let answer = work.await;
+        settler.call((id, answer), ThreadsafeFunctionCallMode::NonBlocking);
+    });
+    Ok(None)
+}
+
+/// The bytes of a string argument [`read_str`] reads into the stack; a longer one is read as
+/// napi-rs reads a `String`.
+const SHORT: usize = 128;
+
+/// The string `value`, read into `buf` with one Node-API call where it fits (napi-rs's
+/// `String` asks twice, for the length and then the bytes, and allocates: a tenth of a call
+/// on the memory store for a name and a key).
+#[allow(unsafe_code)]
+fn read_str<'b>(
+    value: JsString<'_>,
+    buf: &'b mut [u8; SHORT],
+) -> Result<std::borrow::Cow<'b, str>> {
+    let raw = value.value();
+    let mut written = 0;
+    // SAFETY: `buf` is writable for `SHORT` bytes, and Node writes at most `SHORT - 1` of a
+    // string's UTF-8 and a NUL into it; `raw` is a handle of this call's arguments, alive
+    // until the call returns.
+    let status = unsafe {
+        napi::sys::napi_get_value_string_utf8(
+            raw.env,
+            raw.value,
+            buf.as_mut_ptr().cast(),
+            SHORT,
+            &mut written,
+        )
+    };
+    if status != napi::sys::Status::napi_ok {
+        return Err(Error::new(Status::StringExpected, "a string was expected"));
+    }
+    // Node writes whole characters only (of at most 4 bytes), so a string that did not fit
+    // left fewer than 4 bytes free: below that it is all there.
+    if written + 4 < SHORT {
+        let text = std::str::from_utf8(&buf[..written])
+            .map_err(|e| Error::new(Status::InvalidArg, e.to_string()))?;
+        return Ok(std::borrow::Cow::Borrowed(text));
+    }
+    Ok(std::borrow::Cow::Owned(value.into_utf8()?.into_owned()?))
 }
 
 /// `work`, or none if it takes longer than `deadline`.

@@ -209,3 +209,34 @@ test("limit and check answer alike by the direct path (a defined limit) and the 
   assert.match(direct[0], /^TollgateError 400 Rate limit NAME count -1 must be/);
   assert.equal(direct[1], "RateLimitError NAME");
 });
+
+test("names and keys of any length and character reach the engine whole by the direct path", async () => {
+  // The addon reads a short string into the stack (up to 123 bytes of UTF-8) and a longer
+  // one as a whole: keys on either side of that, with characters of 2 and 4 bytes across
+  // it, are each their own, and each is the key getValue (the JSON path) reads.
+  const name = fresh(`long-${"n".repeat(150)}`);
+  const limiter = new RateLimiter("memory", { [name]: { kind: "token bucket", rate: 1, period: HOUR, capacity: 1 } });
+  await limiter.getServerTime();
+  const keys = [
+    "a".repeat(122),
+    "a".repeat(123),
+    "a".repeat(124),
+    `${"a".repeat(122)}é`,
+    `${"a".repeat(121)}😀`,
+    `${"a".repeat(122)}😀`,
+    `${"a".repeat(124)}😀`, // 128 bytes: Node writes 124 of them, stopping before the 😀
+    `${"a".repeat(127)}1`,
+    `${"a".repeat(127)}2`,
+    `${"ü".repeat(200)}`,
+    `${"ü".repeat(199)}ö`,
+    "",
+  ];
+  for (const key of keys) assert.deepEqual(await limiter.limit(name, { key }), { ok: true }, key);
+  for (const key of keys) {
+    assert.equal((await limiter.limit(name, { key })).ok, false, key);
+    assert.ok((await limiter.getValue(name, { key })).value < 1, key);
+  }
+  // No key is not the empty key.
+  assert.deepEqual(await limiter.limit(name), { ok: true });
+  assert.ok((await limiter.getValue(name, { key: "never taken" })).value === 1);
+});

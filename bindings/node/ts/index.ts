@@ -112,6 +112,9 @@ function reply(answer: string): Reply {
 interface Engine {
   opening: Promise<NativeLimiter>;
   ready?: NativeLimiter;
+  /** The addon's `take`, and the limiter's handle for it, once it is open. */
+  take?: ReturnType<typeof addon>["take"];
+  handle?: number;
   failed?: string;
   /** Resolvers of the `take`s whose answers come back through the settler, by id. */
   waiting: Map<number, (answer: number | string) => void>;
@@ -176,13 +179,17 @@ function take(
   options: (LimitOptions & { config?: RateLimitConfig }) | undefined,
   writes: boolean,
 ): Promise<RateLimitResult> | undefined {
-  const limiter = engine?.ready;
-  if (limiter === undefined || options?.config !== undefined) return undefined;
+  const native = engine?.take;
+  if (native === undefined || options?.config !== undefined) return undefined;
   let answered: number | string | null;
   const id = engine!.nextId;
   engine!.nextId = (id + 1) % 4_294_967_296;
+  const key = options?.key;
+  const count = options?.count;
+  const flags =
+    (key === undefined ? 0 : 1) | (count === undefined ? 0 : 2) | (options?.reserve === true ? 4 : 0) | (writes ? 8 : 0);
   try {
-    answered = limiter.take(name, options?.key, options?.count, options?.reserve === true, writes, id);
+    answered = native(engine!.handle!, name, key ?? "", count ?? 0, flags, id);
   } catch {
     // An argument of the wrong type, refused before any work: the general path says why.
     return undefined;
@@ -239,6 +246,8 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
       (limiter) => {
         limiter.settleWith(settler(engine));
         engine.ready = limiter;
+        engine.handle = limiter.handle();
+        engine.take = addon().take;
       },
       (e: Error) => (engine.failed = e.message),
     );

@@ -474,7 +474,7 @@ impl Engine {
             defined.limiter.check_async(target, request).await
         };
         let decision = decision.map_err(|e| defined.error(e))?;
-        if writes {
+        if writes && self.stats.counts() {
             let taken = crate::stats::Taken::of(decision.ok, decision.retry_after);
             self.stats.record(name, taken, now_ms());
         }
@@ -574,7 +574,7 @@ impl Defined {
         };
         let taken = taken.map_err(|e| self.error(e))?;
         let (ok, retry_after) = (taken.decision.ok, taken.decision.retry_after);
-        if writes {
+        if writes && stats.counts() {
             stats.record(&body.name, crate::stats::Taken::of(ok, retry_after), now_ms());
         }
         let mut answer = if !ok && body.throws {
