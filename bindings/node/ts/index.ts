@@ -194,27 +194,31 @@ function take(
     // An argument of the wrong type, refused before any work: the general path says why.
     return undefined;
   }
-  const settle = (r: number | string): RateLimitResult => {
-    if (typeof r === "string") {
-      const { status, text } = reply(r);
-      throw answerError(status, text, JSON.parse(text), writes);
-    }
-    if (r === -1) return { ok: true };
-    if (r >= 0) return { ok: true, retryAfter: r };
-    const retryAfter = -2 - r;
-    if (options?.throws) throw new RateLimitError(name, retryAfter);
-    return { ok: false, retryAfter };
-  };
   if (answered === null) {
     const waiting = engine!.waiting;
     engine!.hold ??= setInterval(() => {}, 2 ** 30);
-    return new Promise<number | string>((resolve) => waiting.set(id, resolve)).then(settle);
+    return new Promise<number | string>((resolve) => waiting.set(id, resolve)).then((r) =>
+      result(r, name, options?.throws === true, writes),
+    );
   }
   try {
-    return Promise.resolve(settle(answered));
+    return Promise.resolve(result(answered, name, options?.throws === true, writes));
   } catch (e) {
     return Promise.reject(e);
   }
+}
+
+/** What `take`'s answer `r` says (see native.ts), as the client's result or error. */
+function result(r: number | string, name: string, throws: boolean, writes: boolean): RateLimitResult {
+  if (typeof r === "string") {
+    const { status, text } = reply(r);
+    throw answerError(status, text, JSON.parse(text), writes);
+  }
+  if (r === -1) return { ok: true };
+  if (r >= 0) return { ok: true, retryAfter: r };
+  const retryAfter = -2 - r;
+  if (throws) throw new RateLimitError(name, retryAfter);
+  return { ok: false, retryAfter };
 }
 
 /**
@@ -256,12 +260,17 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
     engines.set(this, engine);
   }
 
-  override limit<Name extends string>(name: Name, ...[options]: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult> {
-    return take(engines.get(this), name, options, true) ?? super.limit(name, ...([options] as Args<Limits, Name, LimitOptions>));
+  // Callers see the signatures the compiler checks (a rest parameter of the names' options);
+  // the implementations take the options as a plain parameter: a rest array, destructured,
+  // was made at every call.
+  override limit<Name extends string>(name: Name, ...options: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult>;
+  override limit(name: string, options?: LimitOptions): Promise<RateLimitResult> {
+    return take(engines.get(this), name, options, true) ?? super.limit(name, ...([options] as Args<Limits, string, LimitOptions>));
   }
 
-  override check<Name extends string>(name: Name, ...[options]: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult> {
-    return take(engines.get(this), name, options, false) ?? super.check(name, ...([options] as Args<Limits, Name, LimitOptions>));
+  override check<Name extends string>(name: Name, ...options: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult>;
+  override check(name: string, options?: LimitOptions): Promise<RateLimitResult> {
+    return take(engines.get(this), name, options, false) ?? super.check(name, ...([options] as Args<Limits, string, LimitOptions>));
   }
 
   /** Gives back the leases this process holds (their unused tokens return to the store for

@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::task::Poll;
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -199,7 +200,16 @@ impl<S: AsyncStore + 'static> CircuitBreaker<S> {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let deadline = self.shared.options.deadline;
-        match tokio::time::timeout(deadline, call).await {
+        // Polled once before the deadline is set: an answer ready at once (a take from a
+        // lease) needs no timer, whose clock read and runtime handle were a tenth of such a
+        // take. What waits then waits at most `deadline` more.
+        let mut call = std::pin::pin!(call);
+        let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
+        let answered = match first {
+            Poll::Ready(answer) => Ok(answer),
+            Poll::Pending => tokio::time::timeout(deadline, call).await,
+        };
+        match answered {
             Ok(Err(e)) if e.is_unavailable() => {
                 self.failed();
                 Err(e)

@@ -20,6 +20,7 @@ use tollgate_algebra::lease::{Grant, Holder, Leased};
 use tollgate_algebra::{Config, Decision, OneTake, Slot, State, Status, Taken};
 
 use crate::error::StoreError;
+use crate::store::seam::BoxFuture;
 
 /// A step on a leased shard.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -476,38 +477,83 @@ async fn release<S: LeaseStore>(store: &S, leases: &Leases, entry: &Entry) {
 /// A take from a leased limit: from this process's lease if it holds enough, else a direct
 /// take; either way the next lease is fetched in the background when this one runs low (one
 /// request on its way at a time).
-pub(crate) async fn take<S: LeaseStore>(
+///
+/// A take the lease serves is answered at the first poll by a small future: the part that
+/// may wait (for the next lease, or on the store) is a future of its own, made only when it
+/// is needed. As one future it held the store's request inline, and each take from a lease
+/// allocated and copied all of it (a sixth of a take from a lease in Node, by `perf`).
+pub(crate) fn take<'a, S: LeaseStore>(
+    store: &'a Arc<S>,
+    leases: &'a Leases,
+    one: &'a OneTake<'_>,
+) -> BoxFuture<'a, Taken> {
+    Box::pin(async move {
+        match at_once(store, leases, one) {
+            Ok(answer) => answer,
+            Err(entry) => Box::pin(take_waiting(store, leases, one, entry)).await,
+        }
+    })
+}
+
+/// What a leased take is answered without waiting: a refusal of a calendar window, or a take
+/// served from the lease; else (`Err`) the entry whose lease did not serve it, if any.
+fn at_once<S: LeaseStore>(
     store: &Arc<S>,
     leases: &Leases,
     one: &OneTake<'_>,
-) -> Result<Taken, StoreError> {
+) -> Result<Result<Taken, StoreError>, Option<Arc<Entry>>> {
     if one.slot.config.calendar().is_some() {
-        return Err(StoreError::new(format!(
+        return Ok(Err(StoreError::new(format!(
             "{}: {:?} is leased, and leases do not serve calendar windows yet; nothing taken",
             S::NAME,
             one.slot.name
-        )));
+        ))));
     }
     // A check takes nothing: no lease, no entry (a read token's checks on many keys once
     // filled every entry, and their leases were granted for nothing).
     if !one.writes {
-        return direct(&**store, one).await.map(|(taken, _)| taken);
+        return Err(None);
     }
     let Some(entry) = leases.entry(&one.slot, || leases.now(&**store)) else {
+        return Err(None);
+    };
+    let mut now = f64::NAN;
+    let read = || {
+        now = leases.now(&**store);
+        now
+    };
+    if !one.reserve && entry.holder.try_take(one.count, read) {
+        return Ok(Ok(served(store, &entry, now)));
+    }
+    Err(Some(entry))
+}
+
+/// The answer of a take `entry`'s lease served at `now` (the holder's clock, read once).
+fn served<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) -> Taken {
+    entry.local.fetch_add(1, Ordering::Relaxed);
+    fetch_if_low_at(store, entry, now);
+    let status = Status { remaining: entry.holder.held(), reset_after: 0.0 };
+    Taken { decision: Decision { ok: true, retry_after: None }, status }
+}
+
+/// The rest of [`take`], after [`at_once`] did not answer: a direct take without an entry;
+/// with one, the next lease awaited if the take is one a lease serves (rather than a direct
+/// take: when demand outruns a lease, every request would go to the store meanwhile), else
+/// a direct take that counts against the lease's cap.
+async fn take_waiting<S: LeaseStore>(
+    store: &Arc<S>,
+    leases: &Leases,
+    one: &OneTake<'_>,
+    entry: Option<Arc<Entry>>,
+) -> Result<Taken, StoreError> {
+    let Some(entry) = entry else {
         return direct(&**store, one).await.map(|(taken, _)| taken);
     };
-    let local = one.writes && !one.reserve;
-    if local
-        && (entry.holder.try_take(one.count, || leases.now(&**store)) || {
-            // Empty with the next lease on its way: wait for it rather than send a direct take
-            // (when demand outruns a lease, every request would go to the store meanwhile).
-            awaited(&entry).await && entry.holder.try_take(one.count, || leases.now(&**store))
-        })
+    if !one.reserve
+        && awaited(&entry).await
+        && entry.holder.try_take(one.count, || leases.now(&**store))
     {
-        entry.local.fetch_add(1, Ordering::Relaxed);
-        fetch_if_low(store, leases, &entry);
-        let status = Status { remaining: entry.holder.held(), reset_after: 0.0 };
-        return Ok(Taken { decision: Decision { ok: true, retry_after: None }, status });
+        return Ok(served(store, &entry, leases.now(&**store)));
     }
     entry.direct.fetch_add(1, Ordering::Relaxed);
     let (taken, value) = direct(&**store, one).await?;
@@ -548,10 +594,14 @@ async fn awaited(entry: &Entry) -> bool {
 /// spent since the last ask, or past half its length (a renewal, before it runs out), and
 /// the limit is not near its bound.
 fn fetch_if_low<S: LeaseStore>(store: &Arc<S>, leases: &Leases, entry: &Arc<Entry>) {
+    fetch_if_low_at(store, entry, leases.now(&**store));
+}
+
+/// [`fetch_if_low`] at `now`, the holder's clock read by the caller.
+fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) {
     if entry.near.load(Ordering::Acquire) || entry.retired.load(Ordering::Acquire) {
         return;
     }
-    let now = leases.now(&**store);
     let spent = entry.holder.spent() + f64::from_bits(entry.spent.load(Ordering::Acquire));
     let held = entry.holder.held();
     if held > spent / 2.0 && held > 0.0 && now < entry.holder.renew_at() {

@@ -306,12 +306,14 @@ impl<C: Clock> AsyncStore for PgStore<C> {
     /// The common request in one statement (see the `take` function of the table), alone
     /// or grouped with others that wait (see [`PgStoreBuilder::connections`]).
     fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        // A leased limit's take is a future of its own, smaller than this one (see
+        // `lease::take`).
+        if let Some(leases) = &self.shared.leases
+            && leases.is_leased(take.slot.name)
+        {
+            return crate::store::lease::take(&self.shared, leases, take);
+        }
         Box::pin(async move {
-            if let Some(leases) = &self.shared.leases
-                && leases.is_leased(take.slot.name)
-            {
-                return crate::store::lease::take(&self.shared, leases, take).await;
-            }
             if take.slot.config.calendar().is_some() {
                 // The table's `take` function counts equal windows only: a calendar window is
                 // decided here, through a plan.

@@ -648,12 +648,14 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
     }
 
     fn execute_one_async<'a>(&'a self, take: &'a OneTake<'_>) -> BoxFuture<'a, Taken> {
+        // A leased limit's take is a future of its own, smaller than this one (see
+        // `lease::take`).
+        if let Some(leases) = &self.inner.leases
+            && leases.is_leased(take.slot.name)
+        {
+            return crate::store::lease::take(&self.inner, leases, take);
+        }
         Box::pin(async move {
-            if let Some(leases) = &self.inner.leases
-                && leases.is_leased(take.slot.name)
-            {
-                return crate::store::lease::take(&self.inner, leases, take).await;
-            }
             if take.slot.config.calendar().is_some() {
                 // Decided here, not by the one-take script (see `run_decided_here`).
                 let outcome = self.execute_async(&take.to_plan()).await?;
