@@ -37,7 +37,7 @@ fn reply(answer: Answer) -> String {
     out
 }
 
-/// A decision as a number, or an answer that is not one as its string (see [`Limiter::take`]).
+/// A decision as a number, or an answer that is not one as its string (see [`take`]).
 type Taken = Either<f64, String>;
 
 /// The function the answers of `take` that had to wait come back through, as `[id, answer]`,
@@ -152,7 +152,7 @@ impl Limiter {
         }
     }
 
-    /// Sets the function through which the answers of [`Limiter::take`] that had to wait
+    /// Sets the function through which the answers of [`take`] that had to wait
     /// come back, as `[id, answer]`; once per limiter.
     #[napi]
     pub fn settle_with(&self, settler: Settler) -> Result<()> {
@@ -221,8 +221,8 @@ const RESERVE: u32 = 4;
 const WRITES: u32 = 8;
 
 /// A `limit` or `check` of a limit defined at open, by the limiter's `handle` (see
-/// [`Limiter::handle`]), without JSON: the calls made most. `flags` is of [`KEY`], [`COUNT`],
-/// [`RESERVE`] and [`WRITES`]. A decision is a number (`-1`: granted with tokens on hand;
+/// [`Limiter::handle`]), without JSON: the calls made most. `flags` is the sum of 1 (a key is
+/// given), 2 (a count is given), 4 (reserve) and 8 (a `limit`, which writes). A decision is a number (`-1`: granted with tokens on hand;
 /// `w >= 0`: granted after a wait of `w` ms, a reservation; `-2 - w`: refused, retry in `w`
 /// ms); anything else is the answer [`Limiter::run`] would give (an error), as its string.
 /// Answered now when no I/O was needed; else nothing is returned, and the answer comes back
