@@ -222,12 +222,13 @@ const WRITES: u32 = 8;
 
 /// A `limit` or `check` of a limit defined at open, by the limiter's `handle` (see
 /// [`Limiter::handle`]), without JSON: the calls made most. `flags` is the sum of 1 (a key is
-/// given), 2 (a count is given), 4 (reserve) and 8 (a `limit`, which writes). A decision is a number (`-1`: granted with tokens on hand;
-/// `w >= 0`: granted after a wait of `w` ms, a reservation; `-2 - w`: refused, retry in `w`
-/// ms); anything else is the answer [`Limiter::run`] would give (an error), as its string.
-/// Answered now when no I/O was needed; else nothing is returned, and the answer comes back
-/// through the settler (see `settleWith`) with `id`. Throws for an argument of the wrong
-/// type or a handle of no limiter (then nothing was taken).
+/// given), 2 (a count is given), 4 (reserve) and 8 (a `limit`, which writes). A decision is
+/// a number (`-1`: granted with tokens on hand; `w >= 0`: granted after a wait of `w` ms, a
+/// reservation; `-2 - w`: refused, retry in `w` ms); anything else is the answer
+/// [`Limiter::run`] would give (an error), as its string. Answered now when no I/O was
+/// needed; else nothing is returned, and the answer comes back through the settler (see
+/// `settleWith`) with `id`. Throws for an argument of the wrong type or a handle of no
+/// limiter (then nothing was taken).
 #[napi(ts_return_type = "number | string | null")]
 pub fn take(
     handle: u32,
