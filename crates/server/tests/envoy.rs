@@ -265,11 +265,19 @@ fn run_envoy(
         .into();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
+        // A request Envoy let through is not proof the service answered: one that fails open
+        // (before Envoy's connection to the service is up, say) passes without a limit's
+        // header fields, and is not counted. So a pass must carry them.
         let answered = agent
             .get(&format!("http://127.0.0.1:{front}/"))
             .header("x-user", "warmup")
             .call()
-            .is_ok_and(|r| r.status() == ready);
+            .is_ok_and(|r| {
+                let limited = ["x-ratelimit-remaining", "ratelimit", "ratelimit-policy"]
+                    .iter()
+                    .any(|name| r.headers().contains_key(*name));
+                r.status() == ready && (ready != 200 || limited)
+            });
         if answered {
             break;
         }
