@@ -67,9 +67,7 @@ pub async fn open(config: String) -> Result<Limiter> {
         store::open(&settings.store, settings.max_keys, settings.store_deadline, &settings.lease)
             .await
             .map_err(|e| Error::new(Status::GenericFailure, format!("{e:#}")))?;
-    let mut engine = Engine::opened(opened.store.clone(), &opened, &settings, String::new());
-    // No dashboard in a Node process: nothing reads the counts.
-    engine.stats = tollgate_server::stats::Stats::off();
+    let engine = Engine::in_process(&opened, &settings);
     Ok(Limiter {
         taker: Arc::new(Taker {
             engine: Arc::new(engine),
@@ -248,13 +246,12 @@ pub fn take(
         Ok(decision) => Either::A(Engine::decision_number(decision)),
         Err(answer) => Either::B(reply(answer)),
     };
+    let (mut name_buf, mut key_buf) = ([0; SHORT], [0; SHORT]);
+    let name = read_str(name, &mut name_buf)?;
+    let key = if flags & KEY != 0 { Some(read_str(key, &mut key_buf)?) } else { None };
     if taker.immediate {
         // The memory store: ready at the first poll, polled where it stands (no box, no
-        // runtime: it has no timer or socket), the strings read into the stack.
-        let mut name_buf = [0; SHORT];
-        let mut key_buf = [0; SHORT];
-        let name = read_str(name, &mut name_buf)?;
-        let key = if flags & KEY != 0 { Some(read_str(key, &mut key_buf)?) } else { None };
+        // runtime: it has no timer or socket), the strings where they were read.
         let work = taker.engine.take(&name, key.as_deref(), count, reserve, writes);
         return match work.now_or_never() {
             Some(taken) => Ok(Some(number(taken))),
@@ -266,9 +263,7 @@ pub fn take(
     let Some(settler) = taker.settler.get().cloned() else {
         return Err(Error::new(Status::GenericFailure, "settleWith was not called"));
     };
-    let name = read_str(name, &mut [0; SHORT])?.into_owned();
-    let key =
-        if flags & KEY != 0 { Some(read_str(key, &mut [0; SHORT])?.into_owned()) } else { None };
+    let (name, key) = (name.into_owned(), key.map(std::borrow::Cow::into_owned));
     let engine = Arc::clone(&taker.engine);
     let mut work = Box::pin(async move {
         number(engine.take(&name, key.as_deref(), count, reserve, writes).await)

@@ -173,9 +173,7 @@ impl Engine {
         )
         .await
         .map_err(|e| PyRuntimeError::new_err(format!("{e:#}")))?;
-        let mut engine = Served::opened(opened.store.clone(), &opened, &settings, String::new());
-        // No dashboard in a Python process: nothing reads the counts.
-        engine.stats = tollgate_server::stats::Stats::off();
+        let engine = Served::in_process(&opened, &settings);
         Ok(Engine {
             engine: Arc::new(engine),
             immediate: opened.memory.is_some(),

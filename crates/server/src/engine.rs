@@ -287,6 +287,15 @@ impl Engine {
         engine
     }
 
+    /// The engine of an in-process package (Node, Python) over the store `opened` gave, with
+    /// the limits of `settings`: as [`Engine::opened`], counting no stats (no dashboard
+    /// reads them there, and a count's lock, lookup and clock read were a tenth of a call).
+    pub fn in_process(opened: &crate::store::Opened, settings: &crate::config::Settings) -> Self {
+        let mut engine = Self::opened(opened.store.clone(), opened, settings, String::new());
+        engine.stats = crate::stats::Stats::off();
+        engine
+    }
+
     /// An engine serving `defined`.
     pub fn serving(defined: Defined) -> Self {
         Engine {

@@ -93,8 +93,8 @@ pub struct Counts {
 }
 
 impl Stats {
-    /// Stats that count nothing, for an engine without a dashboard (the in-process packages,
-    /// where a count's lock, lookup and clock read were a tenth of a call).
+    /// Stats that count nothing, for an engine without a dashboard (see
+    /// [`crate::engine::Engine::in_process`]).
     pub fn off() -> Self {
         Stats { off: true, ..Stats::default() }
     }
