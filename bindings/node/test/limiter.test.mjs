@@ -1,6 +1,7 @@
 // The in-process limiter on every store: each call of the client's API, its answers and its
 // errors, through the real addon.
 import assert from "node:assert/strict";
+import { spawnSync } from "node:child_process";
 import { test } from "node:test";
 
 import {
@@ -211,9 +212,9 @@ test("limit and check answer alike by the direct path (a defined limit) and the 
 });
 
 test("names and keys of any length and character reach the engine whole by the direct path", async () => {
-  // The addon reads a short string into the stack (up to 123 bytes of UTF-8) and a longer
-  // one as a whole: keys on either side of that, with characters of 2 and 4 bytes across
-  // it, are each their own, and each is the key getValue (the JSON path) reads.
+  // The addon reads a short key into the stack (up to 123 bytes of UTF-8) and a longer one
+  // as a whole: keys on either side of that, with characters of 2 and 4 bytes across it,
+  // are each their own, and each is the key getValue (the JSON path) reads.
   const name = fresh(`long-${"n".repeat(150)}`);
   const limiter = new RateLimiter("memory", { [name]: { kind: "token bucket", rate: 1, period: HOUR, capacity: 1 } });
   await limiter.getServerTime();
@@ -239,4 +240,73 @@ test("names and keys of any length and character reach the engine whole by the d
   // No key is not the empty key.
   assert.deepEqual(await limiter.limit(name), { ok: true });
   assert.ok((await limiter.getValue(name, { key: "never taken" })).value === 1);
+});
+
+test("arguments of the wrong type and names not defined get the JSON path's errors, and take nothing", async () => {
+  // The direct path (a function per defined name, made at its first call) throws for an
+  // argument of the wrong type before any work; the call then goes the JSON path, whose
+  // error is the server's.
+  const defined = fresh("typed");
+  const inline = fresh("typed-json");
+  const config = { kind: "token bucket", rate: 1, period: HOUR, capacity: 2 };
+  const limiter = new RateLimiter("memory", { [defined]: config });
+  await limiter.limit(defined, { key: "warm" }); // the direct path is made
+  const outcome = (name, options) =>
+    limiter.limit(name, options).then(
+      (r) => JSON.stringify(r),
+      // (where in its JSON body the JSON path found the fault differs: the other carries a config)
+      (e) => `${e.constructor.name} ${e.status} ${e.message}`.replace(name, "NAME").replace(/ at line \d+ column \d+$/, ""),
+    );
+  for (const options of [{ key: 5 }, { key: {} }, { count: "2" }, { key: "k", count: [1] }, { key: "k", reserve: "yes" }, { key: "k", throws: 1 }]) {
+    const direct = await outcome(defined, options);
+    assert.equal(direct, await outcome(inline, { ...options, config }), JSON.stringify(options));
+    assert.match(direct, /^TollgateError 400 /, JSON.stringify(options));
+  }
+  // Nothing was taken by those: both tokens of "k" are there.
+  assert.equal((await limiter.getValue(defined, { key: "k" })).value, 2);
+  // A name not defined, before and after a defined one's function is made.
+  const missing = fresh("missing");
+  for (let i = 0; i < 2; i++) {
+    await assert.rejects(limiter.limit(missing, { key: "k" }), (e) => e instanceof TollgateError && e.status === 404 && e.message.includes(missing));
+  }
+  assert.deepEqual(await limiter.limit(defined, { key: "k", count: 2 }), { ok: true });
+  assert.equal((await limiter.limit(defined, { key: "k" })).ok, false);
+});
+
+test("a limiter no longer referenced is collected with its store, a call still waiting included", {
+  skip: process.env.TOLLGATE_REDIS_URL === undefined && "no TOLLGATE_REDIS_URL",
+}, () => {
+  // The addon holds the function its waiting answers come back through: were that to hold
+  // the limiter, no limiter would ever be collected, nor its store closed. Seen here as
+  // Redis connections (on a database no other test uses) that close once the limiters that
+  // opened them are dropped, one of them while its call was still waiting on Redis.
+  const url = new URL(process.env.TOLLGATE_REDIS_URL);
+  url.pathname = "/11";
+  const script = `
+    import { RateLimiter } from ${JSON.stringify(new URL("../dist/index.js", import.meta.url).href)};
+    import { execFileSync } from "node:child_process";
+    const ours = () => execFileSync("redis-cli", ["-u", ${JSON.stringify(process.env.TOLLGATE_REDIS_URL)}, "client", "list"])
+      .toString().split("\\n").filter((line) => line.includes(" db=11 ")).length;
+    const config = { a: { kind: "token bucket", rate: 1e6, period: 1000 } };
+    async function made(i) {
+      const limiter = new RateLimiter(${JSON.stringify(url.href)}, config);
+      await limiter.limit("a", { key: "gc" + i });
+      return i === 0 ? limiter.limit("a", { key: "gc" + i }) : undefined; // waiting when dropped
+    }
+    const waiting = await Promise.all([0, 1, 2, 3, 4].map(made).map((p) => (globalThis.gc(), p)));
+    const open = ours();
+    let left = open;
+    for (let i = 0; i < 100 && left > 0; i++) {
+      globalThis.gc();
+      await new Promise((r) => setTimeout(r, 50));
+      left = ours();
+    }
+    console.log(JSON.stringify({ open, left, waiting }));
+  `;
+  const run = spawnSync(process.execPath, ["--expose-gc", "--input-type=module", "-e", script], { encoding: "utf8", timeout: 30_000 });
+  assert.equal(run.status, 0, run.stderr);
+  const { open, left, waiting } = JSON.parse(run.stdout);
+  assert.ok(open >= 5, `the 5 limiters had ${open} connections open`);
+  assert.equal(left, 0, "connections of collected limiters left open");
+  assert.deepEqual(waiting[0], { ok: true });
 });

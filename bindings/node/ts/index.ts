@@ -15,7 +15,7 @@ import {
   type RateLimitResult,
 } from "tollgate-client";
 
-import { addon, type NativeLimiter } from "./native.js";
+import { addon, type NativeLimiter, type NativeTake } from "./native.js";
 
 export * from "tollgate-client";
 
@@ -112,21 +112,27 @@ function reply(answer: string): Reply {
 interface Engine {
   opening: Promise<NativeLimiter>;
   ready?: NativeLimiter;
-  /** The addon's `take`, and the limiter's handle for it, once it is open. */
-  take?: ReturnType<typeof addon>["take"];
-  handle?: number;
+  /** The take functions of the limits called so far (of defined names only), by name. */
+  takers: Map<string, NativeTake>;
   failed?: string;
   /** Resolvers of the `take`s whose answers come back through the settler, by id. */
   waiting: Map<number, (answer: number | string) => void>;
   nextId: number;
-  /** Holds the event loop open while answers are awaited (the settler does not). */
+  /** Holds the event loop open, and the engine alive, while answers are awaited (the
+   *  settler does neither). */
   hold?: ReturnType<typeof setInterval>;
 }
 
-/** Takes the answers of `take` that waited: one function for the limiter, called on the
- *  event loop with each [id, answer]. */
+/** Takes the answers of the take functions that waited: one function for the limiter,
+ *  called on the event loop with each [id, answer]. It holds its engine weakly: the addon
+ *  holds it, and a strong hold would keep the engine, its native limiter and the store
+ *  alive for as long as the process runs, each limiter ever made. While answers are
+ *  awaited, the engine is held by its timer (`hold`). */
 function settler(engine: Engine): (settled: [number, number | string]) => void {
+  const weak = new WeakRef(engine);
   return ([id, answer]) => {
+    const engine = weak.deref();
+    if (engine === undefined) return;
     const resolve = engine.waiting.get(id);
     engine.waiting.delete(id);
     if (engine.waiting.size === 0 && engine.hold !== undefined) {
@@ -179,30 +185,49 @@ function take(
   options: (LimitOptions & { config?: RateLimitConfig }) | undefined,
   writes: boolean,
 ): Promise<RateLimitResult> | undefined {
-  const native = engine?.take;
-  if (native === undefined || options?.config !== undefined) return undefined;
+  const ready = engine?.ready;
+  if (ready === undefined || options?.config !== undefined) return undefined;
+  let native = engine!.takers.get(name);
+  if (native === undefined) {
+    try {
+      const made = ready.taker(name);
+      // A name not defined: the general path says so.
+      if (made === null) return undefined;
+      engine!.takers.set(name, (native = made));
+    } catch {
+      // Not a string: the general path says why.
+      return undefined;
+    }
+  }
   let answered: number | string | null;
   const id = engine!.nextId;
   engine!.nextId = (id + 1) % 4_294_967_296;
   const key = options?.key;
   const count = options?.count;
-  const flags =
-    (key === undefined ? 0 : 1) | (count === undefined ? 0 : 2) | (options?.reserve === true ? 4 : 0) | (writes ? 8 : 0);
+  const reserve = options?.reserve;
+  const throws = options?.throws;
+  // A flag of another type: the general path refuses it as the server does.
+  if ((reserve !== undefined && typeof reserve !== "boolean") || (throws !== undefined && typeof throws !== "boolean")) {
+    return undefined;
+  }
+  const flags = (key === undefined ? 0 : 1) | (count === undefined ? 0 : 2) | (reserve === true ? 4 : 0) | (writes ? 8 : 0);
   try {
-    answered = native(engine!.handle!, name, key ?? "", count ?? 0, flags, id);
+    answered = native(key ?? "", count ?? 0, flags, id);
   } catch {
     // An argument of the wrong type, refused before any work: the general path says why.
     return undefined;
   }
   if (answered === null) {
     const waiting = engine!.waiting;
-    engine!.hold ??= setInterval(() => {}, 2 ** 30);
+    // The timer holds the event loop open and the engine alive until the answers are in.
+    const held = engine!;
+    held.hold ??= setInterval(() => held, 2 ** 30);
     return new Promise<number | string>((resolve) => waiting.set(id, resolve)).then((r) =>
-      result(r, name, options?.throws === true, writes),
+      result(r, name, throws === true, writes),
     );
   }
   try {
-    return Promise.resolve(result(answered, name, options?.throws === true, writes));
+    return Promise.resolve(result(answered, name, throws === true, writes));
   } catch (e) {
     return Promise.reject(e);
   }
@@ -244,14 +269,12 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
     }
     const store = typeof options === "string" ? { store: options } : options;
     const config = validated(configJson(store, limits));
-    const engine: Engine = { opening: addon().open(config), waiting: new Map(), nextId: 0 };
+    const engine: Engine = { opening: addon().open(config), takers: new Map(), waiting: new Map(), nextId: 0 };
     // Each call reports a failure to open; none is left unhandled.
     engine.opening.then(
       (limiter) => {
         limiter.settleWith(settler(engine));
         engine.ready = limiter;
-        engine.handle = limiter.handle();
-        engine.take = addon().take;
       },
       (e: Error) => (engine.failed = e.message),
     );

@@ -7,24 +7,28 @@ import { createRequire } from "node:module";
 export interface NativeLimiter {
   /** An answer now when no I/O was needed (the memory store, a lease's take), else a promise. */
   run(op: string, body: string): string | Promise<string>;
-  /** This limiter's handle for the addon's `take` on this thread. */
-  handle(): number;
-  /** Where the answers of `take` that waited come back, as [id, answer]; once per limiter. */
+  /** The function that takes from the limit `name` (a `limit`, or a `check` without flag 8),
+   *  or null if no limit has that name: a number for a decision (`-1` granted; `w >= 0`
+   *  granted after a wait; `-2 - w` refused, retry in `w` ms), the answer's string for
+   *  anything else; null when I/O was needed: the answer then comes to the settler with
+   *  `id`. `flags`: 1 a key is given (else `key` is ignored), 2 a count is given (else
+   *  `count` is), 4 reserve, 8 writes. Throws a TypeError for an argument of the wrong type
+   *  (nothing taken). */
+  taker(name: string): NativeTake | null;
+  /** Where the answers of the take functions that waited come back, as [id, answer]; once
+   *  per limiter. */
   settleWith(settler: (settled: [number, number | string]) => void): void;
   time(): Promise<string>;
   config(): string;
   close(): Promise<void>;
 }
 
+/** A limit's take function (see `NativeLimiter.taker`). */
+export type NativeTake = (key: string, count: number, flags: number, id: number) => number | string | null;
+
 interface Addon {
   validate(config: string): void;
   open(config: string): Promise<NativeLimiter>;
-  /** A `limit` (`writes`) or `check` of a limit defined at open, by its limiter's handle:
-   *  a number for a decision (`-1` granted; `w >= 0` granted after a wait; `-2 - w`
-   *  refused, retry in `w` ms), the answer's string for anything else; null when I/O was
-   *  needed: the answer then comes to the settler with `id`. `flags`: 1 a key is given
-   *  (else `key` is ignored), 2 a count is given (else `count` is), 4 reserve, 8 writes. */
-  take(handle: number, name: string, key: string, count: number, flags: number, id: number): number | string | null;
 }
 
 /** The addon's file name for this platform: `tollgate.linux-x64-gnu.node` and the like. */

@@ -476,18 +476,30 @@ impl Engine {
     ) -> Result<tollgate::Decision, Answer> {
         let defined = self.current();
         let target = defined.target(name, None)?;
-        let request = Defined::request_of(key, count, reserve);
-        let decision = if writes {
-            defined.limiter.limit_async(target, request).await
-        } else {
-            defined.limiter.check_async(target, request).await
-        };
-        let decision = decision.map_err(|e| defined.error(e))?;
+        let decision = defined.take(target, key, count, reserve, writes).await?;
         if writes && self.stats.counts() {
             let taken = crate::stats::Taken::of(decision.ok, decision.retry_after);
             self.stats.record(name, taken, now_ms());
         }
         Ok(decision)
+    }
+
+    /// The limit defined as `name`, its config looked up now rather than at each take:
+    /// what the in-process packages take by. `None` if no limit has that name.
+    ///
+    /// It keeps the limits of when it was made (a reload by [`Engine::replace`] does not
+    /// reach it) and counts no stats: it is for the in-process engines
+    /// ([`Engine::in_process`]), which do neither.
+    pub fn named(&self, name: &str) -> Option<Named> {
+        let defined = self.current();
+        let config = defined.limiter.defined_config(name)?;
+        let memory = match &self.stored {
+            Some(crate::store::Stored::Memory(memory)) => {
+                Some(defined.limiter.on(Arc::clone(memory)))
+            }
+            _ => None,
+        };
+        Some(Named { defined, name: name.into(), config, memory })
     }
 
     /// A decision of [`Engine::take`] as one number, what the in-process packages hand
@@ -522,7 +534,76 @@ impl Engine {
     }
 }
 
+/// A limit defined in an engine, its config looked up once (see [`Engine::named`]).
+pub struct Named {
+    defined: Arc<Defined>,
+    name: Arc<str>,
+    config: Config,
+    /// The limiter on the memory store as itself, when that is the store: its takes are
+    /// made there without a future ([`Named::take_now`]).
+    memory: Option<RateLimiter<Arc<tollgate::MemoryStore>>>,
+}
+
+impl Named {
+    /// [`Named::take`] on the memory store, answered now, through the store's own type (no
+    /// future is made, and the store's code is inlined here); `None` on another store.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Engine::take`].
+    #[inline]
+    pub fn take_now(
+        &self,
+        key: Option<&str>,
+        count: Option<f64>,
+        reserve: bool,
+        writes: bool,
+    ) -> Option<Result<tollgate::Decision, Answer>> {
+        let memory = self.memory.as_ref()?;
+        let target = Target::Inline(&self.name, self.config);
+        let request = Defined::request_of(key, count, reserve);
+        let decision =
+            if writes { memory.limit(target, request) } else { memory.check(target, request) };
+        Some(decision.map_err(|e| self.defined.error(e)))
+    }
+
+    /// [`Engine::take`] of this limit: the same decision and errors.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Engine::take`].
+    pub async fn take(
+        &self,
+        key: Option<&str>,
+        count: Option<f64>,
+        reserve: bool,
+        writes: bool,
+    ) -> Result<tollgate::Decision, Answer> {
+        let target = Target::Inline(&self.name, self.config);
+        self.defined.take(target, key, count, reserve, writes).await
+    }
+}
+
 impl Defined {
+    /// A `limit` (`writes`) or `check` of `target`, as [`Engine::take`] and [`Named::take`]
+    /// make it.
+    async fn take(
+        &self,
+        target: Target<'_>,
+        key: Option<&str>,
+        count: Option<f64>,
+        reserve: bool,
+        writes: bool,
+    ) -> Result<tollgate::Decision, Answer> {
+        let request = Defined::request_of(key, count, reserve);
+        let decision = if writes {
+            self.limiter.limit_async(target, request).await
+        } else {
+            self.limiter.check_async(target, request).await
+        };
+        decision.map_err(|e| self.error(e))
+    }
+
     fn target<'a>(&self, name: &'a str, config: Option<&RawConfig>) -> Result<Target<'a>, Answer> {
         if name.is_empty() {
             // With a config or without: no limit has no name.
@@ -906,4 +987,68 @@ fn field_before(body: &[u8], line: usize, column: usize) -> Option<String> {
     let key_end = before[..colon].trim_end().strip_suffix('"')?;
     let key_start = key_end.rfind('"')?;
     Some(key_end[key_start + 1..].to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An in-process engine over `store` with the limit `tb` (3 tokens, one an hour).
+    async fn in_process(store: &str) -> Engine {
+        let config = json!({
+            "server": { "store": store },
+            "limits": { "tb": { "kind": "token bucket", "rate": 1, "period": 3_600_000, "capacity": 3 } },
+        });
+        let settings = crate::config::Settings::from_json(&config.to_string()).expect("settings");
+        let opened = crate::store::open(
+            &settings.store,
+            settings.max_keys,
+            settings.store_deadline,
+            &settings.lease,
+        )
+        .await
+        .expect("store");
+        Engine::in_process(&opened, &settings)
+    }
+
+    fn answered(taken: Result<tollgate::Decision, Answer>) -> Result<bool, (u16, String)> {
+        taken.map(|d| d.ok).map_err(|a| (a.status.as_u16(), a.body.to_json()))
+    }
+
+    #[tokio::test]
+    async fn a_named_limit_takes_from_the_same_states_with_the_same_errors() {
+        let dir = tempfile::tempdir().expect("dir");
+        let sqlite = format!("sqlite://{}", dir.path().join("named.db").display());
+        for store in ["memory", sqlite.as_str()] {
+            let engine = in_process(store).await;
+            assert!(engine.named("nope").is_none());
+            assert!(engine.named("").is_none());
+            let named = engine.named("tb").expect("tb is defined");
+            // Now on the memory store only; the async take on either.
+            let now = |count, writes| named.take_now(Some("k"), Some(count), false, writes);
+            assert_eq!(now(1.0, true).is_some(), store == "memory", "{store}");
+            if store != "memory" {
+                assert_eq!(answered(named.take(Some("k"), Some(1.0), false, true).await), Ok(true));
+            }
+            // One state: 1 taken above, 1 by the engine's name, then 1 is left.
+            let by_name = engine.take("tb", Some("k"), Some(1.0), false, true).await;
+            assert_eq!(answered(by_name), Ok(true), "{store}");
+            assert_eq!(answered(named.take(Some("k"), Some(2.0), false, false).await), Ok(false));
+            assert_eq!(answered(named.take(Some("k"), Some(1.0), false, true).await), Ok(true));
+            let refused = engine.take("tb", Some("k"), None, false, true).await;
+            assert_eq!(answered(refused), Ok(false), "{store}");
+            // The same error as by name (but the name's own wording: the same name).
+            for count in [-1.0, 4.0, f64::NAN] {
+                let by_name =
+                    answered(engine.take("tb", Some("k"), Some(count), false, true).await);
+                let named_now = named.take_now(Some("k"), Some(count), false, true).map(answered);
+                let named_async = answered(named.take(Some("k"), Some(count), false, true).await);
+                assert!(by_name.is_err(), "{store} {count}");
+                assert_eq!(named_async, by_name, "{store} {count}");
+                if let Some(now) = named_now {
+                    assert_eq!(now, by_name, "{store} {count}");
+                }
+            }
+        }
+    }
 }

@@ -1,0 +1,248 @@
+//! The package's hottest call, a `limit` or `check` of a limit defined at open, as a
+//! function of its own per limit, made with Node-API directly.
+//!
+//! Through napi-rs, a call paid for its per-call bookkeeping (a borrow scope with two
+//! allocations, thread-local look-ups, a conversion per argument) and, through the engine,
+//! for finding the limit by its name (the name's string read across, two hash look-ups):
+//! together about half the instructions of a call on the memory store (BENCHMARKS.md). Here
+//! the limit is found once, when its function is made ([`function`]); a call reads its
+//! arguments with one Node-API call each and takes.
+#![allow(unsafe_code)]
+
+use std::borrow::Cow;
+use std::ffi::{CString, c_void};
+use std::panic::AssertUnwindSafe;
+use std::ptr;
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use napi::bindgen_prelude::{ToNapiValue, within_runtime_if_available};
+use napi::sys;
+use napi::threadsafe_function::ThreadsafeFunctionCallMode;
+use tollgate_server::answer::Answer;
+use tollgate_server::engine::{Engine, Named};
+
+use crate::{Taken, Taker, reply};
+
+/// `flags`: a key was given (else `key` is ignored: no key differs from the empty key).
+const KEY: u32 = 1;
+/// A count was given (else `count` is ignored and the default, 1, taken).
+const COUNT: u32 = 2;
+/// Reserve (SPEC §4).
+const RESERVE: u32 = 4;
+/// A `limit` (else a `check`, which writes nothing).
+const WRITES: u32 = 8;
+
+/// What a limit's function holds: its limit, and its limiter's store and settler.
+struct Limit {
+    taker: Arc<Taker>,
+    named: Arc<Named>,
+}
+
+/// A JavaScript value made here, handed to napi-rs as it is.
+pub struct Raw(sys::napi_value);
+
+impl ToNapiValue for Raw {
+    unsafe fn to_napi_value(_: sys::napi_env, raw: Self) -> napi::Result<sys::napi_value> {
+        Ok(raw.0)
+    }
+}
+
+/// The function `(key, count, flags, id)` that takes from `named`: `flags` is the sum of 1
+/// (a key is given), 2 (a count is given), 4 (reserve) and 8 (a `limit`, which writes). A
+/// decision is a number (`-1`: granted with tokens on hand; `w >= 0`: granted after a wait
+/// of `w` ms, a reservation; `-2 - w`: refused, retry in `w` ms); anything else is the
+/// answer `run` would give (an error), as its string. Answered now when no I/O was needed;
+/// else it returns null, and the answer comes back through the limiter's settler with
+/// `id`. Throws a `TypeError` for an argument of the wrong type (then nothing was taken).
+pub(crate) fn function(env: sys::napi_env, taker: Arc<Taker>, named: Named) -> napi::Result<Raw> {
+    let limit = Box::into_raw(Box::new(Limit { taker, named: Arc::new(named) }));
+    let mut function = ptr::null_mut();
+    // SAFETY: `env` is the env of the call that makes the function; the function's data is
+    // `limit`, which the finalizer added next frees once the function is collected (or
+    // here, if either call fails).
+    unsafe {
+        let made = sys::napi_create_function(
+            env,
+            c"take".as_ptr(),
+            4,
+            Some(call),
+            limit.cast(),
+            &mut function,
+        );
+        if made != sys::Status::napi_ok
+            || sys::napi_add_finalizer(
+                env,
+                function,
+                limit.cast(),
+                Some(finalize),
+                ptr::null_mut(),
+                ptr::null_mut(),
+            ) != sys::Status::napi_ok
+        {
+            drop(Box::from_raw(limit));
+            return Err(napi::Error::from_reason("the limit's take function could not be made"));
+        }
+    }
+    Ok(Raw(function))
+}
+
+/// Frees a function's [`Limit`] once the function is collected.
+unsafe extern "C" fn finalize(_: sys::napi_env, limit: *mut c_void, _: *mut c_void) {
+    // SAFETY: `limit` is the box `function` made for this function, freed only here.
+    drop(unsafe { Box::from_raw(limit.cast::<Limit>()) });
+}
+
+/// The function's body: reads the arguments, takes, and makes the answer's value.
+unsafe extern "C" fn call(env: sys::napi_env, info: sys::napi_callback_info) -> sys::napi_value {
+    let mut argc = 4;
+    let mut argv = [ptr::null_mut(); 4];
+    let mut data = ptr::null_mut();
+    // SAFETY: `argv` has room for `argc` values; Node fills those not passed with undefined.
+    let status = unsafe {
+        sys::napi_get_cb_info(env, info, &mut argc, argv.as_mut_ptr(), ptr::null_mut(), &mut data)
+    };
+    if status != sys::Status::napi_ok {
+        return throw(env, "tollgate: the call's arguments could not be read");
+    }
+    // SAFETY: `data` is the `Limit` of this function, alive while the function is.
+    let limit = unsafe { &*data.cast::<Limit>() };
+    // A panic must not unwind into Node: it is thrown as an error instead.
+    match std::panic::catch_unwind(AssertUnwindSafe(|| take(env, limit, &argv))) {
+        Ok(Ok(value)) => value,
+        Ok(Err(message)) => throw(env, &message),
+        Err(_) => throw(env, "tollgate: a take failed inside the addon"),
+    }
+}
+
+/// A take of `limit` with the arguments `argv` (see [`function`]).
+fn take(
+    env: sys::napi_env,
+    limit: &Limit,
+    argv: &[sys::napi_value; 4],
+) -> Result<sys::napi_value, String> {
+    let flags = read_u32(env, argv[2], "flags")?;
+    let count = if flags & COUNT != 0 { Some(read_f64(env, argv[1], "count")?) } else { None };
+    let (reserve, writes) = (flags & RESERVE != 0, flags & WRITES != 0);
+    let mut key_buf = [0; SHORT];
+    let key = if flags & KEY != 0 { Some(read_str(env, argv[0], &mut key_buf)?) } else { None };
+    let Limit { taker, named } = limit;
+    // The memory store: answered here, the key where it was read.
+    if let Some(taken) = named.take_now(key.as_deref(), count, reserve, writes) {
+        return answer(env, number(taken));
+    }
+    let Some(settler) = taker.settler.get().cloned() else {
+        return Err("tollgate: settleWith was not called".to_owned());
+    };
+    let id = read_u32(env, argv[3], "id")?;
+    let (named, key) = (Arc::clone(named), key.map(Cow::into_owned));
+    let mut work =
+        Box::pin(async move { number(named.take(key.as_deref(), count, reserve, writes).await) });
+    if let Some(taken) = within_runtime_if_available(|| (&mut work).now_or_never()) {
+        return answer(env, taken);
+    }
+    napi::bindgen_prelude::spawn(async move {
+        let taken = work.await;
+        settler.call((id, taken), ThreadsafeFunctionCallMode::NonBlocking);
+    });
+    let mut null = ptr::null_mut();
+    // SAFETY: a value of this call's env.
+    unsafe { sys::napi_get_null(env, &mut null) };
+    Ok(null)
+}
+
+/// A take's outcome as what crosses: a decision's number, or an error's answer.
+fn number(taken: Result<tollgate::Decision, Answer>) -> Taken {
+    match taken {
+        Ok(decision) => Taken::A(Engine::decision_number(decision)),
+        Err(answer) => Taken::B(reply(answer)),
+    }
+}
+
+/// `taken` as a JavaScript value.
+fn answer(env: sys::napi_env, taken: Taken) -> Result<sys::napi_value, String> {
+    let mut value = ptr::null_mut();
+    // SAFETY: values of this call's env; the string is read for its length, no further.
+    let status = unsafe {
+        match &taken {
+            Taken::A(number) => sys::napi_create_double(env, *number, &mut value),
+            Taken::B(text) => sys::napi_create_string_utf8(
+                env,
+                text.as_ptr().cast(),
+                text.len() as isize,
+                &mut value,
+            ),
+        }
+    };
+    if status != sys::Status::napi_ok {
+        return Err("tollgate: the answer could not be made".to_owned());
+    }
+    Ok(value)
+}
+
+/// Throws a `TypeError` of `message`; what the function returns then.
+fn throw(env: sys::napi_env, message: &str) -> sys::napi_value {
+    let message = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    // SAFETY: `message` is a NUL-terminated string alive across the call.
+    unsafe { sys::napi_throw_type_error(env, ptr::null(), message.as_ptr()) };
+    ptr::null_mut()
+}
+
+fn read_u32(env: sys::napi_env, value: sys::napi_value, what: &str) -> Result<u32, String> {
+    let mut out = 0;
+    // SAFETY: `value` is an argument of this call.
+    match unsafe { sys::napi_get_value_uint32(env, value, &mut out) } {
+        sys::Status::napi_ok => Ok(out),
+        _ => Err(format!("tollgate: {what} must be a number")),
+    }
+}
+
+fn read_f64(env: sys::napi_env, value: sys::napi_value, what: &str) -> Result<f64, String> {
+    let mut out = 0.0;
+    // SAFETY: `value` is an argument of this call.
+    match unsafe { sys::napi_get_value_double(env, value, &mut out) } {
+        sys::Status::napi_ok => Ok(out),
+        _ => Err(format!("tollgate: {what} must be a number")),
+    }
+}
+
+/// The bytes of a string argument [`read_str`] reads into the stack; a longer one is read
+/// into the heap.
+const SHORT: usize = 128;
+
+/// The string `value`, read into `buf` with one Node-API call where it fits (asking for the
+/// length first and then the bytes would be two).
+fn read_str<'b>(
+    env: sys::napi_env,
+    value: sys::napi_value,
+    buf: &'b mut [u8; SHORT],
+) -> Result<Cow<'b, str>, String> {
+    let mut written = 0;
+    // SAFETY: `buf` is writable for `SHORT` bytes, and Node writes at most `SHORT - 1` of a
+    // string's UTF-8 and a NUL into it; `value` is an argument of this call.
+    let status = unsafe {
+        sys::napi_get_value_string_utf8(env, value, buf.as_mut_ptr().cast(), SHORT, &mut written)
+    };
+    if status != sys::Status::napi_ok {
+        return Err("tollgate: key must be a string".to_owned());
+    }
+    // Node writes whole characters only (of at most 4 bytes), so a string that did not fit
+    // left fewer than 4 bytes free: below that it is all there.
+    if written + 4 < SHORT {
+        return utf8(&buf[..written]).map(Cow::Borrowed);
+    }
+    let mut len = 0;
+    // SAFETY: with no buffer, Node writes the length in bytes only.
+    unsafe { sys::napi_get_value_string_utf8(env, value, ptr::null_mut(), 0, &mut len) };
+    let mut long = vec![0u8; len + 1];
+    // SAFETY: `long` is writable for `len + 1` bytes: the string's and a NUL.
+    unsafe {
+        sys::napi_get_value_string_utf8(env, value, long.as_mut_ptr().cast(), len + 1, &mut written)
+    };
+    long.truncate(written);
+    String::from_utf8(long).map(Cow::Owned).map_err(|e| format!("tollgate: {e}"))
+}
+
+fn utf8(bytes: &[u8]) -> Result<&str, String> {
+    std::str::from_utf8(bytes).map_err(|e| format!("tollgate: {e}"))
+}
