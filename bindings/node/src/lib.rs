@@ -43,13 +43,15 @@ fn reply(answer: Answer) -> String {
     out
 }
 
-/// A decision as a number, or an answer that is not one as its string (see [`take::function`]).
+/// A decision as a number, or an answer that is not one as its string (see
+/// [`take::function`]).
 type Taken = Either<f64, String>;
 
-/// The function the answers of the take functions that had to wait come back through, as `[id, answer]`,
-/// on the event loop: one for the limiter, made once (a thread-safe function of its own per
-/// call, as a promise from Rust makes, cost more than the call). Weak: the package's
-/// JavaScript holds the event loop open while answers are awaited.
+/// The function the answers of the take functions that had to wait come back through, as
+/// `[id, answer]`, on the event loop: one for the limiter, made once (a thread-safe function
+/// of its own per call, as a promise from Rust makes, cost more than the call). Weak: the
+/// package's JavaScript holds the event loop open while answers are awaited. It holds that
+/// JavaScript's engine weakly, since this limiter holds it (ts/index.ts, `settler`).
 type Settler = ThreadsafeFunction<(u32, Taken), (), (u32, Taken), Status, false, true>;
 
 /// The settings of `config`: JSON of a config file's shape (its `[server]` store settings and
@@ -130,9 +132,7 @@ impl Limiter {
 
     /// The function that takes from the limit `name` (see [`take::function`]), or null if no
     /// limit has that name.
-    #[napi(
-        ts_return_type = "((key: string, count: number, flags: number, id: number) => number | string | null) | null"
-    )]
+    #[napi(ts_return_type = "NativeTake | null")]
     pub fn taker(&self, env: &Env, name: String) -> Result<Option<take::Raw>> {
         let Some(named) = self.taker.engine.named(&name) else { return Ok(None) };
         take::function(env.raw(), Arc::clone(&self.taker), named).map(Some)

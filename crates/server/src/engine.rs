@@ -997,7 +997,9 @@ mod tests {
     async fn in_process(store: &str) -> Engine {
         let config = json!({
             "server": { "store": store },
-            "limits": { "tb": { "kind": "token bucket", "rate": 1, "period": 3_600_000, "capacity": 3 } },
+            "limits": {
+                "tb": { "kind": "token bucket", "rate": 1, "period": 3_600_000, "capacity": 3 },
+            },
         });
         let settings = crate::config::Settings::from_json(&config.to_string()).expect("settings");
         let opened = crate::store::open(
