@@ -11,14 +11,14 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use napi::bindgen_prelude::*;
-use napi::threadsafe_function::ThreadsafeFunction;
 use napi_derive::napi;
-use tollgate_server::answer::Answer;
 use tollgate_server::config::Settings;
 use tollgate_server::engine::{Engine, Op};
 use tollgate_server::store::{self, Leasing};
 
 mod take;
+
+use take::{Settler, reply};
 
 /// mimalloc, not the C library's allocator: a call on a networked store allocates on Node's
 /// thread and frees on the runtime's (and the other way), which glibc's allocator pays for
@@ -26,33 +26,6 @@ mod take;
 /// the process used about a quarter less CPU for the same calls (BENCHMARKS.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// What an operation is answered, as one string (one string crosses into JavaScript for
-/// less than an object of three fields does): the HTTP status the server would send (three
-/// digits), the JSON body (compact: no newline in it), then each header field
-/// (`RateLimit-Policy`, `RateLimit`, `Retry-After`) as `\n` name `\n` value.
-fn reply(answer: Answer) -> String {
-    let mut out = answer.status.as_u16().to_string();
-    out.push_str(&answer.body.to_json());
-    for (name, value) in answer.headers {
-        out.push('\n');
-        out.push_str(name.as_str());
-        out.push('\n');
-        out.push_str(&value);
-    }
-    out
-}
-
-/// A decision as a number, or an answer that is not one as its string (see
-/// [`take::function`]).
-type Taken = Either<f64, String>;
-
-/// The function the answers of the take functions that had to wait come back through, as
-/// `[id, answer]`, on the event loop: one for the limiter, made once (a thread-safe function
-/// of its own per call, as a promise from Rust makes, cost more than the call). Weak: the
-/// package's JavaScript holds the event loop open while answers are awaited. It holds that
-/// JavaScript's engine weakly, since this limiter holds it (ts/index.ts, `settler`).
-type Settler = ThreadsafeFunction<(u32, Taken), (), (u32, Taken), Status, false, true>;
 
 /// The settings of `config`: JSON of a config file's shape (its `[server]` store settings and
 /// its `[limits.*]`), checked as a file is.
@@ -77,23 +50,19 @@ pub async fn open(config: String) -> Result<Limiter> {
             .map_err(|e| Error::new(Status::GenericFailure, format!("{e:#}")))?;
     let engine = Engine::in_process(&opened, &settings);
     Ok(Limiter {
-        taker: Arc::new(Taker { engine: Arc::new(engine), settler: OnceLock::new() }),
+        engine: Arc::new(engine),
+        settler: Arc::new(OnceLock::new()),
         leases: opened.leases,
         deadline: settings.store_deadline,
     })
 }
 
-/// What a limit's take function ([`take::function`]) needs of its limiter.
-struct Taker {
-    engine: Arc<Engine>,
-    /// Where the answers of the take functions that waited go (set once, by `settleWith`).
-    settler: OnceLock<Arc<Settler>>,
-}
-
 /// A store opened, with the limits defined on it.
 #[napi]
 pub struct Limiter {
-    taker: Arc<Taker>,
+    engine: Arc<Engine>,
+    /// Where the answers of its take functions that waited go (set once, by `settleWith`).
+    settler: Arc<OnceLock<Arc<Settler>>>,
     leases: Option<Leasing>,
     deadline: Duration,
 }
@@ -112,7 +81,7 @@ impl Limiter {
         body: String,
     ) -> Result<Either<String, PromiseRaw<'e, String>>> {
         let op = operation(&op)?;
-        let engine = Arc::clone(&self.taker.engine);
+        let engine = Arc::clone(&self.engine);
         let mut work = Box::pin(async move { engine.run(op, body.as_bytes()).await });
         match within_runtime_if_available(|| (&mut work).now_or_never()) {
             Some(answer) => Ok(Either::A(reply(answer))),
@@ -124,8 +93,7 @@ impl Limiter {
     /// come back, as `[id, answer]`; once per limiter.
     #[napi]
     pub fn settle_with(&self, settler: Settler) -> Result<()> {
-        self.taker
-            .settler
+        self.settler
             .set(Arc::new(settler))
             .map_err(|_| Error::new(Status::GenericFailure, "settleWith was called already"))
     }
@@ -134,20 +102,20 @@ impl Limiter {
     /// limit has that name.
     #[napi(ts_return_type = "NativeTake | null")]
     pub fn taker(&self, env: &Env, name: String) -> Result<Option<take::Raw>> {
-        let Some(named) = self.taker.engine.named(&name) else { return Ok(None) };
-        take::function(env.raw(), Arc::clone(&self.taker), named).map(Some)
+        let Some(named) = self.engine.named(&name) else { return Ok(None) };
+        take::function(env.raw(), Arc::clone(&self.settler), named).map(Some)
     }
 
     /// The store's clock (`{"now": ms}`), as `GET /v1/time` answers it.
     #[napi]
     pub async fn time(&self) -> Result<String> {
-        Ok(reply(self.taker.engine.time().await))
+        Ok(reply(self.engine.time().await))
     }
 
     /// The limits defined, every default filled in, as `GET /v1/config` answers them.
     #[napi]
     pub fn config(&self) -> String {
-        reply(self.taker.engine.config())
+        reply(self.engine.config())
     }
 
     /// Gives back every lease this process holds (a leased limit's tokens not used yet go

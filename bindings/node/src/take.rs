@@ -13,16 +13,40 @@ use std::borrow::Cow;
 use std::ffi::{CString, c_void};
 use std::panic::AssertUnwindSafe;
 use std::ptr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use futures_util::FutureExt;
-use napi::bindgen_prelude::{ToNapiValue, within_runtime_if_available};
+use napi::bindgen_prelude::{Either, Status, ToNapiValue, within_runtime_if_available};
 use napi::sys;
-use napi::threadsafe_function::ThreadsafeFunctionCallMode;
+use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
 use tollgate_server::answer::Answer;
 use tollgate_server::engine::{Engine, Named};
 
-use crate::{Taken, Taker, reply};
+/// What an operation is answered, as one string (one string crosses into JavaScript for
+/// less than an object of three fields does): the HTTP status the server would send (three
+/// digits), the JSON body (compact: no newline in it), then each header field
+/// (`RateLimit-Policy`, `RateLimit`, `Retry-After`) as `\n` name `\n` value.
+pub(crate) fn reply(answer: Answer) -> String {
+    let mut out = answer.status.as_u16().to_string();
+    out.push_str(&answer.body.to_json());
+    for (name, value) in answer.headers {
+        out.push('\n');
+        out.push_str(name.as_str());
+        out.push('\n');
+        out.push_str(&value);
+    }
+    out
+}
+
+/// A decision as a number, or an answer that is not one as its string (see [`function`]).
+pub(crate) type Taken = Either<f64, String>;
+
+/// The function the answers of the take functions that had to wait come back through, as
+/// `[id, answer]`, on the event loop: one for the limiter, made once (a thread-safe function
+/// of its own per call, as a promise from Rust makes, cost more than the call). Weak: the
+/// package's JavaScript holds the event loop open while answers are awaited. It holds that
+/// JavaScript's engine weakly, since this limiter holds it (ts/index.ts, `settler`).
+pub(crate) type Settler = ThreadsafeFunction<(u32, Taken), (), (u32, Taken), Status, false, true>;
 
 /// `flags`: a key was given (else `key` is ignored: no key differs from the empty key).
 const KEY: u32 = 1;
@@ -33,9 +57,9 @@ const RESERVE: u32 = 4;
 /// A `limit` (else a `check`, which writes nothing).
 const WRITES: u32 = 8;
 
-/// What a limit's function holds: its limit, and its limiter's store and settler.
+/// What a limit's function holds: its limit, and its limiter's settler.
 struct Limit {
-    taker: Arc<Taker>,
+    settler: Arc<OnceLock<Arc<Settler>>>,
     named: Arc<Named>,
 }
 
@@ -55,8 +79,12 @@ impl ToNapiValue for Raw {
 /// answer `run` would give (an error), as its string. Answered now when no I/O was needed;
 /// else it returns null, and the answer comes back through the limiter's settler with
 /// `id`. Throws a `TypeError` for an argument of the wrong type (then nothing was taken).
-pub(crate) fn function(env: sys::napi_env, taker: Arc<Taker>, named: Named) -> napi::Result<Raw> {
-    let limit = Box::into_raw(Box::new(Limit { taker, named: Arc::new(named) }));
+pub(crate) fn function(
+    env: sys::napi_env,
+    settler: Arc<OnceLock<Arc<Settler>>>,
+    named: Named,
+) -> napi::Result<Raw> {
+    let limit = Box::into_raw(Box::new(Limit { settler, named: Arc::new(named) }));
     let mut function = ptr::null_mut();
     // SAFETY: `env` is the env of the call that makes the function; the function's data is
     // `limit`, which the finalizer added next frees once the function is collected (or
@@ -126,12 +154,12 @@ fn take(
     let (reserve, writes) = (flags & RESERVE != 0, flags & WRITES != 0);
     let mut key_buf = [0; SHORT];
     let key = if flags & KEY != 0 { Some(read_str(env, argv[0], &mut key_buf)?) } else { None };
-    let Limit { taker, named } = limit;
+    let Limit { settler, named } = limit;
     // The memory store: answered here, the key where it was read.
     if let Some(taken) = named.take_now(key.as_deref(), count, reserve, writes) {
         return answer(env, number(taken));
     }
-    let Some(settler) = taker.settler.get().cloned() else {
+    let Some(settler) = settler.get().cloned() else {
         return Err("tollgate: settleWith was not called".to_owned());
     };
     let id = read_u32(env, argv[3], "id")?;
