@@ -69,10 +69,11 @@ pub struct Limiter {
 
 #[napi]
 impl Limiter {
-    /// Answers `op` (`limit`, `check`, `transaction`, `reset`, `value`) with the JSON `body`
-    /// (the string of `reply`). The work is polled once here, inside the runtime's context: what needs
-    /// no I/O (the memory store, a leased limit's take from its lease) is answered now, as a
-    /// string; the rest goes on on the runtime's threads, and a promise is answered.
+    /// Answers `op` (`limit`, `check`, `transaction`, `reset`, `value`, `adjust`) with the
+    /// JSON `body` (the string of `reply`). The work is polled once here, inside the runtime's
+    /// context: what needs no I/O (the memory store, a leased limit's take from its lease) is
+    /// answered now, as a string; the rest goes on on the runtime's threads, and a promise is
+    /// answered.
     #[napi(ts_return_type = "string | Promise<string>")]
     pub fn run<'e>(
         &self,

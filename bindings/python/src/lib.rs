@@ -257,8 +257,8 @@ impl Engine {
         self.immediate
     }
 
-    /// Answers `op` (`limit`, `check`, `transaction`, `reset`, `value`) with the JSON `body`:
-    /// `(status, body, headers)`.
+    /// Answers `op` (`limit`, `check`, `transaction`, `reset`, `value`, `adjust`) with the
+    /// JSON `body`: `(status, body, headers)`.
     fn run(&self, py: Python<'_>, op: &str, body: &[u8]) -> PyResult<Py<PyAny>> {
         let work = self.run_work(op, body)?;
         reply_py(py, Self::blocking(py, work))

@@ -11,19 +11,6 @@ from tollgate_client import Decision, RateLimitError, _core
 
 from . import _native
 
-#: Paths of the HTTP API, by operation, for messages (the readers name the path).
-PATHS = {
-    "limit": "/v1/limit",
-    "check": "/v1/check",
-    "transaction": "/v1/transaction",
-    "reset": "/v1/reset",
-    "value": "/v1/value",
-    "adjust": "/v1/adjust",
-    "time": "/v1/time",
-    "config": "/v1/config",
-}
-WRITES = {"limit": True, "transaction": True, "reset": True, "adjust": True}
-
 LeaseOptions = Union[bool, Mapping[str, float]]
 
 
@@ -84,7 +71,8 @@ def reply(op: str, answer: _native.Reply) -> _core.Reply:
         reason = HTTPStatus(status).phrase
     except ValueError:
         reason = ""
-    return _core.Reply(PATHS[op], WRITES.get(op, False), status, reason, content, dict(headers))
+    _, path, writes = _core.ROUTES[op]  # the HTTP API's path, for messages
+    return _core.Reply(path, writes, status, reason, content, dict(headers))
 
 
 def decision(

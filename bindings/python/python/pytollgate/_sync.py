@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from types import TracebackType
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Type
+from typing import Any, Iterable, Mapping, Optional
 
-from tollgate_client import Adjusted, Decision, TollgateError, TransactionResult, ValueReading, _core
-from tollgate_client._core import Limits, TransactionCall
+from tollgate_client import Decision, TollgateError, _core
+from tollgate_client._core import Limits
+from tollgate_client._sync import Limiter
 
 from . import _common, _native
 from ._common import LeaseOptions
@@ -14,7 +14,7 @@ from ._common import LeaseOptions
 __all__ = ["RateLimiter"]
 
 
-class RateLimiter:
+class RateLimiter(Limiter):
     """A rate limiter in this process, on ``store``: ``memory``, ``sqlite://PATH``,
     ``redis://HOST:PORT/DB`` (``redis+cluster://…``, ``redis+sentinel://…/MASTER``,
     ``rediss…`` over TLS) or ``postgres://USER@HOST/DB``. ``limits``: name -> config (SPEC §1,
@@ -60,8 +60,16 @@ class RateLimiter:
             raise TollgateError(f"the store could not be opened: {self._failed}", 503, False)
         return self._engine
 
-    def _run(self, op: str, body: bytes) -> _core.Reply:
-        return _common.reply(op, self._native().run(op, body))
+    def _send(self, op: str, body: Optional[bytes] = None) -> _core.Reply:
+        """The engine's answer to ``op``, as the server's HTTP API gives it."""
+        engine = self._native()
+        if op == "time":
+            answer = engine.time()
+        elif op == "config":
+            answer = engine.config()
+        else:
+            answer = engine.run(op, body or b"")
+        return _common.reply(op, answer)
 
     def _take(
         self,
@@ -73,104 +81,21 @@ class RateLimiter:
         throws: bool,
         config: Optional[Mapping[str, Any]],
     ) -> Decision:
-        op = "limit" if writes else "check"
+        """Straight to the engine, without JSON, unless the call brings a config."""
         if config is None:
             try:
                 taken = self._native().take(name, key, count, reserve, writes)
             except TypeError:
                 pass  # an argument of another type: the JSON path says what is wrong
             else:
-                return _common.decision(taken, op, name, throws)
-        body = self._bodies.single(name, key, count, reserve, throws, config)
-        return _core.decision(self._run(op, body))
-
-    def limit(
-        self,
-        name: str,
-        key: Optional[str] = None,
-        count: Optional[float] = None,
-        reserve: bool = False,
-        throws: bool = False,
-        config: Optional[Mapping[str, Any]] = None,
-    ) -> Decision:
-        """Takes ``count`` tokens (default 1) of ``name`` for ``key`` if it can; a refusal
-        takes nothing. ``reserve``: book a shortfall ahead instead."""
-        return self._take(True, name, key, count, reserve, throws, config)
-
-    def check(
-        self,
-        name: str,
-        key: Optional[str] = None,
-        count: Optional[float] = None,
-        reserve: bool = False,
-        throws: bool = False,
-        config: Optional[Mapping[str, Any]] = None,
-    ) -> Decision:
-        """What ``limit`` would answer, taking nothing."""
-        return self._take(False, name, key, count, reserve, throws, config)
-
-    def transaction(
-        self, limits: Sequence[TransactionCall], throws: bool = False, fields: bool = False
-    ) -> TransactionResult:
-        """Takes from every limit or from none. ``fields``: also give the answer's
-        ``RateLimit`` header fields (``TransactionResult.fields``)."""
-        body, count = self._bodies.transaction(limits, throws)
-        return _core.transaction_result(self._run("transaction", body), count, fields)
-
-    def reset(self, name: str, key: Optional[str] = None) -> None:
-        """Forgets the state of ``name`` for ``key``: it is full again."""
-        _core.answer(self._run("reset", self._bodies.reset(name, key)))
-
-    def adjust(
-        self,
-        name: str,
-        key: Optional[str] = None,
-        *,
-        count: float,
-        config: Optional[Mapping[str, Any]] = None,
-    ) -> Adjusted:
-        """Settles a cost known only after the work: ``count``, signed, is what the work
-        used beyond (+) or below (-) what was taken for it. Never refused: a debt leaves a
-        negative value that the next requests wait for; a give-back never raises the limit
-        above its capacity."""
-        body = self._bodies.adjust(name, key, count, config)
-        return _core.adjusted(self._run("adjust", body))
-
-    def get_value(
-        self,
-        name: str,
-        key: Optional[str] = None,
-        sample_shards: Optional[int] = None,
-        config: Optional[Mapping[str, Any]] = None,
-    ) -> ValueReading:
-        """The stored state of ``name`` for ``key``, and its config with every default."""
-        body = self._bodies.value(name, key, sample_shards, config)
-        return _core.value_reading(self._run("value", body))
-
-    def get_server_time(self) -> float:
-        """The store's clock, in ms since the Unix epoch."""
-        return _core.server_time(_common.reply("time", self._native().time()))
-
-    def get_config(self) -> Dict[str, Dict[str, Any]]:
-        """The limits defined, name -> config with every default filled in."""
-        return _core.server_limits(_common.reply("config", self._native().config()))
+                return _common.decision(taken, "limit" if writes else "check", name, throws)
+        return super()._take(writes, name, key, count, reserve, throws, config)
 
     def close(self) -> None:
         """Gives back the leases this process holds (their unused tokens return to the store
         for the other processes)."""
         if self._engine is not None:
             self._engine.close()
-
-    def __enter__(self) -> "RateLimiter":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"RateLimiter({self._store!r})"

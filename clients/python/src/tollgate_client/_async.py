@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from types import TracebackType
-from typing import Any, Dict, Mapping, Optional, Sequence, Type
+from typing import Any, Dict, Mapping, Optional, Sequence, Type, TypeVar
 
 import httpx
 
@@ -16,7 +16,128 @@ from ._types import Adjusted, Decision, TransactionResult, ValueReading
 __all__ = ["AsyncRateLimiter"]
 
 
-class AsyncRateLimiter:
+_Self = TypeVar("_Self", bound="AsyncLimiter")
+
+
+class AsyncLimiter:
+    """The calls of an asyncio rate limiter, whatever answers them: a tollgate server
+    (:class:`AsyncRateLimiter`) or tollgate's engine in this process (``pytollgate``). As
+    the blocking ``Limiter`` (``_sync.py``), with its door, ``_send``, a coroutine."""
+
+    _bodies: _core.Bodies
+
+    async def _send(self, op: str, body: Optional[bytes] = None) -> _core.Reply:
+        """The answer to operation ``op`` (a key of ``_core.ROUTES``: ``"limit"``,
+        ``"check"``, ...) with ``body``, as the HTTP API gives it."""
+        raise NotImplementedError
+
+    async def _take(
+        self,
+        writes: bool,
+        name: str,
+        key: Optional[str],
+        count: Optional[float],
+        reserve: bool,
+        throws: bool,
+        config: Optional[Mapping[str, Any]],
+    ) -> Decision:
+        """``limit`` (``writes``) or ``check``: the calls made most, which a door may answer
+        by a path of its own."""
+        body = self._bodies.single(name, key, count, reserve, throws, config)
+        return _core.decision(await self._send("limit" if writes else "check", body))
+
+    async def limit(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        count: Optional[float] = None,
+        reserve: bool = False,
+        throws: bool = False,
+        config: Optional[Mapping[str, Any]] = None,
+    ) -> Decision:
+        """Takes ``count`` tokens (default 1) of ``name`` for ``key`` if it can; a refusal
+        takes nothing. ``reserve``: book a shortfall ahead instead (granted, with the wait
+        in ``retry_after``)."""
+        return await self._take(True, name, key, count, reserve, throws, config)
+
+    async def check(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        count: Optional[float] = None,
+        reserve: bool = False,
+        throws: bool = False,
+        config: Optional[Mapping[str, Any]] = None,
+    ) -> Decision:
+        """What ``limit`` would answer, taking nothing."""
+        return await self._take(False, name, key, count, reserve, throws, config)
+
+    async def transaction(
+        self, limits: Sequence[TransactionCall], throws: bool = False, fields: bool = False
+    ) -> TransactionResult:
+        """Takes from every limit or from none: each a :class:`LimitCall` or a dict of
+        ``name``, ``key``, ``count``, ``reserve``, ``config``. ``throws``: a refusal raises
+        :class:`RateLimitError` (naming the limit with the longest wait). ``fields``: also
+        give the answer's ``RateLimit`` header fields (``TransactionResult.fields``)."""
+        body, count = self._bodies.transaction(limits, throws)
+        return _core.transaction_result(await self._send("transaction", body), count, fields)
+
+    async def reset(self, name: str, key: Optional[str] = None) -> None:
+        """Forgets the state of ``name`` for ``key``: it is full again."""
+        _core.answer(await self._send("reset", self._bodies.reset(name, key)))
+
+    async def adjust(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        *,
+        count: float,
+        config: Optional[Mapping[str, Any]] = None,
+    ) -> Adjusted:
+        """Settles a cost known only after the work: ``count``, signed, is what the work
+        used beyond (+) or below (-) what was taken for it. Never refused: a debt leaves a
+        negative value that the next requests wait for; a give-back never raises the limit
+        above its capacity."""
+        body = self._bodies.adjust(name, key, count, config)
+        return _core.adjusted(await self._send("adjust", body))
+
+    async def get_value(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        sample_shards: Optional[int] = None,
+        config: Optional[Mapping[str, Any]] = None,
+    ) -> ValueReading:
+        """The stored state of ``name`` for ``key``, and its config with every default."""
+        body = self._bodies.value(name, key, sample_shards, config)
+        return _core.value_reading(await self._send("value", body))
+
+    async def get_server_time(self) -> float:
+        """The store's clock (a server's store), in ms since the Unix epoch."""
+        return _core.server_time(await self._send("time"))
+
+    async def get_config(self) -> Dict[str, Dict[str, Any]]:
+        """The limits defined (by the server, or in this process), name -> config with
+        every default filled in."""
+        return _core.server_limits(await self._send("config"))
+
+    async def aclose(self) -> None:
+        """Ends the limiter's use (what that frees is the door's)."""
+        raise NotImplementedError
+
+    async def __aenter__(self: _Self) -> _Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        await self.aclose()
+
+
+class AsyncRateLimiter(AsyncLimiter):
     """The asynchronous client of a tollgate server, over one pool of keep-alive
     connections (an ``httpx.AsyncClient``). Same arguments, methods and errors as
     :class:`~tollgate_client.RateLimiter`; every method is a coroutine.
@@ -38,7 +159,7 @@ class AsyncRateLimiter:
         max_connections: int = _core.DEFAULT_MAX_CONNECTIONS,
         max_answer_bytes: int = _core.DEFAULT_MAX_ANSWER_BYTES,
     ) -> None:
-        self._core = _core.Core(url, limits)
+        self._core = self._bodies = _core.Core(url, limits)
         self._max_connections = _core.check_max_connections(max_connections)
         self._max_answer_bytes = _core.check_max_answer_bytes(max_answer_bytes)
         self._timeout = timeout
@@ -61,11 +182,10 @@ class AsyncRateLimiter:
         """The configs in code (camelCase keys), a copy."""
         return {name: dict(config) for name, config in self._core.limits.items()}
 
-    async def _send(
-        self, method: str, url: httpx.URL, body: Optional[bytes] = None, writes: bool = False
-    ) -> _core.Reply:
-        """Sends a request and reads its answer whole, by the call's deadline (a wait for a
-        slot included). ``writes``: whether the call may take tokens."""
+    async def _send(self, op: str, body: Optional[bytes] = None) -> _core.Reply:
+        """Sends ``op``'s request and reads its answer whole, by the call's deadline (a wait
+        for a slot included)."""
+        method, url, writes = self._core.routes[op]
         deadline = _core.deadline_of(self._timeout)
         slots = self._slots
         if slots is None:
@@ -100,93 +220,9 @@ class AsyncRateLimiter:
             slots.release()
         return answer.reply()
 
-    async def limit(
-        self,
-        name: str,
-        key: Optional[str] = None,
-        count: Optional[float] = None,
-        reserve: bool = False,
-        throws: bool = False,
-        config: Optional[Mapping[str, Any]] = None,
-    ) -> Decision:
-        """Takes ``count`` tokens (default 1) of ``name`` for ``key`` if it can."""
-        body = self._core.single(name, key, count, reserve, throws, config)
-        return _core.decision(await self._send("POST", self._core.limit_url, body, writes=True))
-
-    async def check(
-        self,
-        name: str,
-        key: Optional[str] = None,
-        count: Optional[float] = None,
-        reserve: bool = False,
-        throws: bool = False,
-        config: Optional[Mapping[str, Any]] = None,
-    ) -> Decision:
-        """What ``limit`` would answer, taking nothing."""
-        body = self._core.single(name, key, count, reserve, throws, config)
-        return _core.decision(await self._send("POST", self._core.check_url, body))
-
-    async def transaction(
-        self, limits: Sequence[TransactionCall], throws: bool = False, fields: bool = False
-    ) -> TransactionResult:
-        """Takes from every limit or from none."""
-        body, count = self._core.transaction(limits, throws)
-        reply = await self._send("POST", self._core.transaction_url, body, writes=True)
-        return _core.transaction_result(reply, count, fields)
-
-    async def reset(self, name: str, key: Optional[str] = None) -> None:
-        """Forgets the state of ``name`` for ``key``."""
-        body = self._core.reset(name, key)
-        _core.answer(await self._send("POST", self._core.reset_url, body, writes=True))
-
-    async def adjust(
-        self,
-        name: str,
-        key: Optional[str] = None,
-        *,
-        count: float,
-        config: Optional[Mapping[str, Any]] = None,
-    ) -> Adjusted:
-        """Settles a cost known only after the work: ``count``, signed, is what the work
-        used beyond (+) or below (-) what was taken for it. Never refused: a debt leaves a
-        negative value that the next requests wait for; a give-back never raises the limit
-        above its capacity."""
-        body = self._core.adjust(name, key, count, config)
-        return _core.adjusted(await self._send("POST", self._core.adjust_url, body, writes=True))
-
-    async def get_value(
-        self,
-        name: str,
-        key: Optional[str] = None,
-        sample_shards: Optional[int] = None,
-        config: Optional[Mapping[str, Any]] = None,
-    ) -> ValueReading:
-        """The stored state of ``name`` for ``key``, and its config with every default."""
-        body = self._core.value(name, key, sample_shards, config)
-        return _core.value_reading(await self._send("POST", self._core.value_url, body))
-
-    async def get_server_time(self) -> float:
-        """The server's (its store's) clock, in ms since the Unix epoch."""
-        return _core.server_time(await self._send("GET", self._core.time_url))
-
-    async def get_config(self) -> Dict[str, Dict[str, Any]]:
-        """The limits the server defines, name -> config with every default filled in."""
-        return _core.server_limits(await self._send("GET", self._core.config_url))
-
     async def aclose(self) -> None:
         """Closes the pool's connections. Calls after this raise TollgateError."""
         await self._client.aclose()
-
-    async def __aenter__(self) -> "AsyncRateLimiter":
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return f"AsyncRateLimiter({self._core.base!r})"

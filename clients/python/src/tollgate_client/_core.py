@@ -77,7 +77,7 @@ class Reply(NamedTuple):
 
     #: The request's path (``/v1/limit``), for messages.
     path: str
-    #: Whether the call may take tokens (``limit``, ``transaction``, ``reset``).
+    #: Whether the call may take tokens (``limit``, ``transaction``, ``reset``, ``adjust``).
     writes: bool
     status: int
     reason: str
@@ -432,20 +432,23 @@ class Bodies:
         return encode(body)
 
 
+#: Each operation of the API: its method, its path, and whether it may take tokens.
+ROUTES: Dict[str, Tuple[str, str, bool]] = {
+    "limit": ("POST", "/v1/limit", True),
+    "check": ("POST", "/v1/check", False),
+    "transaction": ("POST", "/v1/transaction", True),
+    "reset": ("POST", "/v1/reset", True),
+    "value": ("POST", "/v1/value", False),
+    "adjust": ("POST", "/v1/adjust", True),
+    "time": ("GET", "/v1/time", False),
+    "config": ("GET", "/v1/config", False),
+}
+
+
 class Core(Bodies):
     """A client's URLs, its configs in code, and how it builds request bodies."""
 
-    __slots__ = (
-        "base",
-        "limit_url",
-        "check_url",
-        "transaction_url",
-        "reset_url",
-        "value_url",
-        "adjust_url",
-        "time_url",
-        "config_url",
-    )
+    __slots__ = ("base", "routes")
 
     def __init__(self, url: str, limits: Optional[Limits]) -> None:
         if not isinstance(url, str):
@@ -461,15 +464,12 @@ class Core(Bodies):
             raise ValueError(f"url {url!r} must have no query or fragment")
         super().__init__(limits)
         self.base = base
-        # Parsed once: each request takes the URL object as it is.
-        self.limit_url = httpx.URL(base + "/v1/limit")
-        self.check_url = httpx.URL(base + "/v1/check")
-        self.transaction_url = httpx.URL(base + "/v1/transaction")
-        self.reset_url = httpx.URL(base + "/v1/reset")
-        self.value_url = httpx.URL(base + "/v1/value")
-        self.adjust_url = httpx.URL(base + "/v1/adjust")
-        self.time_url = httpx.URL(base + "/v1/time")
-        self.config_url = httpx.URL(base + "/v1/config")
+        #: Each operation's request: method, URL (parsed once: each request takes the URL
+        #: object as it is) and whether it may take tokens.
+        self.routes: Dict[str, Tuple[str, httpx.URL, bool]] = {
+            op: (method, httpx.URL(base + path), writes)
+            for op, (method, path, writes) in ROUTES.items()
+        }
 
 
 def headers(token: Optional[str]) -> Dict[str, str]:
