@@ -137,9 +137,11 @@ fn a_flood_of_names_is_given_back_once_their_states_are_gone() {
 
 /// With `maxKeys = 1000`, a flood of 200,000 names is refused past the first 1,000 states
 /// and keeps nothing of what it was refused: a second flood of 200,000 other names peaks no
-/// higher than the first (within 8 MB), and the first stays within 48 MB of where it started
-/// (measured alone: 19 to 31 MB; 40 MB once with CI's other tests running beside it, when
-/// the bound was 36 MB). Before the fix each flood kept its names: 49 MB more each time.
+/// higher than the first (within 24 MB: half of what a kept flood adds; alone the second
+/// peaks 0.2 to 3 MB higher, but 16 MB once in CI, with this file's other flood running
+/// beside it), and the first stays within 48 MB of where it started (measured alone: 19 to
+/// 31 MB; 40 MB once with CI's other tests running beside it, when the bound was 36 MB).
+/// Before the fix each flood kept its names: 49 MB more each time.
 #[test]
 fn with_max_keys_a_flood_of_names_never_grows_memory() {
     let dir = tempfile::tempdir().unwrap();
@@ -157,5 +159,5 @@ fn with_max_keys_a_flood_of_names_never_grows_memory() {
     assert_eq!(gauge(&agent, &served, "tollgate_live_names"), 1_000);
     eprintln!("maxKeys: memory {before} -> peak {peak}, then a second flood's peak {second}");
     assert!(peak < before + (48 << 20), "{before} -> peak {peak}");
-    assert!(second < peak + (8 << 20), "a second flood grew memory: {peak} -> {second}");
+    assert!(second < peak + (24 << 20), "a second flood grew memory: {peak} -> {second}");
 }
