@@ -99,7 +99,7 @@ impl Limiter {
             .map_err(|_| Error::new(Status::GenericFailure, "settleWith was called already"))
     }
 
-    /// The function that takes from the limit `name` (see [`take::function`]), or null if no
+    /// The function that takes from the limit `name` (see `take::function`), or null if no
     /// limit has that name.
     #[napi(ts_return_type = "NativeTake | null")]
     pub fn taker(&self, env: &Env, name: String) -> Result<Option<take::Raw>> {
