@@ -187,6 +187,12 @@ function take(
 ): Promise<RateLimitResult> | undefined {
   const ready = engine?.ready;
   if (ready === undefined || options?.config !== undefined) return undefined;
+  const reserve = options?.reserve;
+  const throws = options?.throws;
+  // A flag of another type: the general path refuses it as the server does.
+  if ((reserve !== undefined && typeof reserve !== "boolean") || (throws !== undefined && typeof throws !== "boolean")) {
+    return undefined;
+  }
   let native = engine!.takers.get(name);
   if (native === undefined) {
     try {
@@ -204,12 +210,6 @@ function take(
   engine!.nextId = (id + 1) % 4_294_967_296;
   const key = options?.key;
   const count = options?.count;
-  const reserve = options?.reserve;
-  const throws = options?.throws;
-  // A flag of another type: the general path refuses it as the server does.
-  if ((reserve !== undefined && typeof reserve !== "boolean") || (throws !== undefined && typeof throws !== "boolean")) {
-    return undefined;
-  }
   const flags = (key === undefined ? 0 : 1) | (count === undefined ? 0 : 2) | (reserve === true ? 4 : 0) | (writes ? 8 : 0);
   try {
     answered = native(key ?? "", count ?? 0, flags, id);

@@ -254,10 +254,10 @@ impl MemoryStoreBuilder {
     /// At the bound, every segment is swept of full states first (at most once a second of
     /// the store's clock: states expire in whole seconds, so a second sweep within one finds
     /// nothing); if the store is still at the bound, a request that needs a new state gets a
-    /// [`StoreError`] and nothing is admitted (fail closed), while requests for states that already exist go on as usual.
-    /// Such a refusal keeps nothing: not even the request's name. Evicting a live
-    /// state instead would reset that limit and let its key over-consume, so the store never
-    /// does.
+    /// [`StoreError`] and nothing is admitted (fail closed), while requests for states that
+    /// already exist go on as usual. Such a refusal keeps nothing: not even the request's
+    /// name. Evicting a live state instead would reset that limit and let its key
+    /// over-consume, so the store never does.
     #[must_use]
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = Some(max_keys);
