@@ -38,8 +38,8 @@ async def test_only_set_fields_are_sent(flavour: str) -> None:
                 "config": {"kind": "fixed window", "rate": 3, "period": HOUR,
                            "maxReserved": 2},
             }
-            await c.limit("code", config={"kind": "token bucket", "rate": 1, "period": 1})
-            assert sent(record)["config"] == {"kind": "token bucket", "rate": 1, "period": 1}
+            await c.limit("code", config={"kind": "token bucket", "rate": 1, "period": 1000})
+            assert sent(record)["config"] == {"kind": "token bucket", "rate": 1, "period": 1000}
 
 
 async def test_transaction_value_reset_bodies(flavour: str) -> None:
@@ -56,10 +56,10 @@ async def test_transaction_value_reset_bodies(flavour: str) -> None:
                     LimitCall("a"),
                     LimitCall("code", key="k", count=2, reserve=True),
                     {"name": "b", "key": None, "count": 1, "reserve": False,
-                     "config": {"kind": "fixed window", "rate": 1, "period": 1,
+                     "config": {"kind": "fixed window", "rate": 1, "period": 1000,
                                 "max_reserved": 0}},
                     {"name": "code", "config": {"kind": "token bucket", "rate": 1,
-                                                "period": 1}},
+                                                "period": 1000}},
                 ],
                 throws=True,
             )
@@ -71,10 +71,10 @@ async def test_transaction_value_reset_bodies(flavour: str) -> None:
                      "config": {"kind": "fixed window", "rate": 3, "period": HOUR,
                                 "maxReserved": 2}},
                     {"name": "b", "count": 1,
-                     "config": {"kind": "fixed window", "rate": 1, "period": 1,
+                     "config": {"kind": "fixed window", "rate": 1, "period": 1000,
                                 "maxReserved": 0}},
                     {"name": "code", "config": {"kind": "token bucket", "rate": 1,
-                                                "period": 1}},
+                                                "period": 1000}},
                 ]
             }
             reading = await c.get_value("code", key="k", sample_shards=2)

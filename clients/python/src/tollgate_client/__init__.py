@@ -25,6 +25,7 @@ from ._types import (
     TransactionResult,
     ValueReading,
 )
+from ._units import Milliseconds, Seconds
 from ._version import __version__
 from .errors import RateLimitError, TollgateError
 
@@ -39,8 +40,10 @@ __all__ = [
     "Decision",
     "LimitCall",
     "LimitConfig",
+    "Milliseconds",
     "RateLimitError",
     "RateLimiter",
+    "Seconds",
     "TollgateError",
     "TransactionResult",
     "ValueReading",

@@ -12,6 +12,8 @@ from functools import lru_cache
 from typing import Any, Mapping, Optional, Tuple
 from zoneinfo import ZoneInfo
 
+from ._units import milliseconds
+
 __all__ = ["Calculation", "calculate_rate_limit"]
 
 _HOUR = 3_600_000.0
@@ -22,6 +24,11 @@ _LONGEST = {"day": 25 * _HOUR, "week": 7 * _DAY + _HOUR, "month": 31 * _DAY + _H
 _FIRST_MS = -62_135_596_800_000.0 + _DAY
 _LAST_MS = 253_370_678_400_000.0
 _EPOCH = date(1970, 1, 1)
+
+
+def _period(config: Mapping[str, Any]) -> float:
+    """The config's period in ms (a number, or a string with its unit such as "1m")."""
+    return milliseconds(config["period"], "period")
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,7 @@ def calculate_rate_limit(
         return Calculation(ok, None, value, ts)
     rate = float(config["rate"])
     if config["kind"] == "token bucket":
-        wait = -value * float(config["period"]) / rate
+        wait = -value * _period(config) / rate
     else:
         wait = _windows_after(config, ts, math.ceil(-value / rate)) - now
     if ok:
@@ -80,7 +87,7 @@ def _fresh(config: Mapping[str, Any], now: float) -> Tuple[float, float]:
     if calendar is not None:
         return _capacity(config), _start(calendar, config.get("timeZone", "UTC"), now)
     alignment = float(config.get("start", 0))
-    period = float(config["period"])
+    period = _period(config)
     return _capacity(config), alignment + math.floor((now - alignment) / period) * period
 
 
@@ -93,7 +100,7 @@ def _advance(config: Mapping[str, Any], state: Tuple[float, float], now: float, 
     value, ts = state
     rate, most = float(config["rate"]), _capacity(config)
     if config["kind"] == "token bucket":
-        period = float(config["period"])
+        period = _period(config)
         return _at_most(value + (now - ts) * rate / period, most) - count, now
     calendar = config.get("calendar")
     if calendar is not None:
@@ -101,7 +108,7 @@ def _advance(config: Mapping[str, Any], state: Tuple[float, float], now: float, 
         windows = _windows(calendar, zone, ts, now)
         ts = _start(calendar, zone, now) if windows > 0 else ts
         return _at_most(value + rate * windows, most) - count, ts
-    period = float(config["period"])
+    period = _period(config)
     windows = math.floor((now - ts) / period)
     return _at_most(value + rate * windows, most) - count, ts + windows * period
 
@@ -110,7 +117,7 @@ def _windows_after(config: Mapping[str, Any], ts: float, k: int) -> float:
     calendar = config.get("calendar")
     if calendar is not None:
         return _after(calendar, config.get("timeZone", "UTC"), ts, k)
-    return ts + float(config["period"]) * k
+    return ts + _period(config) * k
 
 
 def _settle(now: float, wait: float, done: Any) -> float:

@@ -12,6 +12,7 @@ import httpx
 from . import _core, _deadline
 from ._core import Limits, TransactionCall
 from ._types import Adjusted, Decision, TransactionResult, ValueReading
+from ._units import Seconds, seconds
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -153,7 +154,7 @@ class AsyncRateLimiter(AsyncLimiter):
         self,
         url: str,
         token: Optional[str] = None,
-        timeout: Optional[float] = 10.0,
+        timeout: Optional[Seconds] = 10.0,
         limits: Optional[Limits] = None,
         *,
         max_connections: int = _core.DEFAULT_MAX_CONNECTIONS,
@@ -162,12 +163,12 @@ class AsyncRateLimiter(AsyncLimiter):
         self._core = self._bodies = _core.Core(url, limits)
         self._max_connections = _core.check_max_connections(max_connections)
         self._max_answer_bytes = _core.check_max_answer_bytes(max_answer_bytes)
-        self._timeout = timeout
+        self._timeout = None if timeout is None else seconds(timeout, "timeout")
         # Made on first use, inside the event loop (on 3.9 a semaphore binds to a loop).
         self._slots: Optional[asyncio.Semaphore] = None
         self._client = httpx.AsyncClient(
             headers=_core.headers(token),
-            timeout=_core.timeout_of(timeout),
+            timeout=_core.timeout_of(self._timeout),
             limits=_core.pool_limits(max_connections),
         )
         _deadline.install(self._client)

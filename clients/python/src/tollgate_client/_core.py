@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 import httpx
 
 from ._types import Adjusted, Decision, LimitCall, TransactionResult, ValueReading
+from ._units import check_period
 from ._version import __version__
 from .errors import RateLimitError, TollgateError
 
@@ -26,8 +27,10 @@ TransactionCall = Union[LimitCall, Mapping[str, Any]]
 Limits = Mapping[str, Mapping[str, Any]]
 
 # Compact and strict: NaN and infinities are not JSON (the server could only call the body
-# malformed), so they are refused before anything is sent.
-_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+# malformed), so they are refused before anything is sent; so is a string that is not
+# Unicode (a lone surrogate), which UTF-8 cannot encode (escaped, the server would only
+# call it malformed).
+_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode
 
 
 def _refuse(constant: str) -> Any:
@@ -60,12 +63,15 @@ def camel(key: str) -> str:
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
-def normalize_config(config: Mapping[str, Any]) -> Dict[str, Any]:
-    """A config with its keys in the API's camelCase; values are not checked here (the
-    server checks them, and its 400 names the field)."""
+def normalize_config(config: Mapping[str, Any], name: str = "a limit's config") -> Dict[str, Any]:
+    """A config with its keys in the API's camelCase. Its values are checked by the server
+    (whose 400 names the field), but for a ``period`` written as a bare number below a
+    second, refused here (``ValueError``: see :func:`~tollgate_client._units.check_period`)."""
     if not isinstance(config, Mapping):
         raise TypeError(f"a limit config is a mapping (dict), not {type(config).__name__}")
-    return {camel(key): value for key, value in config.items()}
+    normal = {camel(key): value for key, value in config.items()}
+    check_period(normal.get("period"), name)
+    return normal
 
 
 #: The header fields an answer's reader keeps.
@@ -307,6 +313,10 @@ def server_limits(reply: Reply) -> Dict[str, Dict[str, Any]]:
 def encode(body: Any) -> bytes:
     try:
         return _encode(body).encode()
+    except UnicodeEncodeError:
+        raise TollgateError(
+            "the request cannot be sent: a string of it is not Unicode (a lone surrogate)"
+        ) from None
     except (TypeError, ValueError) as e:
         # Nothing was sent: a NaN count, a key that is not a string or number, ...
         raise TollgateError(f"the request cannot be sent as JSON: {e}") from None
@@ -320,7 +330,7 @@ class Bodies:
 
     def __init__(self, limits: Optional[Limits]) -> None:
         self.limits: Dict[str, Dict[str, Any]] = {
-            name: normalize_config(config) for name, config in (limits or {}).items()
+            name: normalize_config(config, name) for name, config in (limits or {}).items()
         }
 
     def config_for(
@@ -329,7 +339,7 @@ class Bodies:
         """The config to send inline: the call's own, else the one given in code for this
         name, else none (a name the server defines)."""
         if config is not None:
-            return normalize_config(config)
+            return normalize_config(config, name)
         return self.limits.get(name)
 
     def single(
@@ -346,8 +356,10 @@ class Bodies:
             body["key"] = key
         if count is not None:
             body["count"] = count
-        if reserve:
-            body["reserve"] = True
+        if reserve is not False and reserve is not None:
+            # Sent as it is: True, or anything else for the API to refuse (400), as a
+            # transaction's limit is ("yes" is not True).
+            body["reserve"] = reserve
         if throws:
             body["throws"] = True
         inline = self.config_for(name, config)
@@ -382,7 +394,7 @@ class Bodies:
             if value is None or value is False:
                 continue
             key = camel(key)
-            entry[key] = normalize_config(value) if key == "config" else value
+            entry[key] = normalize_config(value, f"{call!r}") if key == "config" else value
         name = entry.get("name")
         if not isinstance(name, str):
             raise ValueError(f"a transaction's limit needs a name: {call!r}")

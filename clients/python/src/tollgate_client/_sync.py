@@ -10,6 +10,7 @@ import httpx
 from . import _core, _deadline
 from ._core import Limits, TransactionCall
 from ._types import Adjusted, Decision, TransactionResult, ValueReading
+from ._units import Seconds, seconds
 
 __all__ = ["RateLimiter"]
 
@@ -141,9 +142,11 @@ class RateLimiter(Limiter):
     """A client of a tollgate server, over one pool of keep-alive connections.
 
     ``url`` is the server (``http://127.0.0.1:8787``); ``token`` its bearer token, if it asks
-    for one; ``timeout`` the most seconds a call may take, from waiting for a connection to
-    the answer's last byte (``None``: no limit); ``limits`` configs in code, name -> config,
-    sent inline with every call for that name (names the server defines need none).
+    for one; ``timeout`` the most a call may take, from waiting for a connection to the
+    answer's last byte: seconds, or a string with its unit (``"500ms"``); ``None``: no limit.
+    ``limits``: configs in code, name -> config (a ``period`` in milliseconds, or a string
+    with its unit such as ``"1m"``), sent inline with every call for that name (names the
+    server defines need none).
     ``max_connections`` bounds the pool (default 10: enough for a server a millisecond away;
     raise it for a distant one). ``max_answer_bytes`` bounds an answer's body (default
     8 MiB): a larger one raises :class:`~tollgate_client.TollgateError` unread.
@@ -160,7 +163,7 @@ class RateLimiter(Limiter):
         self,
         url: str,
         token: Optional[str] = None,
-        timeout: Optional[float] = 10.0,
+        timeout: Optional[Seconds] = 10.0,
         limits: Optional[Limits] = None,
         *,
         max_connections: int = _core.DEFAULT_MAX_CONNECTIONS,
@@ -169,10 +172,10 @@ class RateLimiter(Limiter):
         self._core = self._bodies = _core.Core(url, limits)
         _core.check_max_connections(max_connections)
         self._max_answer_bytes = _core.check_max_answer_bytes(max_answer_bytes)
-        self._timeout = timeout
+        self._timeout = None if timeout is None else seconds(timeout, "timeout")
         self._client = httpx.Client(
             headers=_core.headers(token),
-            timeout=_core.timeout_of(timeout),
+            timeout=_core.timeout_of(self._timeout),
             limits=_core.pool_limits(max_connections),
         )
         _deadline.install(self._client)

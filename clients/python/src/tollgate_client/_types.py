@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, TypedDict, Union
+from typing import Any, Dict, List, Mapping, Optional, TypedDict
+
+from ._units import Milliseconds
 
 __all__ = [
     "DAY",
@@ -35,7 +37,9 @@ class LimitConfig(TypedDict, total=False):
 
     kind: str  # "token bucket" or "fixed window"
     rate: float  # tokens per period
-    period: Union[float, str]  # milliseconds, or a duration such as "10s"
+    #: Milliseconds (at least 1,000 as a bare number: 60 would be 60 ms, and is refused), or
+    #: a string with its unit, "10s", "1m", "250ms".
+    period: Milliseconds
     capacity: float  # default: rate
     maxReserved: float  # default: unbounded
     shards: int  # default: 1
