@@ -8,31 +8,100 @@
 //! is answered there. The rest runs on this module's tokio runtime: a blocking call waits for
 //! it with the GIL released; an asyncio call gets its answer through the event loop's
 //! `call_soon_threadsafe`, with no thread of its own.
+//!
+//! After `fork` the child has none of the parent's threads: [`forked`] (called by
+//! `os.register_at_fork`) makes the next call start a runtime of the child's own, and the
+//! Python half opens its networked stores anew on it.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::ptr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBool, PyBytes};
+use tokio::runtime::Runtime;
 use tollgate_server::answer::Answer;
 use tollgate_server::config::Settings;
 use tollgate_server::engine::{Engine as Served, Op};
 use tollgate_server::store::{self, Leasing};
 
-/// The runtime every store's I/O runs on: its threads, not Python's.
-static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
-    tokio::runtime::Builder::new_multi_thread()
+/// The runtime every store's I/O runs on (its threads, not Python's), once made: one per
+/// process. Every runtime made is leaked, never dropped: in a forked child the parent's has
+/// no threads, and dropping it would wait for them.
+static RUNTIME: AtomicPtr<Runtime> = AtomicPtr::new(ptr::null_mut());
+
+/// This process's runtime, started by its first use.
+fn runtime() -> &'static Runtime {
+    let current = RUNTIME.load(Ordering::Acquire);
+    if current.is_null() {
+        return start_runtime();
+    }
+    // SAFETY: RUNTIME only ever holds null or a pointer of `Box::into_raw` that is never
+    // freed (see `start_runtime`): a valid `Runtime` for the rest of the process.
+    #[allow(unsafe_code)]
+    unsafe {
+        &*current
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn start_runtime() -> &'static Runtime {
+    let made = tokio::runtime::Builder::new_multi_thread()
         .thread_name("tollgate")
         .enable_all()
         .build()
-        .expect("the tokio runtime of pytollgate could not start")
-});
+        .expect("the tokio runtime of pytollgate could not start");
+    let made = Box::into_raw(Box::new(made));
+    match RUNTIME.compare_exchange(ptr::null_mut(), made, Ordering::AcqRel, Ordering::Acquire) {
+        // SAFETY: `made` is now RUNTIME's, and never freed.
+        #[allow(unsafe_code)]
+        Ok(_) => unsafe { &*made },
+        Err(_) => {
+            // Another thread started one first: ours was never shared, and is dropped (its
+            // threads shut down) here.
+            // SAFETY: `made` came from `Box::into_raw` above and was never published.
+            #[allow(unsafe_code)]
+            drop(unsafe { Box::from_raw(made) });
+            runtime()
+        }
+    }
+}
+
+/// Called in a child right after `fork` (`os.register_at_fork(after_in_child=...)`): the
+/// parent's runtime has no threads here, so nothing would drive its I/O or its timers. It is
+/// forgotten (leaked) and the next call starts this process's own; the runtime threads that
+/// were handing answers to Python in the parent are not here either.
+#[pyfunction]
+fn forked() {
+    RUNTIME.store(ptr::null_mut(), Ordering::Release);
+    ATTACHED.store(0, Ordering::SeqCst);
+}
+
+/// How often a blocking wait comes back to let Python run its signal handlers (Ctrl-C's
+/// `KeyboardInterrupt`), which run only between bytecodes of the main thread: a wait for a
+/// store that does not answer must not hold them until the store deadline.
+const SIGNALS_EVERY: Duration = Duration::from_millis(50);
+
+/// `work` to its end on the runtime, the GIL released while it waits; a signal handler that
+/// raises (Ctrl-C) ends the wait, and the work is dropped.
+fn wait<T: Send>(py: Python<'_>, mut work: Work<T>) -> PyResult<T> {
+    loop {
+        let slice = py.detach(|| {
+            runtime().block_on(async { tokio::time::timeout(SIGNALS_EVERY, &mut work).await })
+        });
+        match slice {
+            Ok(done) => return Ok(done),
+            Err(_) => py.check_signals()?,
+        }
+    }
+}
 
 /// An answer: the HTTP status the server would send, its JSON body, and its header fields
 /// (`RateLimit-Policy`, `RateLimit`, `Retry-After`: names in lower case).
@@ -82,18 +151,25 @@ fn validate(config: &str) -> PyResult<()> {
 #[pyfunction]
 fn open(py: Python<'_>, config: &str) -> PyResult<Engine> {
     let settings = settings(config)?;
-    py.detach(|| RUNTIME.block_on(Engine::open(settings)))
+    wait(py, Box::pin(Engine::open(settings)))?
 }
 
-/// The same for asyncio: `future` (of `loop`) gets the engine, or the error, when it is open.
+/// The same without waiting: `done(True, engine)` or `done(False, error)` is called on a
+/// runtime thread (with the GIL) once it is open or has failed. Tied to no event loop: every
+/// loop waiting for it is told by `done`.
 #[pyfunction]
-fn open_async(config: &str, event_loop: Py<PyAny>, future: Py<PyAny>) -> PyResult<()> {
+fn open_async(config: &str, done: Py<PyAny>) -> PyResult<()> {
     let settings = settings(config)?;
-    RUNTIME.spawn(async move {
+    runtime().spawn(async move {
         let opened = Engine::open(settings).await;
         attach_from_runtime(|py| {
-            let value = opened.and_then(|engine| Ok(Py::new(py, engine)?.into_any()));
-            settle(py, &event_loop, &future, value);
+            let called = match opened.and_then(|engine| Ok(Py::new(py, engine)?.into_any())) {
+                Ok(engine) => done.call1(py, (true, engine)),
+                Err(e) => done.call1(py, (false, e.into_value(py))),
+            };
+            if let Err(e) = called {
+                e.write_unraisable(py, None);
+            }
         });
     });
     Ok(())
@@ -145,9 +221,16 @@ fn settle(py: Python<'_>, event_loop: &Py<PyAny>, future: &Py<PyAny>, value: PyR
         event_loop.call_method1(py, "call_soon_threadsafe", (settle, future, ok, value))?;
         Ok(())
     })();
-    // A loop already closed: no one waits for the answer any more.
     if let Err(e) = result {
-        e.write_unraisable(py, None);
+        // A loop closed with calls in flight (asyncio.run ended, a task's loop stopped): no
+        // one waits for those answers, and saying so once per call would bury the log.
+        let closed = event_loop
+            .call_method0(py, "is_closed")
+            .and_then(|closed| closed.is_truthy(py))
+            .unwrap_or(false);
+        if !closed {
+            e.write_unraisable(py, None);
+        }
     }
 }
 
@@ -184,15 +267,15 @@ impl Engine {
 
     /// `work` answered now if it needs no I/O; else the work, to go on.
     fn now<T>(mut work: Work<T>) -> Result<T, Work<T>> {
-        let _runtime = RUNTIME.enter();
+        let _runtime = runtime().enter();
         (&mut work).now_or_never().ok_or(work)
     }
 
     /// `work` to its end, blocking with the GIL released if it must wait.
-    fn blocking<T: Send>(py: Python<'_>, work: Work<T>) -> T {
+    fn blocking<T: Send>(py: Python<'_>, work: Work<T>) -> PyResult<T> {
         match Self::now(work) {
-            Ok(done) => done,
-            Err(work) => py.detach(|| RUNTIME.block_on(work)),
+            Ok(done) => Ok(done),
+            Err(work) => wait(py, work),
         }
     }
 
@@ -207,7 +290,7 @@ impl Engine {
         match Self::now(work) {
             Ok(done) => Some(done),
             Err(work) => {
-                RUNTIME.spawn(async move {
+                runtime().spawn(async move {
                     let done = work.await;
                     attach_from_runtime(|py| {
                         let value = into_py(py, done);
@@ -223,22 +306,32 @@ impl Engine {
         let op = Op::parse(op)
             .ok_or_else(|| PyValueError::new_err(format!("unknown operation {op:?}")))?;
         let (engine, body) = (Arc::clone(&self.engine), body.to_vec());
-        Ok(Box::pin(async move { reply(engine.run(op, &body).await) }))
+        Ok(Box::pin(async move { reply(engine.run_in_process(op, &body).await) }))
     }
 
     fn take_work(
         &self,
         name: String,
         key: Option<String>,
-        count: Option<f64>,
+        count: Option<&Bound<'_, PyAny>>,
         reserve: bool,
         writes: bool,
-    ) -> Work<Taken> {
+    ) -> PyResult<Work<Taken>> {
+        let count = count.map(number).transpose()?;
         let engine = Arc::clone(&self.engine);
-        Box::pin(async move {
+        Ok(Box::pin(async move {
             Taken::of(engine.take(&name, key.as_deref(), count, reserve, writes).await)
-        })
+        }))
     }
+}
+
+/// A count as a number: `True` is no count (a `TypeError`, so that the JSON path refuses it
+/// as it refuses it from every door), though Python's bools are ints.
+fn number(count: &Bound<'_, PyAny>) -> PyResult<f64> {
+    if count.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err("count is a number, not a bool"));
+    }
+    count.extract()
 }
 
 fn reply_py(py: Python<'_>, (status, body, headers): Reply) -> PyResult<Py<PyAny>> {
@@ -261,7 +354,7 @@ impl Engine {
     /// JSON `body`: `(status, body, headers)`.
     fn run(&self, py: Python<'_>, op: &str, body: &[u8]) -> PyResult<Py<PyAny>> {
         let work = self.run_work(op, body)?;
-        reply_py(py, Self::blocking(py, work))
+        reply_py(py, Self::blocking(py, work)?)
     }
 
     /// The same for asyncio: the answer now, or None and `future` gets it.
@@ -285,11 +378,11 @@ impl Engine {
         py: Python<'_>,
         name: String,
         key: Option<String>,
-        count: Option<f64>,
+        count: Option<&Bound<'_, PyAny>>,
         reserve: bool,
         writes: bool,
     ) -> PyResult<Py<PyAny>> {
-        let work = self.take_work(name, key, count, reserve, writes);
+        let work = self.take_work(name, key, count, reserve, writes)?;
         if self.immediate {
             // The memory store: ready where it stands, with the GIL held (no I/O).
             return match Self::now(work) {
@@ -297,7 +390,7 @@ impl Engine {
                 Err(_) => Err(PyRuntimeError::new_err("the memory store did not answer at once")),
             };
         }
-        Self::blocking(py, work).into_py(py)
+        Self::blocking(py, work)?.into_py(py)
     }
 
     /// The same for asyncio: the answer now, or None and `future` gets it.
@@ -308,20 +401,20 @@ impl Engine {
         py: Python<'_>,
         name: String,
         key: Option<String>,
-        count: Option<f64>,
+        count: Option<&Bound<'_, PyAny>>,
         reserve: bool,
         writes: bool,
         event_loop: Py<PyAny>,
         future: Py<PyAny>,
     ) -> PyResult<Option<Py<PyAny>>> {
-        let work = self.take_work(name, key, count, reserve, writes);
+        let work = self.take_work(name, key, count, reserve, writes)?;
         Self::awaited(work, event_loop, future, taken_py).map(|done| done.into_py(py)).transpose()
     }
 
     /// The store's clock, as `GET /v1/time` answers it: `(status, body, headers)`.
     fn time(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let engine = Arc::clone(&self.engine);
-        reply_py(py, Self::blocking(py, Box::pin(async move { reply(engine.time().await) })))
+        reply_py(py, Self::blocking(py, Box::pin(async move { reply(engine.time().await) }))?)
     }
 
     /// The same for asyncio.
@@ -346,8 +439,8 @@ impl Engine {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let Some(leasing) = self.leases.clone() else { return Ok(()) };
         let deadline = self.deadline;
-        let released =
-            py.detach(|| RUNTIME.block_on(tokio::time::timeout(deadline, leasing.release())));
+        let releasing = async move { tokio::time::timeout(deadline, leasing.release()).await };
+        let released = wait(py, Box::pin(releasing))?;
         match released {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(PyRuntimeError::new_err(e.to_string())),
@@ -364,6 +457,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(validate, module)?)?;
     module.add_function(wrap_pyfunction!(open, module)?)?;
     module.add_function(wrap_pyfunction!(open_async, module)?)?;
+    module.add_function(wrap_pyfunction!(forked, module)?)?;
     module.add_class::<Engine>()?;
     let quiesce = wrap_pyfunction!(quiesce, module)?;
     module.py().import("atexit")?.call_method1("register", (quiesce,))?;

@@ -426,6 +426,13 @@ impl Engine {
                 format!("request body is {} bytes; the most is {MAX_BODY}", body.len()),
             );
         }
+        self.run_in_process(op, body).await
+    }
+
+    /// [`Engine::run`] without [`MAX_BODY`]: for an in-process package, whose bodies are
+    /// built by the application itself and never read from a network (a transaction of
+    /// thousands of limits is a body of 100 KB).
+    pub async fn run_in_process(&self, op: Op, body: &[u8]) -> Answer {
         let defined = self.current();
         let (d, stats) = (&*defined, &self.stats);
         let result = match op {

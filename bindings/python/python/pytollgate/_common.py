@@ -7,23 +7,23 @@ import json
 from http import HTTPStatus
 from typing import Any, Dict, Iterable, Mapping, Optional, Union
 
-from tollgate_client import Decision, RateLimitError, _core
+from tollgate_client import Decision, RateLimitError, Seconds, _core
+from tollgate_client._units import seconds
 
 from . import _native
 
-LeaseOptions = Union[bool, Mapping[str, float]]
+#: A leased limit: True, or ``{"term": seconds or "30s", "share": ..., "floor": ...}``.
+LeaseOptions = Union[bool, Mapping[str, Union[float, str]]]
 
 
-def _ms(seconds: float, what: str) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise TypeError(f"{what} is a number of seconds, not {seconds!r}")
-    return seconds * 1_000
+def _ms(duration: Seconds, what: str) -> float:
+    return seconds(duration, what) * 1_000
 
 
 def config_json(
     store: str,
     limits: Optional[Mapping[str, Mapping[str, Any]]],
-    store_deadline: Optional[float],
+    store_deadline: Optional[Seconds],
     max_keys: Optional[int],
     leases: Optional[Mapping[str, LeaseOptions]],
     fail_open: Optional[Iterable[str]],
@@ -37,7 +37,7 @@ def config_json(
     if max_keys is not None:
         server["maxKeys"] = max_keys
     tables: Dict[str, Dict[str, Any]] = {
-        name: _core.normalize_config(config) for name, config in (limits or {}).items()
+        name: _core.normalize_config(config, name) for name, config in (limits or {}).items()
     }
 
     def known(what: str, name: str) -> Dict[str, Any]:
@@ -45,6 +45,8 @@ def config_json(
             raise ValueError(f"{what} names {name!r}, which is not among the limits")
         return tables[name]
 
+    if not isinstance(leases or {}, Mapping):
+        raise TypeError(f"leases is a dict of limit name -> True or its options, not {leases!r}")
     for name, lease in (leases or {}).items():
         if lease is True:
             known("leases", name)["lease"] = True
@@ -55,6 +57,9 @@ def config_json(
             known("leases", name)["lease"] = tuning
         else:
             raise TypeError(f"leases[{name!r}] is True or a dict of term, share, floor")
+    if isinstance(fail_open, (str, bytes)):
+        # A string is iterable: its characters would be taken for names.
+        raise TypeError(f"fail_open is a list of limit names, not the string {fail_open!r}")
     for name in fail_open or ():
         known("fail_open", name)["failOpen"] = True
     return json.dumps({"server": server, "limits": tables})

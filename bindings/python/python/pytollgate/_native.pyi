@@ -1,7 +1,7 @@
 """The native module (src/lib.rs): tollgate's engine in this process."""
 
 import asyncio
-from typing import List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 Reply = Tuple[int, bytes, List[Tuple[str, str]]]
 #: A decision as a number (-1 granted; w >= 0 granted after a wait; -2 - w refused, retry in
@@ -10,7 +10,8 @@ Taken = Union[float, Reply]
 
 def validate(config: str) -> None: ...
 def open(config: str) -> Engine: ...
-def open_async(config: str, event_loop: asyncio.AbstractEventLoop, future: asyncio.Future[Engine]) -> None: ...
+def open_async(config: str, done: Callable[[bool, Any], None]) -> None: ...
+def forked() -> None: ...
 
 class Engine:
     @property
