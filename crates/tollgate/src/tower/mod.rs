@@ -47,7 +47,7 @@ use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use tower_layer::Layer;
 use tower_service::Service;
 
-pub use key::{Key, MissingKey, TrustedProxies};
+pub use key::{DEFAULT_IPV6_SUBNET, Key, MissingKey, TrustedProxies};
 
 use crate::core::Inline;
 use crate::limiter::{Call, RateLimiter, Target};
