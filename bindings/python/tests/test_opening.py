@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 from typing import Awaitable, Callable, List, TypeVar
 
 import pytest
@@ -71,6 +72,24 @@ async def test_a_store_down_at_start_is_used_once_it_is_up_async(real_store: str
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
         assert not (await limiter.limit(name, key="k")).ok
+
+
+def test_a_store_that_cannot_be_opened_at_start_is_opened_later(tmp_path: Path) -> None:
+    """An open that fails (PostgreSQL and Redis connect lazily; a SQLite file on a volume
+    not mounted yet cannot be opened): tried again on a later call, at most every quarter
+    of a second, on both doors."""
+    store = f"sqlite://{tmp_path}/later/states.db"
+    blocking = RateLimiter(store, limits={"x": WINDOW})
+    awaited = AsyncRateLimiter(store, limits={"x": WINDOW})
+    with pytest.raises(TollgateError, match="could not be opened") as error:
+        blocking.limit("x", key="k")
+    assert error.value.status == 503 and not error.value.may_have_taken
+    with pytest.raises(TollgateError, match="could not be opened"):
+        asyncio.run(awaited.limit("x", key="k"))
+    (tmp_path / "later").mkdir()
+    assert until_answered(lambda: blocking.limit("x", key="k", count=4)).ok
+    assert until_answered(lambda: asyncio.run(awaited.limit("x", key="k", count=6))).ok
+    assert not blocking.limit("x", key="k").ok
 
 
 def test_a_store_that_stays_down_is_not_opened_at_every_call() -> None:

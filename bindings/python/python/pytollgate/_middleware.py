@@ -35,7 +35,7 @@ KeySource = Union[str, Mapping[str, str], Callable[..., Optional[str]]]
 
 #: The prefix length an IPv6 address is keyed by: one host (a home, a VM, a phone) is given a
 #: /64 at least, often a /56 or a /48, and changes address within it at will; a /56 is what
-#: express-rate-limit groups by default. ``False`` (or ``None``): the whole address.
+#: express-rate-limit groups by default. ``False`` (or ``None``, or 128): the whole address.
 Ipv6Subnet = Union[int, bool, None]
 DEFAULT_IPV6_SUBNET = 56
 
@@ -49,7 +49,7 @@ def check_ipv6_subnet(subnet: Ipv6Subnet) -> Optional[int]:
             f"ipv6_subnet is a prefix length from 1 to 128 (default {DEFAULT_IPV6_SUBNET}), "
             f"or False for whole addresses; not {subnet!r}"
         )
-    return subnet
+    return None if subnet == 128 else subnet
 
 
 def ip_key(address: str, subnet: Optional[int]) -> str:
@@ -57,7 +57,8 @@ def ip_key(address: str, subnet: Optional[int]) -> str:
     write: IPv4 as it is; IPv4-mapped IPv6 (``::ffff:1.2.3.4``) as its IPv4; any other IPv6
     without its zone (``%eth0``) and masked to ``subnet`` bits, as the network's first
     address in RFC 5952 form and its length (``2001:db8:abcd:1200::/56``), or whole in RFC
-    5952 form when ``subnet`` is None. Anything else (a test client's name) as it is."""
+    5952 form when ``subnet`` is None (as the tower layer's ``ipv6_subnet(128)`` writes it).
+    Anything else (a test client's name) as it is."""
     if ":" not in address:
         return address
     try:

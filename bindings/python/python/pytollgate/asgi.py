@@ -45,7 +45,7 @@ class RateLimitMiddleware:
 
     ``ipv6_subnet``: the ``"ip"`` key of an IPv6 client is its /56 network (default 56: one
     host changes address within its /64 or more at will), ``2001:db8:abcd:1200::/56``; a
-    prefix length from 1 to 128, or ``False`` for whole addresses. IPv4-mapped addresses
+    prefix length from 1 to 128, ``False`` (or 128) for whole addresses. IPv4-mapped addresses
     (``::ffff:1.2.3.4``) are keyed as their IPv4.
 
     A request without a client address (a server on a unix socket, without the proxy's
