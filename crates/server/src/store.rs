@@ -265,12 +265,33 @@ pub async fn open(
         for (name, options) in leased {
             builder = builder.lease(name.as_str(), *options);
         }
-        let pg = Arc::new(builder.open(url).await.with_context(|| format!("store {shown:?}"))?);
+        let pg = Arc::new(postgres(builder, url, &shown).await?);
         let leases = Leasing::new(LeasingStore::Postgres(Arc::clone(&pg)), leased);
         let stored = Stored::Postgres(Arc::clone(&pg));
         return Ok(Opened { leases, ..Opened::networked(pg, stored, deadline) });
     }
     unreachable!("check({shown:?}) let an unknown store through")
+}
+
+/// PostgreSQL, asked once at start: credentials refused or a database that does not exist
+/// stop the server with the reason; a database that cannot be reached yet (down, starting,
+/// full) is only a warning: the server starts, fails closed, and uses the database once it
+/// answers (its table made then), as on Redis.
+async fn postgres(
+    builder: tollgate::store::PgStoreBuilder,
+    url: &str,
+    shown: &str,
+) -> anyhow::Result<PgStore> {
+    match builder.clone().open(url).await {
+        Ok(pg) => Ok(pg),
+        Err(e) if e.is_unavailable() => {
+            tracing::warn!(
+                "store {shown:?} is not reachable at start ({e}); failing closed until it is"
+            );
+            builder.connect_lazy(url).with_context(|| format!("store {shown:?}"))
+        }
+        Err(e) => Err(e).with_context(|| format!("store {shown:?}")),
+    }
 }
 
 /// A networked store's own timeout: four fifths of the request deadline, so that the store,

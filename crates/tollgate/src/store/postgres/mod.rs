@@ -100,9 +100,46 @@ impl PgStoreBuilder {
     ///
     /// # Errors
     ///
-    /// A bad URL or table name, or a database that cannot be reached.
+    /// A bad URL or table name, or a database that cannot be reached or refuses the
+    /// connection. [`StoreError::is_unavailable`] tells the two apart: a database that is
+    /// down, not reachable or not accepting connections yet (which
+    /// [`PgStoreBuilder::connect_lazy`] would wait for) is unavailable; one that refused
+    /// the credentials or has no such database is not.
     pub async fn open(self, url: &str) -> Result<PgStore, StoreError> {
-        self.build(url, None).await
+        let store = self.build(url, None)?;
+        store.shared.ensure_table().await?;
+        Ok(store)
+    }
+
+    /// The store of `url`, without connecting yet: the table is created (if missing) and
+    /// the connections are made when the first request needs them, and a database that is
+    /// down meanwhile fails each request as unavailable (closed) until it comes up, from
+    /// when on it is used without anything to rebuild. For an app that must start while
+    /// its database does not answer yet (containers started together, a database
+    /// restarting). Call it inside a Tokio runtime: the store's tasks run on it.
+    ///
+    /// # Errors
+    ///
+    /// A bad URL or table name (nothing is connected to).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use tollgate::store::PgStore;
+    /// use tollgate::{Config, RateLimiter, MINUTE};
+    ///
+    /// #[tokio::main]
+    /// async fn main() {
+    ///     // Made at once, even if PostgreSQL is not up yet.
+    ///     let store = PgStore::builder().connect_lazy("postgres://postgres@127.0.0.1/app");
+    ///     let limiter = RateLimiter::new(store.unwrap());
+    ///     let send = ("send", Config::token_bucket(10.0, MINUTE));
+    ///     // An error while the database is down; a decision once it is up.
+    ///     let _ = limiter.limit_async(send, "alice").await;
+    /// }
+    /// ```
+    pub fn connect_lazy(self, url: &str) -> Result<PgStore, StoreError> {
+        self.build(url, None)
     }
 
     /// The same, on `clock` instead of the database's: for tests that set the time.
@@ -115,10 +152,19 @@ impl PgStoreBuilder {
         url: &str,
         clock: C,
     ) -> Result<PgStore<C>, StoreError> {
-        self.build(url, Some(clock)).await
+        let store = self.build(url, Some(clock))?;
+        store.shared.ensure_table().await?;
+        Ok(store)
     }
 
-    async fn build<C: Clock>(self, url: &str, clock: Option<C>) -> Result<PgStore<C>, StoreError> {
+    /// The store, its workers started (they connect when the first request comes).
+    fn build<C: Clock>(self, url: &str, clock: Option<C>) -> Result<PgStore<C>, StoreError> {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Err(StoreError::new(
+                "postgres: the store must be opened inside a Tokio runtime, whose tasks drive \
+                 its connections",
+            ));
+        };
         if !valid_table(&self.table) {
             return Err(StoreError::new(format!(
                 "postgres: table name {:?}: use letters, digits and _, at most {MAX_TABLE}",
@@ -141,10 +187,11 @@ impl PgStoreBuilder {
             ready: Notify::new(),
             closed: AtomicBool::new(false),
             leases: Leases::new(self.leases),
+            table_made: AtomicBool::new(false),
+            making_table: tokio::sync::Mutex::new(()),
         });
-        create_table(&shared).await?;
         for _ in 0..self.connections {
-            tokio::spawn(work(Arc::clone(&shared), None));
+            runtime.spawn(work(Arc::clone(&shared), None));
         }
         Ok(PgStore { shared })
     }
@@ -194,6 +241,16 @@ impl PgStore {
     /// As for [`PgStoreBuilder::open`].
     pub async fn open(url: &str) -> Result<Self, StoreError> {
         PgStoreBuilder::default().open(url).await
+    }
+
+    /// The store of `url` with the default options, connecting when the first request
+    /// needs it (see [`PgStoreBuilder::connect_lazy`]).
+    ///
+    /// # Errors
+    ///
+    /// As for [`PgStoreBuilder::connect_lazy`].
+    pub fn connect_lazy(url: &str) -> Result<Self, StoreError> {
+        PgStoreBuilder::default().connect_lazy(url)
     }
 
     /// Checks `url` as [`PgStoreBuilder::open`] would parse it, without connecting: for a
@@ -247,6 +304,12 @@ struct Shared<C> {
     closed: AtomicBool,
     /// The leased limits and this process's holders.
     leases: Option<Leases>,
+    /// Whether the table and its functions were made (or found) by this store: the
+    /// workers' statements name them, so a connection is prepared only after.
+    table_made: AtomicBool,
+    /// Held while they are being made, so that the workers of a store opened lazily do not
+    /// make them side by side.
+    making_table: tokio::sync::Mutex<()>,
 }
 
 impl<C: Clock> Shared<C> {
@@ -259,6 +322,22 @@ impl<C: Clock> Shared<C> {
 
     fn now(&self) -> Option<f64> {
         self.clock.as_ref().map(Clock::now)
+    }
+}
+
+impl<C> Shared<C> {
+    /// Makes the table and its functions unless this store already has: once, whichever
+    /// comes first of the eager open and the first connection of a lazy one.
+    async fn ensure_table(&self) -> Result<(), StoreError> {
+        if self.table_made.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _making = self.making_table.lock().await;
+        if !self.table_made.load(Ordering::Acquire) {
+            create_table(self).await?;
+            self.table_made.store(true, Ordering::Release);
+        }
+        Ok(())
     }
 }
 

@@ -14,7 +14,9 @@ use crate::error::StoreError;
 use crate::store::sql::{LOCK_CLASS, PG_LOCK, PgSql};
 
 /// Creates the table and its functions if they are missing, on a connection of its own
-/// (the workers' connections prepare statements that name the functions).
+/// (the workers' connections prepare statements that name the functions). A database that
+/// cannot be reached, or does not accept connections yet, is unavailable (a lazy store waits
+/// for it); one that refuses the credentials or has no such database is not.
 pub(super) async fn create_table<C>(shared: &Shared<C>) -> Result<(), StoreError> {
     let create = async {
         let (client, connection) = shared.config.connect(NoTls).await?;
@@ -40,12 +42,33 @@ pub(super) async fn create_table<C>(shared: &Shared<C>) -> Result<(), StoreError
     };
     match tokio::time::timeout(shared.timeout * 2, create).await {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(pg_error("cannot create the table", e)),
+        Ok(Err(e)) => {
+            let refused = refused_for_good(&e);
+            let error = pg_error("cannot create the table", e);
+            Err(if refused { error } else { error.unavailable() })
+        }
         Err(_) => Err(StoreError::new(format!(
             "postgres: cannot connect: no answer within {:?}",
             shared.timeout * 2
-        ))),
+        ))
+        .unavailable()),
     }
+}
+
+/// Whether the database answered, and refused what no retry will change: the credentials
+/// (SQLSTATE class 28), a database that does not exist (3D000), or the statements (a role
+/// without the right to create the table). Not reached, closed, or not accepting
+/// connections yet (57P03, starting up; 53300, too many connections) is worth waiting for.
+fn refused_for_good(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    let Some(code) = e.code() else { return false };
+    let transient = [
+        SqlState::CANNOT_CONNECT_NOW,
+        SqlState::TOO_MANY_CONNECTIONS,
+        SqlState::ADMIN_SHUTDOWN,
+        SqlState::CRASH_SHUTDOWN,
+    ];
+    !transient.contains(code)
 }
 
 /// A statement of the store's: prepared on a store connection, or as text with its
@@ -144,7 +167,10 @@ pub(super) struct Conn {
 }
 
 impl Conn {
+    /// A connection with the store's statements prepared (the table and its functions made
+    /// first, if this store has not made them yet).
     pub(super) async fn open<C>(shared: &Shared<C>) -> Result<Conn, StoreError> {
+        shared.ensure_table().await?;
         let connect = async {
             let (client, connection) = shared.config.connect(NoTls).await?;
             tokio::spawn(async move {
