@@ -14,6 +14,7 @@ interface ExpressRequest {
   get(name: string): string | undefined;
 }
 interface ExpressResponse {
+  readonly headersSent: boolean;
   set(field: Record<string, string>): unknown;
   status(code: number): ExpressResponse;
   type(type: string): ExpressResponse;
@@ -37,11 +38,19 @@ export function rateLimit<Req extends ExpressRequest = ExpressRequest>(
   const limits = limitsOf(options.limits);
   return (request, response, next) => {
     const view = { ip: request.ip ?? request.socket?.remoteAddress, header: (name: string) => request.get(name) };
-    decide(options, limits, request, view).then((verdict) => {
-      response.set(verdict.headers);
-      if (verdict.pass) return next();
-      response.status(verdict.status).type("application/json").send(verdict.body ?? "");
-    }, next);
+    decide(options, limits, request, view).then(
+      (verdict) => {
+        // The response went out while the limits were taken (a timeout middleware answered
+        // first): the decision stands, taken as it was, and nothing more is written or run.
+        if (response.headersSent) return;
+        response.set(verdict.headers);
+        if (verdict.pass) return next();
+        response.status(verdict.status).type("application/json").send(verdict.body ?? "");
+      },
+      (error: unknown) => {
+        if (!response.headersSent) next(error);
+      },
+    );
   };
 }
 

@@ -10,6 +10,7 @@ interface FastifyRequest {
   headers: Record<string, string | string[] | undefined>;
 }
 interface FastifyReply {
+  readonly sent: boolean;
   headers(values: Record<string, string>): FastifyReply;
   code(status: number): FastifyReply;
   type(type: string): FastifyReply;
@@ -34,6 +35,9 @@ export function rateLimitHook<Req extends FastifyRequest = FastifyRequest>(
       return Array.isArray(value) ? value.join(", ") : value;
     };
     const verdict = await decide(options, limits, request, { ip: request.ip, header });
+    // Answered while the limits were taken (a timeout hook): the decision stands, nothing more
+    // is written, and the reply returned ends the hooks.
+    if (reply.sent) return reply;
     reply.headers(verdict.headers);
     if (verdict.pass) return undefined;
     return reply.code(verdict.status).type("application/json").send(verdict.body ?? "");

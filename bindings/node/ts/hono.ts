@@ -6,6 +6,8 @@ export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
 
 /** The parts of Hono's context the middleware uses. */
 interface HonoContext {
+  /** Whether the context holds its response already (a timeout middleware answered). */
+  finalized: boolean;
   req: { header(name: string): string | undefined };
   env?: unknown;
   header(name: string, value: string): void;
@@ -34,6 +36,9 @@ export function rateLimiter<C extends HonoContext = HonoContext>(
   return async (c, next) => {
     const ip = options.ip ? options.ip(c) : nodeIp(c);
     const verdict = await decide(options, limits, c, { ip, header: (name) => c.req.header(name) });
+    // Answered while the limits were taken (hono/timeout answered first): the decision
+    // stands, and nothing more is written or run (a header set now throws).
+    if (c.finalized) return undefined;
     if (!verdict.pass) {
       return c.body(verdict.body ?? "", verdict.status, { ...verdict.headers, "content-type": "application/json" });
     }
