@@ -3,8 +3,9 @@
 
 import type { RateLimiter as Client, RateLimitConfig } from "tollgate-client";
 
-import { decide, limitsOf, type MiddlewareOptions, type Transacting } from "./middleware.js";
+import { decide, middleware, type MiddlewareOptions, type Transacting } from "./middleware.js";
 
+export { ipKey } from "./middleware.js";
 export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
 
 /** The parts of Express's request and response the middleware uses. */
@@ -35,10 +36,10 @@ type Next = (error?: unknown) => void;
 export function rateLimit<Req extends ExpressRequest = ExpressRequest>(
   options: MiddlewareOptions<Req>,
 ): (request: Req, response: ExpressResponse, next: Next) => void {
-  const limits = limitsOf(options.limits);
+  const m = middleware(options);
   return (request, response, next) => {
     const view = { ip: request.ip ?? request.socket?.remoteAddress, header: (name: string) => request.get(name) };
-    decide(options, limits, request, view).then(
+    decide(m, request, view).then(
       (verdict) => {
         // The response went out while the limits were taken (a timeout middleware answered
         // first): the decision stands, taken as it was, and nothing more is written or run.

@@ -1,7 +1,8 @@
 // Fastify: an onRequest hook taking a request's limits (ts/middleware.ts).
 
-import { decide, limitsOf, type MiddlewareOptions } from "./middleware.js";
+import { decide, middleware, type MiddlewareOptions } from "./middleware.js";
 
+export { ipKey } from "./middleware.js";
 export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
 
 /** The parts of Fastify's request and reply the hook uses. */
@@ -28,13 +29,13 @@ interface FastifyReply {
 export function rateLimitHook<Req extends FastifyRequest = FastifyRequest>(
   options: MiddlewareOptions<Req>,
 ): (request: Req, reply: FastifyReply) => Promise<FastifyReply | undefined> {
-  const limits = limitsOf(options.limits);
+  const m = middleware(options);
   return async (request, reply) => {
     const header = (name: string) => {
       const value = request.headers[name];
       return Array.isArray(value) ? value.join(", ") : value;
     };
-    const verdict = await decide(options, limits, request, { ip: request.ip, header });
+    const verdict = await decide(m, request, { ip: request.ip, header });
     // Answered while the limits were taken (a timeout hook): the decision stands, nothing more
     // is written, and the reply returned ends the hooks.
     if (reply.sent) return reply;

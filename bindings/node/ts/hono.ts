@@ -1,7 +1,8 @@
 // Hono: a middleware taking a request's limits (ts/middleware.ts).
 
-import { decide, limitsOf, type MiddlewareOptions } from "./middleware.js";
+import { decide, middleware, type MiddlewareOptions } from "./middleware.js";
 
+export { ipKey } from "./middleware.js";
 export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
 
 /** The parts of Hono's context the middleware uses. */
@@ -32,10 +33,10 @@ function nodeIp(c: HonoContext): string | undefined {
 export function rateLimiter<C extends HonoContext = HonoContext>(
   options: MiddlewareOptions<C> & { ip?: (c: C) => string | undefined },
 ): (c: C, next: () => Promise<void>) => Promise<Response | undefined> {
-  const limits = limitsOf(options.limits);
+  const m = middleware(options);
   return async (c, next) => {
     const ip = options.ip ? options.ip(c) : nodeIp(c);
-    const verdict = await decide(options, limits, c, { ip, header: (name) => c.req.header(name) });
+    const verdict = await decide(m, c, { ip, header: (name) => c.req.header(name) });
     // Answered while the limits were taken (hono/timeout answered first): the decision
     // stands, and nothing more is written or run (a header set now throws).
     if (c.finalized) return undefined;

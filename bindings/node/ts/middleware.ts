@@ -3,9 +3,15 @@
 // tollgate's tower layer writes them (crates/tollgate/src/tower): `RateLimit-Policy` and
 // `RateLimit` on every answer, `429` with `Retry-After` in whole seconds and
 // `{"kind": "RateLimited", "name", "retryAfter"}` on a refusal, `503 {"error",
-// "mayHaveTaken"}` when the store fails (fail closed), `400 {"error"}` without a key.
+// "mayHaveTaken"}` when the store fails (fail closed), `400 {"error"}` without a key. Every
+// option is checked and resolved once, when the middleware is made (`middleware`); a request
+// pays for its key, the transaction and the answer's fields.
 
 import { TollgateError, type TransactionOptions, type TransactionRequest, type TransactionResult } from "tollgate-client";
+
+import { ipKey, ipv6SubnetOf } from "./ip.js";
+
+export { ipKey } from "./ip.js";
 
 /** What the middleware needs of a limiter: in-process (`{ store }`) or a server's (`{ url }`). */
 export interface Transacting {
@@ -16,10 +22,10 @@ export interface Transacting {
 export type LimitRef = string | { name: string; count?: number };
 
 /**
- * Where a request's key comes from: `"ip"` (the peer's address as the framework reports it;
- * behind a proxy, tell the framework to trust it), `{ header: "x-api-key" }`, `"global"` (one
- * value shared by every request), or a function of the request. A request without a key is
- * refused with 400, and nothing is taken.
+ * Where a request's key comes from: `"ip"` (the peer's address as the framework reports it,
+ * an IPv6 address grouped by its /56: see `ipv6Subnet`; behind a proxy, tell the framework to
+ * trust it), `{ header: "x-api-key" }`, `"global"` (one value shared by every request), or a
+ * function of the request. A request without a key is refused with 400, and nothing is taken.
  */
 export type KeySource<Req> =
   | "ip"
@@ -35,6 +41,14 @@ export interface MiddlewareOptions<Req> {
   limits: LimitRef | LimitRef[];
   /** Where the key comes from; default `"ip"`. */
   key?: KeySource<Req>;
+  /**
+   * The `"ip"` key's grouping of IPv6 peers: the prefix length (1 to 128) of the network that
+   * is keyed as one, or `false` to key each address whole; default 56, so that one host
+   * hopping between the addresses of its network (a /64 at least) is one key. The key is the
+   * network's first address and its length, `"2001:db8:abcd:1200::/56"`; an IPv4 peer (an
+   * IPv4-mapped IPv6 address included) is keyed by its address, `"192.0.2.1"`.
+   */
+  ipv6Subnet?: number | false;
 }
 
 /** What the middleware answers: pass on (with `headers` on the answer), or answer itself. */
@@ -55,14 +69,50 @@ export interface RequestView {
   header(name: string): string | undefined;
 }
 
+/** A request's key: a string, null for the one shared value (`"global"`), undefined if the
+ *  request has none. */
+type Key = string | null | undefined;
+
+/** A middleware's options, checked and resolved: what each request needs, and nothing more. */
+export interface Middleware<Req> {
+  limiter: Transacting;
+  limits: Array<{ name: string; count?: number }>;
+  key(request: Req, view: RequestView): Key | Promise<Key>;
+  /** The 400 answer's body for a request without a key. */
+  noKey: string;
+}
+
 const NAMES: Record<string, string> = {
   "ratelimit-policy": "RateLimit-Policy",
   ratelimit: "RateLimit",
   "retry-after": "Retry-After",
 };
 
+/** Checks `options` and resolves them for `decide`; throws a `TypeError` for a bad one. */
+export function middleware<Req>(options: MiddlewareOptions<Req>): Middleware<Req> {
+  const limits = limitsOf(options.limits);
+  const source = options.key ?? "ip";
+  const subnet = ipv6SubnetOf(options.ipv6Subnet);
+  let key: Middleware<Req>["key"];
+  if (source === "ip") {
+    key = (_request, view) => (view.ip === undefined ? undefined : ipKey(view.ip, subnet));
+  } else if (source === "global") {
+    key = () => null;
+  } else if (typeof source === "function") {
+    key = (request) => source(request);
+  } else if (typeof source === "object" && source !== null && typeof source.header === "string") {
+    const header = source.header.toLowerCase();
+    key = (_request, view) => view.header(header);
+  } else {
+    throw new TypeError(`key must be "ip", "global", { header: NAME } or a function of the request; got ${String(source)}`);
+  }
+  const what = source === "ip" ? "no peer address" : "no key in the request";
+  const noKey = json({ error: `Rate limit ${limits[0]!.name}: ${what}.` });
+  return { limiter: options.limiter, limits, key, noKey };
+}
+
 /** The middleware's limits as transaction requests (checked once, at setup). */
-export function limitsOf(limits: LimitRef | LimitRef[]): Array<{ name: string; count?: number }> {
+function limitsOf(limits: LimitRef | LimitRef[]): Array<{ name: string; count?: number }> {
   const list = (Array.isArray(limits) ? limits : [limits]).map((l) => (typeof l === "string" ? { name: l } : { ...l }));
   if (list.length === 0 || list.some((l) => typeof l.name !== "string" || l.name === "")) {
     throw new TypeError("limits: give at least one limit name");
@@ -70,34 +120,18 @@ export function limitsOf(limits: LimitRef | LimitRef[]): Array<{ name: string; c
   return list;
 }
 
-/** The key of a request, or undefined when it has none. */
-export async function keyOf<Req>(source: KeySource<Req>, request: Req, view: RequestView): Promise<string | undefined | null> {
-  if (source === "global") return null;
-  if (source === "ip") return view.ip;
-  if (typeof source === "function") return source(request);
-  return view.header(source.header.toLowerCase());
-}
-
 function json(body: unknown): string {
   return JSON.stringify(body);
 }
 
 /** Takes the request's limits and says how to answer it. */
-export async function decide<Req>(
-  options: MiddlewareOptions<Req>,
-  limits: Array<{ name: string; count?: number }>,
-  request: Req,
-  view: RequestView,
-): Promise<Verdict> {
-  const key = await keyOf(options.key ?? "ip", request, view);
-  if (key === undefined || key === "") {
-    const what = options.key === undefined || options.key === "ip" ? "no peer address" : "no key in the request";
-    return { pass: false, status: 400, headers: {}, body: json({ error: `Rate limit ${limits[0]!.name}: ${what}.` }) };
-  }
+export async function decide<Req>(m: Middleware<Req>, request: Req, view: RequestView): Promise<Verdict> {
+  const key = await m.key(request, view);
+  if (key === undefined || key === "") return { pass: false, status: 400, headers: {}, body: m.noKey };
   let result: TransactionResult;
   try {
-    result = await options.limiter.transaction(
-      limits.map((l) => ({ ...l, ...(key === null ? {} : { key }) })),
+    result = await m.limiter.transaction(
+      m.limits.map((l) => ({ ...l, ...(key === null ? {} : { key }) })),
       { fields: true },
     );
   } catch (e) {
@@ -125,6 +159,6 @@ export async function decide<Req>(
     pass: false,
     status: 429,
     headers,
-    body: json({ kind: "RateLimited", name: limits[refusing]!.name, retryAfter }),
+    body: json({ kind: "RateLimited", name: m.limits[refusing]!.name, retryAfter }),
   };
 }
