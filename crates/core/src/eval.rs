@@ -395,11 +395,18 @@ pub const MAX_KEY_BYTES: usize = 1024;
 ///
 /// # Errors
 ///
-/// An empty name, a name over 256 bytes, or a key over 1024 bytes.
+/// An empty name, a name over 256 bytes, a key over 1024 bytes, or a NUL character (U+0000)
+/// in either: PostgreSQL's text cannot hold one, so no store would keep such a state as the
+/// others do, and every store refuses it alike, before it is asked.
 #[inline(always)]
 pub fn validate_name_key(name: &str, key: Option<&str>) -> Result<(), InvalidRequest> {
-    let key_len = key.map_or(0, str::len);
-    if !name.is_empty() && name.len() <= MAX_NAME_BYTES && key_len <= MAX_KEY_BYTES {
+    let key = key.unwrap_or("").as_bytes();
+    if !name.is_empty()
+        && name.len() <= MAX_NAME_BYTES
+        && key.len() <= MAX_KEY_BYTES
+        && !name.as_bytes().contains(&0)
+        && !key.contains(&0)
+    {
         return Ok(());
     }
     name_key_error(name, key)
@@ -408,7 +415,7 @@ pub fn validate_name_key(name: &str, key: Option<&str>) -> Result<(), InvalidReq
 /// The error of [`validate_name_key`], out of the hot path.
 #[cold]
 #[inline(never)]
-fn name_key_error(name: &str, key: Option<&str>) -> Result<(), InvalidRequest> {
+fn name_key_error(name: &str, key: &[u8]) -> Result<(), InvalidRequest> {
     if name.is_empty() {
         return Err(InvalidRequest::new("Rate limit name must not be empty."));
     }
@@ -418,12 +425,20 @@ fn name_key_error(name: &str, key: Option<&str>) -> Result<(), InvalidRequest> {
             name.len()
         )));
     }
-    if let Some(key) = key
-        && key.len() > MAX_KEY_BYTES
-    {
+    if name.as_bytes().contains(&0) {
+        return Err(InvalidRequest::new(
+            "Rate limit name contains a NUL character (U+0000), which names may not.",
+        ));
+    }
+    if key.len() > MAX_KEY_BYTES {
         return Err(InvalidRequest::new(format!(
             "Rate limit {name} key is {} bytes; the most is {MAX_KEY_BYTES}.",
             key.len()
+        )));
+    }
+    if key.contains(&0) {
+        return Err(InvalidRequest::new(format!(
+            "Rate limit {name} key contains a NUL character (U+0000), which keys may not."
         )));
     }
     Ok(())
@@ -668,6 +683,9 @@ mod tests {
         assert!(validate_name_key(&"n".repeat(256), Some(&"k".repeat(1024))).is_ok());
         assert!(validate_name_key(&"n".repeat(257), None).is_err());
         assert!(validate_name_key("n", Some(&"k".repeat(1025))).is_err());
+        let nul = validate_name_key("n", Some("a\0b")).unwrap_err();
+        assert_eq!(nul.message(), "Rate limit n key contains a NUL character (U+0000), which keys may not.");
+        assert!(validate_name_key("a\0b", Some("k")).is_err());
     }
 
     #[test]

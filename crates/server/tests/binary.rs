@@ -112,6 +112,11 @@ fn a_servers_life(store: &str, label: &str, durable: bool) {
     assert_eq!((status, &refused["ok"]), (200, &json!(false)), "{store}: {refused}");
     let wait = refused["retryAfter"].as_f64().unwrap();
     assert!((28_000_000.0..=28_800_000.0).contains(&wait), "{store}: a third of a day: {wait}");
+    // Bad input is refused as such on every store, never reported as a store outage (a NUL
+    // in a key once reached PostgreSQL, which answered an error: 503).
+    let (status, nul) = server.post("/v1/limit", &json!({ "name": name, "key": "a\0b" }));
+    assert_eq!(status, 400, "{store}: {nul}");
+    assert!(nul["error"].as_str().unwrap().contains("NUL character"), "{store}: {nul}");
     let (status, thrown) =
         server.post("/v1/limit", &json!({ "name": name, "key": "k", "throws": true }));
     assert_eq!((status, &thrown["kind"]), (429, &json!("RateLimited")), "{store}: {thrown}");

@@ -40,7 +40,7 @@ use crate::store::{AsyncStore, Store};
 pub const T0: f64 = 1_700_000_000_000.0;
 
 /// The behaviours' names, in the order they run.
-pub const BEHAVIOURS: [&str; 19] = [
+pub const BEHAVIOURS: [&str; 20] = [
     "token_bucket_spec_numbers",
     "token_bucket_spec_numbers_reserved",
     "fixed_window_spec_numbers",
@@ -48,6 +48,7 @@ pub const BEHAVIOURS: [&str; 19] = [
     "max_reserved",
     "check_does_not_consume",
     "invalid_requests_consume_nothing",
+    "far_from_full_is_kept",
     "throws_turns_refusal_into_error",
     "reset_forgets",
     "forget_needs_no_config_and_takes_every_shard",
@@ -105,7 +106,7 @@ pub fn run_async<S: AsyncStore + 'static>(make: impl Fn(&Runtime, ManualClock) -
 type Behaviour<A> = fn(&dyn Fn() -> (A, ManualClock));
 
 fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
-    let all: [Behaviour<A>; 19] = [
+    let all: [Behaviour<A>; 20] = [
         behaviours::token_bucket_spec_numbers,
         behaviours::token_bucket_spec_numbers_reserved,
         behaviours::fixed_window_spec_numbers,
@@ -113,6 +114,7 @@ fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
         behaviours::max_reserved,
         behaviours::check_does_not_consume,
         behaviours::invalid_requests_consume_nothing,
+        behaviours::far_from_full_is_kept,
         behaviours::throws_turns_refusal_into_error,
         behaviours::reset_forgets,
         behaviours::forget_needs_no_config_and_takes_every_shard,
@@ -160,6 +162,7 @@ macro_rules! conformance_tests {
             max_reserved,
             check_does_not_consume,
             invalid_requests_consume_nothing,
+            far_from_full_is_kept,
             throws_turns_refusal_into_error,
             reset_forgets,
             forget_needs_no_config_and_takes_every_shard,
@@ -580,10 +583,32 @@ pub mod behaviours {
         }
         let long_key = "k".repeat(1025);
         assert!(matches!(l.limit(tb(), Request::new().key(&long_key)), Err(Error::Invalid(_))));
+        // A NUL, which PostgreSQL's text cannot hold: refused alike on every store.
+        for (name, key) in [("tb", "a\0b"), ("t\0b", "k")] {
+            let nul = Target::Inline(name, Config::token_bucket(10.0, MINUTE));
+            let err = l.limit(nul, Request::new().key(key)).unwrap_err();
+            assert!(matches!(err, Error::Invalid(_)), "{err}");
+            assert!(err.to_string().contains("NUL character"), "{err}");
+        }
         assert_eq!(state(&l, tb(), None), State { value: 10.0, ts: 0.0 });
         let err = l.limit("nowhere", Request::new()).unwrap_err();
         assert!(matches!(err, Error::NotDefined { .. }));
         assert!(err.to_string().starts_with("Rate limit nowhere not defined."), "{err}");
+    }
+
+    /// A state that will be full again only in aeons (a billionth of a token per longest
+    /// period; a reservation a quadrillion tokens deep) is kept like any other: Redis, which
+    /// cannot hold such an expiry, once failed these requests as a store error.
+    pub fn far_from_full_is_kept<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+        let (l, clock) = setup();
+        let slow = Target::Inline("slow", Config::token_bucket(1e-9, 1e15).with_capacity(1.0));
+        let deep = Target::Inline("deep", Config::token_bucket(1.0, 1e6).with_capacity(1.0));
+        assert!(l.limit(slow, Request::new()).unwrap().ok);
+        assert!(l.limit(deep, Request::new().count(1e15).reserve()).unwrap().ok);
+        clock.advance(DAY);
+        assert!(!l.limit(slow, Request::new()).unwrap().ok, "still empty a day later");
+        let booked = l.limit(deep, Request::new().reserve()).unwrap();
+        assert!(booked.ok && booked.retry_after.unwrap() > 1e20, "{booked:?}");
     }
 
     /// `throws` makes a refusal `Error::RateLimited` (a granted reservation is not one).

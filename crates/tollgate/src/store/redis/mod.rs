@@ -556,7 +556,8 @@ impl<C: Clock> Inner<C> {
                 let (new, px) = if full <= now {
                     (Vec::new(), 0.0)
                 } else {
-                    (pack_state(state), least.max((full - now).ceil()))
+                    let px = least.max((full - now).ceil()).min(script::LONGEST_EXPIRY_MS);
+                    (pack_state(state), px)
                 };
                 write.key(&keys[i]).arg(&loaded[i][..]).arg(new).arg(format!("{px}"));
             }

@@ -18,6 +18,9 @@ end
     };
 }
 
+/// The longest expiry a state is given, in ms: the scripts' `1e15`, the longest period.
+pub(super) const LONGEST_EXPIRY_MS: f64 = tollgate_algebra::MAX_AMOUNT;
+
 /// Lua: saves the state (`v`, `ts`) under `key`, given `token_bucket`, `rate`, `period`,
 /// `cap`, `now` and `least`: deleted if it is full again by `now`, else set to expire when it
 /// will be (`tollgate_algebra::full_at`), counted from the script's own now and rounded up, so
@@ -25,8 +28,11 @@ end
 /// own clock it is 10 s: Redis expires keys in real time, which does not move that clock, so
 /// a state due back in 0.5 ms of the test's time would be gone a ms later while the test's
 /// clock still counts its tokens as taken. Kept longer, a state full by then answers as full
-/// (the algebra refills it); a state full by the script's now is deleted either way. One copy
-/// for every script.
+/// (the algebra refills it); a state full by the script's now is deleted either way. And
+/// never more than 1e15 ms (the longest period, about 31,700 years: [`LONGEST_EXPIRY_MS`]):
+/// a state that far from full (a rate of a billionth of a token, a deep reservation) would
+/// otherwise ask Redis for an expiry it cannot hold ("invalid expire time"), where every
+/// other store keeps it. One copy for every script.
 macro_rules! lua_save {
     () => {
         r#"
@@ -46,7 +52,7 @@ do
     -- The expiry as text made here: a number argument would be formatted by Redis with
     -- '%.17g', about 0.5 us slower a call (measured).
     redis.call('SET', key, struct.pack('<dd', v, ts), 'PX',
-      string.format('%d', math.max(least, math.ceil(full - now))))
+      string.format('%d', math.min(1e15, math.max(least, math.ceil(full - now)))))
   end
 end
 "#
@@ -145,7 +151,7 @@ local function lease_save(key, recs, v, ts, kind, rate, period, cap, now, least)
     local packed = { struct.pack('<dd', v, ts) }
     for i = 1, #recs do packed[#packed + 1] = struct.pack('<ddd', recs[i][1], recs[i][2], recs[i][3]) end
     redis.call('SET', key, table.concat(packed), 'PX',
-      string.format('%d', math.max(least, math.ceil(full - now))))
+      string.format('%d', math.min(1e15, math.max(least, math.ceil(full - now)))))
   end
 end
 "#
