@@ -4,12 +4,15 @@ import { connect, createServer } from "node:net";
 
 /**
  * Listens on 127.0.0.1:`port` (0: a free one) and forwards to `to`; resolves to
- * `{ port, close }`, where `close` stops listening and ends every connection.
+ * `{ port, accepted, close }`: `accepted()` counts the connections so far, `close` stops
+ * listening and ends every connection.
  */
 export function forwarder({ to, port = 0, delay = 0 }) {
   const [host, targetPort] = hostPort(to);
   const sockets = new Set();
+  let accepted = 0;
   const server = createServer((client) => {
+    accepted++;
     const upstream = connect(targetPort, host);
     for (const s of [client, upstream]) {
       sockets.add(s);
@@ -27,6 +30,7 @@ export function forwarder({ to, port = 0, delay = 0 }) {
     server.listen(port, "127.0.0.1", () => {
       resolve({
         port: server.address().port,
+        accepted: () => accepted,
         close: () =>
           new Promise((done) => {
             for (const s of sockets) s.destroy();

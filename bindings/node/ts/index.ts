@@ -110,11 +110,15 @@ function reply(answer: string): Reply {
 /** The engine of this process, once it is open (or why it could not be), and the `take`s
  *  waiting for their answers. */
 interface Engine {
+  /** The config it opens (JSON). */
+  config: string;
+  /** The last open, under way or done. */
   opening: Promise<NativeLimiter>;
   ready?: NativeLimiter;
   /** The take functions of the limits called so far (of defined names only), by name. */
   takers: Map<string, NativeTake>;
-  failed?: string;
+  /** Why the last open failed, and when (ms since the epoch); unset while one is under way. */
+  failed?: { message: string; at: number };
   /** Resolvers of the `take`s whose answers come back through the settler, by id. */
   waiting: Map<number, (answer: number | string) => void>;
   nextId: number;
@@ -143,9 +147,33 @@ function settler(engine: Engine): (settled: [number, number | string]) => void {
   };
 }
 
+/**
+ * The least time between two opens of a store that failed to open. A store that was not
+ * reachable at first (a database not created yet, a SQLite directory not made yet; Redis and
+ * PostgreSQL that are down open at once and connect later) is opened again by a call that
+ * comes this long after the last failure: the calls meanwhile fail at once with its reason,
+ * so that a flood of calls during an outage makes one attempt a second, not one per call.
+ */
+const REOPEN_AFTER_MS = 1_000;
+
+/** Opens `engine`'s store, again if it failed before; the calls wait for this open. */
+function open(engine: Engine): Promise<NativeLimiter> {
+  const opening = addon().open(engine.config);
+  engine.opening = opening;
+  engine.failed = undefined;
+  // Each call reports a failure to open; none is left unhandled.
+  opening.then(
+    (limiter) => {
+      limiter.settleWith(settler(engine));
+      engine.ready = limiter;
+    },
+    (e: Error) => (engine.failed = { message: e.message, at: Date.now() }),
+  );
+  return opening;
+}
+
 /** The engine of this process as the client's door: each path to its operation. */
 function doorOf(engine: Engine): Door {
-  const { opening } = engine;
   const answer = (l: NativeLimiter, method: string, path: string, body: string | undefined): Promise<Reply> => {
     if (method === "GET" && path === "/v1/time") return l.time().then(reply);
     if (method === "GET" && path === "/v1/config") return Promise.resolve(reply(l.config()));
@@ -160,13 +188,15 @@ function doorOf(engine: Engine): Door {
   };
   return async (method, path, body) => {
     if (engine.ready) return answer(engine.ready, method, path, body);
+    const failed = engine.failed;
+    const opening = failed !== undefined && Date.now() - failed.at >= REOPEN_AFTER_MS ? open(engine) : engine.opening;
     try {
       return answer(await opening, method, path, body);
-    } catch {
+    } catch (e) {
       // The store could not be opened: nothing was taken, as when the server's store fails.
       return {
         status: 503,
-        text: JSON.stringify({ error: `the store could not be opened: ${engine.failed}`, mayHaveTaken: false }),
+        text: JSON.stringify({ error: `the store could not be opened: ${(e as Error).message}`, mayHaveTaken: false }),
       };
     }
   };
@@ -259,7 +289,8 @@ function result(r: number | string, name: string, throws: boolean, writes: boole
  * ```
  *
  * A bad store URL or limit throws a `TypeError` here; a store that cannot be reached fails
- * each call with a `TollgateError` (`mayHaveTaken: false`) until it can.
+ * each call with a `TollgateError` (`mayHaveTaken: false`) until it can, and is used from then
+ * on (one that failed to open is opened again, once a second at most).
  */
 export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> extends Client<Limits> {
   constructor(options: string | StoreOptions | ClientOptions, limits?: Limits) {
@@ -269,15 +300,8 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
     }
     const store = typeof options === "string" ? { store: options } : options;
     const config = validated(configJson(store, limits));
-    const engine: Engine = { opening: addon().open(config), takers: new Map(), waiting: new Map(), nextId: 0 };
-    // Each call reports a failure to open; none is left unhandled.
-    engine.opening.then(
-      (limiter) => {
-        limiter.settleWith(settler(engine));
-        engine.ready = limiter;
-      },
-      (e: Error) => (engine.failed = e.message),
-    );
+    const engine = { config, takers: new Map(), waiting: new Map(), nextId: 0 } as Omit<Engine, "opening"> as Engine;
+    open(engine);
     // The limits are defined in the engine: calls carry no config of their own.
     super({ door: doorOf(engine) }, undefined);
     engines.set(this, engine);
