@@ -684,7 +684,10 @@ mod tests {
         assert!(validate_name_key(&"n".repeat(257), None).is_err());
         assert!(validate_name_key("n", Some(&"k".repeat(1025))).is_err());
         let nul = validate_name_key("n", Some("a\0b")).unwrap_err();
-        assert_eq!(nul.message(), "Rate limit n key contains a NUL character (U+0000), which keys may not.");
+        assert_eq!(
+            nul.message(),
+            "Rate limit n key contains a NUL character (U+0000), which keys may not."
+        );
         assert!(validate_name_key("a\0b", Some("k")).is_err());
     }
 

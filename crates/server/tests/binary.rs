@@ -350,10 +350,7 @@ fn no_secret_reaches_an_error_the_help_or_a_header() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let err = served.stderr();
-    assert!(
-        !err.contains(secret) && err.contains("postgres://postgres:***@127.0.0.1:1"),
-        "{err}"
-    );
+    assert!(!err.contains(secret) && err.contains("postgres://postgres:***@127.0.0.1:1"), "{err}");
     drop(served);
     // Refused for good: a bad option, and (where PostgreSQL runs) no such database.
     let mut refused = vec![format!("postgres://postgres:{secret}@127.0.0.1/test?bogus=1")];

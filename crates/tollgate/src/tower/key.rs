@@ -2,7 +2,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
 use http::request::Parts;
@@ -20,10 +20,25 @@ pub struct Key(Source);
 #[derive(Clone)]
 enum Source {
     Global,
-    Peer(Option<Arc<TrustedProxies>>),
+    Peer(Peer),
     Header(http::HeaderName),
     Fn(Arc<KeyFn>),
 }
+
+/// A key of the client's IP address.
+#[derive(Clone)]
+struct Peer {
+    /// The proxies whose forwarding headers are believed.
+    trusted: Option<Arc<TrustedProxies>>,
+    /// How many leading bits of an IPv6 address make the key (128: all of it).
+    ipv6_subnet: u8,
+}
+
+/// The IPv6 subnet a client is keyed by unless told otherwise: a /56, the least a provider
+/// gives one customer (RIPE-690 advises /48 or /56; one host alone holds a /64 at least),
+/// so that one host cannot take a limit per address by cycling through its own addresses.
+/// express-rate-limit's default too.
+pub const DEFAULT_IPV6_SUBNET: u8 = 56;
 
 impl Key {
     /// No key: one global value shared by every request.
@@ -31,7 +46,13 @@ impl Key {
         Key(Source::Global)
     }
 
-    /// The peer's IP address, from the connection.
+    /// The peer's IP address, from the connection: an IPv4 address as it is, an IPv6 address
+    /// by its /56 ([`DEFAULT_IPV6_SUBNET`]; see [`Key::ipv6_subnet`]), an IPv4-mapped IPv6
+    /// address (`::ffff:192.0.2.1`, what a server listening on `[::]` sees of an IPv4
+    /// client) as the IPv4 address. The key's text: `192.0.2.1`, `2001:db8:abcd:1200::/56`
+    /// (the network's first address in RFC 5952's form, then the prefix length), or with
+    /// `.ipv6_subnet(128)` the whole address (`2001:db8:abcd:1234::1`): the Node and Python
+    /// middleware write the same.
     ///
     /// It is read from the request's extensions: axum's `ConnectInfo<SocketAddr>` (with the
     /// `axum` feature; serve with `into_make_service_with_connect_info::<SocketAddr>()`), or a
@@ -39,7 +60,7 @@ impl Key {
     /// `X-Forwarded-For` are ignored: any client can send them. Behind a proxy, use
     /// [`Key::peer_ip_behind`].
     pub fn peer_ip() -> Self {
-        Key(Source::Peer(None))
+        Key(Source::Peer(Peer { trusted: None, ipv6_subnet: DEFAULT_IPV6_SUBNET }))
     }
 
     /// The client's IP address behind trusted proxies.
@@ -60,7 +81,43 @@ impl Key {
     /// # let _ = key;
     /// ```
     pub fn peer_ip_behind(proxies: TrustedProxies) -> Self {
-        Key(Source::Peer(Some(Arc::new(proxies))))
+        Key(Source::Peer(Peer {
+            trusted: Some(Arc::new(proxies)),
+            ipv6_subnet: DEFAULT_IPV6_SUBNET,
+        }))
+    }
+
+    /// Keys an IPv6 client by its first `bits` bits (1 to 128; default 56), for
+    /// [`Key::peer_ip`] and [`Key::peer_ip_behind`]: `64` for one subnet each, `128` for
+    /// each address alone (which lets one host take a limit per address it owns, and it owns
+    /// billions). IPv4 clients are keyed by their whole address whatever it is.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate::tower::Key;
+    ///
+    /// let per_subnet = Key::peer_ip().ipv6_subnet(64);
+    /// # let _ = per_subnet;
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `bits` is not in 1..=128, or the key is not the client's IP address (a header's,
+    /// a function's): both mistakes of the code that builds the layer, found when it starts.
+    #[must_use]
+    pub fn ipv6_subnet(self, bits: u8) -> Self {
+        assert!(
+            (1..=128).contains(&bits),
+            "Key::ipv6_subnet({bits}): give 1 to 128 bits (56 by default, 128 for whole addresses)"
+        );
+        match self.0 {
+            Source::Peer(peer) => Key(Source::Peer(Peer { ipv6_subnet: bits, ..peer })),
+            _ => panic!(
+                "Key::ipv6_subnet applies to Key::peer_ip() and Key::peer_ip_behind(..) only; \
+                 this key is {self:?}"
+            ),
+        }
     }
 
     /// The value of a request header (an API key, a session id).
@@ -92,14 +149,15 @@ impl Key {
     pub(crate) fn of<'p>(&self, parts: &'p Parts) -> Result<Option<Cow<'p, str>>, Missing> {
         match &self.0 {
             Source::Global => Ok(None),
-            Source::Peer(trusted) => {
+            Source::Peer(Peer { trusted, ipv6_subnet }) => {
                 let peer = peer_addr(parts)
-                    .ok_or(Missing("no peer address in the request's extensions"))?;
+                    .ok_or(Missing("no peer address in the request's extensions"))?
+                    .to_canonical();
                 let client = match trusted {
                     Some(trusted) if trusted.contains(peer) => trusted.client(parts, peer),
                     _ => peer,
                 };
-                Ok(Some(Cow::Owned(client.to_string())))
+                Ok(Some(Cow::Owned(ip_key(client, *ipv6_subnet))))
             }
             Source::Header(name) => {
                 let value = parts.headers.get(name).ok_or(Missing("the key header is missing"))?;
@@ -118,8 +176,12 @@ impl fmt::Debug for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.0 {
             Source::Global => f.write_str("Key::global()"),
-            Source::Peer(None) => f.write_str("Key::peer_ip()"),
-            Source::Peer(Some(t)) => write!(f, "Key::peer_ip_behind({t:?})"),
+            Source::Peer(Peer { trusted: None, ipv6_subnet }) => {
+                write!(f, "Key::peer_ip().ipv6_subnet({ipv6_subnet})")
+            }
+            Source::Peer(Peer { trusted: Some(t), ipv6_subnet }) => {
+                write!(f, "Key::peer_ip_behind({t:?}).ipv6_subnet({ipv6_subnet})")
+            }
             Source::Header(h) => write!(f, "Key::header({h:?})"),
             Source::Fn(_) => f.write_str("Key::from_fn(..)"),
         }
@@ -140,6 +202,19 @@ pub enum MissingKey {
     Shared,
     /// Let it through without taking anything from this limit.
     Skip,
+}
+
+/// The key of the client `ip` (see [`Key::peer_ip`]): an IPv4 address whole (an IPv4-mapped
+/// IPv6 address as its IPv4 address), an IPv6 address by its first `ipv6_subnet` bits.
+fn ip_key(ip: IpAddr, ipv6_subnet: u8) -> String {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) if ipv6_subnet >= 128 => v6.to_string(),
+        IpAddr::V6(v6) => {
+            let mask = u128::MAX << (128 - u32::from(ipv6_subnet));
+            format!("{}/{ipv6_subnet}", Ipv6Addr::from(u128::from(v6) & mask))
+        }
+    }
 }
 
 fn peer_addr(parts: &Parts) -> Option<IpAddr> {
@@ -319,7 +394,7 @@ mod tests {
             &[("forwarded", "for=6.6.6.6, for=\"[2001:db8::7]:443\";proto=https")],
             "10.0.0.1:80",
         );
-        assert_eq!(behind.of(&p).unwrap().as_deref(), Some("2001:db8::7"));
+        assert_eq!(behind.of(&p).unwrap().as_deref(), Some("2001:db8::/56"));
         // Forwarded wins over X-Forwarded-For.
         let p = parts(
             &[("forwarded", "for=198.51.100.9"), ("x-forwarded-for", "198.51.100.4")],
@@ -332,6 +407,41 @@ mod tests {
         // An unparseable hop stops the walk: the peer's own side is used.
         let p = parts(&[("x-forwarded-for", "198.51.100.4, unknown")], "10.0.0.1:80");
         assert_eq!(behind.of(&p).unwrap().as_deref(), Some("10.0.0.1"));
+    }
+
+    /// One host owns a /64 at least: 20 addresses of one /64 are one key, by default a /56;
+    /// IPv4-mapped addresses are their IPv4 address (issue 57, item 4).
+    #[test]
+    fn ipv6_clients_are_keyed_by_their_subnet() {
+        let key = |k: &Key, peer: &str| k.of(&parts(&[], peer)).unwrap().unwrap().into_owned();
+        let ip = Key::peer_ip();
+        let keys: std::collections::HashSet<String> =
+            (1..=20).map(|i| key(&ip, &format!("[2001:db8:abcd:12ff::{i:x}]:4000"))).collect();
+        assert_eq!(keys.into_iter().collect::<Vec<_>>(), ["2001:db8:abcd:1200::/56"]);
+        assert_ne!(key(&ip, "[2001:db8:abcd:1300::1]:1"), key(&ip, "[2001:db8:abcd:1200::1]:1"));
+        assert_eq!(key(&ip, "[::ffff:192.0.2.1]:80"), "192.0.2.1");
+        assert_eq!(key(&ip, "192.0.2.1:80"), "192.0.2.1");
+        let per_64 = Key::peer_ip().ipv6_subnet(64);
+        assert_eq!(key(&per_64, "[2001:db8:abcd:12ff::7]:1"), "2001:db8:abcd:12ff::/64");
+        let whole = Key::peer_ip().ipv6_subnet(128);
+        assert_eq!(key(&whole, "[2001:DB8:0:0:1:0:0:1]:1"), "2001:db8::1:0:0:1");
+        assert_eq!(key(&Key::peer_ip().ipv6_subnet(1), "[8001::1]:1"), "8000::/1");
+        // Behind a proxy on `[::]`, which sees the IPv4 proxy as a mapped address.
+        let behind = Key::peer_ip_behind(TrustedProxies::parse(["10.0.0.0/8"]).unwrap());
+        let p = parts(&[("x-forwarded-for", "2001:db8:1:2:3::9")], "[::ffff:10.0.0.1]:80");
+        assert_eq!(behind.of(&p).unwrap().as_deref(), Some("2001:db8:1::/56"));
+    }
+
+    #[test]
+    #[should_panic(expected = "give 1 to 128 bits")]
+    fn an_ipv6_subnet_out_of_range_is_refused() {
+        let _ = Key::peer_ip().ipv6_subnet(0);
+    }
+
+    #[test]
+    #[should_panic(expected = "applies to Key::peer_ip()")]
+    fn an_ipv6_subnet_is_for_ip_keys_only() {
+        let _ = Key::header("x-api-key").ipv6_subnet(64);
     }
 
     #[test]

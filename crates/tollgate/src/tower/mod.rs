@@ -5,7 +5,10 @@
 //! structured fields). Refused requests get `429 Too Many Requests` with `Retry-After` in
 //! whole seconds rounded up (a 0.4 s wait is `1`, never `0`), the same header fields, and a
 //! JSON body `{"kind": "RateLimited", "name": ..., "retryAfter": <ms>}`. When the store
-//! fails, the answer is `503 {"error": ..., "mayHaveTaken": <bool>}` (fail closed) unless
+//! fails, the answer is `503 {"error": "rate limit store unavailable", "mayHaveTaken":
+//! <bool>}` (fail closed; the store's own message, which may name its host, user or
+//! database, goes to the log, `tracing`'s target `tollgate::tower`, at most a line every 10
+//! s with the count since, never to the client) unless
 //! the limit was made to [fail open](LimitSpec::fail_open): `mayHaveTaken` is true only when
 //! the request reached the store and no answer came back, so that its tokens may be spent
 //! (a client that retries it may pay twice); false means nothing was taken, and a retry is
@@ -47,7 +50,7 @@ use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use tower_layer::Layer;
 use tower_service::Service;
 
-pub use key::{Key, MissingKey, TrustedProxies};
+pub use key::{DEFAULT_IPV6_SUBNET, Key, MissingKey, TrustedProxies};
 
 use crate::core::Inline;
 use crate::limiter::{Call, RateLimiter, Target};
@@ -229,8 +232,41 @@ enum Refusal {
     /// An error (400 for a bad request, 500 for the app's setup).
     Error(StatusCode, String),
     /// The store failed (503): nothing admitted; whether the request may still have taken
-    /// its tokens ([`crate::StoreError::may_have_taken`]).
-    Store(String, bool),
+    /// its tokens ([`crate::StoreError::may_have_taken`]). The store's message is logged,
+    /// not sent.
+    Store(bool),
+}
+
+/// What a client is told when the store fails: the store's own message may name its host,
+/// port, user or database, which are no client's business.
+const STORE_UNAVAILABLE: &str = "rate limit store unavailable";
+
+/// Logs a store failure, without flooding: the first at once, then at most one line every
+/// 10 s, which says how many failed since the last.
+fn log_store_failure(error: &crate::StoreError) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    /// When the next line may be written, in ms after `STARTED`.
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    /// Failures not logged since the last line.
+    static UNLOGGED: AtomicU64 = AtomicU64::new(0);
+    let now = STARTED.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64;
+    let next = NEXT.load(Ordering::Relaxed);
+    if now < next
+        || NEXT.compare_exchange(next, now + 10_000, Ordering::Relaxed, Ordering::Relaxed).is_err()
+    {
+        UNLOGGED.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let more = UNLOGGED.swap(0, Ordering::Relaxed);
+    if more == 0 {
+        tracing::warn!(target: "tollgate::tower", "rate limit store failed: {error}");
+    } else {
+        tracing::warn!(
+            target: "tollgate::tower",
+            "rate limit store failed: {error} (and {more} more failures since the last line)"
+        );
+    }
 }
 
 /// One limit of a request: its spec, key and count.
@@ -314,7 +350,8 @@ fn verdict(keys: &[Taking<'_>], outcome: Result<Decided, Error>) -> Verdict {
         }
         Err(Error::Store(_)) if keys.iter().all(|k| k.0.fail_open) => Verdict::Pass(None),
         Err(Error::Store(err)) => {
-            Verdict::Answer(Refusal::Store(err.to_string(), err.may_have_taken()), None)
+            log_store_failure(&err);
+            Verdict::Answer(Refusal::Store(err.may_have_taken()), None)
         }
         // A name the limiter does not know is a setup error of the app, not the client's.
         Err(err @ Error::NotDefined { .. }) => Verdict::Answer(
@@ -541,7 +578,8 @@ fn answer<B>(
             let body = error_body(&message);
             (status, None, message, body)
         }
-        Refusal::Store(message, may_have_taken) => {
+        Refusal::Store(may_have_taken) => {
+            let message = STORE_UNAVAILABLE.to_owned();
             let body = serde_json::json!({ "error": &message, "mayHaveTaken": may_have_taken })
                 .to_string();
             (StatusCode::SERVICE_UNAVAILABLE, None, message, body)
