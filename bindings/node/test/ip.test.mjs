@@ -22,7 +22,7 @@ test("ipKey: RFC 5952's text, the network's first address and its length", () =>
     ["2001:db8:abcd:1234::1", 56, "2001:db8:abcd:1200::/56"],
     ["2001:db8:abcd:1234:5678:9abc:def0:1", 64, "2001:db8:abcd:1234::/64"],
     ["2001:db8:abcd:1234::1", 60, "2001:db8:abcd:1230::/60"],
-    ["2001:db8:abcd:1234::1", 128, "2001:db8:abcd:1234::1/128"],
+    ["2001:db8:abcd:1234::1", 128, "2001:db8:abcd:1234::1"], // the tower layer's text too
     ["2001:db8:abcd:1234::1", 1, "::/1"],
     ["2001:DB8:0:0:1:0:0:1", false, "2001:db8::1:0:0:1"], // the first of two equal runs
     ["2001:db8:0:1:1:1:1:1", false, "2001:db8:0:1:1:1:1:1"], // one zero group stays

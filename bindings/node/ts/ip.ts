@@ -10,8 +10,8 @@
 export const DEFAULT_IPV6_SUBNET = 56;
 
 /**
- * `ipv6Subnet` as an option says it: a prefix length from 1 to 128, or `false` for whole
- * addresses; undefined is the default, 56. Throws a `TypeError` for anything else.
+ * `ipv6Subnet` as an option says it: a prefix length from 1 to 128 (128: whole addresses),
+ * or `false`, the same; undefined is the default, 56. Throws a `TypeError` for anything else.
  */
 export function ipv6SubnetOf(value: unknown): number | false {
   if (value === undefined) return DEFAULT_IPV6_SUBNET;
@@ -23,7 +23,7 @@ export function ipv6SubnetOf(value: unknown): number | false {
 /**
  * The rate limit key of the peer address `address`: an IPv6 address as its network of
  * `subnet` bits (`"2001:db8:abcd:1200::/56"`), or whole (`"2001:db8::1"`) when `subnet` is
- * false; an IPv4 address, or an IPv4-mapped IPv6 one, as the IPv4 address; a zone id dropped.
+ * 128 or false; an IPv4 address, or an IPv4-mapped IPv6 one, as the IPv4 address; a zone id dropped.
  * Text that is not an IP address is its own key, as it is.
  *
  * ```ts
@@ -42,7 +42,7 @@ export function ipKey(address: string, subnet: number | false = DEFAULT_IPV6_SUB
   if (groups[5] === 0xffff && groups.slice(0, 5).every((g) => g === 0)) {
     return `${groups[6]! >> 8}.${groups[6]! & 0xff}.${groups[7]! >> 8}.${groups[7]! & 0xff}`;
   }
-  if (subnet === false) return rfc5952(groups);
+  if (subnet === false || subnet >= 128) return rfc5952(groups);
   for (let i = 0; i < 8; i++) {
     const kept = Math.min(16, Math.max(0, subnet - 16 * i));
     groups[i] = groups[i]! & ((0xffff << (16 - kept)) & 0xffff);
