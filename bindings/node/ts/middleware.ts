@@ -2,8 +2,9 @@
 // limits taken all or nothing, and the answer's status, header fields and body, written as
 // tollgate's tower layer writes them (crates/tollgate/src/tower): `RateLimit-Policy` and
 // `RateLimit` on every answer, `429` with `Retry-After` in whole seconds and
-// `{"kind": "RateLimited", "name", "retryAfter"}` on a refusal, `503 {"error",
-// "mayHaveTaken"}` when the store fails (fail closed), `400 {"error"}` without a key. Every
+// `{"kind": "RateLimited", "name", "retryAfter"}` on a refusal, `503 {"error": "rate limit
+// store unavailable", "mayHaveTaken"}` when the store fails (fail closed; the store's message
+// goes to `onStoreError`, never to the client), `400 {"error"}` without a key. Every
 // option is checked and resolved once, when the middleware is made (`middleware`); a request
 // pays for its key, the transaction and the answer's fields.
 
@@ -43,12 +44,20 @@ export interface MiddlewareOptions<Req> {
   key?: KeySource<Req>;
   /**
    * The `"ip"` key's grouping of IPv6 peers: the prefix length (1 to 128) of the network that
-   * is keyed as one, or `false` to key each address whole; default 56, so that one host
+   * is keyed as one, or `false` (or 128) to key each address whole; default 56, so that one host
    * hopping between the addresses of its network (a /64 at least) is one key. The key is the
    * network's first address and its length, `"2001:db8:abcd:1200::/56"`; an IPv4 peer (an
    * IPv4-mapped IPv6 address included) is keyed by its address, `"192.0.2.1"`.
    */
   ipv6Subnet?: number | false;
+  /**
+   * Told each failure of the store that made a request's answer a 503, with the request: the
+   * store's own message (which may name its host, user or database) goes here, never into the
+   * answer's body. Default: `console.warn`, at most one line per 10 seconds for all the
+   * middleware of the process (the line counts those left out), so an outage never floods
+   * the log. Give your logger's function instead (`(error, req) => req.log.warn(error)`).
+   */
+  onStoreError?: (error: Error, request: Req) => void;
 }
 
 /** What the middleware answers: pass on (with `headers` on the answer), or answer itself. */
@@ -80,6 +89,7 @@ export interface Middleware<Req> {
   key(request: Req, view: RequestView): Key | Promise<Key>;
   /** The 400 answer's body for a request without a key. */
   noKey: string;
+  onStoreError(error: Error, request: Req): void;
 }
 
 const NAMES: Record<string, string> = {
@@ -108,7 +118,34 @@ export function middleware<Req>(options: MiddlewareOptions<Req>): Middleware<Req
   }
   const what = source === "ip" ? "no peer address" : "no key in the request";
   const noKey = json({ error: `Rate limit ${limits[0]!.name}: ${what}.` });
-  return { limiter: options.limiter, limits, key, noKey };
+  const onStoreError = options.onStoreError ?? warn;
+  if (typeof onStoreError !== "function") {
+    throw new TypeError(`onStoreError must be a function of (error, request); got ${String(onStoreError)}`);
+  }
+  return { limiter: options.limiter, limits, key, noKey, onStoreError };
+}
+
+/** The 503 answers' bodies: what a client is told of a store that failed, and no more. */
+const UNAVAILABLE = {
+  true: json({ error: "rate limit store unavailable", mayHaveTaken: true }),
+  false: json({ error: "rate limit store unavailable", mayHaveTaken: false }),
+};
+
+/** The least time between two warnings of the default `onStoreError`. */
+const WARN_EVERY_MS = 10_000;
+let warned = { at: -Infinity, since: 0 };
+
+/** The default `onStoreError`: one `console.warn` line per `WARN_EVERY_MS` at most, for the
+ *  whole process, counting the failures it left out. */
+function warn(error: Error): void {
+  const now = Date.now();
+  if (now - warned.at < WARN_EVERY_MS) {
+    warned.since++;
+    return;
+  }
+  const left = warned.since === 0 ? "" : ` (and ${warned.since} more since the last warning)`;
+  warned = { at: now, since: 0 };
+  console.warn(`tollgate: the rate limit store failed, requests answered 503${left}: ${error.message}`);
 }
 
 /** The middleware's limits as transaction requests (checked once, at setup). */
@@ -139,7 +176,12 @@ export async function decide<Req>(m: Middleware<Req>, request: Req, view: Reques
       return { pass: false, status: e.status, headers: {}, body: json({ error: e.message }) };
     }
     const mayHaveTaken = e instanceof TollgateError ? e.mayHaveTaken : true;
-    return { pass: false, status: 503, headers: {}, body: json({ error: (e as Error).message, mayHaveTaken }) };
+    try {
+      m.onStoreError(e instanceof Error ? e : new Error(String(e)), request);
+    } catch {
+      // A logger that throws does not change the answer.
+    }
+    return { pass: false, status: 503, headers: {}, body: UNAVAILABLE[`${mayHaveTaken}`] };
   }
   const headers: Record<string, string> = {};
   for (const [name, value] of Object.entries(result.fields ?? {})) headers[NAMES[name] ?? name] = value;
