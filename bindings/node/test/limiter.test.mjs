@@ -310,3 +310,30 @@ test("a limiter no longer referenced is collected with its store, a call still w
   assert.equal(left, 0, "connections of collected limiters left open");
   assert.deepEqual(waiting[0], { ok: true });
 });
+
+test("__proto__, constructor and prototype are names like any other in limits, leases and failOpen", async () => {
+  const config = { kind: "token bucket", rate: 2, period: HOUR };
+  // JSON.parse makes "__proto__" an own key, as a config read from a file has it.
+  const own = (name, value) => JSON.parse(`{${JSON.stringify(name)}: ${JSON.stringify(value)}}`);
+  for (const name of ["__proto__", "constructor", "prototype"]) {
+    // A limit of that name, failing open: its own limit, taken as any.
+    const limiter = new RateLimiter({ store: "memory", failOpen: [name] }, own(name, config));
+    const answers = [];
+    for (let i = 0; i < 3; i++) answers.push((await limiter.limit(name, { key: "k" })).ok);
+    assert.deepEqual(answers, [true, true, false], name);
+    assert.equal((await limiter.getValue(name, { key: "k" })).config.rate, 2);
+    // A lease for it reaches its limit (and memory has no leases: the engine says so).
+    assert.throws(() => new RateLimiter({ store: "memory", leases: own(name, true) }, own(name, config)), /lease = true needs a Redis/);
+    // Without such a limit, each option says so.
+    assert.throws(() => new RateLimiter({ store: "memory", failOpen: [name] }, { x: config }), new RegExp(`failOpen names "${name}", which is not among`));
+    assert.throws(() => new RateLimiter({ store: "memory", leases: own(name, true) }, { x: config }), new RegExp(`leases names "${name}", which is not among`));
+  }
+  for (const target of [Object.prototype, Object, Function.prototype]) {
+    for (const field of ["failOpen", "lease", "kind"]) assert.equal(Object.hasOwn(target, field), false, field);
+  }
+  // And a limiter made after them all is a limiter as before.
+  assert.deepEqual(await new RateLimiter("memory", { x: config }).limit("x"), { ok: true });
+  // An option of another shape is refused, not walked (a string's characters, say).
+  assert.throws(() => new RateLimiter({ store: "memory", failOpen: "x" }, { x: config }), /failOpen must be an array/);
+  assert.throws(() => new RateLimiter({ store: "memory", leases: ["x"] }, { x: config }), /leases must be an object/);
+});

@@ -52,26 +52,50 @@ export interface StoreOptions {
   failOpen?: string[];
 }
 
+/** `object`'s own property `key`: an option is never read from a prototype (an option of
+ *  Object.prototype's, set by other code, is not the caller's). */
+function own<T extends object, K extends keyof T>(object: T, key: K): T[K] | undefined {
+  return Object.hasOwn(object, key) ? object[key] : undefined;
+}
+
+/** A map without a prototype: a name such as `__proto__` or `constructor` is a name like
+ *  any other in it, and an assignment to it never reaches Object.prototype. */
+function table<V>(): Record<string, V> {
+  return Object.create(null) as Record<string, V>;
+}
+
 /** A limiter's settings as a config file's: `{ server, limits }` as JSON. */
 function configJson(options: StoreOptions, limits: Record<string, RateLimitConfig> | undefined): string {
-  if (typeof options.store !== "string") {
-    throw new TypeError(`store must be a store URL such as "memory"; got ${String(options.store)}`);
+  const store = own(options, "store");
+  if (typeof store !== "string") {
+    throw new TypeError(`store must be a store URL such as "memory"; got ${String(store)}`);
   }
-  const server: Record<string, unknown> = { store: options.store };
-  if (options.storeDeadline !== undefined) server.storeDeadline = options.storeDeadline;
-  if (options.maxKeys !== undefined) server.maxKeys = options.maxKeys;
-  const tables: Record<string, Record<string, unknown>> = {};
-  for (const [name, config] of Object.entries(limits ?? {})) tables[name] = { ...config };
-  const known = (what: string, name: string) => {
-    if (!(name in tables)) {
+  const server = table<unknown>();
+  server.store = store;
+  const storeDeadline = own(options, "storeDeadline");
+  if (storeDeadline !== undefined) server.storeDeadline = storeDeadline;
+  const maxKeys = own(options, "maxKeys");
+  if (maxKeys !== undefined) server.maxKeys = maxKeys;
+  const tables = table<Record<string, unknown>>();
+  for (const [name, config] of Object.entries(limits ?? {})) tables[name] = Object.assign(table(), config);
+  const known = (what: string, name: unknown) => {
+    if (typeof name !== "string" || !Object.hasOwn(tables, name)) {
       throw new TypeError(`${what} names ${JSON.stringify(name)}, which is not among the limits`);
     }
     return tables[name]!;
   };
-  for (const [name, lease] of Object.entries(options.leases ?? {})) {
-    known("leases", name).lease = lease === true ? true : { ...lease };
+  const leases = own(options, "leases");
+  if (leases !== undefined && (typeof leases !== "object" || leases === null || Array.isArray(leases))) {
+    throw new TypeError(`leases must be an object of limit names; got ${String(leases)}`);
   }
-  for (const name of options.failOpen ?? []) known("failOpen", name).failOpen = true;
+  for (const [name, lease] of Object.entries(leases ?? {})) {
+    known("leases", name).lease = lease === true ? true : Object.assign(table(), lease);
+  }
+  const failOpen = own(options, "failOpen");
+  if (failOpen !== undefined && !Array.isArray(failOpen)) {
+    throw new TypeError(`failOpen must be an array of limit names; got ${String(failOpen)}`);
+  }
+  for (const name of failOpen ?? []) known("failOpen", name).failOpen = true;
   return JSON.stringify({ server, limits: tables });
 }
 

@@ -246,7 +246,9 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
   readonly #limits: Partial<Record<string, RateLimitConfig>>;
 
   constructor(options: ClientOptions | DoorOptions, limits?: Limits) {
-    this.#limits = { ...limits };
+    // Without a prototype: a limit named `__proto__` or `constructor` is looked up as any
+    // other, and a name that is not one finds nothing.
+    this.#limits = Object.assign(Object.create(null) as Partial<Record<string, RateLimitConfig>>, limits);
     this.#headers = {};
     this.#timeoutMs = DEFAULT_TIMEOUT_MS;
     this.#maxAnswerBytes = DEFAULT_MAX_ANSWER_BYTES;

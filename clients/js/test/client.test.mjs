@@ -290,3 +290,26 @@ test("200 concurrent calls against a limit of 50 admit exactly 50", async () => 
 test("a URL that is not http(s) is refused at once", () => {
   assert.throws(() => new RateLimiter({ url: "127.0.0.1:8787" }), /must be an http/);
 });
+
+test("limits named __proto__, constructor or prototype are names like any other", async () => {
+  // Through a door that records each request's body: the config sent is the limit's own,
+  // and a name not among the limits sends none (it was Object.prototype's, or Object).
+  const bodies = [];
+  const door = async (_method, _path, body) => {
+    bodies.push(JSON.parse(body));
+    return { status: 200, text: '{"ok": true}' };
+  };
+  const config = { kind: "token bucket", rate: 1, period: MINUTE };
+  const limits = JSON.parse(`{"__proto__": ${JSON.stringify(config)}, "constructor": ${JSON.stringify(config)}}`);
+  const limiter = new RateLimiter({ door }, limits);
+  for (const name of ["__proto__", "constructor", "prototype", "toString"]) await limiter.limit(name);
+  assert.deepEqual(bodies.map((b) => b.config), [config, config, undefined, undefined]);
+  // A limiter without them sends no config for them (the server's own limit of that name).
+  bodies.length = 0;
+  const bare = new RateLimiter({ door });
+  for (const name of ["__proto__", "constructor"]) await bare.limit(name);
+  await bare.transaction([{ name: "__proto__" }]).catch(() => {});
+  await bare.getValue("__proto__").catch(() => {});
+  assert.deepEqual(bodies.map((b) => b.config ?? b.limits?.[0].config), [undefined, undefined, undefined, undefined]);
+  assert.equal(Object.prototype.kind, undefined);
+});
