@@ -242,10 +242,9 @@ test("names and keys of any length and character reach the engine whole by the d
   assert.ok((await limiter.getValue(name, { key: "never taken" })).value === 1);
 });
 
-test("arguments of the wrong type and names not defined get the JSON path's errors, and take nothing", async () => {
-  // The direct path (a function per defined name, made at its first call) throws for an
-  // argument of the wrong type before any work; the call then goes the JSON path, whose
-  // error is the server's.
+test("arguments of the wrong type and names not defined get the same errors on both paths, and take nothing", async () => {
+  // The direct path (a function per defined name, made at its first call) and the JSON path
+  // check the arguments alike (tollgate-client's checkTake): a TypeError, before any work.
   const defined = fresh("typed");
   const inline = fresh("typed-json");
   const config = { kind: "token bucket", rate: 1, period: HOUR, capacity: 2 };
@@ -260,7 +259,7 @@ test("arguments of the wrong type and names not defined get the JSON path's erro
   for (const options of [{ key: 5 }, { key: {} }, { count: "2" }, { key: "k", count: [1] }, { key: "k", reserve: "yes" }, { key: "k", throws: 1 }]) {
     const direct = await outcome(defined, options);
     assert.equal(direct, await outcome(inline, { ...options, config }), JSON.stringify(options));
-    assert.match(direct, /^TollgateError 400 /, JSON.stringify(options));
+    assert.match(direct, /^TypeError undefined limit: /, JSON.stringify(options));
   }
   // Nothing was taken by those: both tokens of "k" are there.
   assert.equal((await limiter.getValue(defined, { key: "k" })).value, 2);
@@ -336,4 +335,67 @@ test("__proto__, constructor and prototype are names like any other in limits, l
   // An option of another shape is refused, not walked (a string's characters, say).
   assert.throws(() => new RateLimiter({ store: "memory", failOpen: "x" }, { x: config }), /failOpen must be an array/);
   assert.throws(() => new RateLimiter({ store: "memory", leases: ["x"] }, { x: config }), /leases must be an object/);
+});
+
+test("odd values are read alike by every call and path: a TypeError, nothing taken", async () => {
+  const config = { kind: "token bucket", rate: 2, period: HOUR };
+  const limiter = new RateLimiter("memory", { d: config });
+  await limiter.getServerTime(); // open: limit and check of "d" take the direct path
+  const odd = [
+    ["count NaN", { count: Number.NaN }],
+    ["count Infinity", { count: Infinity }],
+    ["count -Infinity", { count: -Infinity }],
+    ["count null", { count: null }],
+    ["count a string", { count: "2" }],
+    ["key null", { key: null }],
+    ["key a number", { key: 5 }],
+    ["key a lone high surrogate", { key: "\ud800" }],
+    ["key a lone low surrogate", { key: "a\udc00b" }],
+    ["reserve a string", { reserve: "yes" }],
+    ["throws a number", { throws: 1 }],
+  ];
+  const key = () => `k${Math.random()}`;
+  const calls = {
+    "limit, direct": (o) => limiter.limit("d", { key: key(), ...o }),
+    "check, direct": (o) => limiter.check("d", { key: key(), ...o }),
+    "limit, JSON": (o) => limiter.limit("j", { key: key(), config, ...o }),
+    transaction: (o) => {
+      const { throws: _t, ...r } = o;
+      return limiter.transaction([{ name: "d", key: key(), ...r }, ...(o.throws === undefined ? [] : [{ name: "d", key: key(), reserve: o.throws }])]);
+    },
+  };
+  for (const [label, options] of odd) {
+    for (const [path, call] of Object.entries(calls)) {
+      await assert.rejects(call(options), TypeError, `${label}, ${path}`);
+    }
+  }
+  // Options where the key belongs, and no options object: a TypeError on both paths.
+  for (const options of ["alice", null, 42]) {
+    await assert.rejects(limiter.limit("d", options), TypeError, String(options));
+    await assert.rejects(limiter.check("j", options), TypeError, String(options));
+  }
+  await assert.rejects(limiter.limit("d\ud800"), TypeError);
+  await assert.rejects(limiter.transaction("d"), TypeError);
+  await assert.rejects(limiter.reset("d", { key: "\udfff" }), TypeError);
+  await assert.rejects(limiter.getValue("d", { key: null }), TypeError);
+  await assert.rejects(limiter.adjust("d", { key: 1, count: 1 }), TypeError);
+  // Nothing was taken by any of them: the shared value and the lone-surrogate keys' U+FFFD
+  // (what the addon read them as) are full.
+  for (const k of [undefined, "\ufffd", "a\ufffdb"]) {
+    assert.equal((await limiter.getValue("d", k === undefined ? {} : { key: k })).ts, 0, String(k));
+  }
+  // What the engine judges is judged alike too: a negative count is its 400 on each path.
+  for (const path of ["limit, direct", "limit, JSON", "transaction"]) {
+    await assert.rejects(calls[path]({ count: -1 }), (e) => e instanceof TollgateError && e.status === 400, path);
+  }
+});
+
+test("leases: false is no lease; a value of another kind is a TypeError", () => {
+  const config = { kind: "token bucket", rate: 2, period: HOUR };
+  // On memory a lease is refused by the engine: false is no lease, so no refusal.
+  assert.doesNotThrow(() => new RateLimiter({ store: "memory", leases: { x: false } }, { x: config }));
+  assert.throws(() => new RateLimiter({ store: "memory", leases: { x: true } }, { x: config }), /lease = true needs a Redis/);
+  for (const lease of ["yes", 1, null]) {
+    assert.throws(() => new RateLimiter({ store: "memory", leases: { x: lease } }, { x: config }), TypeError, String(lease));
+  }
 });

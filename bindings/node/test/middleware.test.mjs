@@ -244,3 +244,28 @@ test("by default, the store's failures are one console.warn line per 10 s for th
   assert.equal(lines.length, 1, run.stderr);
   assert.match(lines[0], new RegExp(`^tollgate: the rate limit store failed, requests answered 503: .*${secret}`));
 });
+
+test("a key function's null is no key (400), never the shared value; a key of another type is the app's error", async () => {
+  for (const framework of Object.keys(apps)) {
+    const name = fresh("nullkey");
+    const limiter = new RateLimiter("memory", { [name]: config });
+    const app = await apps[framework]({ limiter, limits: name, key: (req) => (seen(req) ? null : 42) });
+    try {
+      const answer = await get(`${app.url}/`, { "x-null": "1" });
+      assert.equal(answer.status, 400, `${framework}: ${answer.body}`);
+      assert.match(JSON.parse(answer.body).error, /no key in the request/);
+      assert.equal((await limiter.getValue(name)).ts, 0, "the shared value was taken from");
+      // 42: the framework's own error answer (500), nothing taken.
+      assert.equal((await get(`${app.url}/`)).status, 500, framework);
+      assert.equal((await limiter.getValue(name)).ts, 0);
+    } finally {
+      await app.close();
+    }
+  }
+});
+
+/** Whether a request of any framework has the header x-null. */
+function seen(req) {
+  const header = req.get?.("x-null") ?? req.headers?.["x-null"] ?? req.req?.header?.("x-null");
+  return header !== undefined;
+}

@@ -7,6 +7,7 @@ import {
   RateLimiter as Client,
   RateLimitError,
   answerError,
+  checkTake,
   type Args,
   type ClientOptions,
   type Door,
@@ -47,7 +48,7 @@ export interface StoreOptions {
   maxKeys?: number;
   /** Limits served from leases (Redis and PostgreSQL): a hot key's tokens taken in batches
    *  per process, within the limit's bound over every process. */
-  leases?: Record<string, true | LeaseOptions>;
+  leases?: Record<string, boolean | LeaseOptions>;
   /** Limits granted while the store fails (fail open); the others fail closed. */
   failOpen?: string[];
 }
@@ -89,7 +90,13 @@ function configJson(options: StoreOptions, limits: Record<string, RateLimitConfi
     throw new TypeError(`leases must be an object of limit names; got ${String(leases)}`);
   }
   for (const [name, lease] of Object.entries(leases ?? {})) {
-    known("leases", name).lease = lease === true ? true : Object.assign(table(), lease);
+    const limit = known("leases", name);
+    // false (or undefined): not leased, as a flag reads; an object: its tuning.
+    if (lease === false || lease === undefined) continue;
+    if (lease !== true && (typeof lease !== "object" || lease === null || Array.isArray(lease))) {
+      throw new TypeError(`leases.${name} must be true, false or { term, share, floor }; got ${String(lease)}`);
+    }
+    limit.lease = lease === true ? true : Object.assign(table(), lease);
   }
   const failOpen = own(options, "failOpen");
   if (failOpen !== undefined && !Array.isArray(failOpen)) {
@@ -241,12 +248,14 @@ function take(
 ): Promise<RateLimitResult> | undefined {
   const ready = engine?.ready;
   if (ready === undefined || options?.config !== undefined) return undefined;
+  // The general path's checks, made here as there: a TypeError, nothing taken.
+  try {
+    checkTake(writes ? "limit" : "check", name, options);
+  } catch (e) {
+    return Promise.reject(e);
+  }
   const reserve = options?.reserve;
   const throws = options?.throws;
-  // A flag of another type: the general path refuses it as the server does.
-  if ((reserve !== undefined && typeof reserve !== "boolean") || (throws !== undefined && typeof throws !== "boolean")) {
-    return undefined;
-  }
   let native = engine!.takers.get(name);
   if (native === undefined) {
     try {
@@ -255,7 +264,7 @@ function take(
       if (made === null) return undefined;
       engine!.takers.set(name, (native = made));
     } catch {
-      // Not a string: the general path says why.
+      // The addon could not make it: the general path says why.
       return undefined;
     }
   }
@@ -268,7 +277,7 @@ function take(
   try {
     answered = native(key ?? "", count ?? 0, flags, id);
   } catch {
-    // An argument of the wrong type, refused before any work: the general path says why.
+    // Refused by the addon before any work: the general path says why.
     return undefined;
   }
   if (answered === null) {

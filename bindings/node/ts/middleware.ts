@@ -26,13 +26,15 @@ export type LimitRef = string | { name: string; count?: number };
  * Where a request's key comes from: `"ip"` (the peer's address as the framework reports it,
  * an IPv6 address grouped by its /56: see `ipv6Subnet`; behind a proxy, tell the framework to
  * trust it), `{ header: "x-api-key" }`, `"global"` (one value shared by every request), or a
- * function of the request. A request without a key is refused with 400, and nothing is taken.
+ * function of the request. A request without a key (none, or a function's `undefined`, `null`
+ * or `""`) is refused with 400, and nothing is taken; a function's key of another type is a
+ * `TypeError`, passed to the framework as an error.
  */
 export type KeySource<Req> =
   | "ip"
   | "global"
   | { header: string }
-  | ((request: Req) => string | undefined | Promise<string | undefined>);
+  | ((request: Req) => string | null | undefined | Promise<string | null | undefined>);
 
 /** The options every middleware takes. */
 export interface MiddlewareOptions<Req> {
@@ -78,9 +80,12 @@ export interface RequestView {
   header(name: string): string | undefined;
 }
 
-/** A request's key: a string, null for the one shared value (`"global"`), undefined if the
+/** A request's key: a string, `GLOBAL` for the one shared value, anything else if the
  *  request has none. */
-type Key = string | null | undefined;
+type Key = unknown;
+
+/** The key of `"global"`: no key in the transaction (a key function's null is no key). */
+const GLOBAL = Symbol("global");
 
 /** A middleware's options, checked and resolved: what each request needs, and nothing more. */
 export interface Middleware<Req> {
@@ -107,8 +112,9 @@ export function middleware<Req>(options: MiddlewareOptions<Req>): Middleware<Req
   if (source === "ip") {
     key = (_request, view) => (view.ip === undefined ? undefined : ipKey(view.ip, subnet));
   } else if (source === "global") {
-    key = () => null;
+    key = () => GLOBAL;
   } else if (typeof source === "function") {
+    // What it returns is checked per request (decide): null is "no key", never "global".
     key = (request) => source(request);
   } else if (typeof source === "object" && source !== null && typeof source.header === "string") {
     const header = source.header.toLowerCase();
@@ -150,9 +156,16 @@ function warn(error: Error): void {
 
 /** The middleware's limits as transaction requests (checked once, at setup). */
 function limitsOf(limits: LimitRef | LimitRef[]): Array<{ name: string; count?: number }> {
-  const list = (Array.isArray(limits) ? limits : [limits]).map((l) => (typeof l === "string" ? { name: l } : { ...l }));
+  const list = (Array.isArray(limits) ? limits : [limits]).map((l) =>
+    typeof l === "string" ? { name: l } : { name: l?.name, ...(l?.count === undefined ? {} : { count: l.count }) },
+  );
   if (list.length === 0 || list.some((l) => typeof l.name !== "string" || l.name === "")) {
     throw new TypeError("limits: give at least one limit name");
+  }
+  for (const l of list) {
+    if (l.count !== undefined && (typeof l.count !== "number" || !Number.isFinite(l.count))) {
+      throw new TypeError(`limits: ${l.name}'s count must be a finite number; got ${String(l.count)}`);
+    }
   }
   return list;
 }
@@ -164,14 +177,20 @@ function json(body: unknown): string {
 /** Takes the request's limits and says how to answer it. */
 export async function decide<Req>(m: Middleware<Req>, request: Req, view: RequestView): Promise<Verdict> {
   const key = await m.key(request, view);
-  if (key === undefined || key === "") return { pass: false, status: 400, headers: {}, body: m.noKey };
+  if (key === undefined || key === null || key === "") return { pass: false, status: 400, headers: {}, body: m.noKey };
+  if (key !== GLOBAL && typeof key !== "string") {
+    throw new TypeError(`Rate limit ${m.limits[0]!.name}: the key function returned ${String(key)}, not a string`);
+  }
   let result: TransactionResult;
   try {
     result = await m.limiter.transaction(
-      m.limits.map((l) => ({ ...l, ...(key === null ? {} : { key }) })),
+      m.limits.map((l) => (key === GLOBAL ? l : { ...l, key: key as string })),
       { fields: true },
     );
   } catch (e) {
+    // The limiter's checks refused the request's key (a lone surrogate, say): the request's
+    // own fault, answered 400 like a key that is missing; nothing was taken.
+    if (e instanceof TypeError) return { pass: false, status: 400, headers: {}, body: json({ error: e.message }) };
     if (e instanceof TollgateError && e.status !== undefined && e.status < 500 && e.status !== 429) {
       return { pass: false, status: e.status, headers: {}, body: json({ error: e.message }) };
     }

@@ -2,8 +2,12 @@
 // JavaScript, on the platform's fetch (Node >= 20, browsers), with no runtime dependency.
 
 import type { RateLimitConfig } from "./algebra.js";
+import { checkCount, checkKey, checkName, checkOptions, checkTake, checkTransaction } from "./check.js";
 import { NoAnswer, type Reply, type Send, fetchSend, nodeSend, onNode } from "./transport.js";
 
+/** The checks of `limit`'s and `check`'s arguments (a TypeError for a value of the wrong type),
+ *  exported for the `tollgate` package, whose direct path makes the same. */
+export { checkTake } from "./check.js";
 export {
   calculateRateLimit,
   nextUp,
@@ -309,10 +313,12 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     name: Name,
     options: AdjustOptions & ConfigFor<Limits, Name>,
   ): Promise<AdjustResult> {
+    checkName("adjust", name);
+    checkOptions("adjust", options);
+    checkKey("adjust", options?.key);
     const count = options?.count;
-    if (typeof count !== "number" || !Number.isFinite(count)) {
-      throw new TypeError(`adjust: count must be a finite number; got ${String(count)}`);
-    }
+    checkCount("adjust", count);
+    if (count === undefined) throw new TypeError("adjust: count must be a finite number; got undefined");
     const body = { name, key: options.key, count, config: options.config ?? this.#limits[name] };
     return this.#post("/v1/adjust", body, true, adjustedOf);
   }
@@ -322,6 +328,9 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     name: Name,
     ...[options]: Args<Limits, Name, { key?: string }>
   ): Promise<void> {
+    checkName("reset", name);
+    checkOptions("reset", options);
+    checkKey("reset", options?.key);
     await this.#post("/v1/reset", { name, key: options?.key }, true, (answer) => {
       if (!isObject(answer)) throw new WrongShape("not an object");
     });
@@ -332,6 +341,9 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     name: Name,
     ...[options]: Args<Limits, Name, ValueOptions>
   ): Promise<RateLimitValue> {
+    checkName("getValue", name);
+    checkOptions("getValue", options);
+    checkKey("getValue", options?.key);
     const body = {
       name,
       key: options?.key,
@@ -364,6 +376,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     requests: ReadonlyArray<TransactionRequest<Name>>,
     options?: TransactionOptions,
   ): Promise<TransactionResult> {
+    checkTransaction(requests);
     const limits = requests.map((r) => ({
       name: r.name,
       key: r.key,
@@ -388,6 +401,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     name: string,
     options: (LimitOptions & { config?: RateLimitConfig }) | undefined,
   ): Promise<RateLimitResult> {
+    checkTake(path === "/v1/limit" ? "limit" : "check", name, options);
     const body = {
       name,
       key: options?.key,
