@@ -399,3 +399,31 @@ test("leases: false is no lease; a value of another kind is a TypeError", () => 
     assert.throws(() => new RateLimiter({ store: "memory", leases: { x: lease } }, { x: config }), TypeError, String(lease));
   }
 });
+
+test("durations as the server writes them: period, storeDeadline and a lease's term", async () => {
+  const limiter = new RateLimiter({ store: "memory", storeDeadline: "300ms" }, {
+    perMinute: { kind: "token bucket", rate: 10, period: "1m", capacity: 1 },
+    daily: { kind: "fixed window", rate: 1, period: "1d", start: 0 },
+  });
+  assert.deepEqual(await limiter.limit("perMinute", { key: "k" }), { ok: true });
+  const refused = await limiter.limit("perMinute", { key: "k" });
+  assert.ok(refused.retryAfter > 5_000 && refused.retryAfter <= 6_000, String(refused.retryAfter));
+  assert.equal((await limiter.getValue("daily")).config.period, 86_400_000);
+  // In a call's own config, by the JSON path.
+  const inline = await limiter.check(fresh("inline"), { config: { kind: "token bucket", rate: 1, period: "1.5s" } });
+  assert.deepEqual(inline, { ok: true });
+  // What is not a duration, or is out of bounds, is the server's TypeError at the constructor.
+  assert.throws(() => new RateLimiter({ store: "memory", storeDeadline: "soon" }), /storeDeadline: "soon" is not a duration/);
+  assert.throws(() => new RateLimiter({ store: "memory", storeDeadline: "2d" }), /at most a day/);
+  assert.throws(() => new RateLimiter("memory", { x: { kind: "token bucket", rate: 1, period: "1 minute" } }), /period is "1 minute"/);
+  const redis = process.env.TOLLGATE_REDIS_URL;
+  if (redis !== undefined) {
+    const name = fresh("term");
+    const leased = new RateLimiter({ store: redis, leases: { [name]: { term: "2s" } } }, {
+      [name]: { kind: "token bucket", rate: 1, period: "1h", capacity: 5 },
+    });
+    assert.deepEqual(await leased.limit(name, { key: "k" }), { ok: true });
+    await leased.close();
+    assert.throws(() => new RateLimiter({ store: redis, leases: { x: { term: "forever" } } }, { x: { kind: "token bucket", rate: 1, period: "1h" } }), /lease\.term: "forever"/);
+  }
+});

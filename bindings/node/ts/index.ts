@@ -11,6 +11,7 @@ import {
   type Args,
   type ClientOptions,
   type Door,
+  type Duration,
   type LimitOptions,
   type RateLimitConfig,
   type RateLimitResult,
@@ -22,8 +23,9 @@ export * from "tollgate-client";
 
 /** A leased limit's tuning (SPEC §6's `lease`); `true` takes the defaults. */
 export interface LeaseOptions {
-  /** Milliseconds a lease is held before it is given back; default 2,000. */
-  term?: number;
+  /** How long a lease is held before it is given back: milliseconds, or a duration such as
+   *  `"2s"`; default 2,000 (ms). */
+  term?: Duration;
   /** The most of the capacity one lease may take, more than 0 and at most 1. */
   share?: number;
   /** The part of the capacity left unleased for the others, from 0 to 1. */
@@ -39,9 +41,10 @@ export interface StoreOptions {
    * `postgres://USER@HOST/DB`.
    */
   store: string;
-  /** Milliseconds a call may wait for Redis or PostgreSQL (or SQLite's write lock) before it
-   *  fails with a `TollgateError`; default 250. */
-  storeDeadline?: number;
+  /** How long a call may wait for Redis or PostgreSQL (or SQLite's write lock) before it
+   *  fails with a `TollgateError`: milliseconds, or a duration such as `"250ms"`; default 250
+   *  (ms). */
+  storeDeadline?: Duration;
   /** The memory store: the most live states. At the bound, full states are swept first; a
    *  request that needs a new state past it fails with a `TollgateError` (nothing is evicted,
    *  which would reset a limit). */

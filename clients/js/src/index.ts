@@ -1,7 +1,7 @@
 // tollgate-client: the API of tollgate's server (SPEC §4 and §6) for TypeScript and
 // JavaScript, on the platform's fetch (Node >= 20, browsers), with no runtime dependency.
 
-import type { RateLimitConfig } from "./algebra.js";
+import { durationMs, type Duration, type RateLimitConfig } from "./algebra.js";
 import { checkCount, checkKey, checkName, checkOptions, checkTake, checkTransaction } from "./check.js";
 import { NoAnswer, type Reply, type Send, fetchSend, nodeSend, onNode } from "./transport.js";
 
@@ -17,6 +17,7 @@ export {
   DAY,
 } from "./algebra.js";
 export type {
+  Duration,
   Calculation,
   CalendarUnit,
   CalendarWindowConfig,
@@ -43,9 +44,10 @@ export interface ClientOptions {
   url: string;
   /** A bearer token, if the server asks for one (a read token can `check` and `getValue`). */
   token?: string;
-  /** Milliseconds a call may take, from sending the request to the answer's last byte,
-   *  before it fails with a `TollgateError`; default 10,000. */
-  timeoutMs?: number;
+  /** How long a call may take, from sending the request to the answer's last byte, before
+   *  it fails with a `TollgateError`: milliseconds, or a duration such as `"10s"`; default
+   *  10,000 (ms). */
+  timeoutMs?: Duration;
   /** The most bytes an answer's body may have: a larger one fails with a `TollgateError`
    *  saying so, without being read whole. Default 8 MiB (8,388,608), far above any answer
    *  but that of `getServerLimits` for a config file of tens of thousands of limits. */
@@ -220,6 +222,9 @@ export class TollgateError extends Error {
 }
 
 const DEFAULT_TIMEOUT_MS = 10_000;
+// A timer's delay past 2^31 - 1 ms fires at once: a day is far below it, and far above any
+// call's need.
+const MAX_TIMEOUT_MS = 86_400_000;
 const DEFAULT_MAX_ANSWER_BYTES = 8 * 1024 * 1024;
 // At most this much of an answer that is not the API's is quoted in an error.
 const SNIPPET = 200;
@@ -273,7 +278,11 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     if (options.token !== undefined) {
       this.#headers.authorization = `Bearer ${options.token}`;
     }
-    this.#timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    const timeout = options.timeoutMs === undefined ? DEFAULT_TIMEOUT_MS : durationMs(options.timeoutMs, "timeoutMs");
+    if (!(timeout > 0 && timeout <= MAX_TIMEOUT_MS)) {
+      throw new TypeError(`timeoutMs must be more than 0 and at most a day; got ${String(options.timeoutMs)}`);
+    }
+    this.#timeoutMs = timeout;
     const max = options.maxAnswerBytes ?? DEFAULT_MAX_ANSWER_BYTES;
     if (!Number.isSafeInteger(max) || max <= 0) {
       throw new TypeError(`maxAnswerBytes must be a positive integer; got ${String(max)}`);

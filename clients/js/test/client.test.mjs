@@ -7,6 +7,7 @@ import {
   RateLimiter,
   RateLimitError,
   TollgateError,
+  calculateRateLimit,
   isRateLimitError,
   DAY,
   MINUTE,
@@ -312,4 +313,37 @@ test("limits named __proto__, constructor or prototype are names like any other"
   await bare.getValue("__proto__").catch(() => {});
   assert.deepEqual(bodies.map((b) => b.config ?? b.limits?.[0].config), [undefined, undefined, undefined, undefined]);
   assert.equal(Object.prototype.kind, undefined);
+});
+
+test("durations as the server writes them: a period of \"1m\", timeoutMs of \"10s\" and \"200ms\"", async () => {
+  // In a config sent with the call, and in the client's own timeout.
+  const client = new RateLimiter({ url: server.url, token: "full-token", timeoutMs: "10s" }, {
+    perMinute: { kind: "token bucket", rate: 10, period: "1m", capacity: 1 },
+  });
+  const k = key();
+  assert.deepEqual(await client.limit("perMinute", { key: k }), { ok: true });
+  const refused = await client.limit("perMinute", { key: k });
+  assert.ok(refused.retryAfter > 5_000 && refused.retryAfter <= 6_000, String(refused.retryAfter));
+  const value = await client.getValue("perMinute", { key: k });
+  assert.equal(value.config.period, 60_000);
+  // calculateRateLimit reads "1m" as the server did.
+  const local = calculateRateLimit(value, { kind: "token bucket", rate: 10, period: "1m", capacity: 1 }, value.ts);
+  assert.equal(local.ok, false);
+  assert.ok(Math.abs(local.retryAfter - 6_000) < 1, String(local.retryAfter));
+  // "200ms" is 200 ms: a server that never answers fails the call then, not at once.
+  const sockets = [];
+  const silent = createServer((socket) => sockets.push(socket));
+  await new Promise((done) => silent.listen(0, "127.0.0.1", done));
+  try {
+    const started = Date.now();
+    await failure(new RateLimiter({ url: `http://127.0.0.1:${silent.address().port}`, timeoutMs: "200ms" }).getServerTime());
+    const took = Date.now() - started;
+    assert.ok(took >= 190 && took < 2_000, `${took} ms`);
+  } finally {
+    sockets.forEach((s) => s.destroy());
+    await new Promise((done) => silent.close(done));
+  }
+  for (const timeoutMs of ["soon", "10", 0, -1, "2d", Number.NaN]) {
+    assert.throws(() => new RateLimiter({ url: server.url, timeoutMs }), TypeError, String(timeoutMs));
+  }
 });
