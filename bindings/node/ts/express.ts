@@ -12,6 +12,7 @@ export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
 interface ExpressRequest {
   ip?: string | undefined;
   socket?: { remoteAddress?: string | undefined };
+  app?: { get(setting: string): unknown };
   get(name: string): string | undefined;
 }
 interface ExpressResponse {
@@ -36,9 +37,14 @@ type Next = (error?: unknown) => void;
 export function rateLimit<Req extends ExpressRequest = ExpressRequest>(
   options: MiddlewareOptions<Req>,
 ): (request: Req, response: ExpressResponse, next: Next) => void {
-  const m = middleware(options);
+  const m = middleware(options, { trustProxy: 'app.set("trust proxy", true) when only the proxy can reach the socket' });
   return (request, response, next) => {
-    const view = { ip: request.ip ?? request.socket?.remoteAddress, header: (name: string) => request.get(name) };
+    const view = {
+      ip: request.ip ?? request.socket?.remoteAddress,
+      header: (name: string) => request.get(name),
+      // Without "trust proxy", req.ip is the connection's own address.
+      socket: request.app?.get("trust proxy") ? undefined : request.socket,
+    };
     decide(m, request, view).then(
       (verdict) => {
         // The response went out while the limits were taken (a timeout middleware answered

@@ -8,6 +8,8 @@ export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
 /** The parts of Fastify's request and reply the hook uses. */
 interface FastifyRequest {
   ip?: string;
+  ips?: string[];
+  socket?: unknown;
   headers: Record<string, string | string[] | undefined>;
 }
 interface FastifyReply {
@@ -29,13 +31,15 @@ interface FastifyReply {
 export function rateLimitHook<Req extends FastifyRequest = FastifyRequest>(
   options: MiddlewareOptions<Req>,
 ): (request: Req, reply: FastifyReply) => Promise<FastifyReply | undefined> {
-  const m = middleware(options);
+  const m = middleware(options, { trustProxy: "Fastify({ trustProxy: true }) when only the proxy can reach the socket" });
   return async (request, reply) => {
     const header = (name: string) => {
       const value = request.headers[name];
       return Array.isArray(value) ? value.join(", ") : value;
     };
-    const verdict = await decide(m, request, { ip: request.ip, header });
+    // Without trustProxy (then request.ips is undefined), request.ip is the connection's own.
+    const socket = request.ips === undefined ? request.socket : undefined;
+    const verdict = await decide(m, request, { ip: request.ip, header, socket });
     // Answered while the limits were taken (a timeout hook): the decision stands, nothing more
     // is written, and the reply returned ends the hooks.
     if (reply.sent) return reply;

@@ -15,10 +15,9 @@ interface HonoContext {
   body(data: string, status: number, headers: Record<string, string>): Response;
 }
 
-/** The peer's address on @hono/node-server (its `incoming` request); elsewhere give `ip`. */
-function nodeIp(c: HonoContext): string | undefined {
-  const env = c.env as { incoming?: { socket?: { remoteAddress?: string } } } | undefined;
-  return env?.incoming?.socket?.remoteAddress;
+/** The connection of a request on @hono/node-server (its `incoming` request). */
+function nodeSocket(c: HonoContext): { remoteAddress?: string } | undefined {
+  return (c.env as { incoming?: { socket?: { remoteAddress?: string } } } | undefined)?.incoming?.socket;
 }
 
 /**
@@ -33,10 +32,11 @@ function nodeIp(c: HonoContext): string | undefined {
 export function rateLimiter<C extends HonoContext = HonoContext>(
   options: MiddlewareOptions<C> & { ip?: (c: C) => string | undefined },
 ): (c: C, next: () => Promise<void>) => Promise<Response | undefined> {
-  const m = middleware(options);
+  const m = middleware(options, { trustProxy: 'the middleware\'s ip option: (c) => c.req.header("x-forwarded-for")' });
   return async (c, next) => {
-    const ip = options.ip ? options.ip(c) : nodeIp(c);
-    const verdict = await decide(m, c, { ip, header: (name) => c.req.header(name) });
+    const socket = options.ip ? undefined : nodeSocket(c);
+    const ip = options.ip ? options.ip(c) : socket?.remoteAddress;
+    const verdict = await decide(m, c, { ip, header: (name) => c.req.header(name), socket });
     // Answered while the limits were taken (hono/timeout answered first): the decision
     // stands, and nothing more is written or run (a header set now throws).
     if (c.finalized) return undefined;

@@ -74,10 +74,19 @@ export interface Verdict {
   body?: string;
 }
 
-/** The view of a request each framework gives: its peer address and a header by name. */
+/** The view of a request each framework gives: its peer address, a header by name, and, when
+ *  the address is the connection's own (no proxy's header is trusted), the connection (read
+ *  only when the address is missing). */
 export interface RequestView {
   ip: string | undefined;
   header(name: string): string | undefined;
+  socket?: unknown;
+}
+
+/** What a framework tells the middleware of itself: how its users make it read a client's
+ *  address from a proxy's X-Forwarded-For (for the message of a unix socket). */
+export interface Framework {
+  trustProxy: string;
 }
 
 /** A request's key: a string, `GLOBAL` for the one shared value, anything else if the
@@ -95,6 +104,9 @@ export interface Middleware<Req> {
   /** The 400 answer's body for a request without a key. */
   noKey: string;
   onStoreError(error: Error, request: Req): void;
+  /** For the "ip" key: what to do with a request that came through a unix socket, where no
+   *  request has a peer address (undefined for the other keys). */
+  unixSocket?: (socket: unknown) => Verdict | undefined;
 }
 
 const NAMES: Record<string, string> = {
@@ -104,7 +116,7 @@ const NAMES: Record<string, string> = {
 };
 
 /** Checks `options` and resolves them for `decide`; throws a `TypeError` for a bad one. */
-export function middleware<Req>(options: MiddlewareOptions<Req>): Middleware<Req> {
+export function middleware<Req>(options: MiddlewareOptions<Req>, framework: Framework): Middleware<Req> {
   const limits = limitsOf(options.limits);
   const source = options.key ?? "ip";
   const subnet = ipv6SubnetOf(options.ipv6Subnet);
@@ -128,7 +140,40 @@ export function middleware<Req>(options: MiddlewareOptions<Req>): Middleware<Req
   if (typeof onStoreError !== "function") {
     throw new TypeError(`onStoreError must be a function of (error, request); got ${String(onStoreError)}`);
   }
-  return { limiter: options.limiter, limits, key, noKey, onStoreError };
+  const unixSocket = source === "ip" ? unixSocketOf(limits[0]!.name, framework) : undefined;
+  return { limiter: options.limiter, limits, key, noKey, onStoreError, unixSocket };
+}
+
+/** The path a server listens on, if `socket` is a connection to a unix socket's server. */
+function socketPath(socket: unknown): string | undefined {
+  const address = (socket as { server?: { address?(): unknown } } | undefined)?.server?.address?.();
+  return typeof address === "string" ? address : undefined;
+}
+
+/**
+ * The "ip" key behind a proxy on a unix socket: no request has a peer address there, so
+ * every one would be refused as having no key, 400, as if the clients were at fault. It is
+ * the server's configuration instead: said once in the log, with the fix, and each request
+ * answered 500. (Falling back to one key for all, as slowapi's 127.0.0.1 does, would make a
+ * per-client limit one limit for everyone without a word.)
+ */
+function unixSocketOf(name: string, framework: Framework): (socket: unknown) => Verdict | undefined {
+  let said = false;
+  const body = json({ error: `Rate limit ${name}: no peer address on a unix socket; the server's log says how to key it.` });
+  return (socket) => {
+    const path = socketPath(socket);
+    if (path === undefined) return undefined;
+    if (!said) {
+      said = true;
+      console.error(
+        `tollgate: rate limit ${name} is keyed by the client's IP address ("ip", the default), but this server listens on ` +
+          `a unix socket (${path}), where requests have no peer address: each is answered 500. Behind a proxy that sets ` +
+          `X-Forwarded-For, let the framework read it (${framework.trustProxy}), or give the middleware a key of its own ` +
+          `(key: { header: "x-forwarded-for" } or a function of the request).`,
+      );
+    }
+    return { pass: false, status: 500, headers: {}, body };
+  };
 }
 
 /** The 503 answers' bodies: what a client is told of a store that failed, and no more. */
@@ -177,7 +222,9 @@ function json(body: unknown): string {
 /** Takes the request's limits and says how to answer it. */
 export async function decide<Req>(m: Middleware<Req>, request: Req, view: RequestView): Promise<Verdict> {
   const key = await m.key(request, view);
-  if (key === undefined || key === null || key === "") return { pass: false, status: 400, headers: {}, body: m.noKey };
+  if (key === undefined || key === null || key === "") {
+    return (m.unixSocket && view.ip === undefined && m.unixSocket(view.socket)) || { pass: false, status: 400, headers: {}, body: m.noKey };
+  }
   if (key !== GLOBAL && typeof key !== "string") {
     throw new TypeError(`Rate limit ${m.limits[0]!.name}: the key function returned ${String(key)}, not a string`);
   }
