@@ -269,3 +269,33 @@ function seen(req) {
   const header = req.get?.("x-null") ?? req.headers?.["x-null"] ?? req.req?.header?.("x-null");
   return header !== undefined;
 }
+
+test("hono: a handler's own Response (new Response, a fetch's answer) keeps the header fields", async () => {
+  const name = fresh("raw");
+  const limiter = new RateLimiter("memory", { [name]: config });
+  // An answer from fetch: its headers are immutable.
+  const upstream = await listening(createServer((_req, res) => res.end("upstream")));
+  const app = new Hono();
+  app.use("*", rateLimiter({ limiter, limits: name, key: { header: "x-user" } }));
+  app.get("/raw", () => new Response("raw", { headers: { "x-own": "kept" } }));
+  app.get("/fetched", () => fetch(upstream.url));
+  app.get("/own", (c) => new Response("own", { headers: { ratelimit: "the handler's" } }));
+  const server = serve({ fetch: app.fetch, port: 0, hostname: "127.0.0.1" });
+  await new Promise((r) => server.once("listening", r));
+  const url = `http://127.0.0.1:${server.address().port}`;
+  try {
+    const raw = await get(`${url}/raw`, { "x-user": "a" });
+    assert.equal(raw.body, "raw");
+    assert.equal(raw.headers.get("x-own"), "kept");
+    assert.equal(raw.headers.get("ratelimit-policy"), `"${name}";q=10;w=60`);
+    assert.equal(raw.headers.get("ratelimit"), `"${name}";r=1;t=6`);
+    const fetched = await get(`${url}/fetched`, { "x-user": "b" });
+    assert.equal(fetched.body, "upstream");
+    assert.equal(fetched.headers.get("ratelimit"), `"${name}";r=1;t=6`);
+    // A field the handler set itself is its own.
+    assert.equal((await get(`${url}/own`, { "x-user": "c" })).headers.get("ratelimit"), "the handler's");
+  } finally {
+    await new Promise((r) => server.close(r));
+    await upstream.close();
+  }
+});

@@ -9,6 +9,8 @@ export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
 interface HonoContext {
   /** Whether the context holds its response already (a timeout middleware answered). */
   finalized: boolean;
+  /** The response, once the handlers made it. */
+  res: Response;
   req: { header(name: string): string | undefined };
   env?: unknown;
   header(name: string, value: string): void;
@@ -45,6 +47,18 @@ export function rateLimiter<C extends HonoContext = HonoContext>(
     }
     for (const [name, value] of Object.entries(verdict.headers)) c.header(name, value);
     await next();
+    // A handler that returns a Response of its own (new Response(...), a fetch's) replaces
+    // the one the fields were set on: they are set on it too, unless it has them.
+    for (const name in verdict.headers) {
+      if (c.res.headers.has(name)) continue;
+      try {
+        c.res.headers.set(name, verdict.headers[name]!);
+      } catch {
+        // Its headers are immutable (a fetch's answer): a copy of it takes them.
+        c.res = new Response(c.res.body, c.res);
+        c.res.headers.set(name, verdict.headers[name]!);
+      }
+    }
     return undefined;
   };
 }
