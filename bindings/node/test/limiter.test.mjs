@@ -427,3 +427,46 @@ test("durations as the server writes them: period, storeDeadline and a lease's t
     assert.throws(() => new RateLimiter({ store: redis, leases: { x: { term: "forever" } } }, { x: { kind: "token bucket", rate: 1, period: "1h" } }), /lease\.term: "forever"/);
   }
 });
+
+test("calls after close() are refused with a TollgateError and take nothing, on each door", async () => {
+  const config = { kind: "token bucket", rate: 10, period: HOUR, capacity: 10 };
+  const refusedAfterClose = (e) => {
+    assert.ok(e instanceof TollgateError, String(e));
+    assert.match(e.message, /the limiter is closed/);
+    assert.equal(e.mayHaveTaken, false);
+    return true;
+  };
+  const limiters = [["memory", new RateLimiter("memory", { x: config })]];
+  const redis = process.env.TOLLGATE_REDIS_URL;
+  const name = fresh("closed");
+  if (redis !== undefined) {
+    limiters.push(["redis, leased", new RateLimiter({ store: redis, leases: { [name]: true } }, { [name]: config })]);
+  }
+  const { startServer } = await import("../../../clients/js/test/server.mjs");
+  const server = await startServer();
+  limiters.push(["a server's", new RateLimiter({ url: server.url }, { x: config })]);
+  try {
+    for (const [label, limiter] of limiters) {
+      const limit = label === "redis, leased" ? name : "x";
+      assert.deepEqual(await limiter.limit(limit, { key: "k" }), { ok: true }, label);
+      await limiter.close();
+      for (const call of [
+        () => limiter.limit(limit, { key: "k" }),
+        () => limiter.check(limit, { key: "k" }),
+        () => limiter.transaction([{ name: limit, key: "k" }]),
+        () => limiter.getServerTime(),
+      ]) {
+        await assert.rejects(call(), refusedAfterClose, label);
+      }
+    }
+    if (redis !== undefined) {
+      // The leased limit: its lease was given back at close, and no call took one again.
+      const reader = new RateLimiter({ store: redis }, { [name]: config });
+      const value = await reader.getValue(name, { key: "k" });
+      assert.ok(value.value > 8.9, `the store holds ${value.value} of 10: a lease is still out`);
+      await reader.close();
+    }
+  } finally {
+    await server.stop();
+  }
+});

@@ -153,6 +153,8 @@ interface Engine {
   takers: Map<string, NativeTake>;
   /** Why the last open failed, and when (ms since the epoch); unset while one is under way. */
   failed?: { message: string; at: number };
+  /** Set by `close`: an open that ends later does not make the direct path live again. */
+  closed?: boolean;
   /** Resolvers of the `take`s whose answers come back through the settler, by id. */
   waiting: Map<number, (answer: number | string) => void>;
   nextId: number;
@@ -199,7 +201,7 @@ function open(engine: Engine): Promise<NativeLimiter> {
   opening.then(
     (limiter) => {
       limiter.settleWith(settler(engine));
-      engine.ready = limiter;
+      if (!engine.closed) engine.ready = limiter;
     },
     (e: Error) => (engine.failed = { message: e.message, at: Date.now() }),
   );
@@ -356,12 +358,18 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
     return take(engines.get(this), name, options, false) ?? super.check(name, ...([options] as Args<Limits, string, LimitOptions>));
   }
 
-  /** Gives back the leases this process holds (their unused tokens return to the store for
-   *  other processes); call it before the process exits. Nothing to do for a server's
-   *  limiter or a store without leases. */
-  async close(): Promise<void> {
+  /** Closes the limiter: every call made after this rejects with a `TollgateError` (nothing
+   *  taken, no lease taken again), and the leases this process holds are given back (their
+   *  unused tokens return to the store for other processes); call it before the process
+   *  exits. A server's limiter closes its idle connections. */
+  override async close(): Promise<void> {
+    // Refused from now on, by the client's own check (the direct path is the engine's
+    // `ready`: without it every call goes the client's way).
+    await super.close();
     const engine = engines.get(this);
     if (engine === undefined) return;
+    engine.closed = true;
+    engine.ready = undefined;
     const limiter = await engine.opening.catch(() => undefined);
     await limiter?.close();
   }

@@ -253,6 +253,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
   readonly #maxAnswerBytes: number;
   readonly #send: Send;
   readonly #limits: Partial<Record<string, RateLimitConfig>>;
+  #closed = false;
 
   constructor(options: ClientOptions | DoorOptions, limits?: Limits) {
     // Without a prototype: a limit named `__proto__` or `constructor` is looked up as any
@@ -293,6 +294,16 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       : onNode()
         ? nodeSend()
         : fetchSend(globalThis.fetch.bind(globalThis));
+  }
+
+  /**
+   * Closes the limiter: its idle connections to the server are closed, and every call made
+   * after this rejects with a `TollgateError` (nothing sent, nothing taken). Calls under way
+   * finish.
+   */
+  async close(): Promise<void> {
+    this.#closed = true;
+    this.#send.close?.();
   }
 
   /** Takes `count` tokens (default 1) from `name`'s limit for `key`. */
@@ -444,6 +455,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     read: (answer: unknown, fields?: Record<string, string>) => T,
   ): Promise<T> {
     const url = this.#url + path;
+    if (this.#closed) throw new TollgateError(`the limiter is closed; ${method} ${path} was not sent`, undefined, false);
     let response: Reply;
     try {
       response = await this.#send(method, url, this.#headers, body, this.#timeoutMs, this.#maxAnswerBytes);
