@@ -384,6 +384,9 @@ test("odd values are read alike by every call and path: a TypeError, nothing tak
   for (const k of [undefined, "\ufffd", "a\ufffdb"]) {
     assert.equal((await limiter.getValue("d", k === undefined ? {} : { key: k })).ts, 0, String(k));
   }
+  // A key with a U+FFFD of its own is a key like any other, on the direct path too.
+  assert.deepEqual(await limiter.limit("d", { key: "a\ufffdb" }), { ok: true });
+  assert.equal((await limiter.getValue("d", { key: "a\ufffdb" })).value, 1);
   // What the engine judges is judged alike too: a negative count is its 400 on each path.
   for (const path of ["limit, direct", "limit, JSON", "transaction"]) {
     await assert.rejects(calls[path]({ count: -1 }), (e) => e instanceof TollgateError && e.status === 400, path);

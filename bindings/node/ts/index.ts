@@ -7,7 +7,9 @@ import {
   RateLimiter as Client,
   RateLimitError,
   answerError,
+  checkName,
   checkTake,
+  plainTake,
   type Args,
   type ClientOptions,
   type Door,
@@ -253,16 +255,25 @@ function take(
 ): Promise<RateLimitResult> | undefined {
   const ready = engine?.ready;
   if (ready === undefined || options?.config !== undefined) return undefined;
-  // The general path's checks, made here as there: a TypeError, nothing taken.
-  try {
-    checkTake(writes ? "limit" : "check", name, options);
-  } catch (e) {
-    return Promise.reject(e);
+  // The general path's checks, made here as there (typeofs, for the calls that pass them): a
+  // TypeError, nothing taken.
+  if (!plainTake(options)) {
+    try {
+      checkTake(writes ? "limit" : "check", name, options);
+    } catch (e) {
+      return Promise.reject(e);
+    }
   }
   const reserve = options?.reserve;
   const throws = options?.throws;
   let native = engine!.takers.get(name);
   if (native === undefined) {
+    // The name, checked once: only a name that passes has a function here.
+    try {
+      checkName(writes ? "limit" : "check", name);
+    } catch (e) {
+      return Promise.reject(e);
+    }
     try {
       const made = ready.taker(name);
       // A name not defined: the general path says so.

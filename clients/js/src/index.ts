@@ -7,7 +7,7 @@ import { NoAnswer, type Reply, type Send, fetchSend, nodeSend, onNode } from "./
 
 /** The checks of `limit`'s and `check`'s arguments (a TypeError for a value of the wrong type),
  *  exported for the `tollgate` package, whose direct path makes the same. */
-export { checkTake } from "./check.js";
+export { checkName, checkTake, plainTake } from "./check.js";
 export {
   calculateRateLimit,
   nextUp,
