@@ -277,11 +277,7 @@ fn read_str<'b>(
 /// The JSON path refuses such a key (tollgate-client's checkKey); refused here, the call goes
 /// that path, which says why. Only a string with a U+FFFD in it is read again (as UTF-16)
 /// to tell a lone surrogate from a U+FFFD of its own.
-fn whole<'b>(
-    env: sys::napi_env,
-    value: sys::napi_value,
-    bytes: &'b [u8],
-) -> Result<&'b str, String> {
+fn whole(env: sys::napi_env, value: sys::napi_value, bytes: &[u8]) -> Result<&str, String> {
     let text = std::str::from_utf8(bytes).map_err(|e| format!("tollgate: {e}"))?;
     if !text.contains('\u{FFFD}') {
         return Ok(text);
