@@ -24,6 +24,14 @@ use take::{Settler, reply};
 /// thread and frees on the runtime's (and the other way), which glibc's allocator pays for
 /// in locks and consolidation (a fifth of Node's thread on Redis, by `perf`); with mimalloc
 /// the process used about a quarter less CPU for the same calls (BENCHMARKS.md).
+///
+/// Its v2 line (Cargo.toml), not v3: mimalloc takes the thread that loads it for the
+/// process's main thread. In a worker thread that loaded the addon first, v3.3 tore that
+/// heap down when the worker exited, and the next thread given the same thread id (glibc
+/// reuses an exited thread's descriptor, and the id is its address) took the torn heap for
+/// its own and crashed at its first allocation: the second worker to load the package, when
+/// the main thread never had (mimalloc's issue 1287, fixed after the v3 the crate ships).
+/// v2 keeps the main heap for the process, whoever exits.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -257,7 +257,7 @@ fn read_str<'b>(
     // Node writes whole characters only (of at most 4 bytes), so a string that did not fit
     // left fewer than 4 bytes free: below that it is all there.
     if written + 4 < SHORT {
-        return utf8(&buf[..written]).map(Cow::Borrowed);
+        return whole(env, value, &buf[..written]).map(Cow::Borrowed);
     }
     let mut len = 0;
     // SAFETY: with no buffer, Node writes the length in bytes only.
@@ -268,9 +268,31 @@ fn read_str<'b>(
         sys::napi_get_value_string_utf8(env, value, long.as_mut_ptr().cast(), len + 1, &mut written)
     };
     long.truncate(written);
+    whole(env, value, &long)?;
     String::from_utf8(long).map(Cow::Owned).map_err(|e| format!("tollgate: {e}"))
 }
 
-fn utf8(bytes: &[u8]) -> Result<&str, String> {
-    std::str::from_utf8(bytes).map_err(|e| format!("tollgate: {e}"))
+/// The UTF-8 `bytes` Node wrote of the string `value`, refused if the string has a lone
+/// surrogate: Node writes one as U+FFFD, so that keys differing only there would be one key.
+/// The JSON path refuses such a key (tollgate-client's checkKey); refused here, the call goes
+/// that path, which says why. Only a string with a U+FFFD in it is read again (as UTF-16)
+/// to tell a lone surrogate from a U+FFFD of its own.
+fn whole(env: sys::napi_env, value: sys::napi_value, bytes: &[u8]) -> Result<&str, String> {
+    let text = std::str::from_utf8(bytes).map_err(|e| format!("tollgate: {e}"))?;
+    if !text.contains('\u{FFFD}') {
+        return Ok(text);
+    }
+    let mut len = 0;
+    // SAFETY: with no buffer, Node writes the length in UTF-16 code units only.
+    unsafe { sys::napi_get_value_string_utf16(env, value, ptr::null_mut(), 0, &mut len) };
+    let mut units = vec![0u16; len + 1];
+    let mut written = 0;
+    // SAFETY: `units` is writable for `len + 1` code units: the string's and a NUL.
+    unsafe {
+        sys::napi_get_value_string_utf16(env, value, units.as_mut_ptr(), len + 1, &mut written)
+    };
+    if char::decode_utf16(units[..written].iter().copied()).any(|c| c.is_err()) {
+        return Err("tollgate: key has a lone surrogate".to_owned());
+    }
+    Ok(text)
 }

@@ -242,10 +242,9 @@ test("names and keys of any length and character reach the engine whole by the d
   assert.ok((await limiter.getValue(name, { key: "never taken" })).value === 1);
 });
 
-test("arguments of the wrong type and names not defined get the JSON path's errors, and take nothing", async () => {
-  // The direct path (a function per defined name, made at its first call) throws for an
-  // argument of the wrong type before any work; the call then goes the JSON path, whose
-  // error is the server's.
+test("arguments of the wrong type and names not defined get the same errors on both paths, and take nothing", async () => {
+  // The direct path (a function per defined name, made at its first call) and the JSON path
+  // check the arguments alike (tollgate-client's checkTake): a TypeError, before any work.
   const defined = fresh("typed");
   const inline = fresh("typed-json");
   const config = { kind: "token bucket", rate: 1, period: HOUR, capacity: 2 };
@@ -260,7 +259,7 @@ test("arguments of the wrong type and names not defined get the JSON path's erro
   for (const options of [{ key: 5 }, { key: {} }, { count: "2" }, { key: "k", count: [1] }, { key: "k", reserve: "yes" }, { key: "k", throws: 1 }]) {
     const direct = await outcome(defined, options);
     assert.equal(direct, await outcome(inline, { ...options, config }), JSON.stringify(options));
-    assert.match(direct, /^TollgateError 400 /, JSON.stringify(options));
+    assert.match(direct, /^TypeError undefined limit: /, JSON.stringify(options));
   }
   // Nothing was taken by those: both tokens of "k" are there.
   assert.equal((await limiter.getValue(defined, { key: "k" })).value, 2);
@@ -309,4 +308,168 @@ test("a limiter no longer referenced is collected with its store, a call still w
   assert.ok(open >= 5, `the 5 limiters had ${open} connections open`);
   assert.equal(left, 0, "connections of collected limiters left open");
   assert.deepEqual(waiting[0], { ok: true });
+});
+
+test("__proto__, constructor and prototype are names like any other in limits, leases and failOpen", async () => {
+  const config = { kind: "token bucket", rate: 2, period: HOUR };
+  // JSON.parse makes "__proto__" an own key, as a config read from a file has it.
+  const own = (name, value) => JSON.parse(`{${JSON.stringify(name)}: ${JSON.stringify(value)}}`);
+  for (const name of ["__proto__", "constructor", "prototype"]) {
+    // A limit of that name, failing open: its own limit, taken as any.
+    const limiter = new RateLimiter({ store: "memory", failOpen: [name] }, own(name, config));
+    const answers = [];
+    for (let i = 0; i < 3; i++) answers.push((await limiter.limit(name, { key: "k" })).ok);
+    assert.deepEqual(answers, [true, true, false], name);
+    assert.equal((await limiter.getValue(name, { key: "k" })).config.rate, 2);
+    // A lease for it reaches its limit (and memory has no leases: the engine says so).
+    assert.throws(() => new RateLimiter({ store: "memory", leases: own(name, true) }, own(name, config)), /lease = true needs a Redis/);
+    // Without such a limit, each option says so.
+    assert.throws(() => new RateLimiter({ store: "memory", failOpen: [name] }, { x: config }), new RegExp(`failOpen names "${name}", which is not among`));
+    assert.throws(() => new RateLimiter({ store: "memory", leases: own(name, true) }, { x: config }), new RegExp(`leases names "${name}", which is not among`));
+  }
+  for (const target of [Object.prototype, Object, Function.prototype]) {
+    for (const field of ["failOpen", "lease", "kind"]) assert.equal(Object.hasOwn(target, field), false, field);
+  }
+  // And a limiter made after them all is a limiter as before.
+  assert.deepEqual(await new RateLimiter("memory", { x: config }).limit("x"), { ok: true });
+  // An option of another shape is refused, not walked (a string's characters, say).
+  assert.throws(() => new RateLimiter({ store: "memory", failOpen: "x" }, { x: config }), /failOpen must be an array/);
+  assert.throws(() => new RateLimiter({ store: "memory", leases: ["x"] }, { x: config }), /leases must be an object/);
+});
+
+test("odd values are read alike by every call and path: a TypeError, nothing taken", async () => {
+  const config = { kind: "token bucket", rate: 2, period: HOUR };
+  const limiter = new RateLimiter("memory", { d: config });
+  await limiter.getServerTime(); // open: limit and check of "d" take the direct path
+  const odd = [
+    ["count NaN", { count: Number.NaN }],
+    ["count Infinity", { count: Infinity }],
+    ["count -Infinity", { count: -Infinity }],
+    ["count null", { count: null }],
+    ["count a string", { count: "2" }],
+    ["key null", { key: null }],
+    ["key a number", { key: 5 }],
+    ["key a lone high surrogate", { key: "\ud800" }],
+    ["key a lone low surrogate", { key: "a\udc00b" }],
+    ["reserve a string", { reserve: "yes" }],
+    ["throws a number", { throws: 1 }],
+  ];
+  const key = () => `k${Math.random()}`;
+  const calls = {
+    "limit, direct": (o) => limiter.limit("d", { key: key(), ...o }),
+    "check, direct": (o) => limiter.check("d", { key: key(), ...o }),
+    "limit, JSON": (o) => limiter.limit("j", { key: key(), config, ...o }),
+    transaction: (o) => {
+      const { throws: _t, ...r } = o;
+      return limiter.transaction([{ name: "d", key: key(), ...r }, ...(o.throws === undefined ? [] : [{ name: "d", key: key(), reserve: o.throws }])]);
+    },
+  };
+  for (const [label, options] of odd) {
+    for (const [path, call] of Object.entries(calls)) {
+      await assert.rejects(call(options), TypeError, `${label}, ${path}`);
+    }
+  }
+  // Options where the key belongs, and no options object: a TypeError on both paths.
+  for (const options of ["alice", null, 42]) {
+    await assert.rejects(limiter.limit("d", options), TypeError, String(options));
+    await assert.rejects(limiter.check("j", options), TypeError, String(options));
+  }
+  await assert.rejects(limiter.limit("d\ud800"), TypeError);
+  await assert.rejects(limiter.transaction("d"), TypeError);
+  await assert.rejects(limiter.reset("d", { key: "\udfff" }), TypeError);
+  await assert.rejects(limiter.getValue("d", { key: null }), TypeError);
+  await assert.rejects(limiter.adjust("d", { key: 1, count: 1 }), TypeError);
+  // Nothing was taken by any of them: the shared value and the lone-surrogate keys' U+FFFD
+  // (what the addon read them as) are full.
+  for (const k of [undefined, "\ufffd", "a\ufffdb"]) {
+    assert.equal((await limiter.getValue("d", k === undefined ? {} : { key: k })).ts, 0, String(k));
+  }
+  // A key with a U+FFFD of its own is a key like any other, on the direct path too.
+  assert.deepEqual(await limiter.limit("d", { key: "a\ufffdb" }), { ok: true });
+  assert.equal((await limiter.getValue("d", { key: "a\ufffdb" })).value, 1);
+  // What the engine judges is judged alike too: a negative count is its 400 on each path.
+  for (const path of ["limit, direct", "limit, JSON", "transaction"]) {
+    await assert.rejects(calls[path]({ count: -1 }), (e) => e instanceof TollgateError && e.status === 400, path);
+  }
+});
+
+test("leases: false is no lease; a value of another kind is a TypeError", () => {
+  const config = { kind: "token bucket", rate: 2, period: HOUR };
+  // On memory a lease is refused by the engine: false is no lease, so no refusal.
+  assert.doesNotThrow(() => new RateLimiter({ store: "memory", leases: { x: false } }, { x: config }));
+  assert.throws(() => new RateLimiter({ store: "memory", leases: { x: true } }, { x: config }), /lease = true needs a Redis/);
+  for (const lease of ["yes", 1, null]) {
+    assert.throws(() => new RateLimiter({ store: "memory", leases: { x: lease } }, { x: config }), TypeError, String(lease));
+  }
+});
+
+test("durations as the server writes them: period, storeDeadline and a lease's term", async () => {
+  const limiter = new RateLimiter({ store: "memory", storeDeadline: "300ms" }, {
+    perMinute: { kind: "token bucket", rate: 10, period: "1m", capacity: 1 },
+    daily: { kind: "fixed window", rate: 1, period: "1d", start: 0 },
+  });
+  assert.deepEqual(await limiter.limit("perMinute", { key: "k" }), { ok: true });
+  const refused = await limiter.limit("perMinute", { key: "k" });
+  assert.ok(refused.retryAfter > 5_000 && refused.retryAfter <= 6_000, String(refused.retryAfter));
+  assert.equal((await limiter.getValue("daily")).config.period, 86_400_000);
+  // In a call's own config, by the JSON path.
+  const inline = await limiter.check(fresh("inline"), { config: { kind: "token bucket", rate: 1, period: "1.5s" } });
+  assert.deepEqual(inline, { ok: true });
+  // What is not a duration, or is out of bounds, is the server's TypeError at the constructor.
+  assert.throws(() => new RateLimiter({ store: "memory", storeDeadline: "soon" }), /storeDeadline: "soon" is not a duration/);
+  assert.throws(() => new RateLimiter({ store: "memory", storeDeadline: "2d" }), /at most a day/);
+  assert.throws(() => new RateLimiter("memory", { x: { kind: "token bucket", rate: 1, period: "1 minute" } }), /period is "1 minute"/);
+  const redis = process.env.TOLLGATE_REDIS_URL;
+  if (redis !== undefined) {
+    const name = fresh("term");
+    const leased = new RateLimiter({ store: redis, leases: { [name]: { term: "2s" } } }, {
+      [name]: { kind: "token bucket", rate: 1, period: "1h", capacity: 5 },
+    });
+    assert.deepEqual(await leased.limit(name, { key: "k" }), { ok: true });
+    await leased.close();
+    assert.throws(() => new RateLimiter({ store: redis, leases: { x: { term: "forever" } } }, { x: { kind: "token bucket", rate: 1, period: "1h" } }), /lease\.term: "forever"/);
+  }
+});
+
+test("calls after close() are refused with a TollgateError and take nothing, on each door", async () => {
+  const config = { kind: "token bucket", rate: 10, period: HOUR, capacity: 10 };
+  const refusedAfterClose = (e) => {
+    assert.ok(e instanceof TollgateError, String(e));
+    assert.match(e.message, /the limiter is closed/);
+    assert.equal(e.mayHaveTaken, false);
+    return true;
+  };
+  const limiters = [["memory", new RateLimiter("memory", { x: config })]];
+  const redis = process.env.TOLLGATE_REDIS_URL;
+  const name = fresh("closed");
+  if (redis !== undefined) {
+    limiters.push(["redis, leased", new RateLimiter({ store: redis, leases: { [name]: true } }, { [name]: config })]);
+  }
+  const { startServer } = await import("../../../clients/js/test/server.mjs");
+  const server = await startServer();
+  limiters.push(["a server's", new RateLimiter({ url: server.url }, { x: config })]);
+  try {
+    for (const [label, limiter] of limiters) {
+      const limit = label === "redis, leased" ? name : "x";
+      assert.deepEqual(await limiter.limit(limit, { key: "k" }), { ok: true }, label);
+      await limiter.close();
+      for (const call of [
+        () => limiter.limit(limit, { key: "k" }),
+        () => limiter.check(limit, { key: "k" }),
+        () => limiter.transaction([{ name: limit, key: "k" }]),
+        () => limiter.getServerTime(),
+      ]) {
+        await assert.rejects(call(), refusedAfterClose, label);
+      }
+    }
+    if (redis !== undefined) {
+      // The leased limit: its lease was given back at close, and no call took one again.
+      const reader = new RateLimiter({ store: redis }, { [name]: config });
+      const value = await reader.getValue(name, { key: "k" });
+      assert.ok(value.value > 8.9, `the store holds ${value.value} of 10: a lease is still out`);
+      await reader.close();
+    }
+  } finally {
+    await server.stop();
+  }
 });

@@ -4,8 +4,10 @@
 // window>;w=<window s>`, `"name";r=<remaining, down>;t=<s until full, up>`, `Retry-After` in
 // whole seconds up, `{"kind": "RateLimited", "name", "retryAfter"}`).
 import assert from "node:assert/strict";
+import { spawnSync } from "node:child_process";
 import { createServer } from "node:http";
 import { test } from "node:test";
+import { fileURLToPath } from "node:url";
 
 import { serve } from "@hono/node-server";
 import express from "express";
@@ -135,7 +137,7 @@ test("express: several limits all or nothing, the IP by default, a store down is
     await app.close();
   }
   const down = new RateLimiter({ store: "redis://127.0.0.1:1" }, { [perIp]: config });
-  const failing = await apps.express({ limiter: down, limits: perIp });
+  const failing = await apps.express({ limiter: down, limits: perIp, onStoreError: () => {} });
   try {
     const answer = await get(`${failing.url}/`);
     assert.equal(answer.status, 503);
@@ -180,4 +182,120 @@ test("express-rate-limit with a TollgateStore: two apps on one Redis admit the l
     () => new TollgateStore({ limiter: new RateLimiter("memory") }).init({ limit: 3, windowMs: MINUTE, skipFailedRequests: true }),
     /does not support skipFailedRequests/,
   );
+});
+
+test("a store that fails: the 503 body says no more than that, the detail goes to onStoreError or one warning", async () => {
+  const secret = fresh("secret");
+  const down = [`sqlite:///nonexistent-${secret}/states.db`];
+  // A role and database PostgreSQL does not know: its refusal names them both.
+  if (process.env.TOLLGATE_POSTGRES_URL) down.push(`postgres://${secret}@127.0.0.1:5432/${secret}db`);
+  for (const store of down) {
+    for (const framework of Object.keys(apps)) {
+      const limiter = new RateLimiter({ store }, { x: config });
+      const told = [];
+      const app = await apps[framework]({
+        limiter,
+        limits: "x",
+        key: { header: "x-user" },
+        onStoreError: (error, request) => told.push([error.message, request !== undefined]),
+      });
+      try {
+        const answer = await get(`${app.url}/`, { "x-user": "alice" });
+        assert.equal(answer.status, 503);
+        assert.deepEqual(JSON.parse(answer.body), { error: "rate limit store unavailable", mayHaveTaken: false });
+        assert.equal(told.length, 1);
+        assert.ok(told[0][0].includes(secret), `${framework} ${store}: ${told[0][0]}`);
+        assert.equal(told[0][1], true);
+      } finally {
+        await app.close();
+      }
+    }
+  }
+  assert.throws(() => rateLimit({ limiter: new RateLimiter("memory"), limits: "x", onStoreError: "log" }), TypeError);
+});
+
+test("by default, the store's failures are one console.warn line per 10 s for the process", () => {
+  // In a process of its own: the warnings are counted from its start.
+  const secret = fresh("secret");
+  const dist = new URL("../dist/", import.meta.url).href;
+  const script = `
+    import { createServer } from "node:http";
+    import express from "express";
+    import { RateLimiter } from "${dist}index.js";
+    import { rateLimit } from "${dist}express.js";
+    import { rateLimitHook } from "${dist}fastify.js";
+    const limiter = new RateLimiter({ store: "sqlite:///nonexistent-${secret}/states.db" }, { x: ${JSON.stringify(config)} });
+    const app = express();
+    app.get("/", rateLimit({ limiter, limits: "x", key: () => "k" }), (_req, res) => res.send("hello"));
+    const server = createServer(app).listen(0, "127.0.0.1");
+    await new Promise((r) => server.once("listening", r));
+    const statuses = [];
+    for (let i = 0; i < 20; i++) statuses.push((await fetch("http://127.0.0.1:" + server.address().port)).status);
+    // Another middleware of the same process shares the budget.
+    const hook = rateLimitHook({ limiter, limits: "x", key: () => "k" });
+    const reply = { sent: false, headers() { return this; }, code() { return this; }, type() { return this; }, send() { return this; } };
+    await hook({ headers: {} }, reply);
+    server.close();
+    console.log(JSON.stringify(statuses));`;
+  const run = spawnSync(process.execPath, ["--input-type=module", "-e", script], { cwd: fileURLToPath(new URL("..", import.meta.url)), encoding: "utf8", timeout: 30_000 });
+  assert.equal(run.status, 0, run.stderr);
+  assert.deepEqual(JSON.parse(run.stdout), Array(20).fill(503));
+  const lines = run.stderr.trim().split("\n");
+  assert.equal(lines.length, 1, run.stderr);
+  assert.match(lines[0], new RegExp(`^tollgate: the rate limit store failed, requests answered 503: .*${secret}`));
+});
+
+test("a key function's null is no key (400), never the shared value; a key of another type is the app's error", async () => {
+  for (const framework of Object.keys(apps)) {
+    const name = fresh("nullkey");
+    const limiter = new RateLimiter("memory", { [name]: config });
+    const app = await apps[framework]({ limiter, limits: name, key: (req) => (seen(req) ? null : 42) });
+    try {
+      const answer = await get(`${app.url}/`, { "x-null": "1" });
+      assert.equal(answer.status, 400, `${framework}: ${answer.body}`);
+      assert.match(JSON.parse(answer.body).error, /no key in the request/);
+      assert.equal((await limiter.getValue(name)).ts, 0, "the shared value was taken from");
+      // 42: the framework's own error answer (500), nothing taken.
+      assert.equal((await get(`${app.url}/`)).status, 500, framework);
+      assert.equal((await limiter.getValue(name)).ts, 0);
+    } finally {
+      await app.close();
+    }
+  }
+});
+
+/** Whether a request of any framework has the header x-null. */
+function seen(req) {
+  const header = req.get?.("x-null") ?? req.headers?.["x-null"] ?? req.req?.header?.("x-null");
+  return header !== undefined;
+}
+
+test("hono: a handler's own Response (new Response, a fetch's answer) keeps the header fields", async () => {
+  const name = fresh("raw");
+  const limiter = new RateLimiter("memory", { [name]: config });
+  // An answer from fetch: its headers are immutable.
+  const upstream = await listening(createServer((_req, res) => res.end("upstream")));
+  const app = new Hono();
+  app.use("*", rateLimiter({ limiter, limits: name, key: { header: "x-user" } }));
+  app.get("/raw", () => new Response("raw", { headers: { "x-own": "kept" } }));
+  app.get("/fetched", () => fetch(upstream.url));
+  app.get("/own", (c) => new Response("own", { headers: { ratelimit: "the handler's" } }));
+  const server = serve({ fetch: app.fetch, port: 0, hostname: "127.0.0.1" });
+  await new Promise((r) => server.once("listening", r));
+  const url = `http://127.0.0.1:${server.address().port}`;
+  try {
+    const raw = await get(`${url}/raw`, { "x-user": "a" });
+    assert.equal(raw.body, "raw");
+    assert.equal(raw.headers.get("x-own"), "kept");
+    assert.equal(raw.headers.get("ratelimit-policy"), `"${name}";q=10;w=60`);
+    assert.equal(raw.headers.get("ratelimit"), `"${name}";r=1;t=6`);
+    const fetched = await get(`${url}/fetched`, { "x-user": "b" });
+    assert.equal(fetched.body, "upstream");
+    assert.equal(fetched.headers.get("ratelimit"), `"${name}";r=1;t=6`);
+    // A field the handler set itself is its own.
+    assert.equal((await get(`${url}/own`, { "x-user": "c" })).headers.get("ratelimit"), "the handler's");
+  } finally {
+    await new Promise((r) => server.close(r));
+    await upstream.close();
+  }
 });

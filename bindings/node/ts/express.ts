@@ -3,17 +3,20 @@
 
 import type { RateLimiter as Client, RateLimitConfig } from "tollgate-client";
 
-import { decide, limitsOf, type MiddlewareOptions, type Transacting } from "./middleware.js";
+import { decide, middleware, type MiddlewareOptions, type Transacting } from "./middleware.js";
 
+export { ipKey } from "./middleware.js";
 export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
 
 /** The parts of Express's request and response the middleware uses. */
 interface ExpressRequest {
   ip?: string | undefined;
   socket?: { remoteAddress?: string | undefined };
+  app?: { get(setting: string): unknown };
   get(name: string): string | undefined;
 }
 interface ExpressResponse {
+  readonly headersSent: boolean;
   set(field: Record<string, string>): unknown;
   status(code: number): ExpressResponse;
   type(type: string): ExpressResponse;
@@ -34,14 +37,27 @@ type Next = (error?: unknown) => void;
 export function rateLimit<Req extends ExpressRequest = ExpressRequest>(
   options: MiddlewareOptions<Req>,
 ): (request: Req, response: ExpressResponse, next: Next) => void {
-  const limits = limitsOf(options.limits);
+  const m = middleware(options, { trustProxy: 'app.set("trust proxy", true) when only the proxy can reach the socket' });
   return (request, response, next) => {
-    const view = { ip: request.ip ?? request.socket?.remoteAddress, header: (name: string) => request.get(name) };
-    decide(options, limits, request, view).then((verdict) => {
-      response.set(verdict.headers);
-      if (verdict.pass) return next();
-      response.status(verdict.status).type("application/json").send(verdict.body ?? "");
-    }, next);
+    const view = {
+      ip: request.ip ?? request.socket?.remoteAddress,
+      header: (name: string) => request.get(name),
+      // Without "trust proxy", req.ip is the connection's own address.
+      socket: request.app?.get("trust proxy") ? undefined : request.socket,
+    };
+    decide(m, request, view).then(
+      (verdict) => {
+        // The response went out while the limits were taken (a timeout middleware answered
+        // first): the decision stands, taken as it was, and nothing more is written or run.
+        if (response.headersSent) return;
+        response.set(verdict.headers);
+        if (verdict.pass) return next();
+        response.status(verdict.status).type("application/json").send(verdict.body ?? "");
+      },
+      (error: unknown) => {
+        if (!response.headersSent) next(error);
+      },
+    );
   };
 }
 

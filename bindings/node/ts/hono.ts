@@ -1,21 +1,25 @@
 // Hono: a middleware taking a request's limits (ts/middleware.ts).
 
-import { decide, limitsOf, type MiddlewareOptions } from "./middleware.js";
+import { decide, middleware, type MiddlewareOptions } from "./middleware.js";
 
+export { ipKey } from "./middleware.js";
 export type { KeySource, LimitRef, MiddlewareOptions } from "./middleware.js";
 
 /** The parts of Hono's context the middleware uses. */
 interface HonoContext {
+  /** Whether the context holds its response already (a timeout middleware answered). */
+  finalized: boolean;
+  /** The response, once the handlers made it. */
+  res: Response;
   req: { header(name: string): string | undefined };
   env?: unknown;
   header(name: string, value: string): void;
   body(data: string, status: number, headers: Record<string, string>): Response;
 }
 
-/** The peer's address on @hono/node-server (its `incoming` request); elsewhere give `ip`. */
-function nodeIp(c: HonoContext): string | undefined {
-  const env = c.env as { incoming?: { socket?: { remoteAddress?: string } } } | undefined;
-  return env?.incoming?.socket?.remoteAddress;
+/** The connection of a request on @hono/node-server (its `incoming` request). */
+function nodeSocket(c: HonoContext): { remoteAddress?: string } | undefined {
+  return (c.env as { incoming?: { socket?: { remoteAddress?: string } } } | undefined)?.incoming?.socket;
 }
 
 /**
@@ -30,15 +34,31 @@ function nodeIp(c: HonoContext): string | undefined {
 export function rateLimiter<C extends HonoContext = HonoContext>(
   options: MiddlewareOptions<C> & { ip?: (c: C) => string | undefined },
 ): (c: C, next: () => Promise<void>) => Promise<Response | undefined> {
-  const limits = limitsOf(options.limits);
+  const m = middleware(options, { trustProxy: 'the middleware\'s ip option: (c) => c.req.header("x-forwarded-for")' });
   return async (c, next) => {
-    const ip = options.ip ? options.ip(c) : nodeIp(c);
-    const verdict = await decide(options, limits, c, { ip, header: (name) => c.req.header(name) });
+    const socket = options.ip ? undefined : nodeSocket(c);
+    const ip = options.ip ? options.ip(c) : socket?.remoteAddress;
+    const verdict = await decide(m, c, { ip, header: (name) => c.req.header(name), socket });
+    // Answered while the limits were taken (hono/timeout answered first): the decision
+    // stands, and nothing more is written or run (a header set now throws).
+    if (c.finalized) return undefined;
     if (!verdict.pass) {
       return c.body(verdict.body ?? "", verdict.status, { ...verdict.headers, "content-type": "application/json" });
     }
     for (const [name, value] of Object.entries(verdict.headers)) c.header(name, value);
     await next();
+    // A handler that returns a Response of its own (new Response(...), a fetch's) replaces
+    // the one the fields were set on: they are set on it too, unless it has them.
+    for (const name in verdict.headers) {
+      if (c.res.headers.has(name)) continue;
+      try {
+        c.res.headers.set(name, verdict.headers[name]!);
+      } catch {
+        // Its headers are immutable (a fetch's answer): a copy of it takes them.
+        c.res = new Response(c.res.body, c.res);
+        c.res.headers.set(name, verdict.headers[name]!);
+      }
+    }
     return undefined;
   };
 }

@@ -7,9 +7,13 @@ import {
   RateLimiter as Client,
   RateLimitError,
   answerError,
+  checkName,
+  checkTake,
+  plainTake,
   type Args,
   type ClientOptions,
   type Door,
+  type Duration,
   type LimitOptions,
   type RateLimitConfig,
   type RateLimitResult,
@@ -21,8 +25,9 @@ export * from "tollgate-client";
 
 /** A leased limit's tuning (SPEC §6's `lease`); `true` takes the defaults. */
 export interface LeaseOptions {
-  /** Milliseconds a lease is held before it is given back; default 2,000. */
-  term?: number;
+  /** How long a lease is held before it is given back: milliseconds, or a duration such as
+   *  `"2s"`; default 2,000 (ms). */
+  term?: Duration;
   /** The most of the capacity one lease may take, more than 0 and at most 1. */
   share?: number;
   /** The part of the capacity left unleased for the others, from 0 to 1. */
@@ -38,40 +43,71 @@ export interface StoreOptions {
    * `postgres://USER@HOST/DB`.
    */
   store: string;
-  /** Milliseconds a call may wait for Redis or PostgreSQL (or SQLite's write lock) before it
-   *  fails with a `TollgateError`; default 250. */
-  storeDeadline?: number;
+  /** How long a call may wait for Redis or PostgreSQL (or SQLite's write lock) before it
+   *  fails with a `TollgateError`: milliseconds, or a duration such as `"250ms"`; default 250
+   *  (ms). */
+  storeDeadline?: Duration;
   /** The memory store: the most live states. At the bound, full states are swept first; a
    *  request that needs a new state past it fails with a `TollgateError` (nothing is evicted,
    *  which would reset a limit). */
   maxKeys?: number;
   /** Limits served from leases (Redis and PostgreSQL): a hot key's tokens taken in batches
    *  per process, within the limit's bound over every process. */
-  leases?: Record<string, true | LeaseOptions>;
+  leases?: Record<string, boolean | LeaseOptions>;
   /** Limits granted while the store fails (fail open); the others fail closed. */
   failOpen?: string[];
 }
 
+/** `object`'s own property `key`: an option is never read from a prototype (an option of
+ *  Object.prototype's, set by other code, is not the caller's). */
+function own<T extends object, K extends keyof T>(object: T, key: K): T[K] | undefined {
+  return Object.hasOwn(object, key) ? object[key] : undefined;
+}
+
+/** A map without a prototype: a name such as `__proto__` or `constructor` is a name like
+ *  any other in it, and an assignment to it never reaches Object.prototype. */
+function table<V>(): Record<string, V> {
+  return Object.create(null) as Record<string, V>;
+}
+
 /** A limiter's settings as a config file's: `{ server, limits }` as JSON. */
 function configJson(options: StoreOptions, limits: Record<string, RateLimitConfig> | undefined): string {
-  if (typeof options.store !== "string") {
-    throw new TypeError(`store must be a store URL such as "memory"; got ${String(options.store)}`);
+  const store = own(options, "store");
+  if (typeof store !== "string") {
+    throw new TypeError(`store must be a store URL such as "memory"; got ${String(store)}`);
   }
-  const server: Record<string, unknown> = { store: options.store };
-  if (options.storeDeadline !== undefined) server.storeDeadline = options.storeDeadline;
-  if (options.maxKeys !== undefined) server.maxKeys = options.maxKeys;
-  const tables: Record<string, Record<string, unknown>> = {};
-  for (const [name, config] of Object.entries(limits ?? {})) tables[name] = { ...config };
-  const known = (what: string, name: string) => {
-    if (!(name in tables)) {
+  const server = table<unknown>();
+  server.store = store;
+  const storeDeadline = own(options, "storeDeadline");
+  if (storeDeadline !== undefined) server.storeDeadline = storeDeadline;
+  const maxKeys = own(options, "maxKeys");
+  if (maxKeys !== undefined) server.maxKeys = maxKeys;
+  const tables = table<Record<string, unknown>>();
+  for (const [name, config] of Object.entries(limits ?? {})) tables[name] = Object.assign(table(), config);
+  const known = (what: string, name: unknown) => {
+    if (typeof name !== "string" || !Object.hasOwn(tables, name)) {
       throw new TypeError(`${what} names ${JSON.stringify(name)}, which is not among the limits`);
     }
     return tables[name]!;
   };
-  for (const [name, lease] of Object.entries(options.leases ?? {})) {
-    known("leases", name).lease = lease === true ? true : { ...lease };
+  const leases = own(options, "leases");
+  if (leases !== undefined && (typeof leases !== "object" || leases === null || Array.isArray(leases))) {
+    throw new TypeError(`leases must be an object of limit names; got ${String(leases)}`);
   }
-  for (const name of options.failOpen ?? []) known("failOpen", name).failOpen = true;
+  for (const [name, lease] of Object.entries(leases ?? {})) {
+    const limit = known("leases", name);
+    // false (or undefined): not leased, as a flag reads; an object: its tuning.
+    if (lease === false || lease === undefined) continue;
+    if (lease !== true && (typeof lease !== "object" || lease === null || Array.isArray(lease))) {
+      throw new TypeError(`leases.${name} must be true, false or { term, share, floor }; got ${String(lease)}`);
+    }
+    limit.lease = lease === true ? true : Object.assign(table(), lease);
+  }
+  const failOpen = own(options, "failOpen");
+  if (failOpen !== undefined && !Array.isArray(failOpen)) {
+    throw new TypeError(`failOpen must be an array of limit names; got ${String(failOpen)}`);
+  }
+  for (const name of failOpen ?? []) known("failOpen", name).failOpen = true;
   return JSON.stringify({ server, limits: tables });
 }
 
@@ -110,11 +146,17 @@ function reply(answer: string): Reply {
 /** The engine of this process, once it is open (or why it could not be), and the `take`s
  *  waiting for their answers. */
 interface Engine {
+  /** The config it opens (JSON). */
+  config: string;
+  /** The last open, under way or done. */
   opening: Promise<NativeLimiter>;
   ready?: NativeLimiter;
   /** The take functions of the limits called so far (of defined names only), by name. */
   takers: Map<string, NativeTake>;
-  failed?: string;
+  /** Why the last open failed, and when (ms since the epoch); unset while one is under way. */
+  failed?: { message: string; at: number };
+  /** Set by `close`: an open that ends later does not make the direct path live again. */
+  closed?: boolean;
   /** Resolvers of the `take`s whose answers come back through the settler, by id. */
   waiting: Map<number, (answer: number | string) => void>;
   nextId: number;
@@ -143,9 +185,33 @@ function settler(engine: Engine): (settled: [number, number | string]) => void {
   };
 }
 
+/**
+ * The least time between two opens of a store that failed to open. A store that was not
+ * reachable at first (a database not created yet, a SQLite directory not made yet; Redis and
+ * PostgreSQL that are down open at once and connect later) is opened again by a call that
+ * comes this long after the last failure: the calls meanwhile fail at once with its reason,
+ * so that a flood of calls during an outage makes one attempt a second, not one per call.
+ */
+const REOPEN_AFTER_MS = 1_000;
+
+/** Opens `engine`'s store, again if it failed before; the calls wait for this open. */
+function open(engine: Engine): Promise<NativeLimiter> {
+  const opening = addon().open(engine.config);
+  engine.opening = opening;
+  engine.failed = undefined;
+  // Each call reports a failure to open; none is left unhandled.
+  opening.then(
+    (limiter) => {
+      limiter.settleWith(settler(engine));
+      if (!engine.closed) engine.ready = limiter;
+    },
+    (e: Error) => (engine.failed = { message: e.message, at: Date.now() }),
+  );
+  return opening;
+}
+
 /** The engine of this process as the client's door: each path to its operation. */
 function doorOf(engine: Engine): Door {
-  const { opening } = engine;
   const answer = (l: NativeLimiter, method: string, path: string, body: string | undefined): Promise<Reply> => {
     if (method === "GET" && path === "/v1/time") return l.time().then(reply);
     if (method === "GET" && path === "/v1/config") return Promise.resolve(reply(l.config()));
@@ -160,13 +226,15 @@ function doorOf(engine: Engine): Door {
   };
   return async (method, path, body) => {
     if (engine.ready) return answer(engine.ready, method, path, body);
+    const failed = engine.failed;
+    const opening = failed !== undefined && Date.now() - failed.at >= REOPEN_AFTER_MS ? open(engine) : engine.opening;
     try {
       return answer(await opening, method, path, body);
-    } catch {
+    } catch (e) {
       // The store could not be opened: nothing was taken, as when the server's store fails.
       return {
         status: 503,
-        text: JSON.stringify({ error: `the store could not be opened: ${engine.failed}`, mayHaveTaken: false }),
+        text: JSON.stringify({ error: `the store could not be opened: ${(e as Error).message}`, mayHaveTaken: false }),
       };
     }
   };
@@ -187,21 +255,32 @@ function take(
 ): Promise<RateLimitResult> | undefined {
   const ready = engine?.ready;
   if (ready === undefined || options?.config !== undefined) return undefined;
+  // The general path's checks, made here as there (typeofs, for the calls that pass them): a
+  // TypeError, nothing taken.
+  if (!plainTake(options)) {
+    try {
+      checkTake(writes ? "limit" : "check", name, options);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+  }
   const reserve = options?.reserve;
   const throws = options?.throws;
-  // A flag of another type: the general path refuses it as the server does.
-  if ((reserve !== undefined && typeof reserve !== "boolean") || (throws !== undefined && typeof throws !== "boolean")) {
-    return undefined;
-  }
   let native = engine!.takers.get(name);
   if (native === undefined) {
+    // The name, checked once: only a name that passes has a function here.
+    try {
+      checkName(writes ? "limit" : "check", name);
+    } catch (e) {
+      return Promise.reject(e);
+    }
     try {
       const made = ready.taker(name);
       // A name not defined: the general path says so.
       if (made === null) return undefined;
       engine!.takers.set(name, (native = made));
     } catch {
-      // Not a string: the general path says why.
+      // The addon could not make it: the general path says why.
       return undefined;
     }
   }
@@ -214,7 +293,7 @@ function take(
   try {
     answered = native(key ?? "", count ?? 0, flags, id);
   } catch {
-    // An argument of the wrong type, refused before any work: the general path says why.
+    // Refused by the addon before any work: the general path says why.
     return undefined;
   }
   if (answered === null) {
@@ -259,7 +338,8 @@ function result(r: number | string, name: string, throws: boolean, writes: boole
  * ```
  *
  * A bad store URL or limit throws a `TypeError` here; a store that cannot be reached fails
- * each call with a `TollgateError` (`mayHaveTaken: false`) until it can.
+ * each call with a `TollgateError` (`mayHaveTaken: false`) until it can, and is used from then
+ * on (one that failed to open is opened again, once a second at most).
  */
 export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> extends Client<Limits> {
   constructor(options: string | StoreOptions | ClientOptions, limits?: Limits) {
@@ -269,15 +349,8 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
     }
     const store = typeof options === "string" ? { store: options } : options;
     const config = validated(configJson(store, limits));
-    const engine: Engine = { opening: addon().open(config), takers: new Map(), waiting: new Map(), nextId: 0 };
-    // Each call reports a failure to open; none is left unhandled.
-    engine.opening.then(
-      (limiter) => {
-        limiter.settleWith(settler(engine));
-        engine.ready = limiter;
-      },
-      (e: Error) => (engine.failed = e.message),
-    );
+    const engine = { config, takers: new Map(), waiting: new Map(), nextId: 0 } as Omit<Engine, "opening"> as Engine;
+    open(engine);
     // The limits are defined in the engine: calls carry no config of their own.
     super({ door: doorOf(engine) }, undefined);
     engines.set(this, engine);
@@ -296,12 +369,18 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
     return take(engines.get(this), name, options, false) ?? super.check(name, ...([options] as Args<Limits, string, LimitOptions>));
   }
 
-  /** Gives back the leases this process holds (their unused tokens return to the store for
-   *  other processes); call it before the process exits. Nothing to do for a server's
-   *  limiter or a store without leases. */
-  async close(): Promise<void> {
+  /** Closes the limiter: every call made after this rejects with a `TollgateError` (nothing
+   *  taken, no lease taken again), and the leases this process holds are given back (their
+   *  unused tokens return to the store for other processes); call it before the process
+   *  exits. A server's limiter closes its idle connections. */
+  override async close(): Promise<void> {
+    // Refused from now on, by the client's own check (the direct path is the engine's
+    // `ready`: without it every call goes the client's way).
+    await super.close();
     const engine = engines.get(this);
     if (engine === undefined) return;
+    engine.closed = true;
+    engine.ready = undefined;
     const limiter = await engine.opening.catch(() => undefined);
     await limiter?.close();
   }

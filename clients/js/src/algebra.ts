@@ -2,6 +2,13 @@
 // the server's, so that the numbers agree to the last bit (tests compare them over random
 // cases through `tollgate simulate`).
 
+/**
+ * A duration: a number of milliseconds (`60_000`, `MINUTE`), or a string of a number and its
+ * unit as the server's config file writes it: `"250ms"`, `"10s"`, `"1m"`, `"1h"`, `"1d"`
+ * (`"1.5s"` too). Every duration of tollgate's options and configs takes either.
+ */
+export type Duration = number | `${number}${"ms" | "s" | "m" | "h" | "d"}`;
+
 /** Milliseconds in a second. Durations in tollgate are milliseconds. */
 export const SECOND = 1_000;
 /** Milliseconds in a minute. */
@@ -14,8 +21,9 @@ export const DAY = 24 * HOUR;
 interface CommonConfig {
   /** Tokens added per `period`: finite, > 0. */
   rate: number;
-  /** Milliseconds: finite, > 0. (A calendar window has none: its windows are its own.) */
-  period: number;
+  /** A duration: milliseconds, or a string such as `"1m"`; finite, > 0. (A calendar window
+   *  has none: its windows are its own.) */
+  period: Duration;
   /** Most tokens that can accumulate; default `rate`. */
   capacity?: number;
   /** Most tokens that may be reserved ahead (how negative the value may go); default: no bound. */
@@ -100,7 +108,7 @@ export function calculateRateLimit(
   }
   const wait =
     config.kind === "token bucket"
-      ? (-next.value * config.period) / config.rate
+      ? (-next.value * periodOf(config)) / config.rate
       : windowsAfter(config, next.ts, Math.ceil(-next.value / config.rate)) - now;
   const retryAfter = ok
     ? // A reservation: the booked tokens have flowed in once the new state is back at 0.
@@ -108,6 +116,40 @@ export function calculateRateLimit(
     : // A refusal: the same request, made again at now + retryAfter, is granted.
       settle(now, wait, (at) => advance(config, from, at, count).value >= 0);
   return { ok, retryAfter, value: next.value, ts: next.ts };
+}
+
+const UNITS: Record<string, number> = { ms: 1, s: 1_000, m: 60_000, h: 3_600_000, d: 86_400_000 };
+
+/** The milliseconds of `text` by the server's grammar (tollgate-algebra's parse_duration):
+ *  a decimal number, then one of the units, spaces around either; undefined otherwise. */
+function parseDuration(text: string): number | undefined {
+  const trimmed = text.trim();
+  const split = trimmed.search(/[A-Za-z]/);
+  if (split < 0) return undefined;
+  const number = trimmed.slice(0, split).trim();
+  const unit = UNITS[trimmed.slice(split)];
+  if (unit === undefined || !/^[+-]?(\d+(\.\d*)?|\.\d+)$/.test(number)) return undefined;
+  return Number(number) * unit;
+}
+
+/**
+ * The milliseconds of the duration `value` (`what` names it in the error): a number as it is,
+ * a string such as `"10s"` by the server's grammar. Throws a `TypeError` for anything else.
+ */
+export function durationMs(value: unknown, what: string): number {
+  const ms = typeof value === "number" ? value : typeof value === "string" ? parseDuration(value) : undefined;
+  if (ms === undefined) {
+    throw new TypeError(
+      `${what} must be milliseconds or a duration such as "500ms", "10s", "1m", "1h", "1d"; got ${JSON.stringify(value) ?? String(value)}`,
+    );
+  }
+  return ms;
+}
+
+/** A config's period in milliseconds (a string read each time: numbers are the common case). */
+function periodOf(config: { period: Duration }): number {
+  const { period } = config;
+  return typeof period === "number" ? period : durationMs(period, "period");
 }
 
 function capacity(config: RateLimitConfig): number {
@@ -122,14 +164,15 @@ function fresh(config: RateLimitConfig, now: number): RateLimitState {
     return { value: capacity(config), ts: calendarStart(calendarOf(config), now) };
   }
   const alignment = config.start ?? 0;
-  const ts = alignment + Math.floor((now - alignment) / config.period) * config.period;
+  const period = periodOf(config);
+  const ts = alignment + Math.floor((now - alignment) / period) * period;
   return { value: capacity(config), ts };
 }
 
 /** The start of the `k`-th window after the one starting at `ts`. */
 function windowsAfter(config: FixedWindowConfig | CalendarWindowConfig, ts: number, k: number): number {
   if (config.calendar !== undefined) return calendarAfter(calendarOf(config), ts, k);
-  return ts + config.period * k;
+  return ts + periodOf(config) * k;
 }
 
 function advance(
@@ -141,7 +184,7 @@ function advance(
   const { rate } = config;
   const max = capacity(config);
   if (config.kind === "token bucket") {
-    const { period } = config;
+    const period = periodOf(config);
     return { value: atMost(state.value + ((now - state.ts) * rate) / period, max) - count, ts: now };
   }
   if (config.calendar !== undefined) {
@@ -151,7 +194,7 @@ function advance(
     const ts = windows > 0 ? calendarStart(calendar, now) : state.ts;
     return { value: atMost(state.value + rate * windows, max) - count, ts };
   }
-  const { period } = config;
+  const period = periodOf(config);
   const windows = Math.floor((now - state.ts) / period);
   return { value: atMost(state.value + rate * windows, max) - count, ts: state.ts + windows * period };
 }

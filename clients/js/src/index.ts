@@ -1,9 +1,13 @@
 // tollgate-client: the API of tollgate's server (SPEC §4 and §6) for TypeScript and
 // JavaScript, on the platform's fetch (Node >= 20, browsers), with no runtime dependency.
 
-import type { RateLimitConfig } from "./algebra.js";
+import { durationMs, type Duration, type RateLimitConfig } from "./algebra.js";
+import { checkCount, checkKey, checkName, checkOptions, checkTake, checkTransaction } from "./check.js";
 import { NoAnswer, type Reply, type Send, fetchSend, nodeSend, onNode } from "./transport.js";
 
+/** The checks of `limit`'s and `check`'s arguments (a TypeError for a value of the wrong type),
+ *  exported for the `tollgate` package, whose direct path makes the same. */
+export { checkName, checkTake, plainTake } from "./check.js";
 export {
   calculateRateLimit,
   nextUp,
@@ -13,6 +17,7 @@ export {
   DAY,
 } from "./algebra.js";
 export type {
+  Duration,
   Calculation,
   CalendarUnit,
   CalendarWindowConfig,
@@ -39,9 +44,10 @@ export interface ClientOptions {
   url: string;
   /** A bearer token, if the server asks for one (a read token can `check` and `getValue`). */
   token?: string;
-  /** Milliseconds a call may take, from sending the request to the answer's last byte,
-   *  before it fails with a `TollgateError`; default 10,000. */
-  timeoutMs?: number;
+  /** How long a call may take, from sending the request to the answer's last byte, before
+   *  it fails with a `TollgateError`: milliseconds, or a duration such as `"10s"`; default
+   *  10,000 (ms). */
+  timeoutMs?: Duration;
   /** The most bytes an answer's body may have: a larger one fails with a `TollgateError`
    *  saying so, without being read whole. Default 8 MiB (8,388,608), far above any answer
    *  but that of `getServerLimits` for a config file of tens of thousands of limits. */
@@ -216,6 +222,9 @@ export class TollgateError extends Error {
 }
 
 const DEFAULT_TIMEOUT_MS = 10_000;
+// A timer's delay past 2^31 - 1 ms fires at once: a day is far below it, and far above any
+// call's need.
+const MAX_TIMEOUT_MS = 86_400_000;
 const DEFAULT_MAX_ANSWER_BYTES = 8 * 1024 * 1024;
 // At most this much of an answer that is not the API's is quoted in an error.
 const SNIPPET = 200;
@@ -244,9 +253,12 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
   readonly #maxAnswerBytes: number;
   readonly #send: Send;
   readonly #limits: Partial<Record<string, RateLimitConfig>>;
+  #closed = false;
 
   constructor(options: ClientOptions | DoorOptions, limits?: Limits) {
-    this.#limits = { ...limits };
+    // Without a prototype: a limit named `__proto__` or `constructor` is looked up as any
+    // other, and a name that is not one finds nothing.
+    this.#limits = Object.assign(Object.create(null) as Partial<Record<string, RateLimitConfig>>, limits);
     this.#headers = {};
     this.#timeoutMs = DEFAULT_TIMEOUT_MS;
     this.#maxAnswerBytes = DEFAULT_MAX_ANSWER_BYTES;
@@ -267,7 +279,11 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     if (options.token !== undefined) {
       this.#headers.authorization = `Bearer ${options.token}`;
     }
-    this.#timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    const timeout = options.timeoutMs === undefined ? DEFAULT_TIMEOUT_MS : durationMs(options.timeoutMs, "timeoutMs");
+    if (!(timeout > 0 && timeout <= MAX_TIMEOUT_MS)) {
+      throw new TypeError(`timeoutMs must be more than 0 and at most a day; got ${String(options.timeoutMs)}`);
+    }
+    this.#timeoutMs = timeout;
     const max = options.maxAnswerBytes ?? DEFAULT_MAX_ANSWER_BYTES;
     if (!Number.isSafeInteger(max) || max <= 0) {
       throw new TypeError(`maxAnswerBytes must be a positive integer; got ${String(max)}`);
@@ -278,6 +294,16 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       : onNode()
         ? nodeSend()
         : fetchSend(globalThis.fetch.bind(globalThis));
+  }
+
+  /**
+   * Closes the limiter: its idle connections to the server are closed, and every call made
+   * after this rejects with a `TollgateError` (nothing sent, nothing taken). Calls under way
+   * finish.
+   */
+  async close(): Promise<void> {
+    this.#closed = true;
+    this.#send.close?.();
   }
 
   /** Takes `count` tokens (default 1) from `name`'s limit for `key`. */
@@ -307,10 +333,12 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     name: Name,
     options: AdjustOptions & ConfigFor<Limits, Name>,
   ): Promise<AdjustResult> {
+    checkName("adjust", name);
+    checkOptions("adjust", options);
+    checkKey("adjust", options?.key);
     const count = options?.count;
-    if (typeof count !== "number" || !Number.isFinite(count)) {
-      throw new TypeError(`adjust: count must be a finite number; got ${String(count)}`);
-    }
+    checkCount("adjust", count);
+    if (count === undefined) throw new TypeError("adjust: count must be a finite number; got undefined");
     const body = { name, key: options.key, count, config: options.config ?? this.#limits[name] };
     return this.#post("/v1/adjust", body, true, adjustedOf);
   }
@@ -320,6 +348,9 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     name: Name,
     ...[options]: Args<Limits, Name, { key?: string }>
   ): Promise<void> {
+    checkName("reset", name);
+    checkOptions("reset", options);
+    checkKey("reset", options?.key);
     await this.#post("/v1/reset", { name, key: options?.key }, true, (answer) => {
       if (!isObject(answer)) throw new WrongShape("not an object");
     });
@@ -330,6 +361,9 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     name: Name,
     ...[options]: Args<Limits, Name, ValueOptions>
   ): Promise<RateLimitValue> {
+    checkName("getValue", name);
+    checkOptions("getValue", options);
+    checkKey("getValue", options?.key);
     const body = {
       name,
       key: options?.key,
@@ -362,6 +396,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     requests: ReadonlyArray<TransactionRequest<Name>>,
     options?: TransactionOptions,
   ): Promise<TransactionResult> {
+    checkTransaction(requests);
     const limits = requests.map((r) => ({
       name: r.name,
       key: r.key,
@@ -386,6 +421,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     name: string,
     options: (LimitOptions & { config?: RateLimitConfig }) | undefined,
   ): Promise<RateLimitResult> {
+    checkTake(path === "/v1/limit" ? "limit" : "check", name, options);
     const body = {
       name,
       key: options?.key,
@@ -419,6 +455,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
     read: (answer: unknown, fields?: Record<string, string>) => T,
   ): Promise<T> {
     const url = this.#url + path;
+    if (this.#closed) throw new TollgateError(`the limiter is closed; ${method} ${path} was not sent`, undefined, false);
     let response: Reply;
     try {
       response = await this.#send(method, url, this.#headers, body, this.#timeoutMs, this.#maxAnswerBytes);

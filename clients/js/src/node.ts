@@ -13,7 +13,7 @@ export function httpSend(): Send {
   };
   // The URLs a limiter calls are few (one per operation): parsed once each.
   const parsed = new Map<string, URL>();
-  return (method, url, headers, body, timeoutMs, maxBytes) =>
+  const send: Send = (method, url, headers, body, timeoutMs, maxBytes) =>
     new Promise((resolve, reject) => {
       let target = parsed.get(url);
       if (target === undefined) {
@@ -87,4 +87,9 @@ export function httpSend(): Send {
       });
       request.end(body);
     });
+  send.close = () => {
+    agents["http:"].destroy();
+    agents["https:"].destroy();
+  };
+  return send;
 }

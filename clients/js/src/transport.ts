@@ -69,14 +69,17 @@ export class NoAnswer extends Error {
 
 /** Sends one request and reads its answer, all within `timeoutMs`, refusing an answer of more
  *  than `maxBytes` bytes; rejects with `NoAnswer` only. */
-export type Send = (
+export type Send = ((
   method: string,
   url: string,
   headers: Record<string, string>,
   body: string | undefined,
   timeoutMs: number,
   maxBytes: number,
-) => Promise<Reply>;
+) => Promise<Reply>) & {
+  /** Closes what the transport keeps open (a pool's idle connections), if anything. */
+  close?: () => void;
+};
 
 /** Whether a Content-Length header says more than `maxBytes`. */
 export function declaresMore(length: string | null | undefined, maxBytes: number): boolean {
@@ -149,10 +152,12 @@ export function onNode(): boolean {
  */
 export function nodeSend(): Send {
   let loaded: Promise<Send> | undefined;
-  return (method, url, headers, body, timeoutMs, maxBytes) => {
+  const send: Send = (method, url, headers, body, timeoutMs, maxBytes) => {
     loaded ??= load();
     return loaded.then((send) => send(method, url, headers, body, timeoutMs, maxBytes));
   };
+  send.close = () => void loaded?.then((send) => send.close?.());
+  return send;
 }
 
 async function load(): Promise<Send> {

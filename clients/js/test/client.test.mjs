@@ -7,6 +7,7 @@ import {
   RateLimiter,
   RateLimitError,
   TollgateError,
+  calculateRateLimit,
   isRateLimitError,
   DAY,
   MINUTE,
@@ -289,4 +290,60 @@ test("200 concurrent calls against a limit of 50 admit exactly 50", async () => 
 
 test("a URL that is not http(s) is refused at once", () => {
   assert.throws(() => new RateLimiter({ url: "127.0.0.1:8787" }), /must be an http/);
+});
+
+test("limits named __proto__, constructor or prototype are names like any other", async () => {
+  // Through a door that records each request's body: the config sent is the limit's own,
+  // and a name not among the limits sends none (it was Object.prototype's, or Object).
+  const bodies = [];
+  const door = async (_method, _path, body) => {
+    bodies.push(JSON.parse(body));
+    return { status: 200, text: '{"ok": true}' };
+  };
+  const config = { kind: "token bucket", rate: 1, period: MINUTE };
+  const limits = JSON.parse(`{"__proto__": ${JSON.stringify(config)}, "constructor": ${JSON.stringify(config)}}`);
+  const limiter = new RateLimiter({ door }, limits);
+  for (const name of ["__proto__", "constructor", "prototype", "toString"]) await limiter.limit(name);
+  assert.deepEqual(bodies.map((b) => b.config), [config, config, undefined, undefined]);
+  // A limiter without them sends no config for them (the server's own limit of that name).
+  bodies.length = 0;
+  const bare = new RateLimiter({ door });
+  for (const name of ["__proto__", "constructor"]) await bare.limit(name);
+  await bare.transaction([{ name: "__proto__" }]).catch(() => {});
+  await bare.getValue("__proto__").catch(() => {});
+  assert.deepEqual(bodies.map((b) => b.config ?? b.limits?.[0].config), [undefined, undefined, undefined, undefined]);
+  assert.equal(Object.prototype.kind, undefined);
+});
+
+test("durations as the server writes them: a period of \"1m\", timeoutMs of \"10s\" and \"200ms\"", async () => {
+  // In a config sent with the call, and in the client's own timeout.
+  const client = new RateLimiter({ url: server.url, token: "full-token", timeoutMs: "10s" }, {
+    perMinute: { kind: "token bucket", rate: 10, period: "1m", capacity: 1 },
+  });
+  const k = key();
+  assert.deepEqual(await client.limit("perMinute", { key: k }), { ok: true });
+  const refused = await client.limit("perMinute", { key: k });
+  assert.ok(refused.retryAfter > 5_000 && refused.retryAfter <= 6_000, String(refused.retryAfter));
+  const value = await client.getValue("perMinute", { key: k });
+  assert.equal(value.config.period, 60_000);
+  // calculateRateLimit reads "1m" as the server did.
+  const local = calculateRateLimit(value, { kind: "token bucket", rate: 10, period: "1m", capacity: 1 }, value.ts);
+  assert.equal(local.ok, false);
+  assert.ok(Math.abs(local.retryAfter - 6_000) < 1, String(local.retryAfter));
+  // "200ms" is 200 ms: a server that never answers fails the call then, not at once.
+  const sockets = [];
+  const silent = createServer((socket) => sockets.push(socket));
+  await new Promise((done) => silent.listen(0, "127.0.0.1", done));
+  try {
+    const started = Date.now();
+    await failure(new RateLimiter({ url: `http://127.0.0.1:${silent.address().port}`, timeoutMs: "200ms" }).getServerTime());
+    const took = Date.now() - started;
+    assert.ok(took >= 190 && took < 2_000, `${took} ms`);
+  } finally {
+    sockets.forEach((s) => s.destroy());
+    await new Promise((done) => silent.close(done));
+  }
+  for (const timeoutMs of ["soon", "10", 0, -1, "2d", Number.NaN]) {
+    assert.throws(() => new RateLimiter({ url: server.url, timeoutMs }), TypeError, String(timeoutMs));
+  }
 });
