@@ -67,6 +67,18 @@ pub struct Status {
     pub reset_after: f64,
 }
 
+impl Status {
+    /// Nothing is known: a request granted because the store failed and its limit fails open
+    /// (both numbers NaN). The RateLimit header fields are left out for it, rather than
+    /// claim a full limit while no one can tell.
+    pub const UNKNOWN: Status = Status { remaining: f64::NAN, reset_after: f64::NAN };
+
+    /// Whether the numbers are known (see [`Status::UNKNOWN`]).
+    pub fn is_known(&self) -> bool {
+        !self.remaining.is_nan()
+    }
+}
+
 /// The state a shard without a stored state starts from.
 ///
 /// A token bucket starts full at `now`. A fixed window starts full at the start of the window

@@ -29,9 +29,13 @@ pub struct Member<'a> {
     pub status: Status,
 }
 
-/// `RateLimit-Policy` and `RateLimit` for `members`, or none without members: all of them
+/// `RateLimit-Policy` and `RateLimit` for `members`, or none without members (or when their
+/// numbers are not known: granted because the store failed, `Status::UNKNOWN`): all of them
 /// when they fit, else the tightest that fit.
 pub fn rate_limit_fields(members: &[Member<'_>]) -> Option<(String, String)> {
+    if members.iter().any(|m| !m.status.is_known()) {
+        return None;
+    }
     match members {
         [] => return None,
         // The common case: one limit.

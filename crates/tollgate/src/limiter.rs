@@ -377,7 +377,8 @@ impl<S> RateLimiterBuilder<S> {
 
     /// Makes the limit `name` fail open: when the store fails (down, slow, answering
     /// garbage), a `limit` or `check` of it is granted instead of returning
-    /// [`Error::Store`], with a status of a full limit (nothing is known), and
+    /// [`Error::Store`], with [`Status::UNKNOWN`] for its status (no RateLimit header
+    /// fields are written for it), and
     /// [`RateLimiter::failed_open`] counts it. A transaction fails open only if every one
     /// of its limits does.
     ///
@@ -401,6 +402,9 @@ impl<S> RateLimiterBuilder<S> {
     /// assert!(limiter.limit(search, "alice").unwrap().ok);
     /// assert!(limiter.limit(signup, "alice").is_err(), "fails closed");
     /// assert_eq!(limiter.failed_open(), 1);
+    /// // Nothing is known of the limit meanwhile: no header fields are written for it.
+    /// let taken = limiter.limit_with_status(search, "alice").unwrap();
+    /// assert!(taken.decision.ok && !taken.status.is_known());
     /// ```
     #[must_use]
     pub fn fail_open(mut self, name: impl Into<Box<str>>) -> Self {
@@ -988,7 +992,7 @@ impl<S: AsyncStore> RateLimiter<S> {
         match self.store.execute_one_async(&one).await {
             Ok(taken) if taken.decision.ok || !request.throws => Ok(answer(taken)),
             Ok(taken) => Err(refused(name, taken.decision)),
-            Err(e) => self.store_failed(e, name, config).map(answer),
+            Err(e) => self.store_failed(e, name).map(answer),
         }
     }
 
@@ -1101,7 +1105,7 @@ impl<S> RateLimiter<S> {
         match kept {
             Ok(Ok(answer)) => Ok(answer),
             Ok(Err(decision)) => Err(refused(name, decision)),
-            Err(e) => self.store_failed(e, name, config).map(&answer),
+            Err(e) => self.store_failed(e, name).map(&answer),
         }
     }
 
@@ -1137,22 +1141,16 @@ impl<S> RateLimiter<S> {
                 Ok(Taken { decision: outcome.decision(), status: outcome.statuses[0] })
             }
             Ok(outcome) => Err(refused(take.name, outcome.decision())),
-            Err(e) => self.store_failed(e, take.name, take.config),
+            Err(e) => self.store_failed(e, take.name),
         }
     }
 
     /// A store error for one take: admitted if its limit fails open, else the error.
     #[cold]
     #[inline(never)]
-    fn store_failed(
-        &self,
-        e: crate::error::StoreError,
-        name: &str,
-        config: Config,
-    ) -> Result<Taken, Error> {
+    fn store_failed(&self, e: crate::error::StoreError, name: &str) -> Result<Taken, Error> {
         if self.fails_open(std::iter::once(name)) {
-            let status = Status { remaining: config.capacity(), reset_after: 0.0 };
-            return Ok(Taken { decision: Decision::ADMIT, status });
+            return Ok(Taken { decision: Decision::ADMIT, status: Status::UNKNOWN });
         }
         Err(e.into())
     }
@@ -1265,13 +1263,7 @@ impl<S> RateLimiter<S> {
         if calls.is_empty() || !self.fails_open(calls.iter().map(|c| c.target.name())) {
             return Err(e.into());
         }
-        let statuses = calls
-            .iter()
-            .map(|c| Status {
-                remaining: self.resolve(&c.target).map_or(0.0, |c| c.capacity()),
-                reset_after: 0.0,
-            })
-            .collect();
+        let statuses = calls.iter().map(|_| Status::UNKNOWN).collect();
         Ok(TransactionTaken {
             decision: TransactionDecision {
                 ok: true,

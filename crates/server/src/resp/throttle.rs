@@ -113,8 +113,9 @@ pub async fn throttle(defined: &Defined, name: &str, args: Args<'_>) -> Result<T
 /// Seconds are redis-cell's: whole seconds, one more when at least a millisecond is left
 /// over (1.0005 s is 1, 1.001 s is 2), so that a caller never comes back too early.
 pub fn reply(capacity: f64, ok: bool, retry_after: Option<f64>, status: Status) -> Throttled {
-    // Float sums of refills may land a hair below a whole token.
-    let remaining = (status.remaining + 1e-9).floor() as i64;
+    // Float sums of refills may land a hair below a whole token. Granted because the store
+    // failed (fail open, `Status::UNKNOWN`): no tokens are claimed, and no wait.
+    let remaining = if status.is_known() { (status.remaining + 1e-9).floor() as i64 } else { 0 };
     let seconds = |ms: f64| {
         let ms = ms.max(0.0);
         let whole = (ms / 1_000.0).trunc();

@@ -683,18 +683,20 @@ impl Rls {
         };
         self.metrics.record(&request.domain, &m.metric, &m.rule.full_key, m.hits, outcome);
         let wait = if ok { status.reset_after } else { retry_after.unwrap_or(status.reset_after) };
+        // Granted because the store failed (fail open): nothing to report but the verdict.
+        let known = status.is_known();
         put(
             statuses,
             m.index,
             DescriptorStatus {
                 over_limit: over,
-                current_limit: Some((m.rule.name.clone(), c.requests_per_unit, c.unit)),
-                limit_remaining: if ok {
+                current_limit: known.then(|| (m.rule.name.clone(), c.requests_per_unit, c.unit)),
+                limit_remaining: if ok && known {
                     status.remaining.floor().min(f64::from(u32::MAX)) as u32
                 } else {
                     0
                 },
-                duration_until_reset: Some(wait),
+                duration_until_reset: known.then_some(wait),
             },
         );
     }

@@ -419,6 +419,10 @@ fn headers<'s>(
     let mut policy = String::with_capacity(64);
     let mut current = String::with_capacity(64);
     for (spec, status) in specs.zip(statuses) {
+        // Granted because the store failed (fail open): no numbers to report.
+        if !status.is_known() {
+            return None;
+        }
         let sep = if policy.is_empty() { "" } else { ", " };
         let (member, name_len) = spec.policy.as_ref()?;
         let _ = write!(policy, "{sep}{member}");
