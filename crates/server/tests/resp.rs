@@ -990,8 +990,9 @@ fn command_docs_of_many_names_is_small() {
 
 /// Clients that send commands with large replies (`COMMAND INFO` of 4,000 names: 40 KB in,
 /// 236 KB out) and never read: each connection's pending replies stay within its bound
-/// (64 KiB, then it is not read from), so 400 of them grow the server by far less than
-/// their replies' 94 MB; once they close, the memory is given back.
+/// (16 KiB and a part of a reply, then it is not read from), so 400 of them grow the server
+/// by far less than their replies' 94 MB (measured: 23 MB; 168 MB before each kept its
+/// reply); once they close, the memory is given back (mimalloc is asked to, every second).
 #[test]
 fn clients_that_never_read_large_replies_cost_a_bounded_memory() {
     let served = Served::start("memory", "", &[]);
@@ -1017,9 +1018,9 @@ fn clients_that_never_read_large_replies_cost_a_bounded_memory() {
     std::thread::sleep(Duration::from_secs(2));
     let during = served.rss_kib();
     eprintln!("RSS {before} KiB; with 400 clients not reading {during} KiB");
-    assert!(during < before + 48 * 1024, "RSS {before} KiB, then {during} KiB");
+    assert!(during < before + 64 * 1024, "RSS {before} KiB, then {during} KiB");
     drop(clients);
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(Duration::from_secs(3));
     let after = served.rss_kib();
     eprintln!("RSS once they closed: {after} KiB");
     assert!(after < before + 16 * 1024, "RSS {before} KiB, then {during}, then {after} KiB");
