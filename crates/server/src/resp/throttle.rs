@@ -30,7 +30,8 @@ pub struct Throttled {
 /// The arguments after the command's name, read as redis-cell reads them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Args<'a> {
-    /// The key, as the store keeps it ([`stored_key`]).
+    /// The key, as the store keeps it: as given, or past 1,024 bytes its beginning, `#`
+    /// and its SHA-256.
     pub key: Cow<'a, str>,
     /// The bucket: capacity `max_burst + 1`, `count` tokens per `period` seconds.
     pub config: Config,
