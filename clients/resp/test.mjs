@@ -99,6 +99,35 @@ test("node-redis, with its defaults (HELLO 3, CLIENT SETINFO)", async () => {
   }
 });
 
+test("ioredis multi() and node-redis multi(): MULTI ... EXEC, each token taken once", async () => {
+  const port = await start();
+  const redis = new Redis({ host: "127.0.0.1", port, maxRetriesPerRequest: 1 });
+  const client = createClient({ url: `redis://127.0.0.1:${port}` });
+  client.on("error", () => {});
+  await client.connect();
+  try {
+    const key = unique("multi");
+    const take = (multi) => multi.call("CL.THROTTLE", key, 1, 1, 60);
+    const replies = await take(take(take(redis.multi()))).exec();
+    assert.deepEqual(replies.map(([error, reply]) => [error, reply[0]]), [[null, 0], [null, 0], [null, 1]]);
+    assert.deepEqual(await redis.call("CL.THROTTLE", key, 1, 1, 60, 0), [0, 2, 0, -1, 120]);
+    // A command refused while queued: EXEC aborts, and nothing is taken.
+    const other = unique("abort");
+    await assert.rejects(
+      redis.multi().call("CL.THROTTLE", other, 1, 1, 60).call("NOPE").exec(),
+      /EXECABORT/,
+    );
+    assert.deepEqual(await redis.call("CL.THROTTLE", other, 1, 1, 60, 0), [0, 2, 2, -1, 0]);
+    // node-redis: multi().exec() is MULTI ... EXEC too.
+    const multi = client.multi();
+    for (let i = 0; i < 3; i++) multi.addCommand(["CL.THROTTLE", `${key}n`, "1", "1", "60"]);
+    assert.deepEqual((await multi.exec()).map((r) => r[0]), [0, 0, 1]);
+  } finally {
+    redis.disconnect();
+    await client.quit();
+  }
+});
+
 test("both clients with a token, and refused without one", async () => {
   const port = await start({ TOLLGATE_TOKENS: "secret-token" });
   const key = unique("auth");

@@ -82,6 +82,45 @@ def test_redis_py_with_its_defaults(served):
     r.close()
 
 
+def test_redis_py_default_pipeline_is_a_transaction(served):
+    """redis-py's pipeline() is MULTI ... EXEC (transaction=True): each command's reply, each
+    token taken once; a command refused while queued runs nothing; an error of a command that
+    runs is its own reply (raised, or returned with raise_on_error=False)."""
+    r = redis.Redis(host="127.0.0.1", port=served)
+    key = unique("tx")
+    pipe = r.pipeline()
+    for _ in range(3):
+        pipe.execute_command("CL.THROTTLE", key, 1, 1, 60)
+    assert [reply[0] for reply in pipe.execute()] == [0, 0, 1]
+    assert r.execute_command("CL.THROTTLE", key, 1, 1, 60, 0) == [0, 2, 0, -1, 120]
+    other = unique("abort")
+    pipe = r.pipeline()
+    pipe.execute_command("CL.THROTTLE", other, 1, 1, 60)
+    pipe.execute_command("NOPE")
+    with pytest.raises(redis.ResponseError, match="unknown command 'NOPE'"):
+        pipe.execute()
+    assert r.execute_command("CL.THROTTLE", other, 1, 1, 60, 0) == [0, 2, 2, -1, 0]
+    pipe = r.pipeline()
+    pipe.execute_command("CL.THROTTLE", other, "x", 1, 60)
+    pipe.execute_command("CL.THROTTLE", other, 1, 1, 60)
+    pipe.execute_command("TG.LIMIT", "sendMessage", "KEY", other)
+    bad, taken, limited = pipe.execute(raise_on_error=False)
+    assert isinstance(bad, redis.ResponseError) and 'max_burst is "x"' in str(bad)
+    assert taken == [0, 2, 1, -1, 60] and limited == {b"ok": True}
+    # With the asyncio client too.
+    async def run():
+        client = redis.asyncio.Redis(host="127.0.0.1", port=served)
+        async with client.pipeline() as pipe:
+            for _ in range(3):
+                pipe.execute_command("CL.THROTTLE", key + "a", 1, 1, 60)
+            replies = await pipe.execute()
+        await client.aclose()
+        return [reply[0] for reply in replies]
+
+    assert asyncio.run(run()) == [0, 0, 1]
+    r.close()
+
+
 def test_redis_py_resp2_and_a_token():
     server, port = start({"TOLLGATE_TOKENS": "secret-token"})
     try:

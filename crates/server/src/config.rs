@@ -104,6 +104,7 @@ struct ServerSection {
     resp_listen: Option<String>,
     resp_throttle_name: Option<String>,
     resp_idle_timeout: Option<Period>,
+    resp_max_period: Option<Period>,
     cors_origins: Option<Vec<String>>,
     allowed_hosts: Option<Vec<String>>,
     public_metrics: Option<bool>,
@@ -155,7 +156,7 @@ const fn setting(field: &'static str, var: &'static str, kind: Kind, live: bool)
 }
 
 /// Every `[server]` setting, in the order `serve --help` lists them.
-pub const SETTINGS: [Setting; 21] = [
+pub const SETTINGS: [Setting; 22] = [
     setting("listen", "TOLLGATE_LISTEN", Kind::Text, false),
     setting("store", "TOLLGATE_STORE", Kind::Text, false),
     setting("tokens", "TOLLGATE_TOKENS", Kind::List, false),
@@ -174,6 +175,7 @@ pub const SETTINGS: [Setting; 21] = [
     setting("respListen", "TOLLGATE_RESP_LISTEN", Kind::Text, false),
     setting("respThrottleName", "TOLLGATE_RESP_THROTTLE_NAME", Kind::Text, false),
     setting("respIdleTimeout", "TOLLGATE_RESP_IDLE_TIMEOUT", Kind::Duration, false),
+    setting("respMaxPeriod", "TOLLGATE_RESP_MAX_PERIOD", Kind::Duration, false),
     setting("corsOrigins", "TOLLGATE_CORS_ORIGINS", Kind::List, true),
     setting("allowedHosts", "TOLLGATE_ALLOWED_HOSTS", Kind::List, true),
     setting("publicMetrics", "TOLLGATE_PUBLIC_METRICS", Kind::Bool, false),
@@ -217,6 +219,10 @@ pub struct Settings {
     /// A Redis protocol connection that sends nothing, or takes none of its replies, this
     /// long is closed (default 5 minutes: clients keep pooled connections open and idle).
     pub resp_idle_timeout: Duration,
+    /// The longest period, in whole seconds, a client may give `CL.THROTTLE` (default a
+    /// year): a state lives as long as its bucket takes to refill, so a client could
+    /// otherwise make states that never expire.
+    pub resp_max_period: i64,
     /// The origins whose web pages may call the API (`*`: any); see [`crate::browsers`].
     pub cors_origins: Vec<String>,
     /// Host names a server without tokens answers to, besides loopback and its address.
@@ -335,6 +341,24 @@ fn duration(
         );
     }
     Ok(Duration::from_secs_f64(ms / 1_000.0))
+}
+
+/// `respMaxPeriod` in whole seconds (a part of a second is dropped): at least a second, at
+/// most 1e12 s (tollgate's bound on a period); by default a year.
+fn max_period(label: &str, value: &Option<Period>) -> anyhow::Result<i64> {
+    use crate::resp::throttle::{DEFAULT_MAX_PERIOD, MAX_PERIOD};
+    let Some(value) = value else { return Ok(DEFAULT_MAX_PERIOD) };
+    let ms = value.millis().map_err(|_| {
+        let written = match value {
+            Period::Millis(ms) => ms.to_string(),
+            Period::Text(text) => format!("{text:?}"),
+        };
+        anyhow::anyhow!("{label}: {written} is not a duration such as \"1d\" or \"365d\"")
+    })?;
+    if !(ms >= 1_000.0 && ms <= MAX_PERIOD as f64 * 1_000.0) {
+        bail!("{label} is {ms} ms; it must be at least 1 s and at most 1e12 s");
+    }
+    Ok((ms / 1_000.0).floor() as i64)
 }
 
 /// The tokens of `field` in the file and of the variable `var` (comma-separated), checked:
@@ -538,6 +562,7 @@ impl Overrides {
                 "respListen" => server.resp_listen = Some(value.clone()),
                 "respThrottleName" => server.resp_throttle_name = Some(value.clone()),
                 "respIdleTimeout" => server.resp_idle_timeout = Some(period()),
+                "respMaxPeriod" => server.resp_max_period = Some(period()),
                 "corsOrigins" => server.cors_origins = Some(list()?),
                 "allowedHosts" => server.allowed_hosts = Some(list()?),
                 "publicMetrics" => server.public_metrics = Some(boolean()?),
@@ -714,6 +739,7 @@ impl FileConfig {
             DEFAULT_RESP_IDLE_TIMEOUT,
             Duration::from_secs(1),
         )?;
+        let resp_max_period = max_period(&server.label("respMaxPeriod"), &server.resp_max_period)?;
         let cors_origins = server.cors_origins.clone().unwrap_or_default();
         for origin in &cors_origins {
             if origin != "*" && !is_origin(origin) {
@@ -752,6 +778,7 @@ impl FileConfig {
             resp_listen,
             resp_throttle_name,
             resp_idle_timeout,
+            resp_max_period,
             cors_origins,
             allowed_hosts,
             public_metrics: server.public_metrics.unwrap_or(false),
@@ -1146,6 +1173,7 @@ mod tests {
             ("TOLLGATE_RESP_LISTEN", "127.0.0.1:9004"),
             ("TOLLGATE_RESP_THROTTLE_NAME", "throttled"),
             ("TOLLGATE_RESP_IDLE_TIMEOUT", "1m"),
+            ("TOLLGATE_RESP_MAX_PERIOD", "7d"),
             ("TOLLGATE_CORS_ORIGINS", "https://a.example, http://localhost:3000"),
             ("TOLLGATE_ALLOWED_HOSTS", "tollgate.internal"),
             ("TOLLGATE_PUBLIC_METRICS", "true"),
@@ -1174,6 +1202,7 @@ mod tests {
         assert_eq!(s.resp_listen, Some("127.0.0.1:9004".parse().unwrap()));
         assert_eq!(s.resp_throttle_name, "throttled");
         assert_eq!(s.resp_idle_timeout, Duration::from_secs(60));
+        assert_eq!(s.resp_max_period, 7 * 86_400);
         assert_eq!(s.cors_origins, ["https://a.example", "http://localhost:3000"]);
         assert_eq!(s.allowed_hosts, ["tollgate.internal"]);
         assert!(s.public_metrics);
@@ -1227,6 +1256,16 @@ mod tests {
                 "TOLLGATE_CORS_ORIGINS: \"a.example\" is not an origin",
             ),
             ("TOLLGATE_ALLOWED_HOSTS", "a,,b", "TOLLGATE_ALLOWED_HOSTS: item 2 is empty"),
+            (
+                "TOLLGATE_RESP_MAX_PERIOD",
+                "500",
+                "TOLLGATE_RESP_MAX_PERIOD is 500 ms; it must be at least 1 s and at most 1e12 s",
+            ),
+            (
+                "TOLLGATE_RESP_MAX_PERIOD",
+                "a while",
+                "TOLLGATE_RESP_MAX_PERIOD: \"a while\" is not a duration such as \"1d\"",
+            ),
         ] {
             let err = file.settings(&env(&[(var, value)]), false).unwrap_err().to_string();
             assert!(err.starts_with(message), "{var}={value}: {err}");

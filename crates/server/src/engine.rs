@@ -264,6 +264,11 @@ impl Defined {
     pub fn limiter(&self) -> &RateLimiter<DynStore> {
         &self.limiter
     }
+
+    /// What requests may carry besides a defined name.
+    pub fn permissions(&self) -> Permissions {
+        self.permissions
+    }
 }
 
 impl Engine {

@@ -476,6 +476,7 @@ async fn serve_async(
     let addr: SocketAddr = listener.local_addr()?;
     let (rls_listener, rls_addr) = bind_if_set(settings.rls_listen).await?;
     let (resp_listener, resp_addr) = bind_if_set(settings.resp_listen).await?;
+    warn_of_weak_settings(&settings);
     // Each listener may hold maxConnections; all must fit in the open files allowed.
     let listeners = 1 + u64::from(rls_addr.is_some()) + u64::from(resp_addr.is_some());
     let http_limits = config::HttpLimits {
@@ -553,6 +554,9 @@ async fn serve_async(
             throttle_name: settings.resp_throttle_name.clone(),
             idle_timeout: settings.resp_idle_timeout,
             command_timeout: settings.http.body_timeout,
+            auth_timeout: settings.http.header_timeout,
+            max_period: settings.resp_max_period,
+            guesses: resp::guesses::Guesses::default(),
             next_id: std::sync::atomic::AtomicU64::new(0),
         };
         tokio::spawn(resp::serve(
@@ -596,6 +600,41 @@ async fn serve_async(
     Ok(())
 }
 
+/// Tokens shorter than this are warned of at start.
+const SHORT_TOKEN: usize = 16;
+
+/// Warns, at start, of settings that work but are likely not what was meant: a token short
+/// enough to guess, and a `respThrottleName` that names a limit of `[limits]` (whose config
+/// then decides what `CL.THROTTLE` may take).
+fn warn_of_weak_settings(settings: &Settings) {
+    for (field, tokens) in [("tokens", &settings.tokens), ("readTokens", &settings.read_tokens)] {
+        for token in tokens.iter().filter(|t| t.chars().count() < SHORT_TOKEN) {
+            tracing::warn!(
+                "a token of [server] {field} is {} characters long: one that short can be \
+                 guessed; use {SHORT_TOKEN} random characters or more (openssl rand -hex 16 \
+                 gives 32)",
+                token.chars().count()
+            );
+        }
+    }
+    let name = &settings.resp_throttle_name;
+    let defined = settings.limits.iter().find(|(n, _)| n == name);
+    if let (Some(_), Some((_, config))) = (settings.resp_listen, defined) {
+        let takes = if settings.allow_config_override {
+            "its arguments replace the config (allowConfigOverride = true)".to_owned()
+        } else {
+            format!(
+                "only arguments that make its config ({}) take from it; others are refused",
+                resp::throttle::as_arguments(config)
+            )
+        };
+        tracing::warn!(
+            "respThrottleName {name:?} is a limit of [limits]: CL.THROTTLE takes from it, and \
+             {takes}"
+        );
+    }
+}
+
 /// A listener bound to `addr` if one is set, and the address it got (port 0: the one the
 /// system picked).
 async fn bind_if_set(
@@ -630,25 +669,33 @@ pub async fn serve_http(
     use hyper_util::service::TowerToHyperService;
 
     let header_timeout = limits.header_timeout;
-    listen::serve_connections(listener, "http", limits, accept_errors, stop, |tcp, mut stopping| {
-        let service = TowerToHyperService::new(router.clone());
-        async move {
-            let connection = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_timeout)
-                .serve_connection(TokioIo::new(tcp), service);
-            let mut connection = std::pin::pin!(connection);
-            tokio::select! {
-                // The connection first, and no random order to draw at every wake-up.
-                biased;
-                _ = connection.as_mut() => {}
-                () = stopping.wait() => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = connection.await;
+    listen::serve_connections(
+        listener,
+        "http",
+        limits,
+        b"",
+        accept_errors,
+        stop,
+        |tcp, mut stopping| {
+            let service = TowerToHyperService::new(router.clone());
+            async move {
+                let connection = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(header_timeout)
+                    .serve_connection(TokioIo::new(tcp), service);
+                let mut connection = std::pin::pin!(connection);
+                tokio::select! {
+                    // The connection first, and no random order to draw at every wake-up.
+                    biased;
+                    _ = connection.as_mut() => {}
+                    () = stopping.wait() => {
+                        connection.as_mut().graceful_shutdown();
+                        let _ = connection.await;
+                    }
                 }
             }
-        }
-    })
+        },
+    )
     .await
 }
 

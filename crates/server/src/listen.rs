@@ -25,7 +25,8 @@ impl Stopping {
 
 /// Accepts connections on `listener` until `stop` resolves, each served by `serve` in a task
 /// of its own: at most `limits.max_connections` at a time (one more is closed as soon as it
-/// is accepted, before it costs anything). Accept errors (out of file descriptors, say) go to
+/// is accepted, before it costs anything, told `full` first if that is not empty: the Redis
+/// protocol's `-ERR max number of clients reached`). Accept errors (out of file descriptors, say) go to
 /// `errors`, summed up, and the loop waits a little rather than spin. Once `stop` resolves
 /// the listener is closed, every connection is told (the [`Stopping`] given to `serve`), and
 /// they get `limits.shutdown_deadline` to close; any left then is cut when the runtime ends.
@@ -37,6 +38,7 @@ pub async fn serve_connections<F, Fut>(
     listener: TcpListener,
     what: &'static str,
     limits: HttpLimits,
+    full: &'static [u8],
     errors: Arc<ErrorLog>,
     stop: impl Future<Output = ()>,
     serve: F,
@@ -46,6 +48,7 @@ where
     Fut: Future<Output = ()> + Send + 'static,
 {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let told = Arc::new(Semaphore::new(TOLD_AT_ONCE));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut stop = std::pin::pin!(stop);
     loop {
@@ -65,8 +68,10 @@ where
             }
         };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            // Over the limit: closed at once.
-            drop(tcp);
+            // Over the limit: closed at once (once told, if it is to be).
+            if !full.is_empty() {
+                tell_and_close(tcp, full, &told);
+            }
             continue;
         };
         // Answers are small and each is one write: send it at once, not after an ACK.
@@ -90,6 +95,35 @@ where
         );
     }
     Ok(())
+}
+
+/// Connections over the limit that may be closing at once after being told so, each for at
+/// most [`TOLD_WITHIN`]: beyond these, one is closed untold (they hold file descriptors past
+/// `maxConnections`, within [`SPARE_FILES`]).
+const TOLD_AT_ONCE: usize = 16;
+/// See [`TOLD_AT_ONCE`].
+const TOLD_WITHIN: Duration = Duration::from_secs(1);
+
+/// Writes `message` to a connection over the limit (its socket's buffer is empty: the write
+/// takes it whole or not at all), then closes it gracefully: a close with the client's first
+/// command unread would be a reset, which may destroy the message before the client reads
+/// it, so what the client sends is read and dropped until it closes too, or [`TOLD_WITHIN`].
+fn tell_and_close(tcp: TcpStream, message: &'static [u8], told: &Arc<Semaphore>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if tcp.try_write(message).is_err() {
+        return;
+    }
+    let Ok(telling) = Arc::clone(told).try_acquire_owned() else { return };
+    tokio::spawn(async move {
+        let mut tcp = tcp;
+        let _ = tcp.shutdown().await;
+        let mut dropped = [0u8; 512];
+        let _ = tokio::time::timeout(TOLD_WITHIN, async {
+            while let Ok(1..) = tcp.read(&mut dropped).await {}
+        })
+        .await;
+        drop(telling);
+    });
 }
 
 /// File descriptors the process keeps besides its connections: the store's, the log's, the

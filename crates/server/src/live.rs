@@ -167,6 +167,7 @@ pub fn restart_needed(old: &Settings, new: &Settings) -> Vec<&'static str> {
         "respListen" => old.resp_listen != new.resp_listen,
         "respThrottleName" => old.resp_throttle_name != new.resp_throttle_name,
         "respIdleTimeout" => old.resp_idle_timeout != new.resp_idle_timeout,
+        "respMaxPeriod" => old.resp_max_period != new.resp_max_period,
         "publicMetrics" => old.public_metrics != new.public_metrics,
         _ => false,
     };

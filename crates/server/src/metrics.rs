@@ -23,11 +23,23 @@ pub enum Protocol {
 
 const PROTOCOLS: [&str; 2] = ["http", "resp"];
 
+/// Why the Redis protocol refused an `AUTH`: its `reason` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuthFailure {
+    /// A token that is none of the server's.
+    WrongToken = 0,
+    /// Refused unchecked: its address sent too many wrong tokens.
+    Throttled = 1,
+}
+
+const AUTH_FAILURES: [&str; 2] = ["wrong_token", "throttled"];
+
 /// The server's counters.
 #[derive(Default)]
 pub struct Metrics {
     requests: [[[AtomicU64; OUTCOMES.len()]; OPS.len()]; PROTOCOLS.len()],
     latency: [[Histogram; OPS.len()]; PROTOCOLS.len()],
+    resp_auth_failures: [AtomicU64; AUTH_FAILURES.len()],
 }
 
 #[derive(Default)]
@@ -64,6 +76,11 @@ impl Metrics {
                 bucket.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Counts an `AUTH` the Redis protocol refused, and why.
+    pub fn resp_auth_failed(&self, why: AuthFailure) {
+        self.resp_auth_failures[why as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition; `failed_open` is the limiter's count of requests
@@ -158,6 +175,18 @@ impl Metrics {
                 "counter",
                 "Requests the store failed: past the deadline, unreachable or disconnected.",
                 b.failures,
+            );
+        }
+        out.push_str(
+            "# HELP tollgate_resp_auth_failures_total AUTH refused on the Redis protocol: a \
+             wrong token, or throttled (refused unchecked after too many from its address).\n",
+        );
+        out.push_str("# TYPE tollgate_resp_auth_failures_total counter\n");
+        for (reason, n) in AUTH_FAILURES.iter().zip(&self.resp_auth_failures) {
+            let _ = writeln!(
+                out,
+                "tollgate_resp_auth_failures_total{{reason=\"{reason}\"}} {}",
+                get(n)
             );
         }
         out.push_str(

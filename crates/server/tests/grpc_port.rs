@@ -547,3 +547,96 @@ fn a_flood_of_pings_or_settings_is_cut() {
         assert_eq!(call(rls, None, true).grpc_status.as_deref(), Some("0"));
     }
 }
+
+/// Makes an HTTP/2 start on a new connection to `addr` (the preface, the server's SETTINGS
+/// acknowledged), then writes `bytes` one at a time, `gap` apart, until the server closes
+/// the connection or all are sent. Returns how many bytes went, and when the server closed
+/// (from the first byte), if it did before the bytes ran out.
+fn trickle(addr: SocketAddr, bytes: &[u8], gap: Duration) -> (usize, Option<Duration>) {
+    let mut tcp = TcpStream::connect(addr).unwrap();
+    tcp.set_nodelay(true).unwrap();
+    raw::write(&mut tcp, &raw::preface()).unwrap();
+    let mut reader = tcp.try_clone().unwrap();
+    reader.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    loop {
+        let (kind, flags, _, _) = raw::read_frame(&mut reader).unwrap();
+        if kind == raw::SETTINGS && flags & 1 == 0 {
+            break;
+        }
+    }
+    raw::write(&mut tcp, &raw::frame(raw::SETTINGS, 1, 0, &[])).unwrap();
+    let start = Instant::now();
+    let read = std::thread::spawn(move || {
+        while raw::read_frame(&mut reader).is_ok() {}
+        start.elapsed()
+    });
+    let mut sent = 0;
+    for byte in bytes {
+        if read.is_finished() || raw::write(&mut tcp, &[*byte]).is_err() {
+            break;
+        }
+        sent += 1;
+        std::thread::sleep(gap);
+    }
+    let trickled_all = sent == bytes.len();
+    let _ = tcp.shutdown(std::net::Shutdown::Both);
+    let closed = read.join().unwrap();
+    (sent, (!trickled_all).then_some(closed))
+}
+
+/// The shape of the Redis protocol's trickled command, on this port: a call's HEADERS frame
+/// sent a byte every 100 ms (a call never starts, so the connection is idle: GOAWAY and
+/// closed within two header timeouts and the grace after, not when the bytes run out), and
+/// a call's body sent as DATA frames of one byte each, 100 ms apart (answered
+/// DEADLINE_EXCEEDED at bodyTimeout + storeDeadline from its start, however often bytes
+/// come). Neither restarts its clock with each read.
+#[test]
+fn trickled_headers_and_bodies_are_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let served = start(dir.path(), "headerTimeout = \"1s\"\nbodyTimeout = \"1s\"", None);
+    let rls = served.rls.unwrap();
+    let headers = raw::call(1, None);
+    let (sent, closed) = trickle(rls, &headers, Duration::from_millis(100));
+    let closed = closed.unwrap_or_else(|| panic!("all {sent} bytes of HEADERS taken"));
+    eprintln!("HEADERS trickled: closed after {closed:?}, {sent} of {} bytes", headers.len());
+    assert!(closed < Duration::from_secs(4), "closed after {closed:?}");
+
+    // The body: the call's headers whole, then its message (45 bytes) a byte per DATA frame,
+    // one every 100 ms, by the h2 crate's client.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (status, took) = runtime.block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(rls).await.unwrap();
+        let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(connection);
+        let mut client = client.ready().await.unwrap();
+        let path = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+        let request = http::Request::post(format!("http://{rls}{path}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        let start = Instant::now();
+        let (response, mut stream) = client.send_request(request, false).unwrap();
+        let message = [&[0u8, 0, 0, 0, 40][..], &[0x0a; 40]].concat();
+        let trickling = tokio::spawn(async move {
+            for byte in message {
+                if stream.send_data(vec![byte].into(), false).is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        let response = tokio::time::timeout(Duration::from_secs(10), response).await;
+        let took = start.elapsed();
+        trickling.abort();
+        let response = response.expect("an answer within 10 s").unwrap();
+        let status = response.headers().get("grpc-status").map(|v| v.to_str().unwrap().to_owned());
+        (status, took)
+    });
+    eprintln!("a body trickled: answered {status:?} after {took:?}");
+    assert_eq!(status.as_deref(), Some("4"), "not DEADLINE_EXCEEDED after {took:?}");
+    assert!(
+        took >= Duration::from_millis(1_200) && took < Duration::from_millis(2_500),
+        "answered after {took:?}"
+    );
+}

@@ -23,6 +23,8 @@ struct Served {
     child: Child,
     http: String,
     resp: String,
+    /// What the server wrote to stderr so far (its log).
+    log: std::sync::Arc<std::sync::Mutex<String>>,
     _dir: tempfile::TempDir,
 }
 
@@ -39,11 +41,19 @@ impl Served {
             .arg(&config)
             .current_dir(dir.path())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(Stdio::piped());
         for (var, value) in env {
             command.env(var, value);
         }
         let mut child = command.spawn().unwrap();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (mut err, collected) = (child.stderr.take().unwrap(), std::sync::Arc::clone(&log));
+        std::thread::spawn(move || {
+            let mut chunk = [0; 4096];
+            while let Ok(n @ 1..) = err.read(&mut chunk) {
+                collected.lock().unwrap().push_str(&String::from_utf8_lossy(&chunk[..n]));
+            }
+        });
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let (mut http, mut resp) = (String::new(), String::new());
         let mut line = String::new();
@@ -51,7 +61,8 @@ impl Served {
             line.clear();
             if out.read_line(&mut line).unwrap() == 0 {
                 let _ = child.kill();
-                panic!("{store}: the server did not start");
+                std::thread::sleep(Duration::from_millis(200));
+                panic!("{store}: the server did not start: {}", log.lock().unwrap());
             }
             if let Some(base) = line.trim().strip_prefix("tollgate listening on ") {
                 http = base.to_owned();
@@ -62,7 +73,12 @@ impl Served {
             }
         }
         std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
-        Served { child, http, resp, _dir: dir }
+        Served { child, http, resp, log, _dir: dir }
+    }
+
+    /// What the server has logged so far.
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
     }
 
     fn client(&self) -> redis::Connection {
@@ -694,4 +710,483 @@ fn redis_cli_works() {
     assert_eq!(cli(&["-3", "TG.LIMIT", "twin", "KEY", &key]), "ok (true)\n");
     let refused = cli(&["CL.THROTTLE", &key, "0", "1", "60", "2"]);
     assert_eq!(refused, "1\n1\n1\n-1\n0\n");
+}
+
+/// What the server sends on a new connection to `addr` given `bytes` (and `QUIT` after
+/// them), up to its close: replies byte for byte as Redis writes them.
+fn exchange(addr: &str, bytes: &[u8]) -> String {
+    let mut raw = TcpStream::connect(addr).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    raw.write_all(bytes).unwrap();
+    raw.write_all(b"QUIT\r\n").unwrap();
+    let mut all = Vec::new();
+    let _ = raw.read_to_end(&mut all);
+    String::from_utf8_lossy(&all).into_owned()
+}
+
+/// What a client that trickles `bytes` one at a time, `gap` apart, saw: how many it sent
+/// before the server closed the connection, the time from its first byte to the close, and
+/// what the server sent. (Once every byte is sent it says it is done writing, so that a
+/// server that answers still closes.)
+struct Trickled {
+    sent: usize,
+    closed_after: Duration,
+    got: String,
+}
+
+fn trickle(addr: &str, bytes: &[u8], gap: Duration) -> Trickled {
+    let mut tcp = TcpStream::connect(addr).unwrap();
+    tcp.set_nodelay(true).unwrap();
+    let mut reader = tcp.try_clone().unwrap();
+    reader.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let start = Instant::now();
+    let reading = std::thread::spawn(move || {
+        let mut got = Vec::new();
+        let _ = reader.read_to_end(&mut got);
+        (start.elapsed(), String::from_utf8_lossy(&got).into_owned())
+    });
+    let mut sent = 0;
+    for byte in bytes {
+        if reading.is_finished() || tcp.write_all(&[*byte]).is_err() {
+            break;
+        }
+        sent += 1;
+        std::thread::sleep(gap);
+    }
+    let _ = tcp.shutdown(std::net::Shutdown::Write);
+    let (closed_after, got) = reading.join().unwrap();
+    Trickled { sent, closed_after, got }
+}
+
+/// Whether the server closes `tcp` within `within` (EOF or a reset, and nothing else).
+fn closed_within(tcp: &mut TcpStream, within: Duration) -> Result<Duration, String> {
+    tcp.set_read_timeout(Some(within)).unwrap();
+    let start = Instant::now();
+    let mut got = Vec::new();
+    match tcp.read_to_end(&mut got) {
+        Ok(_) => Ok(start.elapsed()),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(start.elapsed()),
+        Err(e) => {
+            Err(format!("{e} after {:?}, {}", start.elapsed(), String::from_utf8_lossy(&got)))
+        }
+    }
+}
+
+/// A command trickled a byte at a time must arrive whole within `bodyTimeout` of its first
+/// byte: reads do not restart the clock (one byte every 150 ms, a second allowed: cut after
+/// about 7 of its 14 bytes). The clock starts at the command's first byte, not at the
+/// connection's: a connection quiet for longer than that, then sending a whole command, is
+/// answered.
+#[test]
+fn a_trickled_command_is_cut_at_its_deadline() {
+    let served = Served::start("memory", "[server]\nbodyTimeout = \"1s\"\n", &[]);
+    let ping = b"*1\r\n$4\r\nPING\r\n";
+    let cut = trickle(&served.resp, ping, Duration::from_millis(150));
+    assert!(!cut.got.contains("PONG"), "answered: {:?} after {:?}", cut.got, cut.closed_after);
+    assert!(cut.sent < ping.len(), "every byte was taken: {:?}", cut.closed_after);
+    assert!(
+        cut.closed_after >= Duration::from_millis(900)
+            && cut.closed_after < Duration::from_millis(1_800),
+        "closed after {:?}",
+        cut.closed_after
+    );
+    // Quiet longer than bodyTimeout between commands (the idle timeout's business), then a
+    // whole command: answered.
+    let mut quiet = TcpStream::connect(&served.resp).unwrap();
+    std::thread::sleep(Duration::from_millis(1_500));
+    quiet.write_all(b"PING\r\n").unwrap();
+    let mut pong = [0u8; 7];
+    quiet.read_exact(&mut pong).unwrap();
+    assert_eq!(&pong, b"+PONG\r\n");
+    // Pieces that arrive within the deadline make a command.
+    for piece in [&b"*1\r\n$4"[..], b"\r\nPI", b"NG\r\n"] {
+        quiet.write_all(piece).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    quiet.read_exact(&mut pong).unwrap();
+    assert_eq!(&pong, b"+PONG\r\n");
+}
+
+/// Before `AUTH`, a connection has a tighter budget: it must authenticate within
+/// `headerTimeout` of its start (the time HTTP gives a request's headers, where its token
+/// is), whether it sends nothing or trickles its `AUTH`; its commands take at most 10
+/// arguments and 16 KiB (Redis's bounds for unauthenticated clients), refused as soon as
+/// they say more. Once authenticated, the connection has the usual ones.
+#[test]
+fn before_auth_the_budget_is_tighter() {
+    let served = Served::start(
+        "memory",
+        "[server]\nheaderTimeout = \"1s\"\nbodyTimeout = \"5s\"\n",
+        &[("TOLLGATE_TOKENS", "full-token-of-thirty-two-chars!")],
+    );
+    // Nothing sent: closed after the header timeout, not the idle timeout (5 minutes).
+    let mut silent = TcpStream::connect(&served.resp).unwrap();
+    let took = closed_within(&mut silent, Duration::from_secs(5)).unwrap();
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2_500), "{took:?}");
+    // AUTH trickled, well within bodyTimeout per byte and in all: cut at the header timeout.
+    let auth = b"AUTH full-token-of-thirty-two-chars!\r\n";
+    let cut = trickle(&served.resp, auth, Duration::from_millis(100));
+    assert!(!cut.got.contains("+OK"), "authenticated: {:?}", cut.got);
+    assert!(cut.closed_after < Duration::from_millis(2_500), "closed after {:?}", cut.closed_after);
+    // Memory: an argument over 16 KiB, or more than 10 arguments, before AUTH.
+    assert_eq!(
+        exchange(&served.resp, b"*2\r\n$4\r\nECHO\r\n$20000\r\n"),
+        "-ERR Protocol error: unauthenticated bulk length\r\n"
+    );
+    assert_eq!(
+        exchange(&served.resp, b"*11\r\n"),
+        "-ERR Protocol error: unauthenticated multibulk length\r\n"
+    );
+    // Authenticated: quiet past the header timeout, then a 20,000-byte argument: answered.
+    let mut c = TcpStream::connect(&served.resp).unwrap();
+    c.write_all(b"AUTH full-token-of-thirty-two-chars!\r\n").unwrap();
+    let mut ok = [0u8; 5];
+    c.read_exact(&mut ok).unwrap();
+    assert_eq!(&ok, b"+OK\r\n");
+    std::thread::sleep(Duration::from_millis(1_500));
+    let big = "x".repeat(20_000);
+    write!(c, "*2\r\n$4\r\nECHO\r\n$20000\r\n{big}\r\n").unwrap();
+    let mut echoed = vec![0u8; 20_000 + 10];
+    c.read_exact(&mut echoed).unwrap();
+    assert_eq!(String::from_utf8_lossy(&echoed), format!("$20000\r\n{big}\r\n"));
+}
+
+/// `MULTI`, `EXEC` and `DISCARD` answer as Redis 7 does, word for word (each case was sent
+/// to a redis-server 7 too): `+QUEUED` for each command, one array of replies at `EXEC`,
+/// nothing run at `DISCARD` or after an error while queueing (`-EXECABORT`), an error of a
+/// command that runs stays in the array; `MULTI` inside one, `EXEC` or `DISCARD` without one,
+/// and `WATCH` inside one are errors. Nothing queued is taken until `EXEC`.
+#[test]
+fn multi_exec_answer_as_redis() {
+    let served = Served::start("memory", "", &[]);
+    let addr = served.resp.as_str();
+    let quit = "+OK\r\n";
+    assert_eq!(
+        exchange(addr, b"MULTI\r\nMULTI\r\nPING\r\nEXEC\r\n"),
+        format!("+OK\r\n-ERR MULTI calls can not be nested\r\n+QUEUED\r\n*1\r\n+PONG\r\n{quit}")
+    );
+    assert_eq!(
+        exchange(addr, b"EXEC\r\nDISCARD\r\n"),
+        format!("-ERR EXEC without MULTI\r\n-ERR DISCARD without MULTI\r\n{quit}")
+    );
+    assert_eq!(
+        exchange(addr, b"MULTI\r\nPING\r\nNOPE x\r\nPING\r\nEXEC\r\n"),
+        format!(
+            "+OK\r\n+QUEUED\r\n-ERR unknown command 'NOPE', with args beginning with: 'x' \r\n\
+             +QUEUED\r\n-EXECABORT Transaction discarded because of previous errors.\r\n{quit}"
+        )
+    );
+    // Arity is checked when queued (ECHO takes one argument); PING's, when it runs.
+    assert_eq!(
+        exchange(addr, b"MULTI\r\nECHO\r\nEXEC\r\nMULTI\r\nPING a b c\r\nEXEC\r\n"),
+        format!(
+            "+OK\r\n-ERR wrong number of arguments for 'echo' command\r\n\
+             -EXECABORT Transaction discarded because of previous errors.\r\n\
+             +OK\r\n+QUEUED\r\n*1\r\n-ERR wrong number of arguments for 'ping' command\r\n{quit}"
+        )
+    );
+    assert_eq!(
+        exchange(addr, b"MULTI\r\nWATCH a\r\nEXEC\r\nUNWATCH\r\n"),
+        format!("+OK\r\n-ERR WATCH inside MULTI is not allowed\r\n*0\r\n+OK\r\n{quit}")
+    );
+    assert!(
+        exchange(addr, b"WATCH a\r\n").starts_with("-ERR WATCH is not supported"),
+        "WATCH outside MULTI"
+    );
+    // Nothing taken by a DISCARD, by an aborted EXEC, or by a RESET inside MULTI.
+    let key = unique("multi");
+    let take = format!("CL.THROTTLE {key} 1 1 60\r\n");
+    let peek = format!("CL.THROTTLE {key} 1 1 60 0\r\n");
+    let full = "*5\r\n:0\r\n:2\r\n:2\r\n:-1\r\n:0\r\n";
+    let sent = format!("MULTI\r\n{take}{take}{take}DISCARD\r\n{peek}");
+    assert_eq!(
+        exchange(addr, sent.as_bytes()),
+        format!("+OK\r\n+QUEUED\r\n+QUEUED\r\n+QUEUED\r\n+OK\r\n{full}{quit}")
+    );
+    let sent = format!("MULTI\r\n{take}NOPE\r\n{take}EXEC\r\n{peek}");
+    let got = exchange(addr, sent.as_bytes());
+    assert!(got.contains("-EXECABORT") && got.ends_with(&format!("{full}{quit}")), "{got}");
+    let sent = format!("MULTI\r\n{take}RESET\r\nEXEC\r\n{peek}");
+    assert_eq!(
+        exchange(addr, sent.as_bytes()),
+        format!("+OK\r\n+QUEUED\r\n+RESET\r\n-ERR EXEC without MULTI\r\n{full}{quit}")
+    );
+    // An error of a command that runs is its reply in the array; the others run.
+    let sent = format!("MULTI\r\nCL.THROTTLE {key} x 1 60\r\n{take}EXEC\r\n");
+    let got = exchange(addr, sent.as_bytes());
+    assert!(
+        got.starts_with("+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n-ERR CL.THROTTLE: max_burst is \"x\"")
+            && got.ends_with(&format!("*5\r\n:0\r\n:2\r\n:1\r\n:-1\r\n:60\r\n{quit}")),
+        "{got}"
+    );
+}
+
+/// redis-rs's atomic pipeline (`MULTI` ... `EXEC`) on `store`: every command's reply, each
+/// token taken once; pipelined `CL.THROTTLE` on a networked store are queued too, not run
+/// at once beside the transaction.
+fn atomic_pipelines_take_once(store: &str) {
+    let served = Served::start(store, TWIN, &[]);
+    let mut c = served.client();
+    let key = unique("atomic");
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    for _ in 0..3 {
+        pipe.cmd("CL.THROTTLE").arg(&key).arg(1).arg(1).arg(86_400);
+    }
+    let replies: Vec<Vec<i64>> = pipe.query(&mut c).unwrap();
+    let limited: Vec<i64> = replies.iter().map(|r| r[0]).collect();
+    assert_eq!(limited, [0, 0, 1], "{store}: {replies:?}");
+    assert_eq!(throttle(&mut c, &[&key, "1", "1", "86400", "0"])[2], 0, "{store}");
+    // Mixed with TG.* and a connection command.
+    let mut pipe = redis::pipe();
+    pipe.atomic().cmd("TG.LIMIT").arg("twin").arg("KEY").arg(&key).cmd("PING");
+    let (taken, pong): (R, String) = pipe.query(&mut c).unwrap();
+    assert_eq!(json_of(&taken)["ok"], json!(1), "{store}");
+    assert_eq!(pong, "PONG");
+}
+
+#[test]
+fn atomic_pipelines_take_once_on_memory() {
+    atomic_pipelines_take_once("memory");
+}
+
+#[test]
+fn atomic_pipelines_take_once_on_redis() {
+    let Some(url) = backend("TOLLGATE_REDIS_URL") else { return };
+    atomic_pipelines_take_once(&url);
+}
+
+/// A transaction holds a bounded amount: past 64 KiB of queued commands (what one command
+/// may take), the command is refused and `EXEC` aborts; nothing is taken.
+#[test]
+fn a_transaction_holds_a_bounded_amount() {
+    let served = Served::start("memory", "", &[]);
+    let key = unique("big");
+    let mut sent = String::from("MULTI\r\n");
+    for _ in 0..4_000 {
+        sent.push_str(&format!("CL.THROTTLE {key} 10 1 60\r\n"));
+    }
+    sent.push_str(&format!("EXEC\r\nCL.THROTTLE {key} 10 1 60 0\r\n"));
+    let got = exchange(&served.resp, sent.as_bytes());
+    assert!(got.contains("-ERR a transaction holds at most 65536 bytes"), "{}", &got[..200]);
+    assert!(got.contains("-EXECABORT"), "not aborted");
+    assert!(got.ends_with("*5\r\n:0\r\n:11\r\n:11\r\n:-1\r\n:0\r\n+OK\r\n"), "taken");
+}
+
+/// `COMMAND DOCS` of 4,000 names (72 KB in) is a map of the distinct commands named, not a
+/// reply per name (a map has each key once): a few KB, not 596 KB.
+#[test]
+fn command_docs_of_many_names_is_small() {
+    let served = Served::start("memory", "", &[]);
+    let mut command = format!("*{}\r\n$7\r\nCOMMAND\r\n$4\r\nDOCS\r\n", 4_002);
+    for i in 0..4_000 {
+        let name = ["cl.throttle", "tg.transaction", "hello", "nothing"][i % 4];
+        command.push_str(&format!("${}\r\n{name}\r\n", name.len()));
+    }
+    let got = exchange(&served.resp, command.as_bytes());
+    assert!(got.starts_with("*6\r\n$11\r\ncl.throttle\r\n"), "{}", &got[..got.len().min(200)]);
+    assert!(got.len() < 4_096, "{} bytes", got.len());
+}
+
+/// Clients that send commands with large replies (`COMMAND INFO` of 4,000 names: 40 KB in,
+/// 236 KB out) and never read: each connection's pending replies stay within its bound
+/// (16 KiB and a part of a reply, then it is not read from), so 400 of them grow the server
+/// by far less than their replies' 94 MB (measured: 23 MB; 168 MB before each kept its
+/// reply); once they close, the memory is given back (mimalloc is asked to, every second).
+#[test]
+fn clients_that_never_read_large_replies_cost_a_bounded_memory() {
+    let served = Served::start("memory", "", &[]);
+    let mut command = format!("*{}\r\n$7\r\nCOMMAND\r\n$4\r\nINFO\r\n", 4_002);
+    for _ in 0..4_000 {
+        command.push_str("$4\r\nping\r\n");
+    }
+    // The reply's size, read whole once.
+    let mut one = TcpStream::connect(&served.resp).unwrap();
+    one.write_all(command.as_bytes()).unwrap();
+    one.write_all(b"QUIT\r\n").unwrap();
+    let mut reply = Vec::new();
+    one.read_to_end(&mut reply).unwrap();
+    assert!(reply.len() > 200_000, "{}", reply.len());
+    let before = served.rss_kib();
+    let clients: Vec<TcpStream> = (0..400)
+        .map(|_| {
+            let mut c = TcpStream::connect(&served.resp).unwrap();
+            c.write_all(command.as_bytes()).unwrap();
+            c
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(2));
+    let during = served.rss_kib();
+    eprintln!("RSS {before} KiB; with 400 clients not reading {during} KiB");
+    assert!(during < before + 64 * 1024, "RSS {before} KiB, then {during} KiB");
+    drop(clients);
+    std::thread::sleep(Duration::from_secs(3));
+    let after = served.rss_kib();
+    eprintln!("RSS once they closed: {after} KiB");
+    assert!(after < before + 16 * 1024, "RSS {before} KiB, then {during}, then {after} KiB");
+}
+
+const DEFINED_THROTTLE: &str = r#"
+[limits."cl.throttle"]
+kind = "token bucket"
+rate = 1
+period = "1m"
+capacity = 3
+"#;
+
+/// With `respThrottleName` defined in `[limits]`, `CL.THROTTLE` follows the rule of HTTP
+/// and `TG.LIMIT`: arguments that give its config take from it; others are refused
+/// (`allowConfigOverride = false`), a quantity-0 peek too, and rewrite nothing: a drained
+/// limit is not granted more. The server warns at start. With `allowConfigOverride = true`,
+/// the arguments are the config, as before.
+#[test]
+fn cl_throttle_keeps_a_defined_limit() {
+    let served = Served::start("memory", DEFINED_THROTTLE, &[]);
+    let mut c = served.client();
+    let key = unique("defined");
+    // max_burst 2, count 1, period 60: the defined bucket.
+    for left in [2, 1, 0] {
+        assert_eq!(throttle(&mut c, &[&key, "2", "1", "60"])[..3], [0, 3, left]);
+    }
+    assert_eq!(throttle(&mut c, &[&key, "2", "1", "60"])[0], 1);
+    for args in
+        [[&key, "10", "1", "60", "1"], [&key, "10", "1", "60", "0"], [&key, "2", "5", "1", "0"]]
+    {
+        let e = error(&mut c, "CL.THROTTLE", &args);
+        assert!(e.starts_with("ERR CL.THROTTLE: cl.throttle is defined by the server"), "{e}");
+        assert!(e.contains("max_burst 2, count 1, period 60"), "{e}");
+    }
+    assert_eq!(throttle(&mut c, &[&key, "2", "1", "60", "0"])[..3], [0, 3, 0]);
+    let value = |c: &mut redis::Connection| {
+        let reply: R =
+            redis::cmd("TG.VALUE").arg("cl.throttle").arg("KEY").arg(&key).query(c).unwrap();
+        json_of(&reply)["value"].as_f64().unwrap()
+    };
+    assert!(value(&mut c) < 0.1, "the drained limit was refilled");
+    let log = served.log();
+    assert!(log.contains("respThrottleName \"cl.throttle\" is a limit of [limits]"), "{log}");
+
+    let toml = format!("[server]\nallowConfigOverride = true\n{DEFINED_THROTTLE}");
+    let served = Served::start("memory", &toml, &[]);
+    let mut c = served.client();
+    assert_eq!(throttle(&mut c, &[&key, "10", "1", "60"])[..3], [0, 11, 10]);
+}
+
+/// `AUTH` and `HELLO AUTH` as Redis 7 answers them, with no tokens: `AUTH default x` is
+/// accepted (the nopass default user), `AUTH x` is Redis's error, another user is
+/// `-WRONGPASS`. With tokens: `HELLO 3 AUTH u <token> SETNAME "bad name"` checks the name
+/// first (Redis 7.2 does) and leaves the connection unauthenticated.
+#[test]
+fn auth_answers_as_redis_7() {
+    let served = Served::start("memory", "", &[]);
+    assert_eq!(
+        exchange(
+            &served.resp,
+            b"AUTH x\r\nAUTH default x\r\nAUTH bob x\r\nHELLO 2 AUTH default x\r\n"
+        )
+        .lines()
+        .take(3)
+        .collect::<Vec<_>>(),
+        [
+            "-ERR AUTH <password> called without any password configured for the default user. \
+             Are you sure your configuration is correct?",
+            "+OK",
+            "-WRONGPASS invalid username-password pair or user is disabled.",
+        ]
+    );
+    assert!(
+        exchange(&served.resp, b"HELLO 2 AUTH default x\r\n").starts_with("*14\r\n$6\r\nserver"),
+        "HELLO AUTH default on a server without tokens"
+    );
+    let token = "full-token-of-thirty-two-chars!";
+    let served = Served::start("memory", "", &[("TOLLGATE_TOKENS", token)]);
+    let hello = format!("HELLO 3 AUTH default {token} SETNAME \"bad name\"\r\nPING\r\n");
+    assert_eq!(
+        exchange(&served.resp, hello.as_bytes()),
+        "-ERR Client names cannot contain spaces, newlines or special characters.\r\n\
+         -NOAUTH Authentication required.\r\n+OK\r\n"
+    );
+}
+
+/// Wrong tokens are throttled per client address: 20 at once, then one a second; past
+/// that, `AUTH` is refused unchecked (a right token too) until one comes back. Each is
+/// counted in `tollgate_resp_auth_failures_total` and logged, summed up. A token of a few
+/// characters is warned of at start.
+#[test]
+fn auth_guesses_are_throttled_and_observed() {
+    let served = Served::start(
+        "memory",
+        "[server]\npublicMetrics = true\n",
+        &[("TOLLGATE_TOKENS", "short")],
+    );
+    assert!(served.log().contains("is 5 characters long"), "{}", served.log());
+    let mut sent = String::new();
+    for i in 0..25 {
+        sent.push_str(&format!("AUTH guess{i}\r\n"));
+    }
+    sent.push_str("AUTH short\r\n");
+    let got = exchange(&served.resp, sent.as_bytes());
+    let lines: Vec<&str> = got.lines().collect();
+    let wrong = lines.iter().filter(|l| l.starts_with("-WRONGPASS")).count();
+    let throttled = lines.iter().filter(|l| l.starts_with("-ERR too many wrong tokens")).count();
+    assert_eq!((wrong, throttled), (20, 6), "{got}");
+    std::thread::sleep(Duration::from_millis(1_100));
+    assert_eq!(exchange(&served.resp, b"AUTH short\r\nPING\r\n"), "+OK\r\n+PONG\r\n+OK\r\n");
+    let m = served.metrics();
+    assert_eq!(
+        common::metric(&m, "tollgate_resp_auth_failures_total{reason=\"wrong_token\"}"),
+        20.0
+    );
+    assert_eq!(common::metric(&m, "tollgate_resp_auth_failures_total{reason=\"throttled\"}"), 6.0);
+    let log = served.log();
+    assert!(log.contains("resp: a wrong token from 127.0.0.1"), "{log}");
+}
+
+/// Over `maxConnections`, a Redis client is told `-ERR max number of clients reached`, as
+/// Redis tells it, before the connection closes.
+#[test]
+fn over_max_connections_a_client_is_told() {
+    let served = Served::start("memory", "[server]\nmaxConnections = 2\n", &[]);
+    let held: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(&served.resp).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(exchange(&served.resp, b"PING\r\n"), "-ERR max number of clients reached\r\n");
+    drop(held);
+}
+
+/// Keys over 1,024 bytes are taken, as redis-cell takes them (kept under a key of that
+/// size made of their start and their SHA-256): two that differ only in their last byte
+/// are two buckets.
+#[test]
+fn long_keys_are_taken() {
+    let served = Served::start("memory", "", &[]);
+    let mut c = served.client();
+    let long = format!("{}{}", unique("long"), "k".repeat(2_000));
+    let (a, b) = (format!("{long}a"), format!("{long}b"));
+    assert_eq!(throttle(&mut c, &[&a, "1", "1", "60"])[..3], [0, 2, 1]);
+    assert_eq!(throttle(&mut c, &[&a, "1", "1", "60"])[..3], [0, 2, 0]);
+    assert_eq!(throttle(&mut c, &[&a, "1", "1", "60"])[0], 1);
+    assert_eq!(throttle(&mut c, &[&b, "1", "1", "60"])[..3], [0, 2, 1]);
+}
+
+/// The period a client may choose is bounded by `respMaxPeriod` (default a year), and its
+/// error names that bound; a period over 1e12 s names it too, not 1e15.
+#[test]
+fn the_period_is_bounded() {
+    let served = Served::start("memory", "", &[]);
+    let mut c = served.client();
+    let key = unique("period");
+    assert_eq!(throttle(&mut c, &[&key, "1", "1", "31536000"])[0], 0);
+    for period in ["31536001", "2000000000000", "99999999999999999"] {
+        let e = error(&mut c, "CL.THROTTLE", &[&key, "1", "1", period]);
+        assert!(
+            e.contains(&format!(
+                "period is {period}; it must be an integer from 1 to 31536000 (respMaxPeriod)"
+            )),
+            "{e}"
+        );
+    }
+    let served = Served::start("memory", "[server]\nrespMaxPeriod = \"1h\"\n", &[]);
+    let mut c = served.client();
+    let e = error(&mut c, "CL.THROTTLE", &[&key, "1", "1", "3601"]);
+    assert!(e.contains("from 1 to 3600 (respMaxPeriod)"), "{e}");
 }

@@ -5,12 +5,20 @@
 //! A connection reads what the client sent, runs every whole command in it in order, and
 //! writes their replies at once (pipelining); it reads again only when those are written. So
 //! a connection holds at most one read, one command not yet whole ([`wire::MAX_COMMAND`])
-//! and [`FLUSH_AT`] bytes of replies: a client that writes and never reads stops being
-//! read from, and costs the server no more.
+//! and [`FLUSH_AT`] bytes of replies and one part of a reply (a long reply, `EXEC`'s or
+//! `COMMAND INFO`'s, is sent part by part, each once the client has taken the ones before):
+//! a client that writes and never reads stops being read from, and costs the server no more.
+//!
+//! A command must arrive whole within `bodyTimeout` of its first byte, however its bytes
+//! trickle in; between commands a connection may be quiet for `respIdleTimeout`, and it
+//! gives its buffers back after a second of it. Until it has authenticated (on a server with
+//! tokens), a connection has a tighter budget: `headerTimeout` in all to do so (the time
+//! HTTP gives a request's headers, where its token is), commands of at most 10 arguments
+//! and 16 KiB (Redis's bounds for such clients), and reads of 1 KiB at a time.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -23,16 +31,26 @@ use crate::error_log::ErrorLog;
 use crate::listen::{Stopping, serve_connections};
 use crate::metrics::Metrics;
 
+pub mod guesses;
 pub mod session;
 pub mod tg;
 pub mod throttle;
 pub mod wire;
 
-/// Replies are sent once this many bytes wait, even before the read's commands are all run.
-pub const FLUSH_AT: usize = 64 * 1024;
+/// Replies are sent once this many bytes wait, even before the read's commands are all run
+/// (or a long reply is all written): a pipeline of a thousand `CL.THROTTLE` replies (40 KB)
+/// takes three writes.
+pub const FLUSH_AT: usize = 16 * 1024;
 
 /// How much is read at a time.
 const READ_AT_ONCE: usize = 16 * 1024;
+
+/// How much is read at a time before the connection has authenticated: what `AUTH` needs.
+const READ_BEFORE_AUTH: usize = 1024;
+
+/// A connection quiet between commands for this long gives its buffers back while it waits:
+/// a busy one keeps them (no allocation per read), an idle one in a pool costs little.
+const KEEP_BUFFERS: Duration = Duration::from_secs(1);
 
 /// What every connection shares.
 pub struct Resp {
@@ -50,6 +68,13 @@ pub struct Resp {
     pub idle_timeout: Duration,
     /// A command begun must arrive whole within this (`bodyTimeout`).
     pub command_timeout: Duration,
+    /// A connection must authenticate within this of its start, or of a `RESET`
+    /// (`headerTimeout`), on a server with tokens.
+    pub auth_timeout: Duration,
+    /// The longest period `CL.THROTTLE` takes, in seconds (`respMaxPeriod`).
+    pub max_period: i64,
+    /// Wrong tokens, counted per client address.
+    pub guesses: guesses::Guesses,
     /// The ids `CLIENT ID` answers.
     pub next_id: AtomicU64,
 }
@@ -67,18 +92,29 @@ pub async fn serve(
     accept_errors: Arc<ErrorLog>,
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    serve_connections(listener, "resp", limits, accept_errors, stop, move |tcp, stopping| {
-        connection(Arc::clone(&resp), tcp, stopping)
-    })
-    .await
-}
-
-/// Why a connection ends.
-enum End {
-    /// The client closed it, or asked to (`QUIT`), or broke the protocol.
-    Done,
-    /// It said nothing, or took no replies, for too long; or the server is stopping.
-    Cut,
+    // Wrong tokens are logged summed up: what an interval did not say, once it is over.
+    let guesses = Arc::clone(&resp);
+    let summing = tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            every.tick().await;
+            guesses.guesses.flush();
+        }
+    });
+    // Over maxConnections a client is told, in Redis's words, before the close.
+    let full = b"-ERR max number of clients reached\r\n";
+    let served = serve_connections(
+        listener,
+        "resp",
+        limits,
+        full,
+        accept_errors,
+        stop,
+        move |tcp, stopping| connection(Arc::clone(&resp), tcp, stopping),
+    )
+    .await;
+    summing.abort();
+    served
 }
 
 /// The most pipelined `CL.THROTTLE` one connection runs at once on a networked store.
@@ -132,40 +168,54 @@ impl Together {
 }
 
 async fn connection(resp: Arc<Resp>, mut tcp: TcpStream, mut stopping: Stopping) {
-    let mut session = session::Session::new(&resp);
-    let mut input = BytesMut::with_capacity(READ_AT_ONCE);
+    let peer = tcp.peer_addr().ok().map(|addr| addr.ip());
+    let mut session = session::Session::new(&resp, peer);
+    let mut input = BytesMut::new();
     let mut args = Vec::with_capacity(8);
     let mut out = wire::Out::new();
     // An in-process store answers at once: nothing to gain from running commands together.
     let networked = resp.engine.current().limiter().store().immediate().is_none();
     let mut together = Together::default();
     let mut last_key: Vec<u8> = Vec::new();
+    // When the command not yet whole began (its first byte came), if one has.
+    let mut begun: Option<Instant> = None;
+    // Until when a connection that has not authenticated may go on.
+    let mut authenticate_by =
+        (!session.authenticated()).then(|| Instant::now() + resp.auth_timeout);
     loop {
         // Every whole command received, in order.
         let mut close = false;
+        let mut ran = false;
         loop {
-            match wire::parse(&input, &mut args) {
+            let bounds = session.bounds();
+            match wire::parse(&input, &mut args, bounds) {
                 Ok(Some(used)) => {
+                    ran = true;
                     if !args.is_empty() {
                         let argv: Vec<&[u8]> = args.iter().map(|r| &input[r.clone()]).collect();
                         // A key just run again (a hot key) runs as it comes: nothing to
                         // run beside it, and nothing to copy.
                         let again = argv.get(1).is_some_and(|k| *k == last_key.as_slice());
-                        if networked && !again && session.may_take() && together.joins(&argv) {
+                        if networked && !again && session.may_take_now() && together.joins(&argv) {
                             last_key.clear();
                             last_key.extend_from_slice(argv[1]);
                             together.commands.push(argv[1..].iter().map(|a| a.to_vec()).collect());
                         } else {
                             together.run(&resp, session.protocol(), &mut out).await;
-                            close =
-                                session.run(&resp, &argv, &mut out).await == session::Next::Close;
+                            let mut writer = Writer { tcp: &mut tcp, timeout: resp.idle_timeout };
+                            match session.run(&resp, &argv, &mut out, &mut writer).await {
+                                session::Next::Go => {}
+                                session::Next::Close => close = true,
+                                session::Next::Cut => return,
+                            }
                         }
                     }
                     input.advance(used);
                     if close {
                         break;
                     }
-                    if out.buf.len() >= FLUSH_AT && send(&mut tcp, &mut out, &resp).await.is_err() {
+                    let mut writer = Writer { tcp: &mut tcp, timeout: resp.idle_timeout };
+                    if writer.room(&mut out).await.is_err() {
                         return;
                     }
                 }
@@ -179,45 +229,131 @@ async fn connection(resp: Arc<Resp>, mut tcp: TcpStream, mut stopping: Stopping)
             }
         }
         together.run(&resp, session.protocol(), &mut out).await;
-        if send(&mut tcp, &mut out, &resp).await.is_err() || close {
+        let mut writer = Writer { tcp: &mut tcp, timeout: resp.idle_timeout };
+        if writer.send(&mut out).await.is_err() || close {
             return;
         }
-        // More: within the idle timeout between commands, the command timeout within one.
-        let wait = if input.is_empty() { resp.idle_timeout } else { resp.command_timeout };
-        if input.capacity() - input.len() < READ_AT_ONCE / 4 {
-            input.reserve(READ_AT_ONCE);
+        let now = Instant::now();
+        // Authenticated now, or not any more (`RESET`): the budget follows.
+        authenticate_by = match (session.authenticated(), authenticate_by) {
+            (true, _) => None,
+            (false, None) => Some(now + resp.auth_timeout),
+            (false, by) => by,
+        };
+        // A command's bytes after those run began with the last read; those of a command
+        // already waiting keep its start.
+        begun = match (input.is_empty(), begun) {
+            (true, _) => None,
+            (false, Some(at)) if !ran => Some(at),
+            (false, _) => Some(now),
+        };
+        let (deadline, waiting) = match begun {
+            Some(at) => (at + resp.command_timeout, Waiting::RestOfCommand),
+            None => (now + resp.idle_timeout, Waiting::NextCommand),
+        };
+        let (deadline, waiting) = match authenticate_by {
+            Some(by) if by < deadline => (by, Waiting::Authentication),
+            _ => (deadline, waiting),
+        };
+        let chunk = if session.authenticated() { READ_AT_ONCE } else { READ_BEFORE_AUTH };
+        if input.capacity() - input.len() < chunk / 4 {
+            input.reserve(chunk);
         }
+        // Between commands the buffers are kept a moment, then given back while it waits.
+        let keep = if input.is_empty() { deadline.min(now + KEEP_BUFFERS) } else { deadline };
         let read = tokio::select! {
             biased;
-            read = tokio::time::timeout(wait, tcp.read_buf(&mut input)) => read,
+            read = tokio::time::timeout_at(keep.into(), tcp.read_buf(&mut input)) => read,
             () = stopping.wait() => return,
         };
-        let end = match read {
-            Ok(Ok(0)) | Ok(Err(_)) => End::Done,
+        match read {
+            Ok(Ok(0) | Err(_)) => return,
             Ok(Ok(_)) => continue,
-            Err(_) => End::Cut,
-        };
-        if let End::Cut = end {
-            // Said in the reply Redis gives no client either: the connection just closes.
-            tracing::debug!("resp: a connection idle for {wait:?} closed");
+            Err(_) if keep < deadline => {
+                input = BytesMut::new();
+                out.buf = Vec::new();
+                args = Vec::new();
+                let ready = tokio::select! {
+                    biased;
+                    ready = tokio::time::timeout_at(deadline.into(), tcp.readable()) => ready,
+                    () = stopping.wait() => return,
+                };
+                match ready {
+                    Ok(Ok(())) => continue,
+                    Ok(Err(_)) => return,
+                    Err(_) => {}
+                }
+            }
+            Err(_) => {}
+        }
+        // Said in the log only: Redis tells a client nothing when it closes an idle
+        // connection, and one that trickles a command is not waiting for an answer.
+        match waiting {
+            Waiting::NextCommand => {
+                tracing::debug!("resp: a connection idle for {:?} closed", resp.idle_timeout);
+            }
+            Waiting::RestOfCommand => tracing::debug!(
+                "resp: a command not whole {:?} after its first byte (bodyTimeout): closed",
+                resp.command_timeout
+            ),
+            Waiting::Authentication => tracing::debug!(
+                "resp: a connection not authenticated {:?} after its start \
+                 (headerTimeout): closed",
+                resp.auth_timeout
+            ),
         }
         return;
     }
 }
 
-/// Writes the replies waiting, within the idle timeout.
-async fn send(tcp: &mut TcpStream, out: &mut wire::Out, resp: &Resp) -> Result<(), ()> {
-    if out.buf.is_empty() {
-        return Ok(());
+/// What a connection waits for when it reads, for the log when the wait is too long.
+#[derive(Clone, Copy)]
+enum Waiting {
+    /// A command, between commands (`respIdleTimeout`).
+    NextCommand,
+    /// The rest of a command begun (`bodyTimeout`).
+    RestOfCommand,
+    /// `AUTH` (`headerTimeout`).
+    Authentication,
+}
+
+/// Where a connection's replies go, for [`session::Session::run`] to send a long reply part
+/// by part.
+pub struct Writer<'a> {
+    tcp: &'a mut TcpStream,
+    /// A client that takes none of its replies for this long is cut (`respIdleTimeout`).
+    timeout: Duration,
+}
+
+impl Writer<'_> {
+    /// Sends the replies waiting once they are [`FLUSH_AT`] bytes or more: what a long reply
+    /// calls between its parts, so that a connection never holds more than that and a
+    /// part.
+    ///
+    /// # Errors
+    ///
+    /// The client is gone, or took none of its replies within the idle timeout.
+    pub async fn room(&mut self, out: &mut wire::Out) -> Result<(), ()> {
+        if out.buf.len() < FLUSH_AT {
+            return Ok(());
+        }
+        self.send(out).await
     }
-    let written = tokio::time::timeout(resp.idle_timeout, tcp.write_all(&out.buf)).await;
-    out.buf.clear();
-    // A large reply (`TG.CONFIG` of many limits) does not stay with the connection.
-    if out.buf.capacity() > 4 * FLUSH_AT {
-        out.buf.shrink_to(FLUSH_AT);
-    }
-    match written {
-        Ok(Ok(())) => Ok(()),
-        _ => Err(()),
+
+    /// Writes the replies waiting, within the idle timeout.
+    async fn send(&mut self, out: &mut wire::Out) -> Result<(), ()> {
+        if out.buf.is_empty() {
+            return Ok(());
+        }
+        let written = tokio::time::timeout(self.timeout, self.tcp.write_all(&out.buf)).await;
+        out.buf.clear();
+        // A large reply (`TG.CONFIG` of many limits) does not stay with the connection.
+        if out.buf.capacity() > 4 * FLUSH_AT {
+            out.buf.shrink_to(FLUSH_AT);
+        }
+        match written {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(()),
+        }
     }
 }

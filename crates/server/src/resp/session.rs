@@ -1,7 +1,9 @@
-//! One connection's state (its protocol, who it authenticated as, its name) and the commands
-//! it runs: the connection commands Redis clients send on their own, answered as Redis
-//! answers them, then `CL.THROTTLE` and `TG.*`.
+//! One connection's state (its protocol, who it authenticated as, its name, the commands it
+//! queued since `MULTI`) and the commands it runs: the connection commands Redis clients send
+//! on their own, answered as Redis answers them, then `CL.THROTTLE` and `TG.*`.
 
+use std::net::IpAddr;
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -9,10 +11,10 @@ use crate::answer::{Answer, Body};
 use crate::auth::known_token;
 use crate::metrics::Protocol as Via;
 
-use super::Resp;
 use super::tg::{self, Tg};
 use super::throttle;
-use super::wire::{Out, Protocol};
+use super::wire::{Bounds, Out, Protocol};
+use super::{Resp, Writer};
 
 /// What a connection does after a command.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +23,9 @@ pub enum Next {
     Go,
     /// Sends its replies and closes (`QUIT`).
     Close,
+    /// Closes at once: the client took none of a long reply within the idle timeout, or is
+    /// gone.
+    Cut,
 }
 
 /// Who a connection is.
@@ -40,6 +45,65 @@ pub struct Session {
     access: Access,
     name: Option<String>,
     id: u64,
+    /// The client's address, whose wrong tokens are counted together.
+    peer: Option<IpAddr>,
+    /// The commands queued since `MULTI`, while one is open.
+    transaction: Option<Transaction>,
+}
+
+/// The most a transaction may hold: its commands' arguments, and 8 bytes for each argument
+/// and command (how they are kept), take at most what one command may take (64 KiB).
+pub const MAX_QUEUED: usize = super::wire::MAX_COMMAND;
+
+/// The commands queued since `MULTI`, kept in one buffer (each argument 8 bytes besides its
+/// own), and whether one of them was refused (then `EXEC` runs none).
+#[derive(Default)]
+struct Transaction {
+    bytes: Vec<u8>,
+    args: Vec<Range<u32>>,
+    /// Each command: its name (as [`COMMANDS`] spells it) and where its arguments end in
+    /// `args`.
+    commands: Vec<(&'static str, usize)>,
+    failed: bool,
+}
+
+impl Transaction {
+    /// What it holds, counted against [`MAX_QUEUED`].
+    fn size(&self) -> usize {
+        self.bytes.len() + 8 * (self.args.len() + self.commands.len())
+    }
+
+    /// Queues `argv` (its name spelt `command`), or says how much is too much.
+    fn push(&mut self, command: &'static str, argv: &[&[u8]]) -> Result<(), String> {
+        let more = argv.iter().map(|a| a.len() + 8).sum::<usize>() + 8;
+        if self.size() + more > MAX_QUEUED {
+            return Err(format!(
+                "a transaction holds at most {MAX_QUEUED} bytes of commands here; it is \
+                 discarded (EXEC answers EXECABORT). Send fewer commands between MULTI and \
+                 EXEC, or TG.TRANSACTION to take from several limits at once"
+            ));
+        }
+        for arg in argv {
+            let start = self.bytes.len() as u32;
+            self.bytes.extend_from_slice(arg);
+            self.args.push(start..self.bytes.len() as u32);
+        }
+        self.commands.push((command, self.args.len()));
+        Ok(())
+    }
+
+    /// The commands, in order: each one's name and arguments (its own name first).
+    fn each(&self) -> impl Iterator<Item = (&'static str, Vec<&[u8]>)> + '_ {
+        let mut from = 0;
+        self.commands.iter().map(move |&(command, to)| {
+            let argv = self.args[from..to]
+                .iter()
+                .map(|r| &self.bytes[r.start as usize..r.end as usize])
+                .collect();
+            from = to;
+            (command, argv)
+        })
+    }
 }
 
 /// The version `HELLO` and `INFO` give as Redis's: clients read it to know which commands
@@ -48,7 +112,7 @@ pub struct Session {
 const REDIS_VERSION: &str = "7.2.0";
 
 /// The commands `COMMAND` lists: (name, arity as Redis writes it, flags).
-const COMMANDS: [(&str, i64, &[&str]); 20] = [
+const COMMANDS: [(&str, i64, &[&str]); 25] = [
     ("cl.throttle", -5, &["write", "fast"]),
     ("tg.limit", -2, &["write", "fast"]),
     ("tg.check", -2, &["readonly", "fast"]),
@@ -69,12 +133,48 @@ const COMMANDS: [(&str, i64, &[&str]); 20] = [
     ("command", -1, &["loading", "stale"]),
     ("info", -1, &["loading", "stale"]),
     ("time", 1, &["loading", "stale", "fast"]),
+    ("multi", 1, &["noscript", "loading", "stale", "fast", "allow_busy"]),
+    ("exec", 1, &["noscript", "loading", "stale", "skip_slowlog"]),
+    ("discard", 1, &["noscript", "loading", "stale", "fast", "allow_busy"]),
+    ("watch", -2, &["noscript", "loading", "stale", "fast", "allow_busy"]),
+    ("unwatch", 1, &["noscript", "loading", "stale", "fast", "allow_busy"]),
 ];
 
+/// Whether `argc` arguments (the name included) fit `arity` as Redis writes it: exactly
+/// that many, or at least `-arity`.
+fn fits(arity: i64, argc: usize) -> bool {
+    let argc = argc as i64;
+    if arity >= 0 { argc == arity } else { argc >= -arity }
+}
+
+/// The operation a command counts as in metrics, if it takes or writes (what a read token
+/// may not run).
+fn writes(command: &str) -> Option<&'static str> {
+    match command {
+        "cl.throttle" => Some("throttle"),
+        "tg.limit" => Some("limit"),
+        "tg.transaction" => Some("transaction"),
+        "tg.reset" => Some("reset"),
+        "tg.adjust" => Some("adjust"),
+        _ => None,
+    }
+}
+
 impl Session {
-    /// Whether it may take (it authenticated with a full token, or needs none).
-    pub fn may_take(&self) -> bool {
-        self.access == Access::Full
+    /// Whether it may take (it authenticated with a full token, or needs none) a command
+    /// now, outside a transaction: what may run beside others.
+    pub fn may_take_now(&self) -> bool {
+        self.access == Access::Full && self.transaction.is_none()
+    }
+
+    /// Whether it has authenticated, or needs not.
+    pub fn authenticated(&self) -> bool {
+        self.access != Access::None
+    }
+
+    /// What its next command may be.
+    pub fn bounds(&self) -> Bounds {
+        if self.authenticated() { Bounds::AUTHENTICATED } else { Bounds::UNAUTHENTICATED }
     }
 
     /// The protocol its replies are written in.
@@ -82,18 +182,28 @@ impl Session {
         self.protocol
     }
 
-    /// A new connection's: RESP2, authenticated only if the server has no tokens.
-    pub fn new(resp: &Resp) -> Self {
+    /// A new connection's, from `peer`: RESP2, authenticated only if the server has no
+    /// tokens.
+    pub fn new(resp: &Resp, peer: Option<IpAddr>) -> Self {
         Session {
             protocol: Protocol::Resp2,
             access: if resp.tokens.required() { Access::None } else { Access::Full },
             name: None,
             id: resp.next_id.fetch_add(1, Ordering::Relaxed) + 1,
+            peer,
+            transaction: None,
         }
     }
 
-    /// Runs one command (`argv[0]` its name), its reply written to `out`.
-    pub async fn run(&mut self, resp: &Resp, argv: &[&[u8]], out: &mut Out) -> Next {
+    /// Runs one command (`argv[0]` its name), its reply written to `out` (a long one sent
+    /// part by part through `writer`); inside `MULTI`, queues it.
+    pub async fn run(
+        &mut self,
+        resp: &Resp,
+        argv: &[&[u8]],
+        out: &mut Out,
+        writer: &mut Writer<'_>,
+    ) -> Next {
         out.protocol = self.protocol;
         let mut lower = [0u8; 16];
         let name = argv[0];
@@ -105,16 +215,120 @@ impl Session {
         } else {
             ""
         };
-        let args = &argv[1..];
-        // As Redis: a command it does not have is said so before any question of auth.
-        if !COMMANDS.iter().any(|(known, _, _)| *known == command) {
+        // As Redis: a command it does not have is said so before any question of auth; a
+        // command refused before it runs discards the transaction it was sent in.
+        let Some(&(command, arity, _)) = COMMANDS.iter().find(|(known, _, _)| *known == command)
+        else {
             unknown(out, argv);
+            self.refused();
             return Next::Go;
-        }
+        };
         if self.access == Access::None && !matches!(command, "auth" | "hello" | "quit" | "reset") {
             out.coded("NOAUTH", "Authentication required.");
+            self.refused();
             return Next::Go;
         }
+        match command {
+            "multi" if self.transaction.is_some() => out.error("MULTI calls can not be nested"),
+            "multi" => {
+                self.transaction = Some(Transaction::default());
+                out.simple("OK");
+            }
+            "exec" => return self.exec(resp, out, writer).await,
+            "discard" => match self.transaction.take() {
+                Some(_) => out.simple("OK"),
+                None => out.error("DISCARD without MULTI"),
+            },
+            "watch" if self.transaction.is_some() => {
+                out.error("WATCH inside MULTI is not allowed");
+            }
+            "watch" if argv.len() < 2 => arity_error(out, "watch"),
+            // A no-op would promise what it does not keep: an EXEC that aborts when a watched
+            // key changed. tollgate's states are not Redis keys a client reads and writes;
+            // each command is atomic on its own, and TG.TRANSACTION takes from several
+            // limits all or nothing.
+            "watch" => out.error(
+                "WATCH is not supported here: tollgate keeps no keys a client could watch. \
+                 Each command is atomic on its own; TG.TRANSACTION takes from several limits \
+                 all or nothing",
+            ),
+            "quit" | "reset" => return self.dispatch(resp, command, argv, out, writer).await,
+            _ if self.transaction.is_some() => self.queue(resp, command, arity, argv, out),
+            _ => return self.dispatch(resp, command, argv, out, writer).await,
+        }
+        Next::Go
+    }
+
+    /// A command refused before it would run: inside `MULTI`, `EXEC` then runs nothing.
+    fn refused(&mut self) {
+        if let Some(transaction) = &mut self.transaction {
+            transaction.failed = true;
+        }
+    }
+
+    /// Queues a command inside `MULTI`, checked as Redis checks it then (its number of
+    /// arguments, what the connection may run), and within [`MAX_QUEUED`].
+    fn queue(
+        &mut self,
+        resp: &Resp,
+        command: &'static str,
+        arity: i64,
+        argv: &[&[u8]],
+        out: &mut Out,
+    ) {
+        if !fits(arity, argv.len()) {
+            arity_error(out, command);
+            return self.refused();
+        }
+        if let (Access::Read, Some(op)) = (self.access, writes(command)) {
+            self.read_only(resp, &command.to_ascii_uppercase(), op, Instant::now(), out);
+            return self.refused();
+        }
+        let Some(transaction) = &mut self.transaction else { return };
+        match transaction.push(command, argv) {
+            Ok(()) => out.simple("QUEUED"),
+            Err(message) => {
+                out.error(&message);
+                self.refused();
+            }
+        }
+    }
+
+    /// `EXEC`: the queued commands run in order, their replies in one array (sent part by
+    /// part); none if one was refused while queued.
+    async fn exec(&mut self, resp: &Resp, out: &mut Out, writer: &mut Writer<'_>) -> Next {
+        let Some(transaction) = self.transaction.take() else {
+            out.error("EXEC without MULTI");
+            return Next::Go;
+        };
+        if transaction.failed {
+            out.coded("EXECABORT", "Transaction discarded because of previous errors.");
+            return Next::Go;
+        }
+        out.array(transaction.commands.len());
+        for (command, argv) in transaction.each() {
+            let next = self.dispatch(resp, command, &argv, out, writer).await;
+            if next != Next::Go {
+                return next;
+            }
+            if writer.room(out).await.is_err() {
+                return Next::Cut;
+            }
+        }
+        Next::Go
+    }
+
+    /// Runs `command` (its name in `argv[0]`, spelt as [`COMMANDS`] spells it).
+    async fn dispatch(
+        &mut self,
+        resp: &Resp,
+        command: &'static str,
+        argv: &[&[u8]],
+        out: &mut Out,
+        writer: &mut Writer<'_>,
+    ) -> Next {
+        out.protocol = self.protocol;
+        let args = &argv[1..];
         match command {
             "cl.throttle" => {
                 traced("RESP CL.THROTTLE", "throttle", self.throttle(resp, args, out)).await;
@@ -122,11 +336,11 @@ impl Session {
             "ping" => match args {
                 [] => out.simple("PONG"),
                 [message] => out.bulk(message),
-                _ => arity(out, "ping"),
+                _ => arity_error(out, "ping"),
             },
             "echo" => match args {
                 [message] => out.bulk(message),
-                _ => arity(out, "echo"),
+                _ => arity_error(out, "echo"),
             },
             "quit" => {
                 out.simple("OK");
@@ -135,6 +349,7 @@ impl Session {
             "reset" => {
                 self.protocol = Protocol::Resp2;
                 self.name = None;
+                self.transaction = None;
                 if resp.tokens.required() {
                     self.access = Access::None;
                 }
@@ -142,12 +357,17 @@ impl Session {
                 out.simple("RESET");
             }
             "auth" => match args {
-                [token] | [_, token] => {
-                    if self.authenticate(resp, token, out) {
+                [token] => {
+                    if self.authenticate(resp, None, token, out) {
                         out.simple("OK");
                     }
                 }
-                [] => arity(out, "auth"),
+                [user, token] => {
+                    if self.authenticate(resp, Some(user), token, out) {
+                        out.simple("OK");
+                    }
+                }
+                [] => arity_error(out, "auth"),
                 _ => out.error("syntax error"),
             },
             "hello" => self.hello(resp, args, out),
@@ -157,10 +377,14 @@ impl Session {
                     out.error("DB index is out of range");
                 }
                 [_] => out.error("value is not an integer or out of range"),
-                _ => arity(out, "select"),
+                _ => arity_error(out, "select"),
             },
             "client" => self.client(args, out),
-            "command" => command_info(args, out),
+            "command" => {
+                if command_info(args, out, writer).await.is_err() {
+                    return Next::Cut;
+                }
+            }
             "info" => info(self, out),
             "time" => {
                 let now = std::time::SystemTime::now()
@@ -170,6 +394,10 @@ impl Session {
                 out.bulk(now.as_secs().to_string().as_bytes());
                 out.bulk(now.subsec_micros().to_string().as_bytes());
             }
+            // Nothing is watched (see WATCH): nothing to forget.
+            "unwatch" => out.simple("OK"),
+            // MULTI, EXEC, DISCARD and WATCH are never queued, so never run from here.
+            "multi" | "exec" | "discard" | "watch" => out.error("Command not allowed here"),
             _ => match tg::parse(command, args) {
                 Some(parsed) => {
                     let op = parsed.as_ref().map_or("invalid", Tg::name);
@@ -181,14 +409,39 @@ impl Session {
         Next::Go
     }
 
-    /// Checks a token: `true` when it is one of the server's (the reply is the caller's),
-    /// else the error is written.
-    fn authenticate(&mut self, resp: &Resp, token: &[u8], out: &mut Out) -> bool {
+    /// Checks a token given with `AUTH [user] token` or `HELLO ... AUTH user token`: `true`
+    /// when the connection may go on as authenticated (the reply is the caller's), else the
+    /// error is written.
+    ///
+    /// A server without tokens answers as Redis's default user without a password does:
+    /// `AUTH default <anything>` is accepted, `AUTH <password>` alone is Redis's error, and
+    /// another user does not exist. With tokens the user is not checked (a token is who the
+    /// client is); wrong tokens are counted per client address and throttled.
+    fn authenticate(
+        &mut self,
+        resp: &Resp,
+        user: Option<&[u8]>,
+        token: &[u8],
+        out: &mut Out,
+    ) -> bool {
         if !resp.tokens.required() {
-            out.error(
-                "AUTH <password> called without any password configured for the default user. \
-                 Are you sure your configuration is correct?",
-            );
+            match user {
+                Some(b"default") => return true,
+                Some(_) => {
+                    out.coded("WRONGPASS", "invalid username-password pair or user is disabled.");
+                }
+                None => out.error(
+                    "AUTH <password> called without any password configured for the default \
+                     user. Are you sure your configuration is correct?",
+                ),
+            }
+            return false;
+        }
+        if let Err(wait) = resp.guesses.may_try(self.peer, &resp.metrics) {
+            out.error(&format!(
+                "too many wrong tokens from this address; AUTH is refused for {} s",
+                wait.as_secs().max(1)
+            ));
             return false;
         }
         let token = std::str::from_utf8(token).unwrap_or("");
@@ -197,15 +450,20 @@ impl Session {
         } else if known_token(&resp.tokens.read, token) {
             self.access = Access::Read;
         } else {
+            resp.guesses.wrong(self.peer, &resp.metrics);
             out.coded("WRONGPASS", "invalid username-password pair or user is disabled.");
             return false;
         }
         true
     }
 
-    /// `HELLO [protover [AUTH user token] [SETNAME name]]`.
+    /// `HELLO [protover [AUTH user token] [SETNAME name]]`, as Redis 7.2 runs it: every
+    /// option read (and a name checked) first, then the token, then the name is set. A bad
+    /// name leaves the connection as it was, unauthenticated if it was.
     fn hello(&mut self, resp: &Resp, args: &[&[u8]], out: &mut Out) {
         let mut protocol = self.protocol;
+        let mut credentials = None;
+        let mut name = None;
         if let Some((version, mut options)) = args.split_first() {
             protocol = match *version {
                 b"2" => Protocol::Resp2,
@@ -215,13 +473,10 @@ impl Session {
                 }
                 _ => return out.error("Protocol version is not an integer or out of range"),
             };
-            let mut name = None;
             while let Some((option, rest)) = options.split_first() {
                 match (option.to_ascii_uppercase().as_slice(), rest) {
-                    (b"AUTH", [_user, token, more @ ..]) => {
-                        if !self.authenticate(resp, token, out) {
-                            return;
-                        }
+                    (b"AUTH", [user, token, more @ ..]) => {
+                        credentials = Some((*user, *token));
                         options = more;
                     }
                     (b"SETNAME", [client, more @ ..]) => {
@@ -237,9 +492,11 @@ impl Session {
                     }
                 }
             }
-            if let Some(name) = name {
-                self.name = name;
-            }
+        }
+        if let Some((user, token)) = credentials
+            && !self.authenticate(resp, Some(user), token, out)
+        {
+            return;
         }
         if self.access == Access::None {
             return out.coded(
@@ -248,6 +505,9 @@ impl Session {
                  the HELLO <proto> AUTH <user> <pass> option can be used to authenticate the \
                  client and select the RESP protocol version at the same time",
             );
+        }
+        if let Some(name) = name {
+            self.name = name;
         }
         self.protocol = protocol;
         out.protocol = protocol;
@@ -270,7 +530,7 @@ impl Session {
 
     /// `CLIENT SETNAME|GETNAME|ID|SETINFO|INFO`.
     fn client(&mut self, args: &[&[u8]], out: &mut Out) {
-        let Some((sub, rest)) = args.split_first() else { return arity(out, "client") };
+        let Some((sub, rest)) = args.split_first() else { return arity_error(out, "client") };
         match (sub.to_ascii_uppercase().as_slice(), rest) {
             (b"SETNAME", [name]) => {
                 if let Some(name) = client_name(name, out) {
@@ -383,7 +643,7 @@ impl Session {
 /// `CL.THROTTLE`'s work once the connection may run it: its reply written to `out`; how it
 /// went, for metrics and spans.
 async fn run_throttle(resp: &Resp, args: &[&[u8]], out: &mut Out, start: Instant) -> &'static str {
-    let parsed = match throttle::args(args) {
+    let parsed = match throttle::args(args, resp.max_period) {
         Ok(parsed) => parsed,
         Err(message) => {
             resp.metrics.record(Via::Resp, "throttle", "invalid", start.elapsed());
@@ -393,7 +653,15 @@ async fn run_throttle(resp: &Resp, args: &[&[u8]], out: &mut Out, start: Instant
     };
     let defined = resp.engine.current();
     let name = resp.throttle_name.as_str();
-    let outcome = match throttle::throttle(&defined, name, parsed).await {
+    let target = match throttle::target(&defined, name, parsed.config) {
+        Ok(target) => target,
+        Err(message) => {
+            resp.metrics.record(Via::Resp, "throttle", "invalid", start.elapsed());
+            out.error(&message);
+            return "invalid";
+        }
+    };
+    let outcome = match throttle::throttle(&defined, target, parsed).await {
         Ok(t) => {
             out.array(5);
             for n in [t.limited, t.limit, t.remaining, t.retry_after, t.reset_after] {
@@ -510,7 +778,7 @@ fn client_name(name: &[u8], out: &mut Out) -> Option<Option<String>> {
     Some(Some(String::from_utf8_lossy(name).into_owned()))
 }
 
-fn arity(out: &mut Out, command: &str) {
+fn arity_error(out: &mut Out, command: &str) {
     out.error(&format!("wrong number of arguments for '{command}' command"));
 }
 
@@ -530,11 +798,19 @@ fn shown(arg: &[u8], most: usize) -> String {
 }
 
 /// `COMMAND`, `COMMAND COUNT`, `COMMAND DOCS [name...]`, `COMMAND INFO [name...]`,
-/// `COMMAND LIST`.
-fn command_info(args: &[&[u8]], out: &mut Out) {
-    let find =
-        |name: &[u8]| COMMANDS.iter().find(|(n, _, _)| name.eq_ignore_ascii_case(n.as_bytes()));
-    let info = |out: &mut Out, (name, arity, flags): &(&str, i64, &[&str])| {
+/// `COMMAND LIST`. `COMMAND INFO` answers each name given (as Redis does, a name twice
+/// twice), sent part by part through `writer`; `COMMAND DOCS` is a map, so each command
+/// named is in it once, however often it was named.
+///
+/// # Errors
+///
+/// The client took none of a long reply within the idle timeout.
+async fn command_info(args: &[&[u8]], out: &mut Out, writer: &mut Writer<'_>) -> Result<(), ()> {
+    type Command = (&'static str, i64, &'static [&'static str]);
+    let find = |name: &[u8]| -> Option<&'static Command> {
+        COMMANDS.iter().find(|(n, _, _)| name.eq_ignore_ascii_case(n.as_bytes()))
+    };
+    let info = |out: &mut Out, (name, arity, flags): &Command| {
         out.array(10);
         out.bulk(name.as_bytes());
         out.integer(*arity);
@@ -557,7 +833,7 @@ fn command_info(args: &[&[u8]], out: &mut Out) {
         for command in &COMMANDS {
             info(out, command);
         }
-        return;
+        return Ok(());
     };
     match sub.to_ascii_uppercase().as_slice() {
         b"COUNT" => out.integer(COMMANDS.len() as i64),
@@ -574,14 +850,19 @@ fn command_info(args: &[&[u8]], out: &mut Out) {
                     Some(command) => info(out, command),
                     None => out.null(),
                 }
+                writer.room(out).await?;
             }
         }
         b"DOCS" => {
-            let listed: Vec<_> = if names.is_empty() {
-                COMMANDS.iter().collect()
-            } else {
-                names.iter().filter_map(|n| find(n)).collect()
-            };
+            let mut listed: Vec<&Command> = Vec::new();
+            if names.is_empty() {
+                listed.extend(&COMMANDS);
+            }
+            for command in names.iter().filter_map(|n| find(n)) {
+                if !listed.iter().any(|l| l.0 == command.0) {
+                    listed.push(command);
+                }
+            }
             out.map(listed.len());
             for (name, _, _) in listed {
                 out.bulk(name.as_bytes());
@@ -593,6 +874,8 @@ fn command_info(args: &[&[u8]], out: &mut Out) {
                 out.bulk(b"group");
                 out.bulk(if name.starts_with("tg.") || *name == "cl.throttle" {
                     b"module".as_slice()
+                } else if matches!(*name, "multi" | "exec" | "discard" | "watch" | "unwatch") {
+                    b"transactions".as_slice()
                 } else {
                     b"connection".as_slice()
                 });
@@ -603,6 +886,7 @@ fn command_info(args: &[&[u8]], out: &mut Out) {
             String::from_utf8_lossy(sub)
         )),
     }
+    Ok(())
 }
 
 fn summary(name: &str) -> &'static str {
@@ -616,6 +900,11 @@ fn summary(name: &str) -> &'static str {
         "tg.adjust" => "Settles a cost known after the work (signed COUNT), never refused",
         "tg.time" => "The server's clock in ms",
         "tg.config" => "The limits the server defines",
+        "multi" => "Starts a transaction: the commands after it are queued until EXEC",
+        "exec" => "Runs the commands queued since MULTI, in order",
+        "discard" => "Forgets the commands queued since MULTI",
+        "watch" => "Not supported: tollgate keeps no keys to watch",
+        "unwatch" => "Forgets watched keys (there are none)",
         _ => "A connection command, as Redis answers it",
     }
 }

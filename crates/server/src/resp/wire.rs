@@ -16,6 +16,38 @@ pub const MAX_ARGS: usize = 4_096;
 /// body may be.
 pub const MAX_COMMAND: usize = crate::engine::MAX_BODY;
 
+/// The most arguments, and bytes of arguments, a command may have before its connection has
+/// authenticated: Redis's bounds for such clients (10 arguments, 16 KiB), enough for `AUTH`
+/// and `HELLO 3 AUTH user token SETNAME name` with any sensible token.
+pub const UNAUTHENTICATED_ARGS: usize = 10;
+/// See [`UNAUTHENTICATED_ARGS`].
+pub const UNAUTHENTICATED_COMMAND: usize = 16 * 1024;
+
+/// What one command may be: [`MAX_ARGS`] arguments of [`MAX_COMMAND`] bytes together, or
+/// less before the connection has authenticated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bounds {
+    /// Arguments, the command's name included.
+    pub args: usize,
+    /// Bytes of arguments together.
+    pub bytes: usize,
+    /// Whether these are the bounds of a connection that has not authenticated (its errors
+    /// say so, in Redis's words).
+    pub unauthenticated: bool,
+}
+
+impl Bounds {
+    /// A connection that has authenticated, or needs not.
+    pub const AUTHENTICATED: Bounds =
+        Bounds { args: MAX_ARGS, bytes: MAX_COMMAND, unauthenticated: false };
+    /// A connection that must still authenticate.
+    pub const UNAUTHENTICATED: Bounds = Bounds {
+        args: UNAUTHENTICATED_ARGS,
+        bytes: UNAUTHENTICATED_COMMAND,
+        unauthenticated: true,
+    };
+}
+
 /// A request the connection cannot go on from: answered `-ERR Protocol error: ...`, then
 /// the connection is closed (as Redis does), since where the next command starts is unknown.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,14 +65,18 @@ impl ProtocolError {
 ///
 /// # Errors
 ///
-/// The bytes are not a command, or break a bound ([`MAX_ARGS`], [`MAX_COMMAND`]): even
-/// incomplete, a command is refused as soon as it says it will.
-pub fn parse(buf: &[u8], args: &mut Vec<Range<usize>>) -> Result<Option<usize>, ProtocolError> {
+/// The bytes are not a command, or break one of `bounds`: even incomplete, a command is
+/// refused as soon as it says it will.
+pub fn parse(
+    buf: &[u8],
+    args: &mut Vec<Range<usize>>,
+    bounds: Bounds,
+) -> Result<Option<usize>, ProtocolError> {
     args.clear();
     match buf.first() {
         None => Ok(None),
-        Some(b'*') => multibulk(buf, args),
-        Some(_) => inline(buf, args),
+        Some(b'*') => multibulk(buf, args, bounds),
+        Some(_) => inline(buf, args, bounds),
     }
 }
 
@@ -79,13 +115,20 @@ fn integer(bytes: &[u8]) -> Option<i64> {
     Some(if negative { -n } else { n })
 }
 
-fn multibulk(buf: &[u8], args: &mut Vec<Range<usize>>) -> Result<Option<usize>, ProtocolError> {
+fn multibulk(
+    buf: &[u8],
+    args: &mut Vec<Range<usize>>,
+    bounds: Bounds,
+) -> Result<Option<usize>, ProtocolError> {
     let Some((count, mut at)) = line(buf, 1, 20, "the multibulk length")? else {
         return Ok(None);
     };
     let count = match integer(&buf[count]) {
         Some(n) if n <= 0 => return Ok(Some(at)),
-        Some(n) if n as u64 <= MAX_ARGS as u64 => n as usize,
+        Some(n) if n as u64 <= bounds.args as u64 => n as usize,
+        Some(_) if bounds.unauthenticated => {
+            return Err(ProtocolError::new("unauthenticated multibulk length"));
+        }
         Some(n) => {
             return Err(ProtocolError::new(format!(
                 "invalid multibulk length {n}: a command has at most {MAX_ARGS} arguments here"
@@ -106,7 +149,10 @@ fn multibulk(buf: &[u8], args: &mut Vec<Range<usize>>) -> Result<Option<usize>, 
             return Ok(None);
         };
         let length = match integer(&buf[length]) {
-            Some(n) if n >= 0 && total + n as usize <= MAX_COMMAND => n as usize,
+            Some(n) if n >= 0 && total + n as usize <= bounds.bytes => n as usize,
+            Some(n) if n >= 0 && bounds.unauthenticated => {
+                return Err(ProtocolError::new("unauthenticated bulk length"));
+            }
             Some(n) if n >= 0 => {
                 return Err(ProtocolError::new(format!(
                     "invalid bulk length {n}: a command's arguments take at most {MAX_COMMAND} \
@@ -132,9 +178,13 @@ fn multibulk(buf: &[u8], args: &mut Vec<Range<usize>>) -> Result<Option<usize>, 
 /// A line of words, as `telnet` sends: split on spaces and tabs, `"..."` and `'...'` quote
 /// (with `\"`, `\\`, `\n`, `\r`, `\t` and `\xHH` in double quotes left for later: the
 /// quoted bytes are taken as they are).
-fn inline(buf: &[u8], args: &mut Vec<Range<usize>>) -> Result<Option<usize>, ProtocolError> {
-    let Some(newline) = memchr::memchr(b'\n', &buf[..buf.len().min(MAX_COMMAND + 1)]) else {
-        if buf.len() > MAX_COMMAND {
+fn inline(
+    buf: &[u8],
+    args: &mut Vec<Range<usize>>,
+    bounds: Bounds,
+) -> Result<Option<usize>, ProtocolError> {
+    let Some(newline) = memchr::memchr(b'\n', &buf[..buf.len().min(bounds.bytes + 1)]) else {
+        if buf.len() > bounds.bytes {
             return Err(ProtocolError::new("too big inline request"));
         }
         return Ok(None);
@@ -159,7 +209,10 @@ fn inline(buf: &[u8], args: &mut Vec<Range<usize>>) -> Result<Option<usize>, Pro
                 at = stop;
             }
         }
-        if args.len() > MAX_ARGS {
+        if args.len() > bounds.args && bounds.unauthenticated {
+            return Err(ProtocolError::new("unauthenticated multibulk length"));
+        }
+        if args.len() > bounds.args {
             return Err(ProtocolError::new(format!(
                 "invalid multibulk length: a command has at most {MAX_ARGS} arguments here"
             )));
@@ -335,8 +388,15 @@ mod tests {
     use super::*;
 
     fn words(buf: &[u8]) -> Result<Option<(Vec<String>, usize)>, ProtocolError> {
+        words_within(buf, Bounds::AUTHENTICATED)
+    }
+
+    fn words_within(
+        buf: &[u8],
+        bounds: Bounds,
+    ) -> Result<Option<(Vec<String>, usize)>, ProtocolError> {
         let mut args = Vec::new();
-        Ok(parse(buf, &mut args)?.map(|used| {
+        Ok(parse(buf, &mut args, bounds)?.map(|used| {
             let words = args
                 .iter()
                 .map(|r| String::from_utf8_lossy(&buf[r.clone()]).into_owned())
@@ -387,6 +447,24 @@ mod tests {
         assert!(words(&[b'*'; 64]).is_err());
         let long = vec![b'a'; MAX_COMMAND + 2];
         assert_eq!(words(&long).unwrap_err().0, "too big inline request");
+    }
+
+    #[test]
+    fn before_auth_the_bounds_are_redis_ones() {
+        let before = Bounds::UNAUTHENTICATED;
+        let err = words_within(b"*11\r\n", before).unwrap_err();
+        assert_eq!(err.0, "unauthenticated multibulk length");
+        let err = words_within(b"*2\r\n$4\r\nAUTH\r\n$16381\r\n", before).unwrap_err();
+        assert_eq!(err.0, "unauthenticated bulk length");
+        let ten = format!("AUTH{}\r\n", " x".repeat(9)).into_bytes();
+        assert_eq!(words_within(&ten, before).unwrap().unwrap().0.len(), 10);
+        let eleven = format!("AUTH{}\r\n", " x".repeat(10)).into_bytes();
+        assert!(words_within(&eleven, before).is_err());
+        let long = vec![b'a'; UNAUTHENTICATED_COMMAND + 2];
+        assert_eq!(words_within(&long, before).unwrap_err().0, "too big inline request");
+        // The same commands, once authenticated.
+        assert_eq!(words(b"*11\r\n").unwrap(), None);
+        assert!(words(&eleven).unwrap().is_some());
     }
 
     #[test]

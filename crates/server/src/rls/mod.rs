@@ -751,7 +751,7 @@ fn bounded_label(label: String) -> String {
 }
 
 /// The SHA-256 digest of `text`, in hex.
-fn digest(text: &str) -> String {
+pub(crate) fn digest(text: &str) -> String {
     use sha2::Digest as _;
     let mut hex = String::with_capacity(64);
     for byte in sha2::Sha256::digest(text.as_bytes()) {

@@ -227,6 +227,7 @@ pub async fn serve(
         listener,
         "rls",
         limits,
+        b"",
         accept_errors,
         stop,
         move |tcp, mut stopping| {
