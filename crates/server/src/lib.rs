@@ -188,6 +188,16 @@ fn sources(
     live::Sources { config, overrides }
 }
 
+/// What a runtime thread of `serve` runs each time it runs out of work (see [`when_idle`]).
+static IDLE: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Has each of the server's runtime threads run `idle` whenever it runs out of work (tokio's
+/// `on_thread_park`), from the next [`run`] on: the binary gives its allocator's freed memory
+/// back to the system there (`main.rs`). Set once; `false` if it was set already.
+pub fn when_idle(idle: fn()) -> bool {
+    IDLE.set(idle).is_ok()
+}
+
 /// Runs the command line; what `main` calls.
 ///
 /// # Errors
@@ -298,7 +308,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // threads.
     let telemetry = otel::start()?;
     let tracing = telemetry.as_ref().map(otel::Exporting::describe);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(idle) = IDLE.get().copied() {
+        builder.on_thread_park(idle);
+    }
+    let runtime = builder.enable_all().build()?;
     let served = runtime.block_on(serve_async(sources, loaded, tracing));
     drop(runtime);
     if let Some(telemetry) = telemetry {

@@ -1,7 +1,6 @@
 //! `tollgate`: see `tollgate --help`.
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::Parser;
 
@@ -11,7 +10,7 @@ use clap::Parser;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    give_memory_back();
+    tollgate_server::when_idle(give_memory_back);
     match tollgate_server::run(tollgate_server::Cli::parse()) {
         Ok(code) => code,
         Err(err) => {
@@ -21,24 +20,15 @@ fn main() -> ExitCode {
     }
 }
 
-/// mimalloc gives freed memory back to the system a second after it is freed (its purge
-/// delay), but only when it is next called: a server gone quiet after a burst of
-/// connections (3,000 clients' buffers: over a gigabyte) would keep that memory for as long
-/// as it stays quiet. A thread of its own calls it every second.
-fn give_memory_back() {
-    let every = Duration::from_secs(1);
-    let _ = std::thread::Builder::new().name("give-memory-back".into()).spawn(move || {
-        loop {
-            std::thread::sleep(every);
-            collect();
-        }
-    });
-}
-
-/// mimalloc's `mi_collect(false)`: memory freed more than its purge delay ago goes back to
-/// the system (arenas are the process's, whichever thread asks).
+/// Run by each runtime thread when it runs out of work, before it sleeps: mimalloc's
+/// `mi_collect(false)` gives what this thread's heap has freed back to the system. Each
+/// thread must ask for its own (mimalloc's heaps are per thread; a second thread asking
+/// every second gave nothing back), and mimalloc gives memory back only when it is next
+/// called: a server gone quiet after a burst of connections (3,000 clients' buffers: over a
+/// gigabyte) would otherwise keep it for as long as it stays quiet. About a microsecond
+/// (measured on a heap of 20,000 live blocks), paid only by a thread about to sleep.
 #[allow(unsafe_code)]
-fn collect() {
+fn give_memory_back() {
     // SAFETY: mi_collect takes no pointer and may be called from any thread at any time;
     // mimalloc is this process's allocator (ALLOCATOR above).
     unsafe { libmimalloc_sys::mi_collect(false) };

@@ -992,7 +992,8 @@ fn command_docs_of_many_names_is_small() {
 /// 236 KB out) and never read: each connection's pending replies stay within its bound
 /// (16 KiB and a part of a reply, then it is not read from), so 400 of them grow the server
 /// by far less than their replies' 94 MB (measured: 23 MB; 168 MB before each kept its
-/// reply); once they close, the memory is given back (mimalloc is asked to, every second).
+/// reply); once they close, the memory is given back (each runtime thread asks mimalloc to
+/// whenever it runs out of work: main.rs).
 #[test]
 fn clients_that_never_read_large_replies_cost_a_bounded_memory() {
     let served = Served::start("memory", "", &[]);
