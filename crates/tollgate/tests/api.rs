@@ -75,7 +75,7 @@ fn only_limits_made_to_fail_open_are_granted_when_the_store_fails() {
 
     let taken = limiter.limit_with_status(search, "alice").unwrap();
     assert_eq!(taken.decision, Decision::ADMIT);
-    assert_eq!(taken.status.remaining, 5.0, "nothing is known: reported full");
+    assert!(!taken.status.is_known(), "nothing is known: no numbers ({:?})", taken.status);
     assert!(limiter.check(search, "alice").unwrap().ok);
     assert!(limiter.limit(feed, Request::new()).unwrap().ok, "sharded too");
     assert!(matches!(limiter.limit(signup, "alice"), Err(Error::Store(_))), "the default");
