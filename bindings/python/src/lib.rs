@@ -9,7 +9,7 @@
 //! it with the GIL released; an asyncio call gets its answer through the event loop's
 //! `call_soon_threadsafe`, with no thread of its own.
 //!
-//! After `fork` the child has none of the parent's threads: [`forked`] (called by
+//! After `fork` the child has none of the parent's threads: `forked` (called by
 //! `os.register_at_fork`) makes the next call start a runtime of the child's own, and the
 //! Python half opens its networked stores anew on it.
 
