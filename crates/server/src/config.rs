@@ -343,11 +343,19 @@ fn duration(
     Ok(Duration::from_secs_f64(ms / 1_000.0))
 }
 
+/// The longest period a server may let `CL.THROTTLE` clients choose, in seconds
+/// (`respMaxPeriod`): 1e12 s, tollgate's bound on periods (1e15 ms).
+pub const MAX_RESP_PERIOD: i64 = 1_000_000_000_000;
+
+/// The default `respMaxPeriod`: a year, the longest window of any quota people run, so that
+/// a state a client makes expires within a year (when it takes no more than `count` at a
+/// time).
+pub const DEFAULT_RESP_MAX_PERIOD: i64 = 365 * 86_400;
+
 /// `respMaxPeriod` in whole seconds (a part of a second is dropped): at least a second, at
 /// most 1e12 s (tollgate's bound on a period); by default a year.
 fn max_period(label: &str, value: &Option<Period>) -> anyhow::Result<i64> {
-    use crate::resp::throttle::{DEFAULT_MAX_PERIOD, MAX_PERIOD};
-    let Some(value) = value else { return Ok(DEFAULT_MAX_PERIOD) };
+    let Some(value) = value else { return Ok(DEFAULT_RESP_MAX_PERIOD) };
     let ms = value.millis().map_err(|_| {
         let written = match value {
             Period::Millis(ms) => ms.to_string(),
@@ -355,7 +363,7 @@ fn max_period(label: &str, value: &Option<Period>) -> anyhow::Result<i64> {
         };
         anyhow::anyhow!("{label}: {written} is not a duration such as \"1d\" or \"365d\"")
     })?;
-    if !(ms >= 1_000.0 && ms <= MAX_PERIOD as f64 * 1_000.0) {
+    if !(ms >= 1_000.0 && ms <= MAX_RESP_PERIOD as f64 * 1_000.0) {
         bail!("{label} is {ms} ms; it must be at least 1 s and at most 1e12 s");
     }
     Ok((ms / 1_000.0).floor() as i64)

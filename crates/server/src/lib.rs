@@ -16,6 +16,7 @@ pub mod browsers;
 pub mod carry;
 pub mod client;
 pub mod config;
+mod digest;
 pub mod engine;
 pub mod error_log;
 pub mod fields;

@@ -30,7 +30,7 @@ fn settings(store: String) -> Settings {
         resp_listen: None,
         resp_throttle_name: "cl.throttle".into(),
         resp_idle_timeout: std::time::Duration::from_secs(300),
-        resp_max_period: tollgate_server::resp::throttle::DEFAULT_MAX_PERIOD,
+        resp_max_period: tollgate_server::config::DEFAULT_RESP_MAX_PERIOD,
         cors_origins: Vec::new(),
         allowed_hosts: Vec::new(),
         public_metrics: false,

@@ -42,15 +42,6 @@ pub struct Args<'a> {
 /// The most any other number of the command may be: tollgate's bound on amounts (1e15).
 const MOST: i64 = 1_000_000_000_000_000;
 
-/// The longest period a server may let clients choose, in seconds (`respMaxPeriod`): 1e12
-/// s, tollgate's bound on periods (1e15 ms).
-pub const MAX_PERIOD: i64 = 1_000_000_000_000;
-
-/// The default `respMaxPeriod`: a year, the longest window of any quota people run, so that
-/// a state a client makes expires within a year (when it takes no more than `count` at a
-/// time).
-pub const DEFAULT_MAX_PERIOD: i64 = 365 * 86_400;
-
 /// Reads `key max_burst count period [quantity]`, with `period` at most `max_period`
 /// seconds.
 ///
@@ -102,7 +93,7 @@ fn stored_key(key: &str) -> Cow<'_, str> {
     while !key.is_char_boundary(cut) {
         cut -= 1;
     }
-    Cow::Owned(format!("{}#{}", &key[..cut], crate::rls::digest(key)))
+    Cow::Owned(format!("{}#{}", &key[..cut], crate::digest::digest(key)))
 }
 
 /// Where `CL.THROTTLE` takes from, for arguments that make `config`: the limit `name`
@@ -214,6 +205,7 @@ mod tests {
     use tollgate::{ManualClock, MemoryStore, RateLimiter};
 
     use super::*;
+    use crate::config::DEFAULT_RESP_MAX_PERIOD;
     use crate::engine::Permissions;
     use crate::store::DynStore;
 
@@ -254,7 +246,7 @@ mod tests {
             clock.set(1_000_000.0 + at);
             let argv = words(&format!("foo 4 1 1 {quantity}"));
             let argv: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
-            let parsed = args(&argv, DEFAULT_MAX_PERIOD).unwrap();
+            let parsed = args(&argv, DEFAULT_RESP_MAX_PERIOD).unwrap();
             let target = target(&defined, "cl.throttle", parsed.config).unwrap();
             let t = runtime.block_on(throttle(&defined, target, parsed)).unwrap();
             // redis-cell's reply: its durations in seconds, up when a millisecond is over.
@@ -290,7 +282,7 @@ mod tests {
     fn arguments_are_read_as_redis_cell_reads_them() {
         let argv = words("user123 15 30 60");
         let argv: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
-        let parsed = args(&argv, DEFAULT_MAX_PERIOD).unwrap();
+        let parsed = args(&argv, DEFAULT_RESP_MAX_PERIOD).unwrap();
         assert_eq!((parsed.key.as_ref(), parsed.quantity), ("user123", 1));
         assert_eq!(parsed.config, Config::token_bucket(30.0, 60_000.0).with_capacity(16.0));
         assert_eq!(as_arguments(&parsed.config), "max_burst 15, count 30, period 60");

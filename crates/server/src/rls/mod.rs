@@ -30,6 +30,7 @@ use parking_lot::Mutex;
 use tollgate::core::{MAX_KEY_BYTES, MAX_NAME_BYTES, Status};
 use tollgate::{Call, Error, Request, Target};
 
+use crate::digest::digest;
 use crate::engine::Engine;
 use crate::metrics::label;
 pub use config::{Limit, RlsConfig, Rule, Unit};
@@ -748,16 +749,6 @@ fn bounded_label(label: String) -> String {
         cut -= 1;
     }
     format!("{}...#{}", &label[..cut], &digest(&label)[..16])
-}
-
-/// The SHA-256 digest of `text`, in hex.
-pub(crate) fn digest(text: &str) -> String {
-    use sha2::Digest as _;
-    let mut hex = String::with_capacity(64);
-    for byte in sha2::Sha256::digest(text.as_bytes()) {
-        let _ = write!(hex, "{byte:02x}");
-    }
-    hex
 }
 
 /// Whether `count` could ever be taken from a state of `config` (a cost past its capacity
