@@ -319,13 +319,7 @@ fn duration(
     least: Duration,
 ) -> anyhow::Result<Duration> {
     let Some(value) = value else { return Ok(default) };
-    let ms = value.millis().map_err(|_| {
-        let written = match value {
-            Period::Millis(ms) => ms.to_string(),
-            Period::Text(text) => format!("{text:?}"),
-        };
-        anyhow::anyhow!("{label}: {written} is not a duration such as 250 (ms) or \"10s\"")
-    })?;
+    let ms = millis(label, value, "250 (ms) or \"10s\"")?;
     if zero && ms == 0.0 {
         return Ok(Duration::ZERO);
     }
@@ -343,6 +337,18 @@ fn duration(
     Ok(Duration::from_secs_f64(ms / 1_000.0))
 }
 
+/// The milliseconds of the setting `label`'s `value`, or an error that shows it as written
+/// and gives `examples` of what it takes.
+fn millis(label: &str, value: &Period, examples: &str) -> anyhow::Result<f64> {
+    value.millis().map_err(|_| {
+        let written = match value {
+            Period::Millis(ms) => ms.to_string(),
+            Period::Text(text) => format!("{text:?}"),
+        };
+        anyhow::anyhow!("{label}: {written} is not a duration such as {examples}")
+    })
+}
+
 /// The longest period a server may let `CL.THROTTLE` clients choose, in seconds
 /// (`respMaxPeriod`): 1e12 s, tollgate's bound on periods (1e15 ms).
 pub const MAX_RESP_PERIOD: i64 = 1_000_000_000_000;
@@ -356,13 +362,7 @@ pub const DEFAULT_RESP_MAX_PERIOD: i64 = 365 * 86_400;
 /// most 1e12 s (tollgate's bound on a period); by default a year.
 fn max_period(label: &str, value: &Option<Period>) -> anyhow::Result<i64> {
     let Some(value) = value else { return Ok(DEFAULT_RESP_MAX_PERIOD) };
-    let ms = value.millis().map_err(|_| {
-        let written = match value {
-            Period::Millis(ms) => ms.to_string(),
-            Period::Text(text) => format!("{text:?}"),
-        };
-        anyhow::anyhow!("{label}: {written} is not a duration such as \"1d\" or \"365d\"")
-    })?;
+    let ms = millis(label, value, "\"1d\" or \"365d\"")?;
     if !(ms >= 1_000.0 && ms <= MAX_RESP_PERIOD as f64 * 1_000.0) {
         bail!("{label} is {ms} ms; it must be at least 1 s and at most 1e12 s");
     }

@@ -397,33 +397,11 @@ fn auth_details() {
 #[test]
 fn trickled_heads_and_bodies_are_cut() {
     let server = Server::start("memory", "[server]\nheaderTimeout = 1000\nbodyTimeout = 1000\n");
-    let trickle = |head: &[u8], body: &[u8]| {
-        let mut tcp = TcpStream::connect(&server.addr).unwrap();
-        tcp.set_nodelay(true).unwrap();
-        tcp.write_all(head).unwrap();
-        let mut reader = tcp.try_clone().unwrap();
-        reader.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        let start = Instant::now();
-        let read = std::thread::spawn(move || {
-            let mut got = Vec::new();
-            let _ = reader.read_to_end(&mut got);
-            (start.elapsed(), String::from_utf8_lossy(&got).into_owned())
-        });
-        let mut sent = 0;
-        for byte in body {
-            if read.is_finished() || tcp.write_all(&[*byte]).is_err() {
-                break;
-            }
-            sent += 1;
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = tcp.shutdown(std::net::Shutdown::Write);
-        let (took, got) = read.join().unwrap();
-        (sent, took, got)
-    };
+    let gap = Duration::from_millis(100);
     // The head trickled (40 bytes: 4 s).
     let head = b"POST /v1/limit HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}";
-    let (sent, took, got) = trickle(b"", head);
+    let common::Trickled { sent, closed_after: took, got } =
+        common::trickle(&server.addr, b"", head, gap);
     assert!(sent < 40 && got.is_empty(), "{sent} bytes taken: {got}");
     assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2_000), "{took:?}");
     // The body trickled (34 bytes: 3.4 s).
@@ -432,7 +410,8 @@ fn trickled_heads_and_bodies_are_cut() {
         "POST /v1/limit HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\r\n",
         body.len()
     );
-    let (sent, took, got) = trickle(head.as_bytes(), body);
+    let common::Trickled { sent, closed_after: took, got } =
+        common::trickle(&server.addr, head.as_bytes(), body, gap);
     assert!(sent < body.len() && got.starts_with("HTTP/1.1 408"), "{sent} bytes taken: {got}");
     assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2_000), "{took:?}");
 }

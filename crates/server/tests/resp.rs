@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use redis::Value as R;
 use serde_json::{Value, json};
 
-use common::backend;
+use common::{backend, trickle};
 
 /// A running `tollgate serve --resp-listen`.
 struct Served {
@@ -724,40 +724,6 @@ fn exchange(addr: &str, bytes: &[u8]) -> String {
     String::from_utf8_lossy(&all).into_owned()
 }
 
-/// What a client that trickles `bytes` one at a time, `gap` apart, saw: how many it sent
-/// before the server closed the connection, the time from its first byte to the close, and
-/// what the server sent. (Once every byte is sent it says it is done writing, so that a
-/// server that answers still closes.)
-struct Trickled {
-    sent: usize,
-    closed_after: Duration,
-    got: String,
-}
-
-fn trickle(addr: &str, bytes: &[u8], gap: Duration) -> Trickled {
-    let mut tcp = TcpStream::connect(addr).unwrap();
-    tcp.set_nodelay(true).unwrap();
-    let mut reader = tcp.try_clone().unwrap();
-    reader.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let start = Instant::now();
-    let reading = std::thread::spawn(move || {
-        let mut got = Vec::new();
-        let _ = reader.read_to_end(&mut got);
-        (start.elapsed(), String::from_utf8_lossy(&got).into_owned())
-    });
-    let mut sent = 0;
-    for byte in bytes {
-        if reading.is_finished() || tcp.write_all(&[*byte]).is_err() {
-            break;
-        }
-        sent += 1;
-        std::thread::sleep(gap);
-    }
-    let _ = tcp.shutdown(std::net::Shutdown::Write);
-    let (closed_after, got) = reading.join().unwrap();
-    Trickled { sent, closed_after, got }
-}
-
 /// Whether the server closes `tcp` within `within` (EOF or a reset, and nothing else).
 fn closed_within(tcp: &mut TcpStream, within: Duration) -> Result<Duration, String> {
     tcp.set_read_timeout(Some(within)).unwrap();
@@ -781,7 +747,7 @@ fn closed_within(tcp: &mut TcpStream, within: Duration) -> Result<Duration, Stri
 fn a_trickled_command_is_cut_at_its_deadline() {
     let served = Served::start("memory", "[server]\nbodyTimeout = \"1s\"\n", &[]);
     let ping = b"*1\r\n$4\r\nPING\r\n";
-    let cut = trickle(&served.resp, ping, Duration::from_millis(150));
+    let cut = trickle(&served.resp, b"", ping, Duration::from_millis(150));
     assert!(!cut.got.contains("PONG"), "answered: {:?} after {:?}", cut.got, cut.closed_after);
     assert!(cut.sent < ping.len(), "every byte was taken: {:?}", cut.closed_after);
     assert!(
@@ -825,7 +791,7 @@ fn before_auth_the_budget_is_tighter() {
     assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2_500), "{took:?}");
     // AUTH trickled, well within bodyTimeout per byte and in all: cut at the header timeout.
     let auth = b"AUTH full-token-of-thirty-two-chars!\r\n";
-    let cut = trickle(&served.resp, auth, Duration::from_millis(100));
+    let cut = trickle(&served.resp, b"", auth, Duration::from_millis(100));
     assert!(!cut.got.contains("+OK"), "authenticated: {:?}", cut.got);
     assert!(cut.closed_after < Duration::from_millis(2_500), "closed after {:?}", cut.closed_after);
     // Memory: an argument over 16 KiB, or more than 10 arguments, before AUTH.

@@ -258,3 +258,40 @@ impl Drop for Served {
         let _ = self.child.wait();
     }
 }
+
+/// What a client that wrote `head` whole, then trickled `bytes` one at a time `gap` apart,
+/// saw: how many of `bytes` it sent before the server closed the connection, the time from
+/// the first of them to the close, and what the server sent. (Once every byte is sent it
+/// says it is done writing, so that a server that answers still closes.)
+pub(crate) struct Trickled {
+    pub(crate) sent: usize,
+    pub(crate) closed_after: std::time::Duration,
+    pub(crate) got: String,
+}
+
+/// See [`Trickled`]: a request's head, a Redis command, trickled to `addr`.
+pub(crate) fn trickle(addr: &str, head: &[u8], bytes: &[u8], gap: std::time::Duration) -> Trickled {
+    use std::io::{Read, Write};
+    let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+    tcp.set_nodelay(true).unwrap();
+    tcp.write_all(head).unwrap();
+    let mut reader = tcp.try_clone().unwrap();
+    reader.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let start = std::time::Instant::now();
+    let reading = std::thread::spawn(move || {
+        let mut got = Vec::new();
+        let _ = reader.read_to_end(&mut got);
+        (start.elapsed(), String::from_utf8_lossy(&got).into_owned())
+    });
+    let mut sent = 0;
+    for byte in bytes {
+        if reading.is_finished() || tcp.write_all(&[*byte]).is_err() {
+            break;
+        }
+        sent += 1;
+        std::thread::sleep(gap);
+    }
+    let _ = tcp.shutdown(std::net::Shutdown::Write);
+    let (closed_after, got) = reading.join().unwrap();
+    Trickled { sent, closed_after, got }
+}
