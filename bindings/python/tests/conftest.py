@@ -4,10 +4,11 @@ Without one its tests skip, unless TOLLGATE_REQUIRE_BACKENDS=1, where they fail.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import time
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import pytest
 
@@ -52,3 +53,21 @@ def store(request: pytest.FixtureRequest, tmp_path: object) -> str:
 def fresh(prefix: str) -> str:
     """A name no earlier run used (runs share Redis and PostgreSQL)."""
     return f"{prefix}{os.getpid()}x{int(time.time() * 1000)}x{random.randrange(10**6)}"
+
+
+async def ticks_during(work: "asyncio.Future[Any]") -> int:
+    """How many turns a ticker task got while `work` ran: whether the loop went on."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0)  # the ticker is running
+    ticks = 0
+    await work
+    task.cancel()
+    return ticks

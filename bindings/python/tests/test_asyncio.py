@@ -10,29 +10,12 @@ import sys
 import textwrap
 
 import pytest
-from conftest import fresh, networked
+from conftest import fresh, networked, ticks_during
 from network import free_port
 
 from pytollgate import HOUR, AsyncRateLimiter, TollgateError
 
 WINDOW = {"kind": "fixed window", "rate": 2, "period": HOUR, "start": 0}
-
-
-async def ticks_during(retries: "asyncio.Future[int]") -> int:
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0)  # the ticker is running
-    ticks = 0
-    await retries
-    task.cancel()
-    return ticks
 
 
 async def test_a_retry_loop_on_the_memory_store_lets_the_loop_run() -> None:
