@@ -15,6 +15,18 @@ import { fresh, stores } from "./stores.mjs";
 
 const networked = stores().filter(([label]) => label === "redis" || label === "postgres");
 
+/** `call`'s first answer that is not an error, tried `tries` times 100 ms apart; else the
+ *  last error. */
+async function firstAnswer(call, tries) {
+  let answer;
+  for (let i = 0; i < tries; i++) {
+    answer = await call().catch((e) => e);
+    if (!(answer instanceof Error)) break;
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  return answer;
+}
+
 for (const [label, store] of networked) {
   test(`${label}: down when the limiter is made, used once it comes up`, { skip: store === undefined && "no URL" }, async () => {
     const port = await freePort();
@@ -38,12 +50,7 @@ for (const [label, store] of networked) {
     const up = await forwarder({ to: store, port });
     try {
       const started = Date.now();
-      let answer;
-      for (let i = 0; i < 100; i++) {
-        answer = await limiter.check(name, { key: "k" }).catch((e) => e);
-        if (!(answer instanceof Error)) break;
-        await new Promise((r) => setTimeout(r, 100));
-      }
+      const answer = await firstAnswer(() => limiter.check(name, { key: "k" }), 100);
       assert.deepEqual(answer, { ok: true }, String(answer));
       console.log(`${label}: answered ${Date.now() - started} ms after the store came up`);
       const answers = [];
@@ -70,12 +77,7 @@ test("sqlite: a file whose directory is made after the limiter is used from then
   });
   mkdirSync(dir);
   const started = Date.now();
-  let answer;
-  for (let i = 0; i < 50; i++) {
-    answer = await limiter.limit(name, { key: "k" }).catch((e) => e);
-    if (!(answer instanceof Error)) break;
-    await new Promise((r) => setTimeout(r, 100));
-  }
+  const answer = await firstAnswer(() => limiter.limit(name, { key: "k" }), 50);
   assert.deepEqual(answer, { ok: true }, String(answer));
   console.log(`sqlite: opened ${Date.now() - started} ms after its directory was made`);
   assert.deepEqual(await limiter.limit(name, { key: "k" }), { ok: true });
