@@ -250,6 +250,15 @@ mod tests {
         an_adjust_gives_back_no_more_than_the_leases_leave(&on.store, &*on.store.shared).await;
     }
 
+    /// A release right after the take that asked for a lease (see
+    /// `a_grant_on_its_way_at_a_release_goes_back`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grant_on_its_way_at_a_release_goes_back() {
+        let Some(url) = url() else { return };
+        let on = OnTable::leasing(&url, "lease_release_race", &ManualClock::new(T0), "hot").await;
+        testing::a_grant_on_its_way_at_a_release_goes_back(&on.store).await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_transaction_takes_a_leased_limit_directly() {
         let Some(url) = url() else { return };
