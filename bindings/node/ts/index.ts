@@ -32,6 +32,9 @@ export interface LeaseOptions {
   share?: number;
   /** The part of the capacity left unleased for the others, from 0 to 1. */
   floor?: number;
+  /** Takes of one key within a term, in this process, before the key is leased (default
+   *  16; 1 leases every key from its first take): cold keys are taken as unleased. */
+  hotAfter?: number;
 }
 
 /** Where an in-process limiter keeps its states, and how it treats them. */
@@ -99,7 +102,7 @@ function configJson(options: StoreOptions, limits: Record<string, RateLimitConfi
     // false (or undefined): not leased, as a flag reads; an object: its tuning.
     if (lease === false || lease === undefined) continue;
     if (lease !== true && (typeof lease !== "object" || lease === null || Array.isArray(lease))) {
-      throw new TypeError(`leases.${name} must be true, false or { term, share, floor }; got ${String(lease)}`);
+      throw new TypeError(`leases.${name} must be true, false or { term, share, floor, hotAfter }; got ${String(lease)}`);
     }
     limit.lease = lease === true ? true : Object.assign(table(), lease);
   }

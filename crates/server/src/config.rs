@@ -38,8 +38,8 @@ pub struct FileConfig {
 struct LimitTable {
     config: RawConfig,
     fail_open: bool,
-    /// `lease = true` or `lease = { term, share, floor }`: served from leases on a Redis
-    /// store.
+    /// `lease = true` or `lease = { term, share, floor, hotAfter }`: served from leases on a
+    /// Redis or PostgreSQL store.
     lease: Option<LeaseTable>,
 }
 
@@ -50,6 +50,8 @@ struct LeaseTable {
     term: Option<Period>,
     share: Option<f64>,
     floor: Option<f64>,
+    #[serde(rename = "hotAfter")]
+    hot_after: Option<i64>,
 }
 
 impl<'de> Deserialize<'de> for LimitTable {
@@ -74,7 +76,7 @@ impl<'de> Deserialize<'de> for LimitTable {
             ),
             Some(other) => {
                 return Err(D::Error::custom(format!(
-                    "lease is {other}; it must be true, false or {{ term, share, floor }}"
+                    "lease is {other}; it must be true, false or {{ term, share, floor, hotAfter }}"
                 )));
             }
         };
@@ -842,6 +844,15 @@ impl FileConfig {
                     bail!("[limits.{name}] lease.floor is {floor}; it must be from 0 to 1");
                 }
                 options = options.floor(floor);
+            }
+            if let Some(takes) = tuning.hot_after {
+                let Some(takes) = u32::try_from(takes).ok().filter(|&t| t >= 1) else {
+                    bail!(
+                        "[limits.{name}] lease.hotAfter is {takes}; it must be a whole number of \
+                         takes within a term, 1 (every key leased from its first take) or more"
+                    );
+                };
+                options = options.hot_after(takes);
             }
             leased.push((name.clone(), options));
         }

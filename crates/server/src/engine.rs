@@ -410,16 +410,21 @@ impl Engine {
                 sums.entry(name.to_owned()).or_default();
             }
         }
-        let lease = |s: tollgate::store::LeaseStats| {
+        let names: std::collections::HashMap<String, tollgate::store::LeasedName> =
+            leasing.names().into_iter().map(|n| (n.name.clone(), n)).collect();
+        let lease = |name: &str, s: tollgate::store::LeaseStats| {
+            let named = names.get(name);
             json!({
                 "grants": s.grants,
                 "returns": s.returns,
                 "local": s.local,
                 "direct": s.direct,
                 "held": number(s.held),
+                "keys": named.map_or(0, |n| n.keys),
+                "cold": named.map_or(0, |n| n.cold),
             })
         };
-        sums.into_iter().map(|(name, s)| (name, lease(s))).collect()
+        sums.into_iter().map(|(name, s)| (name.clone(), lease(&name, s))).collect()
     }
 
     /// Answers `op` with the JSON `body`. Nothing is consumed by a request answered with an

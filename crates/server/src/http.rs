@@ -356,6 +356,7 @@ fn metrics(app: &App) -> Response {
     let mut text = app.metrics.render(failed_open, live, names, breaker);
     if let Some(leasing) = &app.leases {
         crate::metrics::render_leases(&mut text, &leasing.stats());
+        crate::metrics::render_leased_names(&mut text, &leasing.names());
     }
     config_metrics(app, &mut text);
     if let Some(rls) = &app.rls {

@@ -272,6 +272,32 @@ pub fn render_leases(
     }
 }
 
+/// The leased limits' lines per name: keys leased now in this process (only hot keys are:
+/// see `lease.hotAfter`), and takes no lease served (cold keys, checks, or no room left).
+pub fn render_leased_names(out: &mut String, names: &[tollgate::store::LeasedName]) {
+    type Read = fn(&tollgate::store::LeasedName) -> f64;
+    let series: [(&str, &str, &str, Read); 2] = [
+        (
+            "tollgate_lease_keys_leased",
+            "gauge",
+            "Keys of the limit with a lease in this process now (its hot keys).",
+            |n| n.keys as f64,
+        ),
+        (
+            "tollgate_lease_cold_total",
+            "counter",
+            "Takes of a leased limit served by no lease (a cold key, a check, or no room for another key), sent to the store as an unleased limit's.",
+            |n| n.cold as f64,
+        ),
+    ];
+    for (metric, kind, help, value) in series {
+        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} {kind}");
+        for n in names {
+            let _ = writeln!(out, "{metric}{{name=\"{}\"}} {}", label(&n.name), value(n));
+        }
+    }
+}
+
 /// A Prometheus label value: `\`, `"` and newlines escaped.
 pub(crate) fn label(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")

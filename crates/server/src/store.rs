@@ -107,6 +107,14 @@ impl Leasing {
         self.names.iter().any(|n| n == name)
     }
 
+    /// Per leased limit, its keys leased now in this process and its takes no lease served.
+    pub fn names(&self) -> Vec<tollgate::store::LeasedName> {
+        match &self.store {
+            LeasingStore::Redis(redis) => redis.lease_names(),
+            LeasingStore::Postgres(pg) => pg.lease_names(),
+        }
+    }
+
     /// What each leased (name, key) did in this process.
     pub fn stats(&self) -> Vec<(String, Option<String>, LeaseStats)> {
         match &self.store {

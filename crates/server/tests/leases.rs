@@ -62,7 +62,15 @@ fn answered_from_the_lease_and_returned_on_sigterm(url: &str) {
         |name: &str| common::metric(&metrics, &format!("{name}{{name=\"hot\",key=\"{key}\"}}"));
     assert!(series("tollgate_lease_grants_total") >= 1.0, "{metrics}");
     assert!(series("tollgate_lease_local_total") >= 200.0, "{metrics}");
-    assert_eq!(series("tollgate_lease_local_total") + series("tollgate_lease_direct_total"), 300.0);
+    // The key's first 15 takes are cold (sent as an unleased limit's), the 16th within a
+    // term makes it hot (`lease.hotAfter`): from then on it is leased.
+    let named = |name: &str| common::metric(&metrics, &format!("{name}{{name=\"hot\"}}"));
+    assert_eq!(named("tollgate_lease_cold_total"), 15.0, "{metrics}");
+    assert_eq!(named("tollgate_lease_keys_leased"), 1.0, "{metrics}");
+    assert_eq!(
+        series("tollgate_lease_local_total") + series("tollgate_lease_direct_total"),
+        300.0 - 15.0
+    );
     // /v1/value reports the tokens leased out apart from the value (what a direct take may
     // take): this process holds a lease, and the two together are within the capacity.
     let (status, value) = served.post("/v1/value", &[], &json!({ "name": "hot", "key": key }));
@@ -80,9 +88,12 @@ fn answered_from_the_lease_and_returned_on_sigterm(url: &str) {
     let hot = stats["limits"].as_array().unwrap().iter().find(|l| l["name"] == "hot").unwrap();
     assert!(hot["lease"]["local"].as_u64().unwrap() >= 200, "{hot}");
     assert_eq!(
-        hot["lease"]["local"].as_u64().unwrap() + hot["lease"]["direct"].as_u64().unwrap(),
+        hot["lease"]["local"].as_u64().unwrap()
+            + hot["lease"]["direct"].as_u64().unwrap()
+            + hot["lease"]["cold"].as_u64().unwrap(),
         300
     );
+    assert_eq!(hot["lease"]["keys"], json!(1), "{hot}");
     // A transaction takes the leased limit directly, all or nothing with a plain one: the
     // plain limit's one token, then refused (plain is empty).
     let both =
@@ -130,8 +141,8 @@ fn lease_needs_a_redis_store() {
     );
 }
 
-/// `lease = { term, share, floor }` tunes it; values out of range, or unknown fields, are
-/// refused with the field named.
+/// `lease = { term, share, floor, hotAfter }` tunes it; values out of range, or unknown
+/// fields, are refused with the field named.
 #[test]
 fn lease_tuning_is_read_and_checked() {
     use std::time::Duration;
@@ -145,8 +156,9 @@ fn lease_tuning_is_read_and_checked() {
         );
         FileConfig::parse(&text).and_then(|file| file.settings(&Overrides::default(), false))
     };
-    let tuned = settings("{ term = \"5s\", share = 0.3, floor = 0.1 }").unwrap();
-    let expected = LeaseOptions::new().term(Duration::from_secs(5)).share(0.3).floor(0.1);
+    let tuned = settings("{ term = \"5s\", share = 0.3, floor = 0.1, hotAfter = 4 }").unwrap();
+    let expected =
+        LeaseOptions::new().term(Duration::from_secs(5)).share(0.3).floor(0.1).hot_after(4);
     assert_eq!(tuned.lease, [("hot".to_string(), expected)]);
     assert_eq!(settings("true").unwrap().lease, [("hot".to_string(), LeaseOptions::new())]);
     assert!(settings("false").unwrap().lease.is_empty());
@@ -158,6 +170,10 @@ fn lease_tuning_is_read_and_checked() {
         error("{ term = \"forever\" }")
     );
     assert!(error("{ shares = 0.5 }").contains("unknown field"), "{}", error("{ shares = 0.5 }"));
+    for takes in ["0", "-3", "5000000000"] {
+        let lease = format!("{{ hotAfter = {takes} }}");
+        assert!(error(&lease).contains(&format!("lease.hotAfter is {takes}")), "{}", error(&lease));
+    }
     assert!(error("\"yes\"").contains("lease is"), "{}", error("\"yes\""));
 }
 

@@ -12,7 +12,8 @@ from tollgate_client._units import seconds
 
 from . import _native
 
-#: A leased limit: True, or ``{"term": seconds or "30s", "share": ..., "floor": ...}``.
+#: A leased limit: True, or ``{"term": seconds or "30s", "share": ..., "floor": ...,
+#: "hotAfter": takes}``.
 LeaseOptions = Union[bool, Mapping[str, Union[float, str]]]
 
 
@@ -56,7 +57,7 @@ def config_json(
                 tuning["term"] = _ms(tuning["term"], "a lease's term")
             known("leases", name)["lease"] = tuning
         else:
-            raise TypeError(f"leases[{name!r}] is True or a dict of term, share, floor")
+            raise TypeError(f"leases[{name!r}] is True or a dict of term, share, floor, hotAfter")
     if isinstance(fail_open, (str, bytes)):
         # A string is iterable: its characters would be taken for names.
         raise TypeError(f"fail_open is a list of limit names, not the string {fail_open!r}")

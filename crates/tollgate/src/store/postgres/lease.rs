@@ -27,6 +27,12 @@ impl<C: Clock> PgStore<C> {
         lease::release_all(&*self.shared).await
     }
 
+    /// Per leased limit, its keys leased now in this process and its takes no lease served
+    /// (cold keys: see [`LeaseOptions::hot_after`](crate::store::LeaseOptions::hot_after)).
+    pub fn lease_names(&self) -> Vec<lease::LeasedName> {
+        lease::names(self.shared.leases.as_ref())
+    }
+
     /// What each leased (name, key) did in this process.
     pub fn lease_stats(&self) -> Vec<(String, Option<String>, LeaseStats)> {
         lease::stats(self.shared.leases.as_ref())
@@ -102,11 +108,24 @@ mod tests {
     use crate::store::testing::{T0, writing};
 
     impl OnTable {
+        /// Every key leased from its first take (`hot_after(1)`): these tests are of the
+        /// leases themselves.
         async fn leasing(url: &str, test: &str, clock: &ManualClock, name: &str) -> Self {
+            let options = LeaseOptions::new().term(Duration::from_millis(800)).hot_after(1);
+            Self::leasing_with(url, test, clock, name, options).await
+        }
+
+        async fn leasing_with(
+            url: &str,
+            test: &str,
+            clock: &ManualClock,
+            name: &str,
+            options: LeaseOptions,
+        ) -> Self {
             let table = format!("tollgate_{test}_{}", std::process::id());
             let store = PgStore::builder()
                 .table(&table)
-                .lease(name, LeaseOptions::new().term(Duration::from_millis(800)))
+                .lease(name, options)
                 .open_with_clock(url, clock.clone())
                 .await;
             OnTable { store: store.unwrap(), url: url.to_owned(), table }
@@ -116,6 +135,10 @@ mod tests {
     impl Leasing for PgStore<ManualClock> {
         fn stats(&self) -> Vec<LeaseStats> {
             self.lease_stats().into_iter().map(|(_, _, s)| s).collect()
+        }
+
+        fn names(&self) -> Vec<crate::store::lease::LeasedName> {
+            self.lease_names()
         }
 
         async fn release(&self) {
@@ -197,7 +220,7 @@ mod tests {
                 let open = async || {
                     PgStore::builder()
                         .table(&table)
-                        .lease("hot", LeaseOptions::new().term(Duration::from_millis(800)))
+                        .lease("hot", LeaseOptions::new().term(Duration::from_millis(800)).hot_after(1))
                         .open_with_clock(&url, clock.clone())
                         .await
                         .unwrap()
@@ -248,6 +271,16 @@ mod tests {
         let clock = ManualClock::new(T0);
         let on = OnTable::leasing(&url, "lease_adjust", &clock, "hot").await;
         an_adjust_gives_back_no_more_than_the_leases_leave(&on.store, &*on.store.shared).await;
+    }
+
+    /// Only hot keys are leased (see `only_hot_keys_are_leased`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_hot_keys_are_leased() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let options = LeaseOptions::new().term(Duration::from_millis(800));
+        let on = OnTable::leasing_with(&url, "lease_hot_keys", &clock, "hot", options).await;
+        testing::only_hot_keys_are_leased(&on.store, &*on.store.shared, &clock).await;
     }
 
     /// A release right after the take that asked for a lease (see

@@ -227,6 +227,12 @@ impl<C: Clock> RedisStore<C> {
         lease::release_all(&*self.inner).await
     }
 
+    /// Per leased limit, its keys leased now in this process and its takes no lease served
+    /// (cold keys: see [`LeaseOptions::hot_after`](crate::store::LeaseOptions::hot_after)).
+    pub fn lease_names(&self) -> Vec<lease::LeasedName> {
+        lease::names(self.inner.leases.as_ref())
+    }
+
     /// What each leased (name, key) did in this process.
     pub fn lease_stats(&self) -> Vec<(String, Option<String>, lease::LeaseStats)> {
         lease::stats(self.inner.leases.as_ref())
@@ -364,7 +370,7 @@ mod tests {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             let clock = ManualClock::new(T0);
             let prefix = case_prefix("leased");
-            let options = LeaseOptions::new().term(Duration::from_millis(800));
+            let options = LeaseOptions::new().term(Duration::from_millis(800)).hot_after(1);
             let open = async || {
                 RedisStore::builder()
                     .prefix(prefix.clone())
@@ -383,19 +389,44 @@ mod tests {
             self.lease_stats().into_iter().map(|(_, _, s)| s).collect()
         }
 
+        fn names(&self) -> Vec<lease::LeasedName> {
+            self.lease_names()
+        }
+
         async fn release(&self) {
             self.release_leases().await.unwrap();
         }
     }
 
     /// A store on a prefix of `test`'s own, on `clock`, leasing the limit `name` with the
-    /// default options.
+    /// default options but one: every key is leased from its first take (`hot_after(1)`),
+    /// since these tests are of the leases themselves.
     fn leasing(url: &str, test: &str, name: &str, clock: &ManualClock) -> RedisStore<ManualClock> {
+        leasing_with(url, test, name, clock, LeaseOptions::new().hot_after(1))
+    }
+
+    fn leasing_with(
+        url: &str,
+        test: &str,
+        name: &str,
+        clock: &ManualClock,
+        options: LeaseOptions,
+    ) -> RedisStore<ManualClock> {
         RedisStore::builder()
             .prefix(case_prefix(test))
-            .lease(name, LeaseOptions::new())
+            .lease(name, options)
             .open_with_clock(url, clock.clone())
             .unwrap()
+    }
+
+    /// Only hot keys are leased; a cold key goes by the one-take script, and by a lease step
+    /// when its state holds another's lease (see `only_hot_keys_are_leased`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_hot_keys_are_leased() {
+        let Some(url) = url() else { return };
+        let clock = ManualClock::new(T0);
+        let redis = leasing_with(&url, "hot-keys", "hot", &clock, LeaseOptions::new());
+        testing::only_hot_keys_are_leased(&redis, &*redis.inner, &clock).await;
     }
 
     /// Far from its bound, a hot limit is answered from the lease: few store calls; near it
