@@ -9,6 +9,7 @@ import {
   middleware,
   refusalBody,
   settleWhenOver,
+  socketPath,
   type MiddlewareOptions,
   type NodeResponse,
   type RateLimitInfo,
@@ -74,7 +75,7 @@ export function rateLimit<
   Res extends ExpressResponse = ExpressResponse,
 >(options: ExpressOptions<Req, Limiter, Res>): (request: Req, response: Res, next: Next) => void {
   const m = middleware<Req, Res>(options as MiddlewareOptions<Req, Transacting, Res>, {
-    trustProxy: 'app.set("trust proxy", 1), the number of proxies in front of the app',
+    trustProxy: 'app.set("trust proxy", true) when only the proxy can reach the socket',
     options: ["handler"],
   });
   const handler = options.handler;
@@ -131,7 +132,8 @@ function proxyWarnings(): (request: ExpressRequest) => void {
           'app.set("trust proxy", 1).',
       );
     }
-    if (!permissive && trust === true) {
+    // On a unix socket only the proxy reaches the app: trusting it whole is the fix there.
+    if (!permissive && trust === true && socketPath(request.socket) === undefined) {
       permissive = true;
       console.warn(
         "tollgate: Express's trust proxy setting is true, so the \"ip\" key is the leftmost X-Forwarded-For address, which " +

@@ -31,7 +31,7 @@ interface FastifyReply {
   headers(values: Record<string, string>): FastifyReply;
   code(status: number): FastifyReply;
   type(type: string): FastifyReply;
-  send(body: string): FastifyReply;
+  send(body?: unknown): FastifyReply;
 }
 
 /** The options of Fastify's hook: every middleware's, an allow-list and a handler of refusals. */
@@ -60,7 +60,7 @@ export function rateLimitHook<
   Reply extends FastifyReply = FastifyReply,
 >(options: FastifyOptions<Req, Limiter, Reply>): (request: Req, reply: Reply) => Promise<FastifyReply | undefined> {
   const m = middleware<Req, Reply>(options as MiddlewareOptions<Req, Transacting, Reply>, {
-    trustProxy: "Fastify({ trustProxy: 1 }), the number of proxies in front of the app",
+    trustProxy: "Fastify({ trustProxy: true }) when only the proxy can reach the socket",
     options: ["allowList", "handler"],
   });
   const handler = options.handler;
@@ -137,9 +137,9 @@ interface RouteOptions {
  * app.post("/upload", { config: { rateLimit: { limits: "uploads" } } }, handler);
  * ```
  */
-export function rateLimitPlugin<Limiter extends Transacting>(
+export function rateLimitPlugin(
   app: FastifyInstance,
-  options: PluginOptions<Limiter>,
+  options: PluginOptions,
   done: (error?: Error) => void,
 ): void {
   const { global = true, ...base } = options;

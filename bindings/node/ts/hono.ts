@@ -1,9 +1,19 @@
 // Hono: a middleware taking a request's limits (ts/middleware.ts).
 
+// Hono's own types, for `c.get("rateLimit")` (the augmentation below).
+import type {} from "hono";
+
 import { decide, middleware, refusalBody, type MiddlewareOptions, type RateLimitInfo, type Transacting } from "./middleware.js";
 
 export { ipKey } from "./middleware.js";
 export type { Decision, KeySource, LimitRef, LimitStatus, MiddlewareOptions, RateLimitInfo, StandardHeaders } from "./middleware.js";
+
+declare module "hono" {
+  interface ContextVariableMap {
+    /** The rate limit middleware's decision (`requestPropertyName`, default `rateLimit`). */
+    rateLimit: RateLimitInfo;
+  }
+}
 
 /** The parts of Hono's context the middleware uses. */
 interface HonoContext {
@@ -63,7 +73,7 @@ export function rateLimiter<C extends HonoContext = HonoContext, Limiter extends
   options: HonoOptions<C, Limiter>,
 ): (c: C, next: () => Promise<void>) => Promise<Response | undefined> {
   const m = middleware<C, undefined>(options as MiddlewareOptions<C, Transacting, undefined>, {
-    trustProxy: "the middleware's trustProxy option: the number of proxies in front of the app",
+    trustProxy: "the middleware's trustProxy option, the number of proxies in front of the app, or its ip option",
     options: ["ip", "trustProxy", "handler"],
   });
   const { ip: ipOf, handler } = options;

@@ -444,7 +444,7 @@ export function bindingOf(decision: Decision, counts: readonly number[]): number
 }
 
 /** The path a server listens on, if `socket` is a connection to a unix socket's server. */
-function socketPath(socket: unknown): string | undefined {
+export function socketPath(socket: unknown): string | undefined {
   const address = (socket as { server?: { address?(): unknown } } | undefined)?.server?.address?.();
   return typeof address === "string" ? address : undefined;
 }

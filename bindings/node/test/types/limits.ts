@@ -37,6 +37,7 @@ fastify.get("/health", { config: { rateLimit: false } }, async () => "ok");
 
 const hono = new Hono();
 hono.use(rateLimiter({ limiter, limits: "perIp", trustProxy: 1 }));
+hono.get("/", (c) => c.text(String(c.get("rateLimit").remaining)));
 // @ts-expect-error: "perIP" is not among the limiter's limits.
 hono.use(rateLimiter({ limiter, limits: "perIP" }));
 
