@@ -76,10 +76,15 @@ async function get(url, headers = {}) {
   return { status: response.status, headers: response.headers, body: await response.text() };
 }
 
+/** A fixed window of `rate` a minute that starts now: no test ends one by chance. */
+function windowConfig(rate) {
+  return { kind: "fixed window", rate, period: MINUTE, start: Date.now() };
+}
+
 /** A limiter with one fixed window of `rate` a minute, and its name. */
 function windowOf(rate, prefix) {
   const name = fresh(prefix);
-  return { name, limiter: new RateLimiter("memory", { [name]: { kind: "fixed window", rate, period: MINUTE } }) };
+  return { name, limiter: new RateLimiter("memory", { [name]: windowConfig(rate) }) };
 }
 
 /** Runs `body(app)` with an app of `framework` made of `options`, then closes it. */
@@ -243,17 +248,31 @@ for (const framework of frameworks) {
     });
   });
 
-  test(`${framework}: with skipFailedRequests on, N concurrent requests against M admit exactly min(N, M)`, async () => {
-    for (const [n, m] of [[40, 7], [5, 12]]) {
-      const { name, limiter } = windowOf(m, "exact");
+  for (const [label, store] of [["memory", "memory"], ["redis", process.env.TOLLGATE_REDIS_URL]]) {
+    test(`${framework} on ${label}: with skipFailedRequests on, N concurrent requests against M admit exactly min(N, M)`, { skip: store === undefined && "no TOLLGATE_REDIS_URL" }, async () => {
+      for (const [n, m] of [[40, 7], [5, 12]]) {
+        const name = fresh("exact");
+        const limiter = new RateLimiter({ store }, { [name]: windowConfig(m) });
+        await withApp(framework, { limiter, limits: name, key: { header: "x-user" }, skipFailedRequests: true }, async (app) => {
+          const answers = await Promise.all(Array.from({ length: n }, () => get(`${app.url}/`, alice)));
+          const admitted = answers.filter((a) => a.status === 200).length;
+          assert.equal(admitted, Math.min(n, m));
+          assert.equal(answers.filter((a) => a.status === 429).length, n - admitted);
+        });
+      }
+      // Half of them failing at once: each failure's token comes back, none twice, so the
+      // successes never pass M and the limit ends with M less the successes.
+      const name = fresh("mixed");
+      const limiter = new RateLimiter({ store }, { [name]: windowConfig(7) });
       await withApp(framework, { limiter, limits: name, key: { header: "x-user" }, skipFailedRequests: true }, async (app) => {
-        const answers = await Promise.all(Array.from({ length: n }, () => get(`${app.url}/`, alice)));
-        const admitted = answers.filter((a) => a.status === 200).length;
-        assert.equal(admitted, Math.min(n, m));
-        assert.equal(answers.filter((a) => a.status === 429).length, n - admitted);
+        const answers = await Promise.all(Array.from({ length: 40 }, (_, i) => get(`${app.url}/${i % 2 ? "fail" : ""}`, alice)));
+        const succeeded = answers.filter((a) => a.status === 200).length;
+        assert.ok(succeeded <= 7, String(succeeded));
+        assert.ok(answers.some((a) => a.status === 500));
+        await tokensBack(limiter, name, "alice", 7 - succeeded);
       });
-    }
-  });
+    });
+  }
 }
 
 test("the drafts as express-rate-limit writes them: the same fields, side by side, for the same limit and key", async () => {
@@ -332,8 +351,8 @@ test("fastify: the plugin's limits on every route, a route's own config.rateLimi
   const perIp = fresh("perIp");
   const uploads = fresh("uploads");
   const limiter = new RateLimiter("memory", {
-    [perIp]: { kind: "fixed window", rate: 2, period: MINUTE },
-    [uploads]: { kind: "fixed window", rate: 1, period: MINUTE },
+    [perIp]: windowConfig(2),
+    [uploads]: windowConfig(1),
   });
   const app = Fastify();
   await app.register(rateLimitPlugin, { limiter, limits: perIp, key: { header: "x-user" }, allowList: ["root"] });
