@@ -162,7 +162,7 @@ export interface MiddlewareOptions<Req, Limiter extends Transacting = Transactin
    *  answering 503; default false. */
   passOnStoreError?: boolean;
   /** Give the request's tokens back when its response fails (status 400 or more, or the
-   *  connection closed first): only failures count. Default false. */
+   *  connection closed first): only successes count. Default false. */
   skipFailedRequests?: boolean;
   /** Give the request's tokens back when its response succeeds: only failures count.
    *  Default false. */
@@ -219,6 +219,8 @@ const GLOBAL = Symbol("global");
 export interface Middleware<Req, Res = never> {
   limiter: Transacting;
   limits: Array<{ name: string; count?: number }>;
+  /** What each limit takes of a request (its count, default 1). */
+  counts: number[];
   key(request: Req, view: RequestView): Key | Promise<Key>;
   /** The 400 answer's body for a request without a key. */
   noKey: string;
@@ -341,6 +343,7 @@ export function middleware<Req, Res = never>(
   return {
     limiter: options.limiter,
     limits,
+    counts: limits.map((l) => l.count ?? 1),
     key,
     noKey,
     onStoreError,
@@ -405,8 +408,9 @@ function headersOf<Req>(
   if (identifier !== undefined && standard !== "draft-8") {
     throw new TypeError(`identifier names the limits in draft 8's fields: give it with standardHeaders: "draft-8"`);
   }
-  const identifiers =
-    typeof identifier === "string" ? limits.map((_, i) => sfString(i === 0 ? identifier : `${identifier}-${i + 1}`)) : names;
+  // One identifier for several limits: the second is `id-2`, and so on.
+  const named = (id: string) => limits.map((_, i) => sfString(i === 0 ? id : `${id}-${i + 1}`));
+  const identifiers = typeof identifier === "string" ? named(identifier) : names;
   const counts = limits.map((l) => l.count ?? 1);
   const any = standard !== false || legacy;
   return (decision, key, request, out) => {
@@ -416,7 +420,7 @@ function headersOf<Req>(
     else if (standard === "draft-6") draft6Headers(binding, out);
     else if (standard === "draft-7") draft7Headers(binding, out);
     else if (standard === "draft-8") {
-      const ids = typeof identifier === "function" ? limits.map(() => sfString(identifier(request))) : identifiers;
+      const ids = typeof identifier === "function" ? named(identifier(request)) : identifiers;
       draft8Headers(decision, ids, key, out);
     }
     if (legacy) legacyHeaders(binding, Date.now(), out);
@@ -599,8 +603,7 @@ export async function decide<Req, Res>(m: Middleware<Req, Res>, request: Req, re
   }
   const headers: Record<string, string> = {};
   m.headers(decision, given, request, headers);
-  const counts = m.limits.map((l) => l.count ?? 1);
-  const binding = bindingOf(decision, counts);
+  const binding = bindingOf(decision, m.counts);
   const info = infoOf(decision, binding, given);
   if (decision.ok) {
     return { pass: true, status: 200, headers, info, settle: m.giveBack && settler(m, decision, given, request) };
@@ -661,7 +664,7 @@ function settler<Req, Res>(
     const now = Date.now();
     m.limits.forEach((l, i) => {
       if (now >= at + decision.limits[i]!.resetAfter) return;
-      const count = -(l.count ?? 1);
+      const count = -m.counts[i]!;
       const options = key === undefined ? { count } : { key, count };
       m.limiter.adjust(l.name, options).catch((e: unknown) => tell(m, e, request));
     });
