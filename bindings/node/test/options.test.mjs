@@ -444,3 +444,25 @@ test("TollgateStore: a limit function, limit 0, skipFailedRequests through decre
   }
   assert.throws(() => new TollgateStore({ limiter }).init({ limit: 3 }), /windowMs that is a positive number/);
 });
+
+test("a limit the limiter does not define: said once in the log with the fix, and its requests answered 500, not 404", async () => {
+  const { name, limiter } = windowOf(1, "defined");
+  const said = [];
+  const error = console.error;
+  console.error = (line) => said.push(line);
+  try {
+    for (const framework of frameworks) {
+      await withApp(framework, { limiter, limits: [name, "perIP"], key: { header: "x-user" } }, async (app) => {
+        for (let i = 0; i < 2; i++) {
+          const answer = await get(`${app.url}/`, alice);
+          assert.equal(answer.status, 500);
+          assert.deepEqual(JSON.parse(answer.body), { error: "Rate limit perIP is not defined." });
+        }
+      });
+    }
+  } finally {
+    console.error = error;
+  }
+  assert.equal(said.length, 3, said.join("\n"));
+  assert.match(said[0], new RegExp(`takes "perIP", which the limiter does not define \\(it defines "${name}"\\).*Define it in the limiter's limits`));
+});

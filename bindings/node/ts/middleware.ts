@@ -240,6 +240,8 @@ export interface Middleware<Req, Res = never> {
   passOnStoreError: boolean;
   /** Which responses give their tokens back: failed ones, successful ones. */
   giveBack?: { failed: boolean; successful: boolean };
+  /** Says (once) that the limiter does not define `name`. */
+  undefinedName(name: string): void;
 }
 
 /** The options `middleware` reads; a name not among them (or a framework's own) is refused. */
@@ -319,6 +321,7 @@ export function middleware<Req, Res = never>(
     throw new TypeError(`onStoreError must be a function of (error, request); got ${String(onStoreError)}`);
   }
   const unixSocket = source === "ip" ? unixSocketOf(first, framework) : undefined;
+  const undefinedName = undefinedNameOf(options.limiter, limits);
   const skip = optionalFunction<Middleware<Req, Res>["skip"]>(options, "skip", "(request) => boolean, true for a request that passes untouched");
   const allow = allowOf((options as { allowList?: unknown }).allowList);
   optionalFunction(options, "requestWasSuccessful", "(request, response) => boolean");
@@ -356,7 +359,36 @@ export function middleware<Req, Res = never>(
     headers: headersOf(options, limits),
     passOnStoreError,
     giveBack: failed || successful ? { failed, successful } : undefined,
+    undefinedName,
   };
+}
+
+/**
+ * A limit name the limiter does not define, as the app's misconfiguration rather than the
+ * client's: said once in the log (`console.error`) with the names it defines and the fix, as
+ * soon as the limiter's limits can be read (an in-process limiter's at once, a server's when
+ * it answers), or at the first request that names it; such a request is answered 500.
+ */
+function undefinedNameOf(limiter: Transacting, limits: ReadonlyArray<{ name: string }>): (name?: string) => void {
+  let said = false;
+  const say = (missing: string[], defined: string[] | undefined) => {
+    if (said || missing.length === 0) return;
+    said = true;
+    const known = defined === undefined ? "" : ` (it defines ${defined.length === 0 ? "none" : defined.map((n) => JSON.stringify(n)).join(", ")})`;
+    console.error(
+      `tollgate: the rate limit middleware takes ${missing.map((n) => JSON.stringify(n)).join(", ")}, which the limiter does not define${known}: ` +
+        `its requests are answered 500. Define it in the limiter's limits (new RateLimiter(store, { NAME: config })) or the server's config file, or fix the name in limits.`,
+    );
+  };
+  const read = (limiter as { getServerLimits?: () => Promise<Record<string, unknown>> }).getServerLimits;
+  if (typeof read === "function") {
+    read.call(limiter).then(
+      (defined) => say(limits.map((l) => l.name).filter((n) => !Object.hasOwn(defined, n)), Object.keys(defined)),
+      // Not readable now (a server not up yet, a store not open): the first request says it.
+      () => {},
+    );
+  }
+  return (name) => say(name === undefined ? [] : [name], undefined);
 }
 
 /** Fastify's `allowList` (keys, or a function of the request and its key) as a function. */
@@ -593,6 +625,12 @@ export async function decide<Req, Res>(m: Middleware<Req, Res>, request: Req, re
     // The limiter's checks refused the request's key (a lone surrogate, say): the request's
     // own fault, answered 400 like a key that is missing; nothing was taken.
     if (e instanceof TypeError) return { pass: false, status: 400, headers: {}, body: json({ error: e.message }) };
+    if (e instanceof TollgateError && e.status === 404) {
+      // A limit not defined: the app's configuration, said in the log; not the client's fault.
+      const name = m.limits.find((l) => e.message.includes(`Rate limit ${l.name} `))?.name ?? m.limits[0]!.name;
+      m.undefinedName(name);
+      return { pass: false, status: 500, headers: {}, body: json({ error: `Rate limit ${name} is not defined.` }) };
+    }
     if (e instanceof TollgateError && e.status !== undefined && e.status < 500 && e.status !== 429) {
       return { pass: false, status: e.status, headers: {}, body: json({ error: e.message }) };
     }
