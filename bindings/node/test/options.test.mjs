@@ -466,3 +466,37 @@ test("a limit the limiter does not define: said once in the log with the fix, an
   assert.equal(said.length, 3, said.join("\n"));
   assert.match(said[0], new RegExp(`takes "perIP", which the limiter does not define \\(it defines "${name}"\\).*Define it in the limiter's limits`));
 });
+
+test("per-route limits: Express's route middleware and Hono's path use, each route its own limit", async () => {
+  const perIp = fresh("perIp");
+  const uploads = fresh("uploads");
+  const limiter = new RateLimiter("memory", { [perIp]: windowConfig(3), [uploads]: windowConfig(1) });
+  const key = { header: "x-user" };
+  const app = express();
+  app.post("/upload", rateLimit({ limiter, limits: uploads, key }), (_req, res) => res.send("stored"));
+  app.get("/", rateLimit({ limiter, limits: perIp, key }), (_req, res) => res.send("hello"));
+  const hono = new Hono();
+  hono.use("/upload", rateLimiter({ limiter, limits: uploads, key: (c) => `h${c.req.header("x-user")}` }));
+  hono.use("/", rateLimiter({ limiter, limits: perIp, key: (c) => `h${c.req.header("x-user")}` }));
+  hono.post("/upload", (c) => c.text("stored"));
+  hono.get("/", (c) => c.text("hello"));
+  const servers = [await listening(createServer(app))];
+  servers.push(
+    await new Promise((resolve) => {
+      const server = serve({ fetch: hono.fetch, port: 0, hostname: "127.0.0.1" }, (info) => {
+        resolve({ url: `http://127.0.0.1:${info.port}`, close: () => new Promise((done) => server.close(done)) });
+      });
+    }),
+  );
+  try {
+    for (const { url } of servers) {
+      const post = () => fetch(`${url}/upload`, { method: "POST", headers: alice }).then((r) => r.status);
+      assert.deepEqual([await post(), await post()], [200, 429]);
+      const statuses = [];
+      for (let i = 0; i < 4; i++) statuses.push((await get(`${url}/`, alice)).status);
+      assert.deepEqual(statuses, [200, 200, 200, 429]);
+    }
+  } finally {
+    for (const s of servers) await s.close();
+  }
+});
