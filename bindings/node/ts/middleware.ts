@@ -1,26 +1,76 @@
 // What every framework's middleware decides, whatever the framework: the request's key, its
-// limits taken all or nothing, and the answer's status, header fields and body, written as
-// tollgate's tower layer writes them (crates/tollgate/src/tower): `RateLimit-Policy` and
+// limits taken all or nothing, and the answer's status, header fields and body. By default
+// as tollgate's tower layer writes them (crates/tollgate/src/tower): `RateLimit-Policy` and
 // `RateLimit` on every answer, `429` with `Retry-After` in whole seconds and
 // `{"kind": "RateLimited", "name", "retryAfter"}` on a refusal, `503 {"error": "rate limit
 // store unavailable", "mayHaveTaken"}` when the store fails (fail closed; the store's message
-// goes to `onStoreError`, never to the client), `400 {"error"}` without a key. Every
-// option is checked and resolved once, when the middleware is made (`middleware`); a request
-// pays for its key, the transaction and the answer's fields.
+// goes to `onStoreError`, never to the client), `400 {"error"}` without a key; and, as the
+// options of express-rate-limit 8, @fastify/rate-limit 11 and hono-rate-limiter say under
+// their names, otherwise (ts/headers.ts writes the header sets). Every option is checked and
+// resolved once, when the middleware is made (`middleware`); a request pays for its key, the
+// decision and the answer's fields.
 
-import { TollgateError, type TransactionOptions, type TransactionRequest, type TransactionResult } from "tollgate-client";
+import {
+  TollgateError,
+  type LimitName,
+  type RateLimiter as Client,
+  type TransactionOptions,
+  type TransactionRequest,
+  type TransactionResult,
+} from "tollgate-client";
 
+import {
+  draft6Headers,
+  draft7Headers,
+  draft8Headers,
+  ietfHeaders,
+  legacyHeaders,
+  seconds,
+  sfString,
+  type StandardHeaders,
+} from "./headers.js";
+import type { RateLimiter } from "./index.js";
 import { ipKey, ipv6SubnetOf } from "./ip.js";
 
 export { ipKey } from "./ip.js";
+export type { StandardHeaders } from "./headers.js";
+
+/** One limit's numbers in a middleware's decision (ms where a time). */
+export interface LimitStatus {
+  name: string;
+  limit: number;
+  remaining: number;
+  resetAfter: number;
+  window: number;
+}
+
+/** A middleware's decision, whatever the door. */
+export interface Decision {
+  ok: boolean;
+  retryAfter: number;
+  limits: LimitStatus[];
+}
 
 /** What the middleware needs of a limiter: in-process (`{ store }`) or a server's (`{ url }`). */
 export interface Transacting {
   transaction(requests: ReadonlyArray<TransactionRequest<string>>, options?: TransactionOptions): Promise<TransactionResult>;
+  /** Gives tokens back (a negative count), for `skipFailedRequests` and `skipSuccessfulRequests`. */
+  adjust(name: string, options: { key?: string; count: number }): Promise<unknown>;
 }
 
+/** The names a middleware of `limiter` may take: those its type knows (its `limits`, and a
+ *  server's from `tollgate types`), or any name if its type knows none. */
+export type NameOf<Limiter> = Limiter extends RateLimiter<infer Limits>
+  ? NamesIn<Limits>
+  : Limiter extends Client<infer Limits>
+    ? NamesIn<Limits>
+    : string;
+
+/** The names of `Limits` (with a server's), or any name if there are none. */
+type NamesIn<Limits> = [LimitName<Limits>] extends [never] ? string : LimitName<Limits>;
+
 /** One limit a request takes from: its name, or its name and how many tokens. */
-export type LimitRef = string | { name: string; count?: number };
+export type LimitRef<Name extends string = string> = Name | { name: Name; count?: number };
 
 /**
  * Where a request's key comes from: `"ip"` (the peer's address as the framework reports it,
@@ -36,12 +86,35 @@ export type KeySource<Req> =
   | { header: string }
   | ((request: Req) => string | null | undefined | Promise<string | null | undefined>);
 
-/** The options every middleware takes. */
-export interface MiddlewareOptions<Req> {
+/**
+ * What a handler sees of the decision (`req.rateLimit` in Express and Fastify,
+ * `c.get("rateLimit")` in Hono), as express-rate-limit's `req.rateLimit`: the numbers of the
+ * limit that binds (the one that refused, or the one with the fewest tokens left), and each
+ * limit's in `limits`.
+ */
+export interface RateLimitInfo {
+  /** The limit's quota in its window (the `q` of `RateLimit-Policy`). */
+  limit: number;
+  /** `limit - remaining`: what is taken in the window (a refusal takes nothing). */
+  used: number;
+  /** Tokens left, rounded down. */
+  remaining: number;
+  /** When the limit is full again. */
+  resetTime: Date;
+  /** The request's key; undefined for `key: "global"`. */
+  key: string | undefined;
+  /** Every limit of the middleware, in the order given. */
+  limits: LimitStatus[];
+}
+
+/** The options every middleware takes; `Res` is what a framework hands beside the request
+ *  (Express's response, Fastify's reply). */
+export interface MiddlewareOptions<Req, Limiter extends Transacting = Transacting, Res = never> {
   /** The limiter the limits are taken from. */
-  limiter: Transacting;
-  /** One limit or several, taken all or nothing: if one refuses, none is taken. */
-  limits: LimitRef | LimitRef[];
+  limiter: Limiter;
+  /** One limit or several, taken all or nothing: if one refuses, none is taken. A name the
+   *  limiter's type does not know does not compile. */
+  limits: LimitRef<NameOf<Limiter>> | Array<LimitRef<NameOf<Limiter>>>;
   /** Where the key comes from; default `"ip"`. */
   key?: KeySource<Req>;
   /**
@@ -53,25 +126,69 @@ export interface MiddlewareOptions<Req> {
    */
   ipv6Subnet?: number | false;
   /**
-   * Told each failure of the store that made a request's answer a 503, with the request: the
-   * store's own message (which may name its host, user or database) goes here, never into the
-   * answer's body. Default: `console.warn`, at most one line per 10 seconds for all the
-   * middleware of the process (the line counts those left out), so an outage never floods
-   * the log. Give your logger's function instead (`(error, req) => req.log.warn(error)`).
+   * Told each failure of the store that made a request's answer a 503 (or, with
+   * `passOnStoreError`, let it pass), with the request: the store's own message (which may
+   * name its host, user or database) goes here, never into the answer's body. Default:
+   * `console.warn`, at most one line per 10 seconds for all the middleware of the process
+   * (the line counts those left out), so an outage never floods the log. Give your logger's
+   * function instead (`(error, req) => req.log.warn(error)`).
    */
   onStoreError?: (error: Error, request: Req) => void;
+  /** A request for which this is true passes untouched: nothing taken, no header field
+   *  written (health checks, an allow-list). */
+  skip?: (request: Req, response: Res) => boolean | Promise<boolean>;
+  /** The status of a refusal; default 429. */
+  statusCode?: number;
+  /**
+   * The body of a refusal instead of `{"kind": "RateLimited", "name", "retryAfter"}`: a string
+   * (sent as it is), an object (sent as JSON), or a function of the request that returns one.
+   */
+  message?: unknown;
+  /** The property of the request (Hono: the context's variable) that holds the decision
+   *  (`RateLimitInfo`); default `"rateLimit"`. */
+  requestPropertyName?: string;
+  /**
+   * Which RateLimit header fields to write: `"ietf"` (default: tollgate's, one member per
+   * limit), or `"draft-6"`, `"draft-7"`, `"draft-8"` as express-rate-limit writes them; `true`
+   * is `"draft-6"` and `false` none, as express-rate-limit reads them.
+   */
+  standardHeaders?: StandardHeaders | boolean;
+  /** The names of the limits in draft 8's fields; default each limit's name. */
+  identifier?: string | ((request: Req) => string);
+  /** Also write `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (seconds
+   *  since the Unix epoch); default false. */
+  legacyHeaders?: boolean;
+  /** When the store fails, let the request pass (told to `onStoreError`) instead of
+   *  answering 503; default false. */
+  passOnStoreError?: boolean;
+  /** Give the request's tokens back when its response fails (status 400 or more, or the
+   *  connection closed first): only successes count. Default false. */
+  skipFailedRequests?: boolean;
+  /** Give the request's tokens back when its response succeeds: only failures count.
+   *  Default false. */
+  skipSuccessfulRequests?: boolean;
+  /** Whether a response succeeded, for the two options above; default: status below 400. */
+  requestWasSuccessful?: (request: Req, response: Res) => boolean | Promise<boolean>;
 }
 
 /** What the middleware answers: pass on (with `headers` on the answer), or answer itself. */
 export interface Verdict {
   /** Whether the request goes on to its handler. */
   pass: boolean;
-  /** 429, 503 or 400 when it does not pass. */
+  /** The refusal's status (429 unless `statusCode`), or 503, 400, 500 when it does not pass. */
   status: number;
-  /** Header fields to set, in the case the tower layer writes them. */
+  /** Header fields to set. */
   headers: Record<string, string>;
   /** The JSON body of the middleware's own answer. */
   body?: string;
+  /** The decision, for handlers (set on the request under `requestPropertyName`); absent when
+   *  no limit was taken (skipped, no key, a store that failed). */
+  info?: RateLimitInfo;
+  /** Whether it is a refusal by the limits (a custom `handler` or `message` answers it). */
+  limited?: boolean;
+  /** With `skipFailedRequests` or `skipSuccessfulRequests`, on a pass: to be called once the
+   *  response is over, with whether it succeeded. */
+  settle?: (successful: boolean) => void;
 }
 
 /** The view of a request each framework gives: its peer address, a header by name, and, when
@@ -84,9 +201,11 @@ export interface RequestView {
 }
 
 /** What a framework tells the middleware of itself: how its users make it read a client's
- *  address from a proxy's X-Forwarded-For (for the message of a unix socket). */
+ *  address from a proxy's X-Forwarded-For (for the message of a unix socket), and the
+ *  options of its own (checked with the others for a misspelled name). */
 export interface Framework {
   trustProxy: string;
+  options?: readonly string[];
 }
 
 /** A request's key: a string, `GLOBAL` for the one shared value, anything else if the
@@ -97,9 +216,11 @@ type Key = unknown;
 const GLOBAL = Symbol("global");
 
 /** A middleware's options, checked and resolved: what each request needs, and nothing more. */
-export interface Middleware<Req> {
+export interface Middleware<Req, Res = never> {
   limiter: Transacting;
   limits: Array<{ name: string; count?: number }>;
+  /** What each limit takes of a request (its count, default 1). */
+  counts: number[];
   key(request: Req, view: RequestView): Key | Promise<Key>;
   /** The 400 answer's body for a request without a key. */
   noKey: string;
@@ -107,17 +228,76 @@ export interface Middleware<Req> {
   /** For the "ip" key: what to do with a request that came through a unix socket, where no
    *  request has a peer address (undefined for the other keys). */
   unixSocket?: (socket: unknown) => Verdict | undefined;
+  skip?: (request: Req, response: Res) => boolean | Promise<boolean>;
+  /** Fastify's `allowList`: whether a request passes untouched, by its key. */
+  allow?: (request: Req, key: string | undefined) => boolean | Promise<boolean>;
+  statusCode: number;
+  /** The refusal's body, if not tollgate's own: what `message` gives for the request. */
+  message?: (request: Req) => unknown;
+  requestPropertyName: string;
+  /** Writes the header fields of a decision. */
+  headers(decision: Decision, key: string | undefined, request: Req, out: Record<string, string>): void;
+  passOnStoreError: boolean;
+  /** Which responses give their tokens back: failed ones, successful ones. */
+  giveBack?: { failed: boolean; successful: boolean };
+  /** Says (once) that the limiter does not define `name`. */
+  undefinedName(name: string): void;
 }
 
-const NAMES: Record<string, string> = {
-  "ratelimit-policy": "RateLimit-Policy",
-  ratelimit: "RateLimit",
-  "retry-after": "Retry-After",
+/** The options `middleware` reads; a name not among them (or a framework's own) is refused. */
+const OPTIONS = [
+  "limiter",
+  "limits",
+  "key",
+  "ipv6Subnet",
+  "onStoreError",
+  "skip",
+  "statusCode",
+  "message",
+  "requestPropertyName",
+  "standardHeaders",
+  "identifier",
+  "legacyHeaders",
+  "passOnStoreError",
+  "skipFailedRequests",
+  "skipSuccessfulRequests",
+  "requestWasSuccessful",
+];
+
+/** The fix for an option of the middleware tollgate's replaces, given to tollgate's. */
+const MOVED: Record<string, string> = {
+  windowMs: "a limit's window is its config: define it in the RateLimiter's limits and name it in `limits`",
+  max: "a limit's size is its config: define it in the RateLimiter's limits and name it in `limits`",
+  limit: "did you mean `limits`? (a limit's size is its config in the RateLimiter's limits)",
+  timeWindow: "a limit's window is its config: define it in the RateLimiter's limits and name it in `limits`",
+  keyGenerator: "give the function as `key` (a function of the request)",
+  store: "the store is the limiter's: `new RateLimiter({ store: URL }, limits)` given as `limiter`",
+  headers: "`legacyHeaders` (X-RateLimit-*) and `standardHeaders` say which fields are written",
+  skipOnError: "`passOnStoreError: true`",
+  errorResponseBuilder: "`handler` (or `message` and `statusCode`)",
 };
 
-/** Checks `options` and resolves them for `decide`; throws a `TypeError` for a bad one. */
-export function middleware<Req>(options: MiddlewareOptions<Req>, framework: Framework): Middleware<Req> {
+/** Checks `options` and resolves them for `decide`; throws a `TypeError` for a bad one,
+ *  naming it and its fix. */
+export function middleware<Req, Res = never>(
+  options: MiddlewareOptions<Req, Transacting, Res>,
+  framework: Framework,
+): Middleware<Req, Res> {
+  if (typeof options !== "object" || options === null) {
+    throw new TypeError(`the rate limit middleware takes an object of options ({ limiter, limits }); got ${String(options)}`);
+  }
+  const known = new Set([...OPTIONS, ...(framework.options ?? [])]);
+  for (const name of Object.keys(options)) {
+    if (known.has(name)) continue;
+    const fix = MOVED[name] ?? `the options are ${[...known].join(", ")}`;
+    throw new TypeError(`rate limit middleware: no option ${JSON.stringify(name)}: ${fix}`);
+  }
+  const limiter = options.limiter as Partial<Transacting> | undefined;
+  if (typeof limiter?.transaction !== "function") {
+    throw new TypeError("limiter must be a RateLimiter (new RateLimiter({ store: \"memory\" }, limits), or { url } for a server)");
+  }
   const limits = limitsOf(options.limits);
+  const first = limits[0]!.name;
   const source = options.key ?? "ip";
   const subnet = ipv6SubnetOf(options.ipv6Subnet);
   let key: Middleware<Req>["key"];
@@ -135,17 +315,172 @@ export function middleware<Req>(options: MiddlewareOptions<Req>, framework: Fram
     throw new TypeError(`key must be "ip", "global", { header: NAME } or a function of the request; got ${String(source)}`);
   }
   const what = source === "ip" ? "no peer address" : "no key in the request";
-  const noKey = json({ error: `Rate limit ${limits[0]!.name}: ${what}.` });
+  const noKey = json({ error: `Rate limit ${first}: ${what}.` });
   const onStoreError = options.onStoreError ?? warn;
   if (typeof onStoreError !== "function") {
     throw new TypeError(`onStoreError must be a function of (error, request); got ${String(onStoreError)}`);
   }
-  const unixSocket = source === "ip" ? unixSocketOf(limits[0]!.name, framework) : undefined;
-  return { limiter: options.limiter, limits, key, noKey, onStoreError, unixSocket };
+  const unixSocket = source === "ip" ? unixSocketOf(first, framework) : undefined;
+  const undefinedName = undefinedNameOf(options.limiter, limits);
+  const skip = optionalFunction<Middleware<Req, Res>["skip"]>(options, "skip", "(request) => boolean, true for a request that passes untouched");
+  const allow = allowOf((options as { allowList?: unknown }).allowList);
+  optionalFunction(options, "requestWasSuccessful", "(request, response) => boolean");
+  const statusCode = options.statusCode ?? 429;
+  if (!Number.isInteger(statusCode) || statusCode < 100 || statusCode > 599) {
+    throw new TypeError(`statusCode must be an HTTP status (an integer from 100 to 599), such as 429; got ${String(statusCode)}`);
+  }
+  const givenMessage = options.message;
+  const message =
+    givenMessage === undefined
+      ? undefined
+      : typeof givenMessage === "function"
+        ? (givenMessage as (request: Req) => unknown)
+        : () => givenMessage;
+  const requestPropertyName = options.requestPropertyName ?? "rateLimit";
+  if (typeof requestPropertyName !== "string" || requestPropertyName === "") {
+    throw new TypeError(`requestPropertyName must be a property name such as "rateLimit"; got ${String(requestPropertyName)}`);
+  }
+  const passOnStoreError = flag(options, "passOnStoreError");
+  const failed = flag(options, "skipFailedRequests");
+  const successful = flag(options, "skipSuccessfulRequests");
+  return {
+    limiter: options.limiter,
+    limits,
+    counts: limits.map((l) => l.count ?? 1),
+    key,
+    noKey,
+    onStoreError,
+    unixSocket,
+    skip,
+    allow,
+    statusCode,
+    message,
+    requestPropertyName,
+    headers: headersOf(options, limits),
+    passOnStoreError,
+    giveBack: failed || successful ? { failed, successful } : undefined,
+    undefinedName,
+  };
+}
+
+/**
+ * A limit name the limiter does not define, as the app's misconfiguration rather than the
+ * client's: said once in the log (`console.error`) with the names it defines and the fix, as
+ * soon as the limiter's limits can be read (an in-process limiter's at once, a server's when
+ * it answers), or at the first request that names it; such a request is answered 500.
+ */
+function undefinedNameOf(limiter: Transacting, limits: ReadonlyArray<{ name: string }>): (name?: string) => void {
+  let said = false;
+  const say = (missing: string[], defined: string[] | undefined) => {
+    if (said || missing.length === 0) return;
+    said = true;
+    const known = defined === undefined ? "" : ` (it defines ${defined.length === 0 ? "none" : defined.map((n) => JSON.stringify(n)).join(", ")})`;
+    console.error(
+      `tollgate: the rate limit middleware takes ${missing.map((n) => JSON.stringify(n)).join(", ")}, which the limiter does not define${known}: ` +
+        `its requests are answered 500. Define it in the limiter's limits (new RateLimiter(store, { NAME: config })) or the server's config file, or fix the name in limits.`,
+    );
+  };
+  const read = (limiter as { getServerLimits?: () => Promise<Record<string, unknown>> }).getServerLimits;
+  if (typeof read === "function") {
+    read.call(limiter).then(
+      (defined) => say(limits.map((l) => l.name).filter((n) => !Object.hasOwn(defined, n)), Object.keys(defined)),
+      // Not readable now (a server not up yet, a store not open): the first request says it.
+      () => {},
+    );
+  }
+  return (name) => say(name === undefined ? [] : [name], undefined);
+}
+
+/** Fastify's `allowList` (keys, or a function of the request and its key) as a function. */
+function allowOf<Req>(allowList: unknown): Middleware<Req>["allow"] {
+  if (allowList === undefined) return undefined;
+  if (typeof allowList === "function") return allowList as Middleware<Req>["allow"];
+  if (!Array.isArray(allowList) || !allowList.every((k) => typeof k === "string")) {
+    throw new TypeError(`allowList must be an array of keys (such as IP addresses) or a function (request, key) => boolean; got ${String(allowList)}`);
+  }
+  const allowed = new Set<string>(allowList);
+  return (_request, key) => key !== undefined && allowed.has(key);
+}
+
+/** A boolean option, false if not given. */
+function flag(options: object, name: string): boolean {
+  const value = (options as Record<string, unknown>)[name];
+  if (value === undefined) return false;
+  if (typeof value !== "boolean") throw new TypeError(`${name} must be true or false; got ${String(value)}`);
+  return value;
+}
+
+/** A function option, or undefined if not given. */
+function optionalFunction<F>(options: object, name: string, shape: string): F | undefined {
+  const value = (options as Record<string, unknown>)[name];
+  if (value === undefined) return undefined;
+  if (typeof value !== "function") throw new TypeError(`${name} must be a function ${shape}; got ${String(value)}`);
+  return value as F;
+}
+
+/** The header sets `standardHeaders` and `legacyHeaders` ask for, as one writer of a
+ *  decision's fields: `Retry-After` on a refusal whenever any set is written. */
+function headersOf<Req>(
+  options: MiddlewareOptions<Req, Transacting, never>,
+  limits: ReadonlyArray<{ name: string; count?: number }>,
+): Middleware<Req>["headers"] {
+  const given = options.standardHeaders ?? "ietf";
+  const standard = given === true ? "draft-6" : given;
+  if (standard !== false && !["ietf", "draft-6", "draft-7", "draft-8"].includes(standard)) {
+    throw new TypeError(
+      `standardHeaders must be "ietf" (tollgate's, the default), "draft-6", "draft-7", "draft-8", true ("draft-6") or false (none); got ${String(given)}`,
+    );
+  }
+  const legacy = flag(options, "legacyHeaders");
+  const names = limits.map((l) => sfString(l.name));
+  const identifier = options.identifier;
+  if (identifier !== undefined && typeof identifier !== "string" && typeof identifier !== "function") {
+    throw new TypeError(`identifier must be a name (a string) or a function of the request; got ${String(identifier)}`);
+  }
+  if (identifier !== undefined && standard !== "draft-8") {
+    throw new TypeError(`identifier names the limits in draft 8's fields: give it with standardHeaders: "draft-8"`);
+  }
+  // One identifier for several limits: the second is `id-2`, and so on.
+  const named = (id: string) => limits.map((_, i) => sfString(i === 0 ? id : `${id}-${i + 1}`));
+  const identifiers = typeof identifier === "string" ? named(identifier) : names;
+  const counts = limits.map((l) => l.count ?? 1);
+  const any = standard !== false || legacy;
+  return (decision, key, request, out) => {
+    if (decision.limits.length === 0) return;
+    const binding = decision.limits[bindingOf(decision, counts)]!;
+    if (standard === "ietf") ietfHeaders(decision, names, out);
+    else if (standard === "draft-6") draft6Headers(binding, out);
+    else if (standard === "draft-7") draft7Headers(binding, out);
+    else if (standard === "draft-8") {
+      const ids = typeof identifier === "function" ? named(identifier(request)) : identifiers;
+      draft8Headers(decision, ids, key, out);
+    }
+    if (legacy) legacyHeaders(binding, Date.now(), out);
+    if (any && !decision.ok) out["Retry-After"] = String(seconds(decision.retryAfter));
+  };
+}
+
+/**
+ * The index of the limit that binds a decision: on a refusal, the one that refused (fewer
+ * tokens left than the request takes) and waits longest; else the one with the fewest
+ * tokens left, the first of equals.
+ */
+export function bindingOf(decision: Decision, counts: readonly number[]): number {
+  let best = 0;
+  decision.limits.forEach((l, i) => {
+    const b = decision.limits[best]!;
+    if (decision.ok) {
+      if (l.remaining < b.remaining) best = i;
+      return;
+    }
+    const refuses = (j: number) => decision.limits[j]!.remaining < (counts[j] ?? 1);
+    if (refuses(i) && (!refuses(best) || l.resetAfter > b.resetAfter)) best = i;
+  });
+  return best;
 }
 
 /** The path a server listens on, if `socket` is a connection to a unix socket's server. */
-function socketPath(socket: unknown): string | undefined {
+export function socketPath(socket: unknown): string | undefined {
   const address = (socket as { server?: { address?(): unknown } } | undefined)?.server?.address?.();
   return typeof address === "string" ? address : undefined;
 }
@@ -219,8 +554,61 @@ function json(body: unknown): string {
   return JSON.stringify(body);
 }
 
+/**
+ * The members of an IETF field as tollgate writes them (`"name";a=1;b=2, "other";a=3`): each
+ * member's numeric parameters, in order. The names are skipped as structured field strings,
+ * so a name holding `,` or `;` is read right.
+ */
+function members(field: string): Array<Record<string, number>> {
+  const out: Array<Record<string, number>> = [];
+  let i = 0;
+  while (i < field.length) {
+    while (field[i] === " " || field[i] === ",") i++;
+    if (field[i] !== '"') break;
+    for (i++; i < field.length && field[i] !== '"'; i++) if (field[i] === "\\") i++;
+    i++;
+    const params: Record<string, number> = {};
+    while (field[i] === ";") {
+      const end = field.slice(i + 1).search(/[;,]/);
+      const param = end < 0 ? field.slice(i + 1) : field.slice(i + 1, i + 1 + end);
+      const eq = param.indexOf("=");
+      params[param.slice(0, eq).trim()] = Number(param.slice(eq + 1));
+      i += 1 + param.length;
+    }
+    out.push(params);
+  }
+  return out;
+}
+
+/**
+ * Takes `requests` and answers the middleware's decision: today through `transaction` with
+ * the header fields, read back from them (so `remaining` is whole and the times whole
+ * seconds, as the fields write them). The one place that asks the limiter for a decision.
+ */
+export async function decisionOf(limiter: Transacting, requests: ReadonlyArray<TransactionRequest<string>>): Promise<Decision> {
+  const result = await limiter.transaction(requests, { fields: true });
+  const policy = members(result.fields?.["ratelimit-policy"] ?? "");
+  const status = members(result.fields?.ratelimit ?? "");
+  const limits = requests.map((r, i) => ({
+    name: r.name,
+    limit: policy[i]?.q ?? 0,
+    remaining: status[i]?.r ?? 0,
+    resetAfter: (status[i]?.t ?? 0) * 1_000,
+    window: (policy[i]?.w ?? 0) * 1_000,
+  }));
+  // On a refusal, the wait of the refusal that waits longest.
+  let retryAfter = 0;
+  if (!result.ok) for (const r of result.results) if (!r.ok) retryAfter = Math.max(retryAfter, r.retryAfter ?? 0);
+  return { ok: result.ok, retryAfter, limits };
+}
+
+/** The answer of a request that passes untouched (skipped, or a store that failed with
+ *  `passOnStoreError`): nothing written. */
+const UNTOUCHED: Verdict = Object.freeze({ pass: true, status: 200, headers: Object.freeze({}) }) as Verdict;
+
 /** Takes the request's limits and says how to answer it. */
-export async function decide<Req>(m: Middleware<Req>, request: Req, view: RequestView): Promise<Verdict> {
+export async function decide<Req, Res>(m: Middleware<Req, Res>, request: Req, response: Res, view: RequestView): Promise<Verdict> {
+  if (m.skip !== undefined && (await m.skip(request, response))) return UNTOUCHED;
   const key = await m.key(request, view);
   if (key === undefined || key === null || key === "") {
     return (m.unixSocket && view.ip === undefined && m.unixSocket(view.socket)) || { pass: false, status: 400, headers: {}, body: m.noKey };
@@ -228,45 +616,141 @@ export async function decide<Req>(m: Middleware<Req>, request: Req, view: Reques
   if (key !== GLOBAL && typeof key !== "string") {
     throw new TypeError(`Rate limit ${m.limits[0]!.name}: the key function returned ${String(key)}, not a string`);
   }
-  let result: TransactionResult;
+  const given = key === GLOBAL ? undefined : (key as string);
+  if (m.allow !== undefined && (await m.allow(request, given))) return UNTOUCHED;
+  let decision: Decision;
   try {
-    result = await m.limiter.transaction(
-      m.limits.map((l) => (key === GLOBAL ? l : { ...l, key: key as string })),
-      { fields: true },
-    );
+    decision = await decisionOf(m.limiter, given === undefined ? m.limits : m.limits.map((l) => ({ ...l, key: given })));
   } catch (e) {
     // The limiter's checks refused the request's key (a lone surrogate, say): the request's
     // own fault, answered 400 like a key that is missing; nothing was taken.
     if (e instanceof TypeError) return { pass: false, status: 400, headers: {}, body: json({ error: e.message }) };
+    if (e instanceof TollgateError && e.status === 404) {
+      // A limit not defined: the app's configuration, said in the log; not the client's fault.
+      const name = m.limits.find((l) => e.message.includes(`Rate limit ${l.name} `))?.name ?? m.limits[0]!.name;
+      m.undefinedName(name);
+      return { pass: false, status: 500, headers: {}, body: json({ error: `Rate limit ${name} is not defined.` }) };
+    }
     if (e instanceof TollgateError && e.status !== undefined && e.status < 500 && e.status !== 429) {
       return { pass: false, status: e.status, headers: {}, body: json({ error: e.message }) };
     }
     const mayHaveTaken = e instanceof TollgateError ? e.mayHaveTaken : true;
-    try {
-      m.onStoreError(e instanceof Error ? e : new Error(String(e)), request);
-    } catch {
-      // A logger that throws does not change the answer.
-    }
+    tell(m, e, request);
+    if (m.passOnStoreError) return UNTOUCHED;
     return { pass: false, status: 503, headers: {}, body: UNAVAILABLE[`${mayHaveTaken}`] };
   }
   const headers: Record<string, string> = {};
-  for (const [name, value] of Object.entries(result.fields ?? {})) headers[NAMES[name] ?? name] = value;
-  if (result.ok) {
-    delete headers["Retry-After"];
-    return { pass: true, status: 200, headers };
+  m.headers(decision, given, request, headers);
+  const binding = bindingOf(decision, m.counts);
+  const info = infoOf(decision, binding, given);
+  if (decision.ok) {
+    return { pass: true, status: 200, headers, info, settle: m.giveBack && settler(m, decision, given, request) };
   }
-  // The refusal that waits longest names the answer, as the tower layer's does.
-  let refusing = 0;
-  result.results.forEach((r, i) => {
-    const longest = result.results[refusing]!;
-    if (!r.ok && (longest.ok || (r.retryAfter ?? 0) > (longest.retryAfter ?? 0))) refusing = i;
-  });
-  const retryAfter = result.results[refusing]!.retryAfter ?? result.retryAfter ?? 0;
-  headers["Retry-After"] ??= String(Math.max(0, Math.ceil(retryAfter / 1_000)));
+  const name = m.limits[binding]!.name;
   return {
     pass: false,
-    status: 429,
+    status: m.statusCode,
     headers,
-    body: json({ kind: "RateLimited", name: m.limits[refusing]!.name, retryAfter }),
+    body: json({ kind: "RateLimited", name, retryAfter: decision.retryAfter }),
+    info,
+    limited: true,
   };
+}
+
+/** Tells `onStoreError` of `e`; a logger that throws does not change the answer. */
+function tell<Req>(m: Middleware<Req, never> | Middleware<Req, unknown>, e: unknown, request: Req): void {
+  try {
+    m.onStoreError(e instanceof Error ? e : new Error(String(e)), request);
+  } catch {
+    // Nothing: the answer stands.
+  }
+}
+
+/** `req.rateLimit` of a decision: the binding limit's numbers, and every limit's. */
+function infoOf(decision: Decision, binding: number, key: string | undefined): RateLimitInfo {
+  const l = decision.limits[binding]!;
+  const remaining = Math.floor(l.remaining);
+  return {
+    limit: l.limit,
+    used: Math.max(0, l.limit - remaining),
+    remaining,
+    resetTime: new Date(Date.now() + l.resetAfter),
+    key,
+    limits: decision.limits,
+  };
+}
+
+/**
+ * What gives a passed request's tokens back once its response is over, if the options say
+ * so for how it ended (`skipFailedRequests`, `skipSuccessfulRequests`): each limit is
+ * `adjust`ed by minus what was taken, at most once. A limit whose state was full again by
+ * then (its window ended) gets nothing: a token given back to the next window would admit
+ * one more than it holds.
+ */
+function settler<Req, Res>(
+  m: Middleware<Req, Res>,
+  decision: Decision,
+  key: string | undefined,
+  request: Req,
+): (successful: boolean) => void {
+  const at = Date.now();
+  let settled = false;
+  return (successful) => {
+    if (settled) return;
+    settled = true;
+    if (!(successful ? m.giveBack!.successful : m.giveBack!.failed)) return;
+    const now = Date.now();
+    m.limits.forEach((l, i) => {
+      if (now >= at + decision.limits[i]!.resetAfter) return;
+      const count = -m.counts[i]!;
+      const options = key === undefined ? { count } : { key, count };
+      m.limiter.adjust(l.name, options).catch((e: unknown) => tell(m, e, request));
+    });
+  };
+}
+
+/** A refusal's body and its content type: `message`'s for the request (a string as text, an
+ *  object as JSON), or tollgate's JSON. */
+export async function refusalBody<Req>(
+  m: Middleware<Req, never> | Middleware<Req, unknown>,
+  request: Req,
+  verdict: Verdict,
+): Promise<{ body: string; type: string }> {
+  if (m.message === undefined || !verdict.limited) return { body: verdict.body ?? "", type: "application/json" };
+  const message = await m.message(request);
+  return typeof message === "string"
+    ? { body: message, type: "text/plain; charset=utf-8" }
+    : { body: json(message), type: "application/json" };
+}
+
+/** Node's response, as Express gives it and Fastify's `reply.raw`. */
+export interface NodeResponse {
+  readonly statusCode: number;
+  readonly writableEnded: boolean;
+  once(event: "finish" | "close", listener: () => void): unknown;
+}
+
+/**
+ * Calls `settle` once `response` is over: with whether it succeeded when it finished
+ * (`successful`, default its status below 400), with false when the connection closed
+ * before it was written whole, as express-rate-limit counts a failed request.
+ */
+export function settleWhenOver<Req, Res>(
+  verdict: Verdict,
+  response: NodeResponse,
+  request: Req,
+  res: Res,
+  successful: ((request: Req, response: Res) => boolean | Promise<boolean>) | undefined,
+): void {
+  const settle = verdict.settle;
+  if (settle === undefined) return;
+  response.once("finish", () => {
+    if (successful === undefined) return settle(response.statusCode < 400);
+    Promise.resolve()
+      .then(() => successful(request, res))
+      .then(settle, () => settle(false));
+  });
+  response.once("close", () => {
+    if (!response.writableEnded) settle(false);
+  });
 }

@@ -1,0 +1,46 @@
+// The limit names of a middleware are checked by the compiler (`npm run build` compiles this
+// file, with no output): a name the limiter's type does not know does not compile.
+import express from "express";
+import Fastify from "fastify";
+import { Hono } from "hono";
+
+import { MINUTE, RateLimiter } from "../../dist/index.js";
+import { rateLimit } from "../../dist/express.js";
+import { rateLimitHook, rateLimitPlugin } from "../../dist/fastify.js";
+import { rateLimiter } from "../../dist/hono.js";
+
+const limiter = new RateLimiter("memory", {
+  perIp: { kind: "token bucket", rate: 10, period: MINUTE, capacity: 3 },
+  global: { kind: "fixed window", rate: 1_000, period: MINUTE },
+});
+
+const app = express();
+app.use(rateLimit({ limiter, limits: "perIp" }));
+app.use(rateLimit({ limiter, limits: ["perIp", { name: "global", count: 2 }], standardHeaders: "draft-8", legacyHeaders: true }));
+// @ts-expect-error: "perIP" is not among the limiter's limits.
+app.use(rateLimit({ limiter, limits: "perIP" }));
+// @ts-expect-error: nor is "globl", in a list.
+app.use(rateLimit({ limiter, limits: ["perIp", "globl"] }));
+// @ts-expect-error: "draft-9" is not a version written.
+app.use(rateLimit({ limiter, limits: "perIp", standardHeaders: "draft-9" }));
+app.get("/", rateLimit({ limiter, limits: "perIp" }), (req, res) => {
+  res.send(String(req.rateLimit?.remaining));
+});
+
+const fastify = Fastify();
+fastify.addHook("onRequest", rateLimitHook({ limiter, limits: "global", allowList: ["127.0.0.1"] }));
+// @ts-expect-error: "globl" is not among the limiter's limits.
+fastify.addHook("onRequest", rateLimitHook({ limiter, limits: "globl" }));
+await fastify.register(rateLimitPlugin, { limiter, limits: "perIp" });
+fastify.get("/upload", { config: { rateLimit: { limits: "global" } } }, async () => "ok");
+fastify.get("/health", { config: { rateLimit: false } }, async () => "ok");
+
+const hono = new Hono();
+hono.use(rateLimiter({ limiter, limits: "perIp", trustProxy: 1 }));
+hono.get("/", (c) => c.text(String(c.get("rateLimit").remaining)));
+// @ts-expect-error: "perIP" is not among the limiter's limits.
+hono.use(rateLimiter({ limiter, limits: "perIP" }));
+
+// A server's limiter whose type knows no names takes any.
+const remote = new RateLimiter({ url: "http://127.0.0.1:8787" });
+app.use(rateLimit({ limiter: remote, limits: "anything" }));
