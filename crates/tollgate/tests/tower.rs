@@ -1,5 +1,7 @@
 //! The tower layer, driven with `oneshot`: admitted and refused paths with exact header
-//! values, Retry-After rounding, every key source, missing keys, transactions, store failure.
+//! values, Retry-After rounding, every key source, missing keys, transactions, store failure,
+//! and the layer's options (skip, a custom refusal, the decision in the extensions, the
+//! X-RateLimit-* fields, fail-open, an undefined name refused when the layer is made).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
