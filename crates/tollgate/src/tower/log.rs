@@ -101,6 +101,14 @@ impl FailureLog {
         }
     }
 
+    /// When the current interval began and how many failures it holds back: a failure
+    /// changes one or the other.
+    #[cfg(test)]
+    pub(super) fn noted(&self) -> (Option<Instant>, u64) {
+        let state = self.lock();
+        (state.since, state.more)
+    }
+
     fn summary(&self, more: u64, last: &str) {
         if more > 0 {
             let s = if more == 1 { "" } else { "s" };

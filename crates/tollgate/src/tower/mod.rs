@@ -1107,6 +1107,29 @@ mod tests {
         assert_eq!(quota_window(&Config::fixed_window(100.0, 90_500.0)), (100, 91));
     }
 
+    /// A store error that fails open is logged as one that fails closed (before, a
+    /// `LimitSpec::fail_open` pass left no trace).
+    #[test]
+    fn store_errors_that_fail_open_are_logged() {
+        let spec = LimitSpec::new(("x", Config::token_bucket(1.0, 1_000.0)));
+        let setup = Setup {
+            specs: vec![spec.clone().fail_open()],
+            skip: None,
+            on_refused: None,
+            insert_info: false,
+            legacy_headers: false,
+            fail_open: false,
+        };
+        let layer_open = Setup { specs: vec![spec], fail_open: true, ..setup.clone() };
+        for setup in [setup, layer_open] {
+            let keys = [(&setup.specs[0], None, 1.0)];
+            let before = log::STORE_FAILURES.noted();
+            let failed = Err(Error::Store(crate::StoreError::new("connection refused")));
+            assert!(matches!(verdict(&setup, &keys, failed), Verdict::Pass(_, None)));
+            assert_ne!(log::STORE_FAILURES.noted(), before, "logged or counted for the log");
+        }
+    }
+
     #[test]
     fn names_are_structured_field_strings() {
         assert_eq!(sf_string("send"), "\"send\"");
