@@ -1,6 +1,8 @@
 //! The tower layer's overhead: the same trivial handler bare and behind `RateLimitLayer`
-//! (memory store, one keyed limit), called and polled to completion per iteration. The
-//! futures are ready at once, so they are polled with a no-op waker: no runtime in the way.
+//! (memory store, one keyed limit), and behind it with the options that cost an admitted
+//! request something (`skip`, `legacy_headers`, `insert_info`), called and polled to
+//! completion per iteration. The futures are ready at once, so they are polled with a no-op
+//! waker: no runtime in the way.
 //!
 //! `cargo bench -p tollgate-bench --bench tower`
 
@@ -51,6 +53,21 @@ fn layer_overhead(c: &mut Criterion) {
     g.bench_function("with_rate_limit", |b| {
         b.iter(|| {
             let response = ready(limited.call(black_box(request()))).unwrap();
+            assert_eq!(response.status(), 200);
+            response
+        })
+    });
+    // Every option that costs an admitted request something: a skip predicate that is
+    // false, the X-RateLimit-* fields, the decision in the request's extensions.
+    let spec = LimitSpec::limit(Limit::PerUser).key(Key::header("x-api-key"));
+    let layer = RateLimitLayer::new(Arc::new(tollgate()), spec)
+        .skip(|head| head.uri.path() == "/healthz")
+        .legacy_headers()
+        .insert_info();
+    let mut options = layer.layer(handler());
+    g.bench_function("with_options", |b| {
+        b.iter(|| {
+            let response = ready(options.call(black_box(request()))).unwrap();
             assert_eq!(response.status(), 200);
             response
         })

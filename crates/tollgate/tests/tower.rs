@@ -1,5 +1,7 @@
 //! The tower layer, driven with `oneshot`: admitted and refused paths with exact header
-//! values, Retry-After rounding, every key source, missing keys, transactions, store failure.
+//! values, Retry-After rounding, every key source, missing keys, transactions, store failure,
+//! and the layer's options (skip, a custom refusal, the decision in the extensions, the
+//! X-RateLimit-* fields, fail-open, an undefined name refused when the layer is made).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -7,7 +9,9 @@ use std::sync::Arc;
 
 use http::{Request, Response, StatusCode};
 use tollgate::store::Unavailable;
-use tollgate::tower::{Key, LimitSpec, MissingKey, RateLimitLayer, ResponseBody, TrustedProxies};
+use tollgate::tower::{
+    Key, LimitSpec, MissingKey, RateLimitInfo, RateLimitLayer, ResponseBody, TrustedProxies,
+};
 use tollgate::{AsyncStore, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, SECOND};
 use tower::{Layer, Service, ServiceExt};
 
@@ -282,10 +286,26 @@ async fn names_defined_on_the_limiter_work_too() {
     let (l, _) = limiter();
     let layer = RateLimitLayer::new(Arc::clone(&l), LimitSpec::new("defined"));
     assert_eq!(header(&call(&layer, get()).await, "ratelimit-policy"), Some("\"defined\";q=2;w=1"));
-    let unknown = RateLimitLayer::new(l, LimitSpec::new("undefined"));
-    let r = call(&unknown, get()).await;
-    assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR, "a setup error of the app");
-    assert!(r.body().contains("Rate limit undefined not defined."), "{}", r.body());
+}
+
+/// A misspelled name fails when the layer is made, naming it and the fix (before, the
+/// layer was made and answered every request with 500).
+#[test]
+fn an_undefined_name_fails_when_the_layer_is_made() {
+    let (l, _) = limiter();
+    let err = RateLimitLayer::try_new(Arc::clone(&l), LimitSpec::new("defnied")).err().unwrap();
+    assert!(matches!(&err, tollgate::Error::NotDefined { name } if name == "defnied"), "{err}");
+    let err = RateLimitLayer::new(Arc::clone(&l), send()).try_with(LimitSpec::new("nope"));
+    assert!(matches!(err, Err(tollgate::Error::NotDefined { .. })));
+    let build = std::panic::AssertUnwindSafe(|| RateLimitLayer::new(l, LimitSpec::new("defnied")));
+    let panic = std::panic::catch_unwind(build);
+    let message = *panic.err().unwrap().downcast::<String>().unwrap();
+    assert_eq!(
+        message,
+        "RateLimitLayer: Rate limit defnied not defined. Define it with \
+         RateLimiter::builder().define(..), declare it in a type that implements Limits, or \
+         pass an inline config."
+    );
 }
 
 #[tokio::test]
@@ -319,4 +339,181 @@ async fn works_in_an_axum_router() {
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     let body = http_body_util::BodyExt::collect(refused.into_body()).await.unwrap().to_bytes();
     assert_eq!(&body[..], br#"{"kind":"RateLimited","name":"send","retryAfter":6000.0}"#);
+}
+
+/// Health checks and an allow-list pass untouched: nothing taken, no header fields.
+#[tokio::test]
+async fn skipped_requests_pass_untouched() {
+    let (l, _) = limiter();
+    let layer = RateLimitLayer::new(Arc::clone(&l), send().key(Key::peer_ip())).skip(|head| {
+        head.uri.path() == "/healthz"
+            || head.extensions.get::<SocketAddr>().is_some_and(|a| a.ip().is_loopback())
+    });
+    for _ in 0..10 {
+        let mut health = from_peer("203.0.113.1");
+        *health.uri_mut() = "/healthz".parse().unwrap();
+        let r = call(&layer, health).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers().len(), 0, "{:?}", r.headers());
+        assert_eq!(call(&layer, from_peer("127.0.0.1")).await.status(), StatusCode::OK);
+    }
+    assert!(l.store().is_empty(), "nothing taken");
+    for _ in 0..3 {
+        assert_eq!(call(&layer, from_peer("203.0.113.1")).await.status(), StatusCode::OK);
+    }
+    assert_eq!(
+        call(&layer, from_peer("203.0.113.1")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+/// A custom refusal sets status, body and its own fields; the layer adds `Retry-After` and
+/// the RateLimit fields it did not set. Errors other than refusals keep the layer's answer.
+#[tokio::test]
+async fn a_custom_refusal_builds_the_response_from_the_decision() {
+    let (l, _) = limiter();
+    let global = LimitSpec::new(("global", Config::token_bucket(2.0, MINUTE)));
+    let layer = RateLimitLayer::new(l, send().key(Key::header("x-user")))
+        .with(global)
+        .legacy_headers()
+        .on_refused(|head, info| {
+            let refused = info.refused_by().unwrap();
+            let body = format!(
+                "{} {}: {} refused, {} ms, {} of {} left",
+                head.method,
+                head.uri.path(),
+                refused.name,
+                info.retry_after.unwrap(),
+                refused.remaining,
+                refused.limit,
+            );
+            Response::builder()
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .header("content-type", "text/plain")
+                .header("x-ratelimit-limit", "mine")
+                .body(body)
+                .unwrap()
+        });
+    let user =
+        |u: &str| Request::builder().uri("/send").header("x-user", u).body(String::new()).unwrap();
+    call(&layer, user("a")).await;
+    call(&layer, user("b")).await;
+    let refused = call(&layer, user("c")).await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.body(), "GET /send: global refused, 30000 ms, 0 of 2 left");
+    assert_eq!(header(&refused, "content-type"), Some("text/plain"));
+    assert_eq!(header(&refused, "retry-after"), Some("30"));
+    assert_eq!(header(&refused, "ratelimit"), Some("\"send\";r=3;t=0, \"global\";r=0;t=60"));
+    assert_eq!(header(&refused, "x-ratelimit-limit"), Some("mine"), "its own is kept");
+    assert_eq!(header(&refused, "x-ratelimit-remaining"), Some("0"));
+    // A missing key is not a refusal: the layer's 400.
+    let missing = call(&layer, get()).await;
+    assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+    assert!(missing.body().starts_with("{\"error\""), "{}", missing.body());
+}
+
+/// The handler reads the decision from the request's extensions, with `insert_info`.
+#[tokio::test]
+async fn the_decision_is_in_the_request_extensions() {
+    use axum::Extension;
+
+    async fn show(info: Option<Extension<RateLimitInfo>>) -> String {
+        let Some(Extension(info)) = info else { return "none".to_owned() };
+        let limits: Vec<_> = info
+            .limits
+            .iter()
+            .map(|l| format!("{} {}/{} full in {} ms", l.name, l.remaining, l.limit, l.reset_after))
+            .collect();
+        format!("ok={} {}", info.ok, limits.join(", "))
+    }
+    let (l, _) = limiter();
+    let global = LimitSpec::new(("global", Config::token_bucket(5.0, MINUTE)));
+    let layer = RateLimitLayer::new(Arc::clone(&l), send()).with(global);
+    let app = |layer: RateLimitLayer<_>| {
+        axum::Router::new().route("/", axum::routing::get(show)).layer(layer)
+    };
+    let body = |app: axum::Router| async move {
+        let r = app.oneshot(axum::http::Request::new(axum::body::Body::empty())).await.unwrap();
+        let bytes = http_body_util::BodyExt::collect(r.into_body()).await.unwrap().to_bytes();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    };
+    assert_eq!(body(app(layer.clone())).await, "none", "off by default");
+    assert_eq!(
+        body(app(layer.insert_info())).await,
+        "ok=true send 1/3 full in 12000 ms, global 3/5 full in 24000 ms"
+    );
+    // In a plain tower service: `req.extensions().get()`.
+    let layer = RateLimitLayer::new(l, LimitSpec::new("defined")).insert_info();
+    let app = layer.layer(tower::service_fn(|req: Request<String>| async move {
+        let info = req.extensions().get::<RateLimitInfo>().unwrap();
+        let summary = format!("{:?} {:?} {:?}", info.ok, info.retry_after, info.limits[0].config);
+        Ok::<_, Infallible>(Response::new(summary))
+    }));
+    let body = app.oneshot(get()).await.unwrap().into_body();
+    let bytes = http_body_util::BodyExt::collect(body).await.unwrap().to_bytes();
+    let config = Config::token_bucket(2.0, SECOND);
+    assert_eq!(String::from_utf8(bytes.to_vec()).unwrap(), format!("true None {config:?}"));
+}
+
+fn unix_seconds() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64()
+}
+
+/// `X-RateLimit-*` beside the IETF fields, for the limit with the fewest tokens left, or the
+/// one that refused; `Reset` is the Unix time at which it is full again, rounded up.
+#[tokio::test]
+async fn legacy_header_fields_on_request() {
+    let (l, _) = limiter();
+    let plain = RateLimitLayer::new(Arc::clone(&l), send());
+    assert_eq!(header(&call(&plain, get()).await, "x-ratelimit-limit"), None, "off by default");
+
+    let global = LimitSpec::new(("global", Config::token_bucket(5.0, MINUTE).with_capacity(2.0)));
+    let layer = RateLimitLayer::new(l, send()).with(global).legacy_headers();
+    let before = unix_seconds();
+    let first = call(&layer, get()).await;
+    // send: 3 - 2 = 1 left (the plain layer took one); global: 2 - 1 = 1 left, full in 12 s.
+    assert_eq!(header(&first, "ratelimit"), Some("\"send\";r=1;t=12, \"global\";r=1;t=12"));
+    assert_eq!(header(&first, "x-ratelimit-limit"), Some("3"), "of equals, the first");
+    assert_eq!(header(&first, "x-ratelimit-remaining"), Some("1"));
+    let reset: f64 = header(&first, "x-ratelimit-reset").unwrap().parse().unwrap();
+    assert!((before + 12.0..=unix_seconds() + 13.0).contains(&reset), "{reset} at {before}");
+    let second = call(&layer, get()).await;
+    assert_eq!(header(&second, "ratelimit"), Some("\"send\";r=0;t=18, \"global\";r=0;t=24"));
+    assert_eq!(header(&second, "x-ratelimit-limit"), Some("3"));
+    // Refused by global (send has none left either, but would refill sooner):
+    let refused = call(&layer, get()).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(refused.body().contains("\"name\":\"global\""), "{}", refused.body());
+    assert_eq!(header(&refused, "x-ratelimit-limit"), Some("2"));
+    assert_eq!(header(&refused, "x-ratelimit-remaining"), Some("0"));
+    let reset: f64 = header(&refused, "x-ratelimit-reset").unwrap().parse().unwrap();
+    assert!((before + 24.0..=unix_seconds() + 25.0).contains(&reset), "{reset} at {before}");
+}
+
+/// The layer's `fail_open` passes every request of the layer when the store fails, each of
+/// its limits as one; the limiter's `fail_open` is decided before it, inside the limiter.
+#[tokio::test]
+async fn a_layer_fails_open_for_all_its_limits() {
+    let down = Arc::new(RateLimiter::new(Unavailable::new("connection refused")));
+    let other = LimitSpec::new(("other", Config::token_bucket(1.0, SECOND)));
+    let closed = RateLimitLayer::new(Arc::clone(&down), send()).with(other.clone());
+    assert_eq!(call(&closed, get()).await.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let open = closed.clone().fail_open().legacy_headers().insert_info();
+    let r = call(&open, get()).await;
+    assert_eq!((r.status(), r.body().as_str()), (StatusCode::OK, "ok"));
+    assert_eq!(r.headers().len(), 0, "no numbers to report: {:?}", r.headers());
+    assert_eq!(down.failed_open(), 0, "the layer's, not the limiter's");
+    // Invalid requests are still refused.
+    let keyed = RateLimitLayer::new(Arc::clone(&down), send().key(Key::header("x-user")));
+    assert_eq!(call(&keyed.fail_open(), get()).await.status(), StatusCode::BAD_REQUEST);
+    // The limiter's own fail_open: granted inside the limiter, counted there.
+    let limiter = RateLimiter::builder(Unavailable::new("connection refused"))
+        .fail_open("send")
+        .fail_open("other")
+        .build();
+    let limiter = Arc::new(limiter);
+    let layer = RateLimitLayer::new(Arc::clone(&limiter), send()).with(other);
+    let r = call(&layer, get()).await;
+    assert_eq!((r.status(), header(&r, "ratelimit")), (StatusCode::OK, None));
+    assert_eq!(limiter.failed_open(), 1);
 }

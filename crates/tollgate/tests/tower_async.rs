@@ -9,7 +9,7 @@ use std::sync::Arc;
 use http::{Request, Response, StatusCode};
 use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
 use tollgate::store::{BoxFuture, Unavailable};
-use tollgate::tower::{Key, LimitSpec, RateLimitLayer};
+use tollgate::tower::{Key, LimitSpec, RateLimitInfo, RateLimitLayer};
 use tollgate::{AsyncStore, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Store};
 use tower::{Layer, ServiceExt};
 
@@ -117,6 +117,61 @@ async fn an_awaited_store_that_fails_fails_closed_unless_told_otherwise() {
     assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.body(), r#"{"error":"rate limit store unavailable","mayHaveTaken":false}"#);
     let open = RateLimitLayer::new(limiter, send().fail_open());
+    let r = call(&open, get()).await;
+    assert_eq!((r.status(), r.body().as_str()), (StatusCode::OK, "ok"));
+}
+
+/// The options on an awaited store, as on the memory store: a skipped request, the decision
+/// in the extensions, legacy fields, a custom refusal; and the layer's fail-open.
+#[tokio::test]
+async fn an_awaited_store_applies_the_options_as_the_memory_store_does() {
+    type Seen = Vec<(StatusCode, [Option<String>; 3], String)>;
+    async fn run<S: AsyncStore + 'static>(limiter: Arc<RateLimiter<S>>) -> Seen {
+        let layer = RateLimitLayer::new(limiter, send())
+            .skip(|head| head.uri.path() == "/healthz")
+            .insert_info()
+            .legacy_headers()
+            .on_refused(|_, info| {
+                let wait = info.retry_after.unwrap();
+                Response::builder().status(StatusCode::FORBIDDEN).body(format!("{wait}")).unwrap()
+            });
+        let app = layer.layer(tower::service_fn(|req: Request<String>| async move {
+            let info = req.extensions().get::<RateLimitInfo>();
+            let body = info.map_or("none".to_owned(), |i| format!("{:?}", i.limits[0].remaining));
+            Ok::<_, Infallible>(Response::new(body))
+        }));
+        let mut seen = Vec::new();
+        for path in ["/", "/healthz", "/", "/", "/", "/healthz"] {
+            let request = Request::builder().uri(path).body(String::new()).unwrap();
+            let (parts, body) = app.clone().oneshot(request).await.unwrap().into_parts();
+            let bytes = http_body_util::BodyExt::collect(body).await.unwrap().to_bytes();
+            let fields = ["ratelimit", "x-ratelimit-remaining", "retry-after"]
+                .map(|name| parts.headers.get(name).map(|v| v.to_str().unwrap().to_owned()));
+            seen.push((parts.status, fields, String::from_utf8(bytes.to_vec()).unwrap()));
+        }
+        seen
+    }
+    let clock = ManualClock::new(1_700_000_000_000.0);
+    let inline = run(Arc::new(RateLimiter::new(MemoryStore::with_clock(clock.clone())))).await;
+    let awaited = Arc::new(RateLimiter::new(Awaited(MemoryStore::with_clock(clock.clone()))));
+    assert_eq!(run(awaited).await, inline);
+    let some = |s: &str| Some(s.to_owned());
+    assert_eq!(
+        inline[0],
+        (StatusCode::OK, [some("\"send\";r=2;t=6"), some("2"), None], "2.0".to_owned())
+    );
+    assert_eq!(inline[1], (StatusCode::OK, [None, None, None], "none".to_owned()));
+    assert_eq!(
+        inline[4],
+        (
+            StatusCode::FORBIDDEN,
+            [some("\"send\";r=0;t=18"), some("0"), some("6")],
+            "6000".to_owned()
+        )
+    );
+
+    let down = Arc::new(RateLimiter::new(Awaited(Unavailable::new("connection refused"))));
+    let open = RateLimitLayer::new(down, send()).fail_open();
     let r = call(&open, get()).await;
     assert_eq!((r.status(), r.body().as_str()), (StatusCode::OK, "ok"));
 }

@@ -8,12 +8,12 @@
 //! fails, the answer is `503 {"error": "rate limit store unavailable", "mayHaveTaken":
 //! <bool>}` (fail closed; the store's own message, which may name its host, user or
 //! database, goes to the log, `tracing`'s target `tollgate::tower`, at most a line every 10
-//! s with the count since, never to the client) unless
-//! the limit was made to [fail open](LimitSpec::fail_open): `mayHaveTaken` is true only when
-//! the request reached the store and no answer came back, so that its tokens may be spent
-//! (a client that retries it may pay twice); false means nothing was taken, and a retry is
-//! safe. Put a networked store behind a `tollgate::store::CircuitBreaker` so that a
-//! store that hangs fails fast.
+//! s and the count of the others when the 10 s are over, never to the client) unless the
+//! limit or the layer was made to [fail open](RateLimitLayer::fail_open): `mayHaveTaken` is
+//! true only when the request reached the store and no answer came back, so that its tokens
+//! may be spent (a client that retries it may pay twice); false means nothing was taken,
+//! and a retry is safe. Put a networked store behind a `tollgate::store::CircuitBreaker` so
+//! that a store that hangs fails fast.
 //!
 //! # Examples
 //!
@@ -29,6 +29,18 @@
 //! # let _ = layer;
 //! ```
 //!
+//! # Options
+//!
+//! What users of express-rate-limit, @fastify/rate-limit and slowapi configure, as builder
+//! methods of [`RateLimitLayer`], resolved when the layer is made:
+//! [`skip`](RateLimitLayer::skip) (health checks, an allow-list),
+//! [`on_refused`](RateLimitLayer::on_refused) (the refusal's status, body and fields),
+//! [`insert_info`](RateLimitLayer::insert_info) (the decision, a [`RateLimitInfo`], in the
+//! request's extensions for the handler), [`legacy_headers`](RateLimitLayer::legacy_headers)
+//! (`X-RateLimit-Limit`, `-Remaining`, `-Reset`), [`fail_open`](RateLimitLayer::fail_open)
+//! (this layer's requests pass when the store fails). A limit name the limiter does not
+//! define fails when the layer is made ([`RateLimitLayer::try_new`]).
+//!
 //! # The header fields
 //!
 //! For each limit, named by its name: `RateLimit-Policy: "name";q=<rate>;w=<period in s>`
@@ -37,7 +49,9 @@
 //! down and `t` up, so a client that trusts them is never refused for it. A name that is
 //! not printable ASCII is written with `?` for the other characters.
 
+mod info;
 mod key;
+mod log;
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -50,6 +64,7 @@ use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use tower_layer::Layer;
 use tower_service::Service;
 
+pub use info::{LimitInfo, RateLimitInfo};
 pub use key::{DEFAULT_IPV6_SUBNET, Key, MissingKey, TrustedProxies};
 
 use crate::core::Inline;
@@ -68,9 +83,18 @@ pub struct LimitSpec {
     count: Option<Arc<CountFn>>,
     missing_key: MissingKey,
     fail_open: bool,
-    /// This limit's `RateLimit-Policy` member (`"name";q=..;w=..`) and the length of its
-    /// quoted name, once its config is known.
-    policy: Option<(Arc<str>, usize)>,
+    /// Its config and header field parts, once a layer has resolved it.
+    resolved: Option<Resolved>,
+}
+
+/// What a layer knows of a limit once it is made.
+#[derive(Clone)]
+struct Resolved {
+    config: Config,
+    /// The limit's `RateLimit-Policy` member (`"name";q=..;w=..`).
+    policy: Arc<str>,
+    /// The length of its quoted name, the member's start.
+    name_len: usize,
 }
 
 impl LimitSpec {
@@ -89,7 +113,7 @@ impl LimitSpec {
             count: None,
             missing_key: MissingKey::default(),
             fail_open: false,
-            policy: None,
+            resolved: None,
         }
     }
 
@@ -129,7 +153,9 @@ impl LimitSpec {
     /// decide (and when the store is your database, the request would likely fail anyway);
     /// failing open keeps serving when the limiter's store is an extra service that is down,
     /// at the price of no limit at all while it is. Only admitted requests are affected;
-    /// invalid requests are still refused.
+    /// invalid requests are still refused. With several limits, a request passes only if all
+    /// of them fail open; [`RateLimitLayer::fail_open`] makes every limit of a layer do so.
+    /// The failure is logged either way.
     #[must_use]
     pub fn fail_open(mut self) -> Self {
         self.fail_open = true;
@@ -147,48 +173,290 @@ impl LimitSpec {
 /// A tower [`Layer`] that rate limits every request of the service it wraps.
 ///
 /// With one [`LimitSpec`], each request takes from that limit; with several
-/// ([`RateLimitLayer::with`]), from all of them as one all-or-nothing transaction.
+/// ([`RateLimitLayer::with`]), from all of them as one all-or-nothing transaction. Its
+/// options ([`skip`](RateLimitLayer::skip), [`on_refused`](RateLimitLayer::on_refused),
+/// [`insert_info`](RateLimitLayer::insert_info),
+/// [`legacy_headers`](RateLimitLayer::legacy_headers),
+/// [`fail_open`](RateLimitLayer::fail_open)) are builder methods, resolved when the layer is
+/// made.
 pub struct RateLimitLayer<S> {
     limiter: Arc<RateLimiter<S>>,
-    specs: Arc<[LimitSpec]>,
+    setup: Arc<Setup>,
+}
+
+type SkipFn = dyn Fn(&http::request::Parts) -> bool + Send + Sync;
+type RefusalFn = dyn Fn(&http::request::Parts, &RateLimitInfo) -> Response<Bytes> + Send + Sync;
+
+/// Everything a layer was told besides its limiter, shared by its services.
+#[derive(Clone)]
+struct Setup {
+    specs: Vec<LimitSpec>,
+    skip: Option<Arc<SkipFn>>,
+    on_refused: Option<Arc<RefusalFn>>,
+    insert_info: bool,
+    legacy_headers: bool,
+    fail_open: bool,
 }
 
 /// The header fields' names, parsed once.
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
 // Not derived: the store is shared behind an `Arc` and need not be `Clone` itself.
 impl<S> Clone for RateLimitLayer<S> {
     fn clone(&self) -> Self {
-        RateLimitLayer { limiter: Arc::clone(&self.limiter), specs: Arc::clone(&self.specs) }
+        RateLimitLayer { limiter: Arc::clone(&self.limiter), setup: Arc::clone(&self.setup) }
     }
 }
 
 impl<S> RateLimitLayer<S> {
     /// A layer taking `spec` for each request.
+    ///
+    /// # Panics
+    ///
+    /// If `spec` names a limit that the limiter does not define and gives no config for it
+    /// (a misspelled name, say): the message names it and says how to define it. The
+    /// limiter's names are fixed when it is built, so such a layer could only ever answer
+    /// 500. [`RateLimitLayer::try_new`] returns the error instead.
     pub fn new(limiter: Arc<RateLimiter<S>>, spec: LimitSpec) -> Self {
-        let spec = spec.with_policy(&limiter);
-        RateLimitLayer { limiter, specs: Arc::from([spec]) }
+        Self::try_new(limiter, spec).unwrap_or_else(|err| panic!("RateLimitLayer: {err}"))
+    }
+
+    /// A layer taking `spec` for each request, or [`Error::NotDefined`] if `spec` names a
+    /// limit the limiter does not define: for layers built from names read at run time.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`], whose message names the limit and says how to define it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tollgate::tower::{LimitSpec, RateLimitLayer};
+    /// use tollgate::{Config, Error, RateLimiter, MINUTE};
+    ///
+    /// let limiter = RateLimiter::builder(tollgate::MemoryStore::new())
+    ///     .define("search", Config::token_bucket(100.0, MINUTE))
+    ///     .build();
+    /// let limiter = Arc::new(limiter);
+    /// assert!(RateLimitLayer::try_new(Arc::clone(&limiter), LimitSpec::new("search")).is_ok());
+    /// let misspelled = RateLimitLayer::try_new(limiter, LimitSpec::new("serch"));
+    /// assert!(matches!(misspelled, Err(Error::NotDefined { name }) if name == "serch"));
+    /// ```
+    pub fn try_new(limiter: Arc<RateLimiter<S>>, spec: LimitSpec) -> Result<Self, Error> {
+        let spec = spec.resolve(&limiter)?;
+        let setup = Setup {
+            specs: vec![spec],
+            skip: None,
+            on_refused: None,
+            insert_info: false,
+            legacy_headers: false,
+            fail_open: false,
+        };
+        Ok(RateLimitLayer { limiter, setup: Arc::new(setup) })
     }
 
     /// Also takes `spec`, in the same transaction as the others.
+    ///
+    /// # Panics
+    ///
+    /// As [`RateLimitLayer::new`], for a name the limiter does not define.
     #[must_use]
     pub fn with(self, spec: LimitSpec) -> Self {
-        let mut specs = self.specs.to_vec();
-        specs.push(spec.with_policy(&self.limiter));
-        RateLimitLayer { limiter: self.limiter, specs: specs.into() }
+        self.try_with(spec).unwrap_or_else(|err| panic!("RateLimitLayer: {err}"))
+    }
+
+    /// Also takes `spec`, or [`Error::NotDefined`] as [`RateLimitLayer::try_new`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`] for a name the limiter does not define.
+    pub fn try_with(mut self, spec: LimitSpec) -> Result<Self, Error> {
+        let spec = spec.resolve(&self.limiter)?;
+        Arc::make_mut(&mut self.setup).specs.push(spec);
+        Ok(self)
+    }
+
+    /// Lets the requests for which `skip` is true pass untouched: nothing is taken, no
+    /// header field is written, and no [`RateLimitInfo`] is inserted. For health checks,
+    /// CORS preflight requests or an allow-list (express-rate-limit's `skip`,
+    /// @fastify/rate-limit's `allowList`, slowapi's `exempt`). It sees the request's head:
+    /// method, URI, headers and the extensions earlier layers put there.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tollgate::tower::{LimitSpec, RateLimitLayer};
+    /// use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+    ///
+    /// let limiter = Arc::new(RateLimiter::new(MemoryStore::new()));
+    /// let api = LimitSpec::new(("api", Config::token_bucket(60.0, MINUTE)));
+    /// let layer = RateLimitLayer::new(limiter, api)
+    ///     .skip(|head| head.uri.path() == "/healthz" || head.method == http::Method::OPTIONS);
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn skip(
+        mut self,
+        skip: impl Fn(&http::request::Parts) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        Arc::make_mut(&mut self.setup).skip = Some(Arc::new(skip));
+        self
+    }
+
+    /// Answers a refused request with the response `refused` builds, instead of the layer's
+    /// `429` with its JSON body (express-rate-limit's `handler`, @fastify/rate-limit's
+    /// `errorResponseBuilder`).
+    ///
+    /// `refused` gets the request's head and the decision ([`RateLimitInfo`]: the limit that
+    /// refused, the wait, each limit's numbers), and sets the status, body and header
+    /// fields. The layer then adds `Retry-After` and the RateLimit fields (and the
+    /// [legacy ones](RateLimitLayer::legacy_headers)) that the response does not set itself.
+    /// Only refusals go to it: a missing key (400) or a failed store (503) are answered as
+    /// before. A gRPC request's refusal goes to it too (its `content-type` says
+    /// `application/grpc`: answer those with a `grpc-status`, or leave the layer's).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use http::{Response, StatusCode};
+    /// use tollgate::tower::{LimitSpec, RateLimitLayer};
+    /// use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+    ///
+    /// let limiter = Arc::new(RateLimiter::new(MemoryStore::new()));
+    /// let api = LimitSpec::new(("api", Config::token_bucket(60.0, MINUTE)));
+    /// let layer = RateLimitLayer::new(limiter, api).on_refused(|_head, info| {
+    ///     let seconds = (info.retry_after.unwrap_or(0.0) / 1_000.0).ceil();
+    ///     Response::builder()
+    ///         .status(StatusCode::SERVICE_UNAVAILABLE)
+    ///         .header("content-type", "text/plain")
+    ///         .body(format!("Slow down: try again in {seconds} s."))
+    ///         .unwrap()
+    /// });
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn on_refused<B, F>(mut self, refused: F) -> Self
+    where
+        B: Into<Bytes>,
+        F: Fn(&http::request::Parts, &RateLimitInfo) -> Response<B> + Send + Sync + 'static,
+    {
+        let refused = move |head: &http::request::Parts, info: &RateLimitInfo| {
+            refused(head, info).map(Into::into)
+        };
+        Arc::make_mut(&mut self.setup).on_refused = Some(Arc::new(refused));
+        self
+    }
+
+    /// Puts the decision ([`RateLimitInfo`]: each limit's numbers) in the extensions of each
+    /// request the layer admits, for the handler: axum's `Option<Extension<RateLimitInfo>>`,
+    /// or `request.extensions().get::<RateLimitInfo>()` (express-rate-limit's
+    /// `req.rateLimit`). Off by default, since it costs each request an allocation.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use axum::{routing::get, Extension, Router};
+    /// use tollgate::tower::{LimitSpec, RateLimitInfo, RateLimitLayer};
+    /// use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+    ///
+    /// async fn search(info: Option<Extension<RateLimitInfo>>) -> String {
+    ///     let left = info.map_or(0.0, |Extension(info)| info.limits[0].remaining);
+    ///     format!("{left} searches left")
+    /// }
+    ///
+    /// let limiter = Arc::new(RateLimiter::new(MemoryStore::new()));
+    /// let spec = LimitSpec::new(("search", Config::token_bucket(60.0, MINUTE)));
+    /// let app: Router = Router::new()
+    ///     .route("/search", get(search))
+    ///     .layer(RateLimitLayer::new(limiter, spec).insert_info());
+    /// # let _ = app;
+    /// ```
+    #[must_use]
+    pub fn insert_info(mut self) -> Self {
+        Arc::make_mut(&mut self.setup).insert_info = true;
+        self
+    }
+
+    /// Also writes `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset`,
+    /// the fields clients of express-rate-limit (`legacyHeaders`), slowapi and GitHub's API
+    /// read, beside the IETF `RateLimit` and `RateLimit-Policy`.
+    ///
+    /// They carry one limit: the one that refused, or else the one with the fewest tokens
+    /// left (of equals, the first). `Limit` is its capacity, `Remaining` its tokens left
+    /// (rounded down), `Reset` the Unix time in seconds (rounded up) at which it is full
+    /// again, as express-rate-limit and GitHub write it. Like the IETF fields, they are left
+    /// out when the numbers are unknown (the store failed and the limit fails open).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tollgate::tower::{LimitSpec, RateLimitLayer};
+    /// use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+    ///
+    /// let limiter = Arc::new(RateLimiter::new(MemoryStore::new()));
+    /// let spec = LimitSpec::new(("api", Config::token_bucket(60.0, MINUTE)));
+    /// let layer = RateLimitLayer::new(limiter, spec).legacy_headers();
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn legacy_headers(mut self) -> Self {
+        Arc::make_mut(&mut self.setup).legacy_headers = true;
+        self
+    }
+
+    /// Lets every request of this layer through when the store fails, instead of answering
+    /// 503 (express-rate-limit's `passOnStoreError`): each of its limits as
+    /// [`LimitSpec::fail_open`] makes one. The failure is still logged (`tracing`, target
+    /// `tollgate::tower`, a line at most every 10 s, and the count of the others when the
+    /// 10 s are over).
+    ///
+    /// The limiter's own [`fail_open`](crate::RateLimiterBuilder::fail_open) is decided
+    /// first, inside the limiter, for every caller of that limit (this layer, other layers,
+    /// direct calls), and counted by [`RateLimiter::failed_open`]; the layer then sees a
+    /// grant with no numbers, and logs nothing. This option is decided after it, for the
+    /// requests of this layer only, on the store errors the limiter returns: it is not
+    /// counted by `failed_open`. Invalid requests (a missing key, a bad count) are still
+    /// refused. See [`LimitSpec::fail_open`] for the trade.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tollgate::tower::{LimitSpec, RateLimitLayer};
+    /// use tollgate::{Config, MemoryStore, RateLimiter, MINUTE};
+    ///
+    /// let limiter = Arc::new(RateLimiter::new(MemoryStore::new()));
+    /// let search = LimitSpec::new(("search", Config::token_bucket(60.0, MINUTE)));
+    /// let layer = RateLimitLayer::new(limiter, search).fail_open();
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn fail_open(mut self) -> Self {
+        Arc::make_mut(&mut self.setup).fail_open = true;
+        self
     }
 }
 
 impl LimitSpec {
-    /// Computes the policy member once; a name the limiter does not define has none (its
-    /// requests are answered with an error anyway).
-    fn with_policy<S>(mut self, limiter: &RateLimiter<S>) -> Self {
-        let config = self.config.or_else(|| limiter.defined_config(&self.name));
-        self.policy = config.map(|config| {
-            (fields::policy_member(&self.name, &config).into(), sf_string(&self.name).len())
-        });
-        self
+    /// Resolves the spec's config once: its inline one or the limiter's definition, with its
+    /// policy member; a name with neither is an error of the app's setup.
+    fn resolve<S>(mut self, limiter: &RateLimiter<S>) -> Result<Self, Error> {
+        let config = self
+            .config
+            .or_else(|| limiter.defined_config(&self.name))
+            .ok_or_else(|| Error::NotDefined { name: self.name.to_string() })?;
+        let policy = fields::policy_member(&self.name, &config).into();
+        self.resolved = Some(Resolved { config, policy, name_len: sf_string(&self.name).len() });
+        Ok(self)
     }
 }
 
@@ -196,7 +464,7 @@ impl<S, Inner> Layer<Inner> for RateLimitLayer<S> {
     type Service = RateLimit<S, Inner>;
 
     fn layer(&self, inner: Inner) -> Self::Service {
-        RateLimit { inner, limiter: Arc::clone(&self.limiter), specs: Arc::clone(&self.specs) }
+        RateLimit { inner, limiter: Arc::clone(&self.limiter), setup: Arc::clone(&self.setup) }
     }
 }
 
@@ -204,7 +472,7 @@ impl<S, Inner> Layer<Inner> for RateLimitLayer<S> {
 pub struct RateLimit<S, Inner> {
     inner: Inner,
     limiter: Arc<RateLimiter<S>>,
-    specs: Arc<[LimitSpec]>,
+    setup: Arc<Setup>,
 }
 
 impl<S, Inner: Clone> Clone for RateLimit<S, Inner> {
@@ -212,23 +480,34 @@ impl<S, Inner: Clone> Clone for RateLimit<S, Inner> {
         RateLimit {
             inner: self.inner.clone(),
             limiter: Arc::clone(&self.limiter),
-            specs: Arc::clone(&self.specs),
+            setup: Arc::clone(&self.setup),
         }
     }
 }
 
 /// What the limits said about one request.
 enum Verdict {
-    /// Pass it on; add these header values to the response.
-    Pass(Option<(HeaderValue, HeaderValue)>),
+    /// Pass it on, with the decision for its extensions (if asked for); add these header
+    /// fields to the response.
+    Pass(Fields, Option<RateLimitInfo>),
     /// Answer at once: refused (with its wait), or an error, with the header fields.
-    Answer(Refusal, Option<(HeaderValue, HeaderValue)>),
+    Answer(Refusal, Fields),
+}
+
+/// The header fields a response gets from the layer.
+#[derive(Default)]
+struct Fields {
+    /// `RateLimit-Policy` and `RateLimit`.
+    ietf: Option<(HeaderValue, HeaderValue)>,
+    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`, if asked for (boxed: the future of
+    /// every request carries `Fields`, and most have none).
+    legacy: Option<Box<[HeaderValue; 3]>>,
 }
 
 /// Why a request is answered by the layer instead of the service.
 enum Refusal {
-    /// Refused by a limit: retry after this many ms.
-    Limited { name: Arc<str>, retry_after: f64 },
+    /// Refused by a limit: retry after this many ms; the decision, for a custom refusal.
+    Limited { name: Arc<str>, retry_after: f64, info: Option<RateLimitInfo> },
     /// An error (400 for a bad request, 500 for the app's setup).
     Error(StatusCode, String),
     /// The store failed (503): nothing admitted; whether the request may still have taken
@@ -241,34 +520,6 @@ enum Refusal {
 /// port, user or database, which are no client's business.
 const STORE_UNAVAILABLE: &str = "rate limit store unavailable";
 
-/// Logs a store failure, without flooding: the first at once, then at most one line every
-/// 10 s, which says how many failed since the last.
-fn log_store_failure(error: &crate::StoreError) {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    /// When the next line may be written, in ms after `STARTED`.
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    /// Failures not logged since the last line.
-    static UNLOGGED: AtomicU64 = AtomicU64::new(0);
-    let now = STARTED.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64;
-    let next = NEXT.load(Ordering::Relaxed);
-    if now < next
-        || NEXT.compare_exchange(next, now + 10_000, Ordering::Relaxed, Ordering::Relaxed).is_err()
-    {
-        UNLOGGED.fetch_add(1, Ordering::Relaxed);
-        return;
-    }
-    let more = UNLOGGED.swap(0, Ordering::Relaxed);
-    if more == 0 {
-        tracing::warn!(target: "tollgate::tower", "rate limit store failed: {error}");
-    } else {
-        tracing::warn!(
-            target: "tollgate::tower",
-            "rate limit store failed: {error} (and {more} more failures since the last line)"
-        );
-    }
-}
-
 /// One limit of a request: its spec, key and count.
 type Taking<'p> = (&'p LimitSpec, Option<Cow<'p, str>>, f64);
 
@@ -277,11 +528,11 @@ type Taking<'p> = (&'p LimitSpec, Option<Cow<'p, str>>, f64);
 type Decided = (bool, Option<f64>, Inline<crate::Decision>, Inline<Status>);
 
 /// Every spec's key and count for a request; a missing key that refuses the request is its
-/// verdict, taken before anything is taken.
+/// answer, given before anything is taken.
 fn gather<'p>(
     specs: &'p [LimitSpec],
     parts: &'p http::request::Parts,
-) -> Result<Inline<Taking<'p>>, Verdict> {
+) -> Result<Inline<Taking<'p>>, Refusal> {
     let mut keys: Inline<_> = Inline::new();
     for spec in specs {
         let key = match spec.key.of(parts) {
@@ -289,10 +540,7 @@ fn gather<'p>(
             Err(missing) => match spec.missing_key {
                 MissingKey::Reject => {
                     let message = format!("Rate limit {}: {}.", spec.name, missing.0);
-                    return Err(Verdict::Answer(
-                        Refusal::Error(StatusCode::BAD_REQUEST, message),
-                        None,
-                    ));
+                    return Err(Refusal::Error(StatusCode::BAD_REQUEST, message));
                 }
                 MissingKey::Shared => None,
                 MissingKey::Skip => continue,
@@ -332,33 +580,62 @@ fn all_decided(t: crate::TransactionTaken) -> Decided {
 }
 
 /// The verdict on a request whose limits `keys` answered `outcome`.
-fn verdict(keys: &[Taking<'_>], outcome: Result<Decided, Error>) -> Verdict {
+fn verdict(setup: &Setup, keys: &[Taking<'_>], outcome: Result<Decided, Error>) -> Verdict {
     match outcome {
         Ok((ok, retry_after, results, statuses)) => {
-            let headers = headers(keys.iter().map(|k| k.0), &statuses);
-            if ok {
-                return Verdict::Pass(headers);
-            }
-            let (spec, wait) = match crate::core::longest_refusal(&results) {
-                Some(i) => (keys[i].0, results[i].retry_after.unwrap_or(0.0)),
-                None => (keys[0].0, retry_after.unwrap_or(0.0)),
+            let refused = (!ok).then(|| crate::core::longest_refusal(&results).unwrap_or(0));
+            let wait =
+                refused.and_then(|i| results.get(i)?.retry_after).or(retry_after).unwrap_or(0.0);
+            let known = statuses.iter().all(Status::is_known);
+            let fields = Fields {
+                ietf: if known { headers(keys.iter().map(|k| k.0), &statuses) } else { None },
+                legacy: (setup.legacy_headers && known)
+                    .then(|| legacy_headers(keys, &statuses, refused))
+                    .flatten(),
             };
-            Verdict::Answer(
-                Refusal::Limited { name: Arc::clone(&spec.name), retry_after: wait },
-                headers,
-            )
+            let wants_info = if ok { setup.insert_info } else { setup.on_refused.is_some() };
+            let info = (wants_info && known).then(|| RateLimitInfo {
+                ok,
+                retry_after: refused.map(|_| wait),
+                limits: keys
+                    .iter()
+                    .zip(&statuses)
+                    .filter_map(|((spec, ..), status)| {
+                        let config = spec.resolved.as_ref()?.config;
+                        Some(LimitInfo {
+                            name: Arc::clone(&spec.name),
+                            config,
+                            limit: config.capacity(),
+                            remaining: status.remaining,
+                            reset_after: status.reset_after,
+                        })
+                    })
+                    .collect(),
+                refused,
+            });
+            let Some(i) = refused else {
+                return Verdict::Pass(fields, info);
+            };
+            let name = Arc::clone(&keys.get(i).unwrap_or(&keys[0]).0.name);
+            Verdict::Answer(Refusal::Limited { name, retry_after: wait, info }, fields)
         }
-        Err(Error::Store(_)) if keys.iter().all(|k| k.0.fail_open) => Verdict::Pass(None),
         Err(Error::Store(err)) => {
-            log_store_failure(&err);
-            Verdict::Answer(Refusal::Store(err.may_have_taken()), None)
+            log::STORE_FAILURES.note(&err);
+            if setup.fail_open || keys.iter().all(|k| k.0.fail_open) {
+                return Verdict::Pass(Fields::default(), None);
+            }
+            Verdict::Answer(Refusal::Store(err.may_have_taken()), Fields::default())
         }
-        // A name the limiter does not know is a setup error of the app, not the client's.
+        // A name the limiter does not know is a setup error of the app, not the client's
+        // (the layer refuses to be built with one, so this is only a safeguard).
         Err(err @ Error::NotDefined { .. }) => Verdict::Answer(
             Refusal::Error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()),
-            None,
+            Fields::default(),
         ),
-        Err(err) => Verdict::Answer(Refusal::Error(StatusCode::BAD_REQUEST, err.to_string()), None),
+        Err(err) => Verdict::Answer(
+            Refusal::Error(StatusCode::BAD_REQUEST, err.to_string()),
+            Fields::default(),
+        ),
     }
 }
 
@@ -367,37 +644,37 @@ impl<S: AsyncStore> RateLimit<S, ()> {
     /// [`AsyncStore::immediate`]), or `None` for a store that must be awaited.
     fn decide_now(
         limiter: &RateLimiter<S>,
-        specs: &[LimitSpec],
+        setup: &Setup,
         parts: &http::request::Parts,
     ) -> Option<Verdict> {
         let store = limiter.store().immediate()?;
-        let keys = match gather(specs, parts) {
+        let keys = match gather(&setup.specs, parts) {
             Ok(keys) => keys,
-            Err(verdict) => return Some(verdict),
+            Err(refusal) => return Some(Verdict::Answer(refusal, Fields::default())),
         };
         if keys.is_empty() {
-            return Some(Verdict::Pass(None));
+            return Some(Verdict::Pass(Fields::default(), None));
         }
         let calls = calls(&keys);
         let outcome = match calls.as_slice() {
             [call] => limiter.limit_call_with_status_on(&store, call).map(one_decided),
             _ => limiter.transaction_with_status_on(&store, &calls).map(all_decided),
         };
-        Some(verdict(&keys, outcome))
+        Some(verdict(setup, &keys, outcome))
     }
 
     /// The verdict on a request, awaiting the store.
     async fn decide(
         limiter: &RateLimiter<S>,
-        specs: &[LimitSpec],
+        setup: &Setup,
         parts: &http::request::Parts,
     ) -> Verdict {
-        let keys = match gather(specs, parts) {
+        let keys = match gather(&setup.specs, parts) {
             Ok(keys) => keys,
-            Err(verdict) => return verdict,
+            Err(refusal) => return Verdict::Answer(refusal, Fields::default()),
         };
         if keys.is_empty() {
-            return Verdict::Pass(None);
+            return Verdict::Pass(Fields::default(), None);
         }
         let calls = calls(&keys);
         let outcome = match calls.as_slice() {
@@ -406,11 +683,12 @@ impl<S: AsyncStore> RateLimit<S, ()> {
             }
             _ => limiter.transaction_with_status_async(&calls).await.map(all_decided),
         };
-        verdict(&keys, outcome)
+        verdict(setup, &keys, outcome)
     }
 }
 
-/// The header field values for the limits of a request: `RateLimit-Policy`, `RateLimit`.
+/// The header field values for the limits of a request, whose numbers are known:
+/// `RateLimit-Policy`, `RateLimit`.
 fn headers<'s>(
     specs: impl Iterator<Item = &'s LimitSpec>,
     statuses: &[Status],
@@ -419,18 +697,37 @@ fn headers<'s>(
     let mut policy = String::with_capacity(64);
     let mut current = String::with_capacity(64);
     for (spec, status) in specs.zip(statuses) {
-        // Granted because the store failed (fail open): no numbers to report.
-        if !status.is_known() {
-            return None;
-        }
         let sep = if policy.is_empty() { "" } else { ", " };
-        let (member, name_len) = spec.policy.as_ref()?;
-        let _ = write!(policy, "{sep}{member}");
+        let resolved = spec.resolved.as_ref()?;
+        let _ = write!(policy, "{sep}{}", resolved.policy);
         current.push_str(sep);
-        fields::write_status_member(&mut current, &member[..*name_len], status);
+        fields::write_status_member(&mut current, &resolved.policy[..resolved.name_len], status);
     }
     // From a String, the value takes the buffer over: no copy.
     Some((HeaderValue::try_from(policy).ok()?, HeaderValue::try_from(current).ok()?))
+}
+
+/// `X-RateLimit-Limit`, `-Remaining`, `-Reset` for the limit that refused, or else the one
+/// with the fewest tokens left: its capacity, its tokens left rounded down, and the Unix
+/// time in seconds, rounded up, at which it is full again.
+fn legacy_headers(
+    keys: &[Taking<'_>],
+    statuses: &[Status],
+    refused: Option<usize>,
+) -> Option<Box<[HeaderValue; 3]>> {
+    let i = refused.unwrap_or_else(|| {
+        (0..statuses.len())
+            .min_by(|&a, &b| statuses[a].remaining.total_cmp(&statuses[b].remaining))
+            .unwrap_or(0)
+    });
+    let (status, config) = (statuses.get(i)?, keys.get(i)?.0.resolved.as_ref()?.config);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?;
+    let reset = ((now.as_millis() as f64 + status.reset_after) / 1_000.0).ceil() as u64;
+    Some(Box::new([
+        HeaderValue::from(config.capacity().floor() as u64),
+        HeaderValue::from(status.remaining.floor() as u64),
+        HeaderValue::from(reset),
+    ]))
 }
 
 /// The IETF RateLimit header fields, formatted as the layer does, for servers that write
@@ -522,16 +819,25 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
+        if self.setup.skip.as_ref().is_some_and(|skip| skip(&parts)) {
+            let future = self.inner.call(Request::from_parts(parts, body));
+            return ResponseFuture { state: State::Inner { future, fields: Fields::default() } };
+        }
         // The memory store answers at once: decided here, with no future of its own.
-        if let Some(verdict) = RateLimit::<S, ()>::decide_now(&self.limiter, &self.specs, &parts) {
+        if let Some(verdict) = RateLimit::<S, ()>::decide_now(&self.limiter, &self.setup, &parts) {
             let state = match verdict {
-                Verdict::Pass(headers) => State::Inner {
-                    future: self.inner.call(Request::from_parts(parts, body)),
-                    headers,
-                },
-                Verdict::Answer(refusal, headers) => {
-                    State::Ready { response: Some(answer(&parts, refusal, headers)) }
+                Verdict::Pass(fields, info) => {
+                    if let Some(info) = info {
+                        parts.extensions.insert(info);
+                    }
+                    State::Inner {
+                        future: self.inner.call(Request::from_parts(parts, body)),
+                        fields,
+                    }
+                }
+                Verdict::Answer(refusal, fields) => {
+                    State::Ready { response: Some(answer(&self.setup, &parts, refusal, fields)) }
                 }
             };
             return ResponseFuture { state };
@@ -540,15 +846,18 @@ where
         // clone of it stays for the next request (tower's rule for services that wait).
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
-        let (limiter, specs) = (Arc::clone(&self.limiter), Arc::clone(&self.specs));
+        let (limiter, setup) = (Arc::clone(&self.limiter), Arc::clone(&self.setup));
         let future = async move {
-            match RateLimit::<S, ()>::decide(&limiter, &specs, &parts).await {
-                Verdict::Pass(headers) => {
+            match RateLimit::<S, ()>::decide(&limiter, &setup, &parts).await {
+                Verdict::Pass(fields, info) => {
+                    if let Some(info) = info {
+                        parts.extensions.insert(info);
+                    }
                     let mut response = inner.call(Request::from_parts(parts, body)).await?;
-                    insert_rate_limit_headers(response.headers_mut(), headers);
+                    insert_fields(response.headers_mut(), fields, false);
                     Ok(response.map(ResponseBody::inner))
                 }
-                Verdict::Answer(refusal, headers) => Ok(answer(&parts, refusal, headers)),
+                Verdict::Answer(refusal, fields) => Ok(answer(&setup, &parts, refusal, fields)),
             }
         };
         ResponseFuture { state: State::Deciding { future: Box::pin(future) } }
@@ -558,18 +867,31 @@ where
 /// The layer's own answer to a request: for HTTP, `429` with `Retry-After` and a JSON body
 /// (or the error's status and `{"error": ...}`); for gRPC (`content-type: application/grpc`),
 /// a trailers-only response whose `grpc-status` says the same (`RESOURCE_EXHAUSTED` when
-/// refused, `UNAVAILABLE` when the store fails, `INVALID_ARGUMENT`, `INTERNAL`).
+/// refused, `UNAVAILABLE` when the store fails, `INVALID_ARGUMENT`, `INTERNAL`). A refusal
+/// is the app's own response instead when it gave one ([`RateLimitLayer::on_refused`]).
 fn answer<B>(
+    setup: &Setup,
     parts: &http::request::Parts,
     refusal: Refusal,
-    headers: Option<(HeaderValue, HeaderValue)>,
+    fields: Fields,
 ) -> Response<ResponseBody<B>> {
+    if let (Some(on_refused), Refusal::Limited { retry_after, info: Some(info), .. }) =
+        (&setup.on_refused, &refusal)
+    {
+        let mut response = on_refused(parts, info).map(ResponseBody::bytes);
+        let h = response.headers_mut();
+        if !h.contains_key(http::header::RETRY_AFTER) {
+            h.insert(http::header::RETRY_AFTER, retry_after_header(*retry_after));
+        }
+        insert_fields(h, fields, true);
+        return response;
+    }
     let grpc = parts
         .headers
         .get(http::header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
     let (status, retry_after, message, body) = match refusal {
-        Refusal::Limited { name, retry_after } => {
+        Refusal::Limited { name, retry_after, .. } => {
             let body = serde_json::json!({ "kind": "RateLimited", "name": &*name, "retryAfter": retry_after })
                 .to_string();
             let message = format!(
@@ -606,7 +928,7 @@ fn answer<B>(
     if let Some(retry_after) = retry_after {
         h.insert(http::header::RETRY_AFTER, retry_after);
     }
-    insert_rate_limit_headers(response.headers_mut(), headers);
+    insert_fields(response.headers_mut(), fields, false);
     response
 }
 
@@ -638,10 +960,22 @@ fn grpc_message(message: &str) -> String {
     out
 }
 
-fn insert_rate_limit_headers(h: &mut http::HeaderMap, headers: Option<(HeaderValue, HeaderValue)>) {
-    if let Some((policy, current)) = headers {
-        h.insert(RATELIMIT_POLICY, policy);
-        h.insert(RATELIMIT, current);
+/// Adds the layer's header fields to a response; with `keep`, not those it already has
+/// (a custom refusal's own).
+fn insert_fields(h: &mut http::HeaderMap, fields: Fields, keep: bool) {
+    let mut put = |name: HeaderName, value: HeaderValue| {
+        if !keep || !h.contains_key(&name) {
+            h.insert(name, value);
+        }
+    };
+    if let Some((policy, current)) = fields.ietf {
+        put(RATELIMIT_POLICY, policy);
+        put(RATELIMIT, current);
+    }
+    if let Some([limit, remaining, reset]) = fields.legacy.map(|b| *b) {
+        put(X_RATELIMIT_LIMIT, limit);
+        put(X_RATELIMIT_REMAINING, remaining);
+        put(X_RATELIMIT_RESET, reset);
     }
 }
 
@@ -672,7 +1006,11 @@ impl<B> ResponseBody<B> {
     }
 
     fn full(text: String) -> Self {
-        let bytes = (!text.is_empty()).then(|| Bytes::from(text));
+        Self::bytes(Bytes::from(text))
+    }
+
+    fn bytes(bytes: Bytes) -> Self {
+        let bytes = (!bytes.is_empty()).then_some(bytes);
         ResponseBody { kind: BodyKind::Full { bytes } }
     }
 }
@@ -722,7 +1060,7 @@ pin_project_lite::pin_project! {
 pin_project_lite::pin_project! {
     #[project = StateProj]
     enum State<F, B, E> {
-        Inner { #[pin] future: F, headers: Option<(HeaderValue, HeaderValue)> },
+        Inner { #[pin] future: F, fields: Fields },
         Ready { response: Option<Response<ResponseBody<B>>> },
         Deciding { future: Deciding<B, E> },
     }
@@ -736,9 +1074,9 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().state.project() {
-            StateProj::Inner { future, headers } => {
+            StateProj::Inner { future, fields } => {
                 let mut response = std::task::ready!(future.poll(cx))?;
-                insert_rate_limit_headers(response.headers_mut(), headers.take());
+                insert_fields(response.headers_mut(), std::mem::take(fields), false);
                 Poll::Ready(Ok(response.map(ResponseBody::inner)))
             }
             StateProj::Ready { response } => {
@@ -767,6 +1105,29 @@ mod tests {
         assert_eq!(quota_window(&Config::token_bucket(10.0, 60_000.0)), (10, 60));
         assert_eq!(quota_window(&Config::token_bucket(5.0, 500.0)), (10, 1));
         assert_eq!(quota_window(&Config::fixed_window(100.0, 90_500.0)), (100, 91));
+    }
+
+    /// A store error that fails open is logged as one that fails closed (before, a
+    /// `LimitSpec::fail_open` pass left no trace).
+    #[test]
+    fn store_errors_that_fail_open_are_logged() {
+        let spec = LimitSpec::new(("x", Config::token_bucket(1.0, 1_000.0)));
+        let setup = Setup {
+            specs: vec![spec.clone().fail_open()],
+            skip: None,
+            on_refused: None,
+            insert_info: false,
+            legacy_headers: false,
+            fail_open: false,
+        };
+        let layer_open = Setup { specs: vec![spec], fail_open: true, ..setup.clone() };
+        for setup in [setup, layer_open] {
+            let keys = [(&setup.specs[0], None, 1.0)];
+            let before = log::STORE_FAILURES.noted();
+            let failed = Err(Error::Store(crate::StoreError::new("connection refused")));
+            assert!(matches!(verdict(&setup, &keys, failed), Verdict::Pass(_, None)));
+            assert_ne!(log::STORE_FAILURES.noted(), before, "logged or counted for the log");
+        }
     }
 
     #[test]
