@@ -24,12 +24,14 @@ use futures_util::FutureExt;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes};
+use pyo3::types::{PyBool, PyBytes, PyString};
 use tokio::runtime::Runtime;
+use tollgate::{Call, Config, MemoryStore, RateLimiter, Request, Target, TransactionTaken};
 use tollgate_server::answer::Answer;
 use tollgate_server::config::Settings;
-use tollgate_server::engine::{Engine as Served, Op};
-use tollgate_server::store::{self, Leasing};
+use tollgate_server::engine::{Defined, Engine as Served, Op};
+use tollgate_server::fields::{Member, rate_limit_fields};
+use tollgate_server::store::{self, Leasing, Stored};
 
 /// The runtime every store's I/O runs on (its threads, not Python's), once made: one per
 /// process. Every runtime made is leaked, never dropped: in a forked child the parent's has
@@ -434,6 +436,12 @@ impl Engine {
         reply_py(py, reply(self.engine.config()))
     }
 
+    /// The limits of a middleware, `(name, count)` each, resolved now: a name not defined
+    /// raises `ValueError` with the names that are.
+    fn gate(&self, py: Python<'_>, limits: Vec<(String, f64)>) -> PyResult<Gate> {
+        Gate::new(py, &self.engine, limits)
+    }
+
     /// Gives back every lease this process holds, waiting at most the store deadline (GIL
     /// released).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
@@ -451,6 +459,228 @@ impl Engine {
     }
 }
 
+/// One limit of a middleware, its config and header members made once.
+struct GateLimit {
+    name: Box<str>,
+    config: Config,
+    count: f64,
+    /// Its `RateLimit-Policy` member.
+    policy: String,
+}
+
+/// The limits of a middleware (one or several, taken all or nothing), resolved when the
+/// middleware is made: each request is one transaction of them with its key, and what its
+/// header fields need comes back with the decision, with no JSON and no look-up by name.
+#[pyclass(frozen, module = "pytollgate._native")]
+struct Gate {
+    /// The limits defined when the gate was made (the engine's, which no reload replaces
+    /// in-process).
+    defined: Arc<Defined>,
+    limits: Arc<[GateLimit]>,
+    /// The limiter on the memory store as itself, when that is the store: its
+    /// transactions are made here, without a future.
+    memory: Option<RateLimiter<Arc<MemoryStore>>>,
+    /// `RateLimit-Policy` of a gate of one limit, as a Python string made once.
+    policy: Option<Py<PyString>>,
+}
+
+/// A gate's answer: the decision and its header fields' numbers, or the store's failure
+/// (`Err((status, message, may_have_taken))`).
+type Gated = Result<Passage, (u16, String, bool)>;
+
+/// A decision of a gate, with what the middleware writes of it.
+struct Passage {
+    ok: bool,
+    /// Refused: the wait of the limit that refuses longest (ms).
+    wait: f64,
+    /// The limit that decides: the one refusing longest, else the one with the least left.
+    index: usize,
+    /// That limit's capacity, what it has left (NaN if unknown: granted by a fail-open
+    /// limit while the store failed) and the ms until it is full.
+    limit: f64,
+    remaining: f64,
+    reset: f64,
+    /// `RateLimit-Policy` and `RateLimit`, unless unknown (a fail-open grant); the first is
+    /// `None` for a gate of one limit, whose policy the gate holds.
+    fields: Option<(Option<String>, String)>,
+}
+
+impl Gate {
+    fn new(py: Python<'_>, engine: &Served, limits: Vec<(String, f64)>) -> PyResult<Gate> {
+        let defined = engine.current();
+        let mut resolved = Vec::with_capacity(limits.len());
+        for (name, count) in limits {
+            let Some(config) = defined.limiter().defined_config(&name) else {
+                let mut names: Vec<&str> = defined.limiter().defined().map(|(n, _)| n).collect();
+                names.sort_unstable();
+                return Err(PyValueError::new_err(format!(
+                    "the limit {name:?} is not defined on this limiter (its limits: {}); define \
+                     it in the limiter's limits={{...}}, or fix the name",
+                    names.join(", ")
+                )));
+            };
+            let policy = tollgate::tower::fields::policy_member(&name, &config);
+            resolved.push(GateLimit { name: name.into(), config, count, policy });
+        }
+        if resolved.is_empty() {
+            return Err(PyValueError::new_err("a middleware takes at least one limit"));
+        }
+        let memory = match &engine.stored {
+            Some(Stored::Memory(memory)) => Some(defined.limiter().on(Arc::clone(memory))),
+            _ => None,
+        };
+        let policy = match &resolved[..] {
+            [one] => Some(PyString::new(py, &one.policy).unbind()),
+            _ => None,
+        };
+        Ok(Gate { defined, limits: resolved.into(), memory, policy })
+    }
+
+    fn calls<'a>(limits: &'a [GateLimit], key: Option<&'a str>) -> Vec<Call<'a>> {
+        limits
+            .iter()
+            .map(|l| {
+                let mut request = Request::new().count(l.count);
+                if let Some(key) = key {
+                    request = request.key(key);
+                }
+                Target::Inline(&l.name, l.config).with(request)
+            })
+            .collect()
+    }
+
+    fn passage(limits: &[GateLimit], taken: Result<TransactionTaken, tollgate::Error>) -> Gated {
+        let taken = match taken {
+            Ok(taken) => taken,
+            Err(tollgate::Error::Store(e)) => {
+                return Err((503, e.to_string(), e.may_have_taken()));
+            }
+            Err(e) => return Err((400, e.to_string(), false)),
+        };
+        let (decision, statuses) = (&taken.decision, &taken.statuses);
+        let index = match tollgate::core::longest_refusal(&decision.results) {
+            Some(i) => i,
+            None => {
+                // The least left of its capacity, the first of equals.
+                let left = |i: usize| statuses[i].remaining / limits[i].config.capacity();
+                (1..limits.len()).fold(0, |best, i| if left(i) < left(best) { i } else { best })
+            }
+        };
+        let fields = if limits.len() == 1 {
+            statuses[0].is_known().then(|| {
+                (None, tollgate::tower::fields::status_member(&limits[0].name, &statuses[0]))
+            })
+        } else {
+            let members: Vec<Member<'_>> = limits
+                .iter()
+                .zip(statuses.iter())
+                .map(|(l, status)| Member {
+                    name: &l.name,
+                    policy: std::borrow::Cow::Borrowed(l.policy.as_str()),
+                    capacity: l.config.capacity(),
+                    status: *status,
+                })
+                .collect();
+            rate_limit_fields(&members).map(|(policy, current)| (Some(policy), current))
+        };
+        Ok(Passage {
+            ok: decision.ok,
+            wait: if decision.ok {
+                0.0
+            } else {
+                decision.results[index].retry_after.unwrap_or(0.0)
+            },
+            index,
+            limit: limits[index].config.capacity(),
+            remaining: statuses[index].remaining,
+            reset: statuses[index].reset_after,
+            fields,
+        })
+    }
+
+    /// The transaction of `key`, on the memory store answered here; else its work.
+    fn work(&self, key: Option<&str>) -> Result<Gated, Work<Gated>> {
+        if let Some(memory) = &self.memory {
+            let calls = Self::calls(&self.limits, key);
+            return Ok(Self::passage(&self.limits, memory.transaction_with_status(&calls)));
+        }
+        let (defined, limits) = (Arc::clone(&self.defined), Arc::clone(&self.limits));
+        let key = key.map(str::to_owned);
+        Err(Box::pin(async move {
+            let calls = Self::calls(&limits, key.as_deref());
+            let taken = defined.limiter().transaction_with_status_async(&calls).await;
+            Self::passage(&limits, taken)
+        }))
+    }
+
+    fn into_py(&self, py: Python<'_>, gated: Gated) -> PyResult<Py<PyAny>> {
+        gated_py(py, self.policy.as_ref().map(|p| p.clone_ref(py)), gated)
+    }
+}
+
+/// `(ok, wait, index, limit, remaining, reset, policy, current)`, or `(status, message,
+/// may_have_taken)` for a failure.
+fn gated_py(py: Python<'_>, policy: Option<Py<PyString>>, gated: Gated) -> PyResult<Py<PyAny>> {
+    let tuple = match gated {
+        Ok(p) => {
+            let (policy, current) = match p.fields {
+                Some((Some(many), current)) => {
+                    (Some(PyString::new(py, &many).unbind()), Some(current))
+                }
+                Some((None, current)) => (policy, Some(current)),
+                None => (None, None),
+            };
+            (p.ok, p.wait, p.index, p.limit, p.remaining, p.reset, policy, current)
+                .into_pyobject(py)?
+        }
+        Err(failed) => failed.into_pyobject(py)?,
+    };
+    Ok(tuple.into_any().unbind())
+}
+
+#[pymethods]
+impl Gate {
+    /// The decision for `key` (None: the limits' global value), blocking with the GIL
+    /// released if the store must be waited for.
+    fn decide(&self, py: Python<'_>, key: Option<&str>) -> PyResult<Py<PyAny>> {
+        let gated = match self.work(key) {
+            Ok(now) => now,
+            Err(work) => Engine::blocking(py, work)?,
+        };
+        self.into_py(py, gated)
+    }
+
+    /// The same for asyncio: the answer now, or None and `future` gets it.
+    fn decide_async(
+        &self,
+        py: Python<'_>,
+        key: Option<&str>,
+        event_loop: Py<PyAny>,
+        future: Py<PyAny>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let work = match self.work(key) {
+            Ok(now) => return self.into_py(py, now).map(Some),
+            Err(work) => work,
+        };
+        let policy = self.policy.as_ref().map(|p| p.clone_ref(py));
+        let into: Box<dyn FnOnce(Python<'_>, Gated) -> PyResult<Py<PyAny>> + Send> =
+            Box::new(move |py, gated| gated_py(py, policy, gated));
+        match Engine::now(work) {
+            Ok(done) => into(py, done).map(Some),
+            Err(work) => {
+                runtime().spawn(async move {
+                    let done = work.await;
+                    attach_from_runtime(|py| {
+                        let value = into(py, done);
+                        settle(py, &event_loop, &future, value);
+                    });
+                });
+                Ok(None)
+            }
+        }
+    }
+}
+
 /// tollgate's engine, for `pytollgate`.
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -459,6 +689,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(open_async, module)?)?;
     module.add_function(wrap_pyfunction!(forked, module)?)?;
     module.add_class::<Engine>()?;
+    module.add_class::<Gate>()?;
     let quiesce = wrap_pyfunction!(quiesce, module)?;
     module.py().import("atexit")?.call_method1("register", (quiesce,))?;
     Ok(())

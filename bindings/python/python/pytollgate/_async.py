@@ -9,10 +9,9 @@ from typing import Any, Iterable, Mapping, Optional, Tuple
 
 from tollgate_client import Decision, Seconds, TollgateError, _core
 from tollgate_client._async import AsyncLimiter
-from tollgate_client._core import Limits
 
 from . import _aio, _common, _native
-from ._common import LeaseOptions
+from ._common import LeaseOptions, Limits
 from ._native import Engine
 from ._opening import Opening
 
