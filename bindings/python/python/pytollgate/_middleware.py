@@ -95,7 +95,9 @@ class RateLimit:
     with the longest wait, else the one with the least left of its capacity) its ``name``,
     ``limit`` (capacity), ``remaining`` (whole tokens) and ``reset`` (seconds until full);
     ``retry_after`` (seconds) when refused. The numbers are None when no one knows them (a
-    request let through while the store failed). ``policy`` and ``current`` are the
+    request let through while the store failed). Over a tollgate server's client, ``limit``
+    is the policy's quota (``q``: the rate over its window), since the server's answer
+    carries no capacity. ``policy`` and ``current`` are the
     ``RateLimit-Policy`` and ``RateLimit`` header fields written for it."""
 
     ok: bool
