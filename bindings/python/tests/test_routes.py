@@ -412,3 +412,17 @@ def test_django_threaded_admits_exactly_the_limit(store: str) -> None:
     finally:
         httpd.shutdown()
         thread.join(10)
+
+
+# mypy: a limiter annotated with a Literal of its names has the middlewares' names checked.
+
+
+def test_mypy_checks_the_names_against_a_literal_limiter() -> None:
+    checked = Path(__file__).resolve().parent / "typing_names.py"
+    marked = {i for i, line in enumerate(checked.read_text().split("\n"), 1) if line.rstrip().endswith("# error")}
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--config-file", str(checked.parents[1] / "pyproject.toml"), str(checked)],
+        capture_output=True, text=True, timeout=300,
+    )
+    found = {int(line.split(":")[1]) for line in run.stdout.split("\n") if ": error:" in line}
+    assert found == marked and len(marked) == 6, run.stdout

@@ -6,16 +6,29 @@ from __future__ import annotations
 import json
 import re
 from http import HTTPStatus
-from typing import Any, Dict, Iterable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Mapping, Optional, Union
 
 from tollgate_client import Decision, RateLimitError, Seconds, _core
 from tollgate_client._units import seconds
 
 from . import _native
 
+#: The names of a limiter's limits: ``str``, unless the limiter is annotated with a
+#: ``Literal`` of them (``limiter: RateLimiter[Literal["perUser", "global"]] = ...``), which
+#: mypy then checks every middleware's names against. (The default is for type checkers:
+#: typing's TypeVar takes one from Python 3.13.)
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
+    Name = TypeVar("Name", bound=str, default=str)
+else:
+    from typing import TypeVar
+
+    Name = TypeVar("Name", bound=str)
+
 #: The limits of a limiter: name -> config (a dict, see ``LimitConfig``), or a rate string
 #: (``"5/minute"``, see :func:`parse_rate`).
-Limits = Mapping[str, Union[str, Mapping[str, Any]]]
+Limits = Mapping[Name, Union[str, Mapping[str, Any]]]
 
 #: A leased limit: True, or ``{"term": seconds or "30s", "share": ..., "floor": ...}``.
 LeaseOptions = Union[bool, Mapping[str, Union[float, str]]]
@@ -27,7 +40,7 @@ def _ms(duration: Seconds, what: str) -> float:
 
 def config_json(
     store: str,
-    limits: Optional[Limits],
+    limits: Optional[Limits[Any]],
     store_deadline: Optional[Seconds],
     max_keys: Optional[int],
     leases: Optional[Mapping[str, LeaseOptions]],

@@ -18,16 +18,32 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, NotRequired, Optional, Sequence, Tuple, TypedDict, Union
 
 from tollgate_client import TollgateError, TransactionResult
+
+from ._common import Name
 
 #: Where the middleware says what a client is not told: a store's failures (summed up, at
 #: most one warning every LOG_EVERY seconds) and a setup that cannot work (once).
 logger = logging.getLogger("pytollgate")
 
+class LimitEntry(TypedDict, Generic[Name]):
+    """One limit a request takes from, with a count other than 1."""
+
+    name: Name
+    count: NotRequired[float]
+
+
 #: One limit a request takes from: its name, or ``{"name": ..., "count": ...}``.
-LimitRef = Union[str, Mapping[str, object]]
+LimitRef = Union[Name, LimitEntry[Name]]
+
+#: A middleware's limits: one, or several (a list or a tuple) taken all or nothing. mypy
+#: checks the names against a limiter annotated with a ``Literal`` of its names. (A lone
+#: dict is not inferred then: give a limit with a count in a list, ``[{"name": ..., "count":
+#: 5}]``. The list and tuple types, not ``Sequence``, are what let mypy infer a list of
+#: names, which it would otherwise widen to ``str``.)
+Names = Union[Name, LimitEntry[Name], List[LimitRef[Name]], Tuple[LimitRef[Name], ...]]
 
 #: Where a request's key comes from: ``"ip"`` (the peer's address, see :func:`ip_key`),
 #: ``"global"`` (one value for every request), ``{"header": "x-api-key"}``, or a function of
@@ -110,7 +126,21 @@ class RateLimit:
     current: Optional[str] = None
 
 
-def limits_of(limits: Union[LimitRef, Sequence[LimitRef]]) -> List[Dict[str, object]]:
+class Options(TypedDict, total=False):
+    """The options every middleware and decorator takes (see pytollgate.asgi), for mypy."""
+
+    key: KeySource
+    ipv6_subnet: Ipv6Subnet
+    skip: Optional[Callable[[Any], Any]]
+    handler: Optional[Callable[[Any, RateLimit], Any]]
+    message: Optional[RefusalMessage]
+    status_code: int
+    standard_headers: bool
+    legacy_headers: bool
+    fail_open: bool
+
+
+def limits_of(limits: Names[Any]) -> List[Dict[str, object]]:
     """The middleware's limits as transaction entries, checked once at setup."""
     listed = [limits] if isinstance(limits, (str, Mapping)) else list(limits)
     entries: List[Dict[str, object]] = [
@@ -282,7 +312,7 @@ class Gate:
     def __init__(
         self,
         limiter: object,
-        limits: Union[LimitRef, Sequence[LimitRef]],
+        limits: Names[Any],
         *,
         asynchronous: Optional[bool],
         fail_open: bool,

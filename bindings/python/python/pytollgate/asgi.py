@@ -14,11 +14,23 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Awaitable, Callable, Iterable, List, MutableMapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, List, MutableMapping, Optional, Tuple, Union, overload
+
+import tollgate_client
 
 from . import _middleware
-from ._middleware import DEFAULT_IPV6_SUBNET, Ipv6Subnet, KeySource, LimitRef, RateLimit, Verdict
-from ._middleware import RefusalMessage
+from ._async import AsyncRateLimiter
+from ._common import Name
+from ._middleware import DEFAULT_IPV6_SUBNET, Ipv6Subnet, KeySource, Names, RateLimit, RefusalMessage, Verdict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+class MiddlewareOptions(_middleware.Options, total=False):
+    """The options of :class:`RateLimitMiddleware`, for mypy."""
+
+    exempt: Iterable[str]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -69,12 +81,25 @@ class RateLimitMiddleware:
     the middleware's own that cannot be sent any more (the client gone, a response already
     sent by a middleware before it) is dropped; the decision was taken all the same."""
 
+    @overload
+    def __init__(
+        self, app: App, *, limiter: AsyncRateLimiter[Name], limits: Names[Name], **options: Unpack[MiddlewareOptions]
+    ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        app: App,
+        *,
+        limiter: tollgate_client.AsyncRateLimiter,
+        limits: Names[str],
+        **options: Unpack[MiddlewareOptions],
+    ) -> None: ...
     def __init__(
         self,
         app: App,
         *,
         limiter: object,
-        limits: Union[LimitRef, Sequence[LimitRef]],
+        limits: Names[Any],
         key: KeySource = "ip",
         ipv6_subnet: Ipv6Subnet = DEFAULT_IPV6_SUBNET,
         exempt: Iterable[str] = (),

@@ -36,14 +36,28 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union, overload
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
+import tollgate_client
+
 from . import _middleware
-from ._middleware import DEFAULT_IPV6_SUBNET, Ipv6Subnet, KeySource, LimitRef, RateLimit, RefusalMessage, Verdict
+from ._async import AsyncRateLimiter
+from ._common import Name
+from ._middleware import DEFAULT_IPV6_SUBNET, Ipv6Subnet, KeySource, Names, RateLimit, RefusalMessage, Verdict
+from ._sync import RateLimiter
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+class ViewOptions(_middleware.Options, total=False):
+    """The options of :func:`rate_limit`, for mypy."""
+
+    block: bool
 
 __all__ = ["RateLimitMiddleware", "rate_limit"]
 
@@ -62,7 +76,7 @@ class _Limited:
         where: str,
         asynchronous: Optional[bool],
         limiter: object,
-        limits: Union[LimitRef, Sequence[LimitRef]],
+        limits: Names[Any],
         key: KeySource = "ip",
         ipv6_subnet: Ipv6Subnet = DEFAULT_IPV6_SUBNET,
         exempt: Iterable[str] = (),
@@ -199,9 +213,19 @@ async def _maybe(value: Any) -> Any:
     return (await value) if inspect.isawaitable(value) else value
 
 
+@overload
+def rate_limit(
+    limiter: Union[RateLimiter[Name], AsyncRateLimiter[Name]], limits: Names[Name], **options: Unpack[ViewOptions]
+) -> Callable[[View], View]: ...
+@overload
+def rate_limit(
+    limiter: Union[tollgate_client.RateLimiter, tollgate_client.AsyncRateLimiter],
+    limits: Names[str],
+    **options: Unpack[ViewOptions],
+) -> Callable[[View], View]: ...
 def rate_limit(
     limiter: object,
-    limits: Union[LimitRef, Sequence[LimitRef]],
+    limits: Names[Any],
     *,
     key: KeySource = "ip",
     ipv6_subnet: Ipv6Subnet = DEFAULT_IPV6_SUBNET,

@@ -27,13 +27,38 @@ from __future__ import annotations
 import functools
 import json
 import inspect
-from typing import Any, Awaitable, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypedDict, overload
 
 from fastapi import HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+import tollgate_client
+
 from . import _middleware
-from ._middleware import DEFAULT_IPV6_SUBNET, Ipv6Subnet, KeySource, LimitRef, RateLimit, RefusalMessage, Verdict
+from ._async import AsyncRateLimiter
+from ._common import Name
+from ._middleware import DEFAULT_IPV6_SUBNET, Ipv6Subnet, KeySource, Names, RateLimit, RefusalMessage, Verdict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+class RouteOptions(TypedDict, total=False):
+    """The options of :func:`rate_limit` and :func:`rate_limited`, for mypy."""
+
+    key: KeySource
+    ipv6_subnet: Ipv6Subnet
+    skip: Optional[Callable[[Request], Any]]
+    message: Optional[RefusalMessage]
+    status_code: int
+    standard_headers: bool
+    legacy_headers: bool
+    fail_open: bool
+
+
+#: What :func:`rate_limit` gives: a dependency of the request and its response.
+Dependency = Callable[[Request, Response], Awaitable[Optional[RateLimit]]]
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 __all__ = ["RateLimitExceeded", "rate_limit", "rate_limited"]
 
@@ -55,7 +80,7 @@ class _Route:
         self,
         where: str,
         limiter: object,
-        limits: Union[LimitRef, Sequence[LimitRef]],
+        limits: Names[Any],
         key: KeySource,
         ipv6_subnet: Ipv6Subnet,
         skip: Optional[Callable[[Request], Any]],
@@ -114,9 +139,15 @@ def _error(verdict: Verdict) -> Any:
     return json.loads(verdict.body).get("error")
 
 
+@overload
+def rate_limit(limiter: AsyncRateLimiter[Name], limits: Names[Name], **options: Unpack[RouteOptions]) -> Dependency: ...
+@overload
+def rate_limit(
+    limiter: tollgate_client.AsyncRateLimiter, limits: Names[str], **options: Unpack[RouteOptions]
+) -> Dependency: ...
 def rate_limit(
     limiter: object,
-    limits: Union[LimitRef, Sequence[LimitRef]],
+    limits: Names[Any],
     *,
     key: KeySource = "ip",
     ipv6_subnet: Ipv6Subnet = DEFAULT_IPV6_SUBNET,
@@ -126,7 +157,7 @@ def rate_limit(
     standard_headers: bool = True,
     legacy_headers: bool = False,
     fail_open: bool = False,
-) -> Callable[[Request, Response], Awaitable[Optional[RateLimit]]]:
+) -> Dependency:
     """A dependency, ``Depends(rate_limit(limiter, "perUser", key=...))``: each request of the
     route takes ``limits`` (a name or several, all or nothing) for its key, and its value is
     the :class:`~pytollgate.RateLimit` (None when ``skip`` let the request through).
@@ -150,9 +181,15 @@ def rate_limit(
     return rate_limit_dependency
 
 
+@overload
+def rate_limited(limiter: AsyncRateLimiter[Name], limits: Names[Name], **options: Unpack[RouteOptions]) -> Decorator: ...
+@overload
+def rate_limited(
+    limiter: tollgate_client.AsyncRateLimiter, limits: Names[str], **options: Unpack[RouteOptions]
+) -> Decorator: ...
 def rate_limited(
     limiter: object,
-    limits: Union[LimitRef, Sequence[LimitRef]],
+    limits: Names[Any],
     *,
     key: KeySource = "ip",
     ipv6_subnet: Ipv6Subnet = DEFAULT_IPV6_SUBNET,
@@ -162,7 +199,7 @@ def rate_limited(
     standard_headers: bool = True,
     legacy_headers: bool = False,
     fail_open: bool = False,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+) -> Decorator:
     """A route decorator (under ``@app.get(...)``, as slowapi's ``@limiter.limit``): the same
     as :func:`rate_limit`, and the header fields written on the route's answer whatever it
     returns. The endpoint needs no ``request`` parameter (one is added for the decorator's
