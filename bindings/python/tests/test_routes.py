@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 from conftest import fresh, networked
 from fastapi import Request  # at the module's top: FastAPI resolves the endpoints' annotations here
-from test_middleware import asgi_server, django_settings, get  # noqa: F401 - a fixture
+from test_middleware import django_settings, get
 
 import tollgate_client
 from pytollgate import MINUTE, AsyncRateLimiter, RateLimit, RateLimiter, parse_rate
@@ -394,7 +394,7 @@ def test_django_threaded_admits_exactly_the_limit(store: str) -> None:
     from django.core.wsgi import get_wsgi_application
 
     name = fresh("threads")
-    django_settings(limiter=RateLimiter(str(url_of[store]), limits={name: f"25/m"}), limits=name, key={"header": "x-user"})
+    django_settings(limiter=RateLimiter(str(url_of[store]), limits={name: "25/m"}), limits=name, key={"header": "x-user"})
 
     class Threaded(ThreadingMixIn, WSGIServer):
         daemon_threads = True

@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, NotRequired, Optional, Sequence, Tuple, TypedDict, Union
+from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, NotRequired, Optional, Tuple, TypedDict, Union
 
 from tollgate_client import TollgateError, TransactionResult
 

@@ -32,6 +32,7 @@ class MiddlewareOptions(_middleware.Options, total=False):
 
     exempt: Iterable[str]
 
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
