@@ -49,7 +49,7 @@ if APP == "fastapi-tollgate":
         return {"hello": "world"}
 
 elif APP == "fastapi-slowapi":
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Request, Response
     from slowapi import Limiter, _rate_limit_exceeded_handler
     from slowapi.errors import RateLimitExceeded
     from slowapi.util import get_remote_address
@@ -61,7 +61,7 @@ elif APP == "fastapi-slowapi":
 
     @app.get("/")
     @peer.limit(RATE)
-    async def hello(request: Request) -> dict[str, str]:
+    async def hello(request: Request, response: Response) -> dict[str, str]:  # slowapi's headers need it
         return {"hello": "world"}
 
 elif APP.startswith("django-"):

@@ -24,9 +24,12 @@ use futures_util::FutureExt;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyString};
+use pyo3::types::{PyBool, PyBytes};
 use tokio::runtime::Runtime;
-use tollgate::{Call, Config, MemoryStore, RateLimiter, Request, Target, TransactionTaken};
+use tollgate::{
+    Call, Config, MemoryStore, RateLimiter, Request, Status, Taken as TakenStatus, Target,
+    TransactionTaken,
+};
 use tollgate_server::answer::Answer;
 use tollgate_server::config::Settings;
 use tollgate_server::engine::{Defined, Engine as Served, Op};
@@ -438,8 +441,8 @@ impl Engine {
 
     /// The limits of a middleware, `(name, count)` each, resolved now: a name not defined
     /// raises `ValueError` with the names that are.
-    fn gate(&self, py: Python<'_>, limits: Vec<(String, f64)>) -> PyResult<Gate> {
-        Gate::new(py, &self.engine, limits)
+    fn gate(&self, limits: Vec<(String, f64)>) -> PyResult<Gate> {
+        Gate::new(&self.engine, limits)
     }
 
     /// Gives back every lease this process holds, waiting at most the store deadline (GIL
@@ -468,6 +471,20 @@ struct GateLimit {
     policy: String,
 }
 
+impl GateLimit {
+    fn target(&self) -> Target<'_> {
+        Target::Inline(&self.name, self.config)
+    }
+
+    fn request<'k>(&self, key: Option<&'k str>) -> Request<'k> {
+        let request = Request::new().count(self.count);
+        match key {
+            Some(key) => request.key(key),
+            None => request,
+        }
+    }
+}
+
 /// The limits of a middleware (one or several, taken all or nothing), resolved when the
 /// middleware is made: each request is one transaction of them with its key, and what its
 /// header fields need comes back with the decision, with no JSON and no look-up by name.
@@ -477,11 +494,11 @@ struct Gate {
     /// in-process).
     defined: Arc<Defined>,
     limits: Arc<[GateLimit]>,
-    /// The limiter on the memory store as itself, when that is the store: its
-    /// transactions are made here, without a future.
+    /// The limiter on the memory store as itself, when that is the store: its takes are
+    /// made here, without a future.
     memory: Option<RateLimiter<Arc<MemoryStore>>>,
-    /// `RateLimit-Policy` of a gate of one limit, as a Python string made once.
-    policy: Option<Py<PyString>>,
+    /// `RateLimit-Policy` of a gate of one limit.
+    policy: Option<String>,
 }
 
 /// A gate's answer: the decision and its header fields' numbers, or the store's failure
@@ -506,7 +523,7 @@ struct Passage {
 }
 
 impl Gate {
-    fn new(py: Python<'_>, engine: &Served, limits: Vec<(String, f64)>) -> PyResult<Gate> {
+    fn new(engine: &Served, limits: Vec<(String, f64)>) -> PyResult<Gate> {
         let defined = engine.current();
         let mut resolved = Vec::with_capacity(limits.len());
         for (name, count) in limits {
@@ -530,35 +547,44 @@ impl Gate {
             _ => None,
         };
         let policy = match &resolved[..] {
-            [one] => Some(PyString::new(py, &one.policy).unbind()),
+            [one] => Some(one.policy.clone()),
             _ => None,
         };
         Ok(Gate { defined, limits: resolved.into(), memory, policy })
     }
 
     fn calls<'a>(limits: &'a [GateLimit], key: Option<&'a str>) -> Vec<Call<'a>> {
-        limits
-            .iter()
-            .map(|l| {
-                let mut request = Request::new().count(l.count);
-                if let Some(key) = key {
-                    request = request.key(key);
-                }
-                Target::Inline(&l.name, l.config).with(request)
-            })
-            .collect()
+        limits.iter().map(|l| l.target().with(l.request(key))).collect()
     }
 
-    fn passage(limits: &[GateLimit], taken: Result<TransactionTaken, tollgate::Error>) -> Gated {
-        let taken = match taken {
-            Ok(taken) => taken,
-            Err(tollgate::Error::Store(e)) => {
-                return Err((503, e.to_string(), e.may_have_taken()));
-            }
-            Err(e) => return Err((400, e.to_string(), false)),
-        };
-        let (decision, statuses) = (&taken.decision, &taken.statuses);
-        let index = match tollgate::core::longest_refusal(&decision.results) {
+    /// The store failed, or the request cannot be taken (a key too long).
+    fn failure(e: tollgate::Error) -> (u16, String, bool) {
+        match e {
+            tollgate::Error::Store(e) => (503, e.to_string(), e.may_have_taken()),
+            e => (400, e.to_string(), false),
+        }
+    }
+
+    fn of_single(limits: &[GateLimit], taken: Result<TakenStatus, tollgate::Error>) -> Gated {
+        let taken = taken.map_err(Self::failure)?;
+        Ok(Self::passage(limits, taken.decision.ok, &[taken.decision], &[taken.status]))
+    }
+
+    fn of_transaction(
+        limits: &[GateLimit],
+        taken: Result<TransactionTaken, tollgate::Error>,
+    ) -> Gated {
+        let taken = taken.map_err(Self::failure)?;
+        Ok(Self::passage(limits, taken.decision.ok, &taken.decision.results, &taken.statuses))
+    }
+
+    fn passage(
+        limits: &[GateLimit],
+        ok: bool,
+        results: &[tollgate::Decision],
+        statuses: &[Status],
+    ) -> Passage {
+        let index = match tollgate::core::longest_refusal(results) {
             Some(i) => i,
             None => {
                 // The least left of its capacity, the first of equals.
@@ -566,14 +592,14 @@ impl Gate {
                 (1..limits.len()).fold(0, |best, i| if left(i) < left(best) { i } else { best })
             }
         };
-        let fields = if limits.len() == 1 {
-            statuses[0].is_known().then(|| {
-                (None, tollgate::tower::fields::status_member(&limits[0].name, &statuses[0]))
-            })
+        let fields = if let [one] = limits {
+            statuses[0]
+                .is_known()
+                .then(|| (None, tollgate::tower::fields::status_member(&one.name, &statuses[0])))
         } else {
             let members: Vec<Member<'_>> = limits
                 .iter()
-                .zip(statuses.iter())
+                .zip(statuses)
                 .map(|(l, status)| Member {
                     name: &l.name,
                     policy: std::borrow::Cow::Borrowed(l.policy.as_str()),
@@ -583,51 +609,59 @@ impl Gate {
                 .collect();
             rate_limit_fields(&members).map(|(policy, current)| (Some(policy), current))
         };
-        Ok(Passage {
-            ok: decision.ok,
-            wait: if decision.ok {
-                0.0
-            } else {
-                decision.results[index].retry_after.unwrap_or(0.0)
-            },
+        Passage {
+            ok,
+            wait: if ok { 0.0 } else { results[index].retry_after.unwrap_or(0.0) },
             index,
             limit: limits[index].config.capacity(),
             remaining: statuses[index].remaining,
             reset: statuses[index].reset_after,
             fields,
-        })
+        }
     }
 
-    /// The transaction of `key`, on the memory store answered here; else its work.
+    /// The decision for `key`, on the memory store made here; else its work. One limit is
+    /// taken as itself (no transaction's plan to build), several as a transaction.
     fn work(&self, key: Option<&str>) -> Result<Gated, Work<Gated>> {
         if let Some(memory) = &self.memory {
-            let calls = Self::calls(&self.limits, key);
-            return Ok(Self::passage(&self.limits, memory.transaction_with_status(&calls)));
+            return Ok(match &self.limits[..] {
+                [one] => Self::of_single(
+                    &self.limits,
+                    memory.limit_with_status(one.target(), one.request(key)),
+                ),
+                many => Self::of_transaction(
+                    many,
+                    memory.transaction_with_status(&Self::calls(many, key)),
+                ),
+            });
         }
         let (defined, limits) = (Arc::clone(&self.defined), Arc::clone(&self.limits));
         let key = key.map(str::to_owned);
         Err(Box::pin(async move {
-            let calls = Self::calls(&limits, key.as_deref());
-            let taken = defined.limiter().transaction_with_status_async(&calls).await;
-            Self::passage(&limits, taken)
+            let limiter = defined.limiter();
+            match &limits[..] {
+                [one] => {
+                    let taken =
+                        limiter.limit_with_status_async(one.target(), one.request(key.as_deref()));
+                    Self::of_single(&limits, taken.await)
+                }
+                many => {
+                    let calls = Self::calls(many, key.as_deref());
+                    Self::of_transaction(many, limiter.transaction_with_status_async(&calls).await)
+                }
+            }
         }))
-    }
-
-    fn into_py(&self, py: Python<'_>, gated: Gated) -> PyResult<Py<PyAny>> {
-        gated_py(py, self.policy.as_ref().map(|p| p.clone_ref(py)), gated)
     }
 }
 
 /// `(ok, wait, index, limit, remaining, reset, policy, current)`, or `(status, message,
-/// may_have_taken)` for a failure.
-fn gated_py(py: Python<'_>, policy: Option<Py<PyString>>, gated: Gated) -> PyResult<Py<PyAny>> {
+/// may_have_taken)` for a failure. `policy` is None for a gate of one limit, whose policy
+/// is the gate's (`Gate.policy`, made once), and both are None when unknown.
+fn gated_py(py: Python<'_>, gated: Gated) -> PyResult<Py<PyAny>> {
     let tuple = match gated {
         Ok(p) => {
             let (policy, current) = match p.fields {
-                Some((Some(many), current)) => {
-                    (Some(PyString::new(py, &many).unbind()), Some(current))
-                }
-                Some((None, current)) => (policy, Some(current)),
+                Some((policy, current)) => (policy, Some(current)),
                 None => (None, None),
             };
             (p.ok, p.wait, p.index, p.limit, p.remaining, p.reset, policy, current)
@@ -647,7 +681,7 @@ impl Gate {
             Ok(now) => now,
             Err(work) => Engine::blocking(py, work)?,
         };
-        self.into_py(py, gated)
+        gated_py(py, gated)
     }
 
     /// The same for asyncio: the answer now, or None and `future` gets it.
@@ -658,26 +692,19 @@ impl Gate {
         event_loop: Py<PyAny>,
         future: Py<PyAny>,
     ) -> PyResult<Option<Py<PyAny>>> {
-        let work = match self.work(key) {
-            Ok(now) => return self.into_py(py, now).map(Some),
-            Err(work) => work,
-        };
-        let policy = self.policy.as_ref().map(|p| p.clone_ref(py));
-        let into: Box<dyn FnOnce(Python<'_>, Gated) -> PyResult<Py<PyAny>> + Send> =
-            Box::new(move |py, gated| gated_py(py, policy, gated));
-        match Engine::now(work) {
-            Ok(done) => into(py, done).map(Some),
-            Err(work) => {
-                runtime().spawn(async move {
-                    let done = work.await;
-                    attach_from_runtime(|py| {
-                        let value = into(py, done);
-                        settle(py, &event_loop, &future, value);
-                    });
-                });
-                Ok(None)
-            }
+        match self.work(key) {
+            Ok(now) => gated_py(py, now).map(Some),
+            Err(work) => Engine::awaited(work, event_loop, future, gated_py)
+                .map(|done| gated_py(py, done))
+                .transpose(),
         }
+    }
+
+    /// `RateLimit-Policy` of a gate of one limit (None for several: each decision brings
+    /// the members that are listed).
+    #[getter]
+    fn policy(&self) -> Option<String> {
+        self.policy.clone()
     }
 }
 

@@ -426,3 +426,37 @@ def test_mypy_checks_the_names_against_a_literal_limiter() -> None:
     )
     found = {int(line.split(":")[1]) for line in run.stdout.split("\n") if ": error:" in line}
     assert found == marked and len(marked) == 6, run.stdout
+
+
+# The core on every store: one limit taken as itself, several as a transaction.
+
+
+def test_the_middleware_core_on_every_store(store: str) -> None:
+    import asyncio
+
+    from pytollgate._middleware import Gate
+
+    a, b = fresh("coreA"), fresh("coreB")
+    limits = {a: TWO, b: {"kind": "token bucket", "rate": 3, "period": "1h", "capacity": 3}}
+
+    def check(decided: List[Any]) -> None:
+        first, second, third = decided
+        assert (first.ok, first.name, first.remaining, first.limit) == (True, a, 1.0, 2.0)
+        assert first.current == f'"{a}";r=1;t=6, "{b}";r=2;t=1200'
+        assert first.policy == f'"{a}";q=10;w=60, "{b}";q=3;w=3600'
+        assert (second.ok, second.name, second.remaining) == (True, a, 0.0)
+        assert (third.ok, third.name) == (False, a) and 5 < (third.retry_after or 0) <= 6
+        # All or nothing: the refusal took nothing from b.
+        assert third.current is not None and f'"{b}";r=1;' in third.current
+
+    blocking = Gate(RateLimiter(store, limits=limits), [a, b], asynchronous=False, fail_open=False, where="test")
+    check([blocking.decide("k") for _ in range(3)])
+    one = Gate(RateLimiter(store, limits=limits), a, asynchronous=False, fail_open=False, where="test")
+    alone = one.decide("other")
+    assert (alone.ok, alone.policy, alone.current) == (True, f'"{a}";q=10;w=60', f'"{a}";r=1;t=6')  # type: ignore[union-attr]
+
+    async def three() -> List[Any]:
+        gate = Gate(AsyncRateLimiter(store, limits=limits), [a, b], asynchronous=True, fail_open=False, where="test")
+        return [await gate.decide_async("k2") for _ in range(3)]
+
+    check(asyncio.run(three()))

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, NotReq
 
 from tollgate_client import TollgateError, TransactionResult
 
+from . import _native
 from ._common import Name
 
 #: Where the middleware says what a client is not told: a store's failures (summed up, at
@@ -293,10 +294,6 @@ def _whole(x: float) -> str:
     return str(int(x)) if x == int(x) else str(x)
 
 
-#: A decision of the native gate: ``(ok, wait ms, index, limit, remaining, reset ms, policy,
-#: current)``; or its failure, ``(status, message, may_have_taken)``.
-Gated = Tuple[Any, ...]
-
 
 class Gate:
     """One middleware's limits, resolved when it is made, and its decisions: through the
@@ -367,14 +364,19 @@ class Gate:
         #: A blocking limiter (RateLimiter, either door): decide_async runs it in a thread.
         self.blocking = not (isinstance(limiter, AsyncRateLimiter) or is_async(getattr(limiter, "transaction", None)))
         self._engine: object = None
-        self._gate: Any = None
+        self._gate: Optional[_native.Gate] = None
+        #: The gate's RateLimit-Policy if it has one limit (made once, in the gate).
+        self._policy: Optional[str] = None
         self._counts = [(name, float(e.get("count", 1))) for name, e in zip(self.names, self.entries)]  # type: ignore[arg-type]
 
-    def _native(self, engine: Any) -> Any:
+    def _gate_of(self, engine: _native.Engine) -> _native.Gate:
         """The native gate of ``engine`` (made anew for a limiter's new engine: after
         ``fork``, after a failed open)."""
         if engine is not self._engine:
-            self._gate, self._engine = engine.gate(self._counts), engine
+            gate = self._gate = engine.gate(self._counts)
+            self._engine, self._policy = engine, gate.policy
+            return gate
+        assert self._gate is not None
         return self._gate
 
     async def decide_async(self, key: Optional[str]) -> Union[RateLimit, Verdict]:
@@ -391,11 +393,11 @@ class Gate:
             engine = limiter._engine
             if engine is None:
                 engine = await limiter._native()
-            gate = self._native(engine)
+            gate = self._gate_of(engine)
             if engine.immediate:
                 return self._read(gate.decide(key))
             loop = asyncio.get_running_loop()
-            future: asyncio.Future[Gated] = loop.create_future()
+            future: asyncio.Future[_native.Gated] = loop.create_future()
             got = gate.decide_async(key, loop, future)
             return self._read(await future if got is None else got)
         except Exception as e:  # noqa: BLE001 - any failure fails closed (or open, if asked)
@@ -410,11 +412,11 @@ class Gate:
             engine = limiter._engine
             if engine is None:
                 engine = limiter._native()
-            return self._read(self._native(engine).decide(key))
+            return self._read(self._gate_of(engine).decide(key))
         except Exception as e:  # noqa: BLE001
             return self._failed(e)
 
-    def _read(self, got: Gated) -> Union[RateLimit, Verdict]:
+    def _read(self, got: _native.Gated) -> Union[RateLimit, Verdict]:
         if len(got) == 3:
             status, message, taken = got
             return self._failed(TollgateError(message, status, taken))
@@ -428,7 +430,7 @@ class Gate:
             float(math.floor(remaining)),
             reset / 1_000,
             None if ok else wait / 1_000,
-            policy,
+            policy or self._policy,
             current,
         )
 
