@@ -7,11 +7,14 @@ HTTP, each app in its own process as users run them, in one run, rounds taking t
            @ratelimit (LocMemCache; Django's RedisCache), on memory and on Redis
 
 Each round is `wrk -t1 -c16 -d{SECONDS}s` against 127.0.0.1; requests/s, the median of the
-rounds. One key (the client's address), a limit far above what a run takes: nothing is
+rounds, and the app's CPU time per request (its processes' user + system time over the
+requests it served, from /proc): on a shared machine the second moves far less with the
+load than the first, and their ratio is the throughput each would have on a core of its
+own. One key (the client's address), a limit far above what a run takes: nothing is
 refused. slowapi and django-ratelimit are installed for this benchmark only:
 
     pip install slowapi django-ratelimit uvicorn gunicorn fastapi django redis
-    python bench_http.py [ROUNDS] [SECONDS]
+    python bench_http.py [ROUNDS] [SECONDS]     # BENCH_ONLY="memory fastapi": a part of it
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 REDIS = os.environ.get("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379")
 RATE = "1000000000/hour"
@@ -129,16 +132,34 @@ def serve(app: str, store: str, port: int, tag: str) -> subprocess.Popen[bytes]:
     return server
 
 
-def wrk(port: int, seconds: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system time of ``pid`` and its children (gunicorn's workers), from /proc."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as children:
+                total += sum(cpu_seconds(int(child)) for child in children.read().split())
+    except FileNotFoundError:
+        pass
+    return total
+
+
+def wrk(port: int, seconds: int, pid: int = 0) -> Tuple[float, float]:
+    """Requests/s, and the app's CPU µs per request."""
+    before = cpu_seconds(pid) if pid else 0.0
     out = subprocess.run(
         ["wrk", "-t1", "-c16", f"-d{seconds}s", f"http://127.0.0.1:{port}/"],
         capture_output=True, text=True, timeout=seconds + 30,
     ).stdout
     if "Non-2xx" in out:
         raise SystemExit(f"refused or failed answers in a round:\n{out}")
-    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    assert match, out
-    return float(match.group(1))
+    used = cpu_seconds(pid) - before if pid else 0.0
+    rate, served = re.search(r"Requests/sec:\s+([\d.]+)", out), re.search(r"(\d+) requests in", out)
+    assert rate and served, out
+    return float(rate.group(1)), used * 1e6 / max(1, int(served.group(1)))
 
 
 def main() -> None:
@@ -146,26 +167,35 @@ def main() -> None:
     seconds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     tag = f"{os.getpid()}x{int(time.time())}"
     pairs = [("fastapi-tollgate", "fastapi-slowapi"), ("django-tollgate", "django-ratelimit")]
+    only = os.environ.get("BENCH_ONLY", "")  # "memory", "fastapi", "memory fastapi": a part of the run
     for store in ("memory", REDIS):
         for ours, theirs in pairs:
+            label = "memory" if store == "memory" else "redis"
+            if any(word not in (label, ours.split("-")[0]) for word in only.split()):
+                continue
             ports = {ours: free_port(), theirs: free_port()}
-            servers = [serve(app, store, port, tag) for app, port in ports.items()]
+            servers = {app: serve(app, store, port, tag) for app, port in ports.items()}
             try:
-                results: Dict[str, List[float]] = {ours: [], theirs: []}
+                rates: Dict[str, List[float]] = {ours: [], theirs: []}
+                cpus: Dict[str, List[float]] = {ours: [], theirs: []}
                 for app, port in ports.items():
                     wrk(port, 1)  # warm-up
                 for _ in range(rounds):
                     for app, port in ports.items():
-                        results[app].append(wrk(port, seconds))
+                        rate, cpu = wrk(port, seconds, servers[app].pid)
+                        rates[app].append(rate)
+                        cpus[app].append(cpu)
             finally:
-                for server in servers:
+                for server in servers.values():
                     server.terminate()
                     server.wait(10)
-            a, b = statistics.median(results[ours]), statistics.median(results[theirs])
-            label = "memory" if store == "memory" else "redis"
+            a, b = statistics.median(rates[ours]), statistics.median(rates[theirs])
+            ca, cb = statistics.median(cpus[ours]), statistics.median(cpus[theirs])
             shown = lambda xs: " ".join(f"{x:,.0f}" for x in xs)  # noqa: E731
             print(f"{label:<7} {ours} {a:,.0f}/s, {theirs} {b:,.0f}/s: {a / b:.2f}x  "
-                  f"(rounds: {shown(results[ours])} vs {shown(results[theirs])})", flush=True)
+                  f"(rounds: {shown(rates[ours])} vs {shown(rates[theirs])})", flush=True)
+            print(f"{'':<7} CPU per request: {ours} {ca:,.0f} us, {theirs} {cb:,.0f} us: {cb / ca:.2f}x  "
+                  f"(rounds: {shown(cpus[ours])} vs {shown(cpus[theirs])})", flush=True)
 
 
 if __name__ == "__main__" and not APP:

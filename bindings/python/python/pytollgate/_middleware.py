@@ -365,8 +365,10 @@ class Gate:
         self.blocking = not (isinstance(limiter, AsyncRateLimiter) or is_async(getattr(limiter, "transaction", None)))
         self._engine: object = None
         self._gate: Optional[_native.Gate] = None
-        #: The gate's RateLimit-Policy if it has one limit (made once, in the gate).
+        #: The gate's RateLimit-Policy if it has one limit (made once, in the gate), and
+        #: whether its engine answers at once (the memory store).
         self._policy: Optional[str] = None
+        self._immediate = False
         self._counts = [(name, float(e.get("count", 1))) for name, e in zip(self.names, self.entries)]  # type: ignore[arg-type]
 
     def _gate_of(self, engine: _native.Engine) -> _native.Gate:
@@ -374,7 +376,7 @@ class Gate:
         ``fork``, after a failed open)."""
         if engine is not self._engine:
             gate = self._gate = engine.gate(self._counts)
-            self._engine, self._policy = engine, gate.policy
+            self._engine, self._policy, self._immediate = engine, gate.policy, engine.immediate
             return gate
         assert self._gate is not None
         return self._gate
@@ -394,7 +396,7 @@ class Gate:
             if engine is None:
                 engine = await limiter._native()
             gate = self._gate_of(engine)
-            if engine.immediate:
+            if self._immediate:
                 return self._read(gate.decide(key))
             loop = asyncio.get_running_loop()
             future: asyncio.Future[_native.Gated] = loop.create_future()

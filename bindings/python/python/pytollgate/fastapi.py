@@ -129,9 +129,10 @@ class _Route:
             body, content_type = self.refusal.body(request, decided)
             detail: Any = body.decode() if content_type.startswith("text/") else json.loads(body)
             raise RateLimitExceeded(self.refusal.status, detail, dict(fields), decided)
-        if response is not None:
-            for name, value in fields:
-                response.headers[name] = value
+        if response is not None and fields:
+            # Appended as they are: the response is the one FastAPI made for the route's
+            # dependencies, with no such field yet (MutableHeaders would search each name).
+            response.raw_headers.extend((k.encode(), v.encode()) for k, v in fields)
         return decided
 
 
