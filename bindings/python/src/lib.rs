@@ -486,8 +486,8 @@ impl GateLimit {
 }
 
 /// The limits of a middleware (one or several, taken all or nothing), resolved when the
-/// middleware is made: each request is one transaction of them with its key, and what its
-/// header fields need comes back with the decision, with no JSON and no look-up by name.
+/// middleware is made: each request takes them with its key, and what its header fields
+/// need comes back with the decision, with no JSON and no look-up by name.
 #[pyclass(frozen, module = "pytollgate._native")]
 struct Gate {
     /// The limits defined when the gate was made (the engine's, which no reload replaces

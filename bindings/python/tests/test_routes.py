@@ -318,6 +318,35 @@ def test_django_view_decorator_sync_async_and_block_false() -> None:
     assert answers[0].content == b"remaining 1" and answers[2].content == b"no"
 
 
+def test_a_key_that_is_not_text_is_keyed_by_its_text_and_an_awaitable_in_a_sync_view_is_a_500() -> None:
+    django_settings()
+    from django.http import HttpResponse
+    from django.test import RequestFactory
+
+    from pytollgate.django import rate_limit
+
+    name = fresh("intkey")
+    limiter = RateLimiter("memory", limits={name: TWO})
+
+    @rate_limit(limiter, name, key=lambda request: 42)
+    def by_id(request: Any) -> Any:
+        return HttpResponse("ok")
+
+    factory = RequestFactory()
+    assert [by_id(factory.get("/")).status_code for _ in range(3)] == [200, 200, 429]
+    assert limiter.check(name, key="42").ok is False  # the same key as its text
+
+    async def later(request: Any) -> str:
+        return "k"
+
+    @rate_limit(limiter, name, key=lambda request: later(request))
+    def wrong(request: Any) -> Any:
+        return HttpResponse("ok")
+
+    answer = wrong(factory.get("/"))
+    assert answer.status_code == 500 and "returned an awaitable" in json.loads(answer.content)["error"]
+
+
 def test_django_async_middleware_with_exempt_paths(asgi_server: Callable[..., str]) -> None:
     from django.core.asgi import get_asgi_application
 

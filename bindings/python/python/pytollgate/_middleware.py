@@ -369,6 +369,7 @@ class Gate:
         #: whether its engine answers at once (the memory store).
         self._policy: Optional[str] = None
         self._immediate = False
+        self._said_awaitable = False
         self._counts = [(name, float(e.get("count", 1))) for name, e in zip(self.names, self.entries)]  # type: ignore[arg-type]
 
     def _gate_of(self, engine: _native.Engine) -> _native.Gate:
@@ -381,8 +382,13 @@ class Gate:
         assert self._gate is not None
         return self._gate
 
-    async def decide_async(self, key: Optional[str]) -> Union[RateLimit, Verdict]:
-        """The decision for ``key`` (None: the limits' global value), awaited."""
+    async def decide_async(self, key: object) -> Union[RateLimit, Verdict]:
+        """The decision for ``key`` (None: the limits' global value; anything else but a
+        string, such as a user's id, as its text), awaited."""
+        if key is not None and not isinstance(key, str):
+            key = self._text(key)
+            if isinstance(key, Verdict):
+                return key
         limiter: Any = self.limiter
         if self.blocking:
             engine = limiter._engine if self.in_process else None
@@ -405,8 +411,12 @@ class Gate:
         except Exception as e:  # noqa: BLE001 - any failure fails closed (or open, if asked)
             return self._failed(e)
 
-    def decide(self, key: Optional[str]) -> Union[RateLimit, Verdict]:
+    def decide(self, key: object) -> Union[RateLimit, Verdict]:
         """The decision for ``key``, blocking (the GIL released while the store answers)."""
+        if key is not None and not isinstance(key, str):
+            key = self._text(key)
+            if isinstance(key, Verdict):
+                return key
         limiter: Any = self.limiter
         try:
             if not self.in_process:
@@ -417,6 +427,23 @@ class Gate:
             return self._read(self._gate_of(engine).decide(key))
         except Exception as e:  # noqa: BLE001
             return self._failed(e)
+
+    def _text(self, key: object) -> Union[str, Verdict]:
+        """A key function's answer that is not a string: its text (an int id), or a 500 for
+        an awaitable, which a sync middleware cannot wait for (said once in the log)."""
+        if inspect.isawaitable(key):
+            if inspect.iscoroutine(key):
+                key.close()  # never awaited: no warning about it at exit
+            message = (
+                f"Rate limit {self.first}: the key function returned an awaitable, which this "
+                "sync middleware cannot wait for; make it a plain function, or serve the app "
+                "with an async middleware and an AsyncRateLimiter"
+            )
+            if not self._said_awaitable:
+                self._said_awaitable = True
+                logger.error("%s", message)
+            return Verdict(False, 500, {}, _json({"error": message}))
+        return str(key)
 
     def _read(self, got: _native.Gated) -> Union[RateLimit, Verdict]:
         if len(got) == 3:

@@ -117,7 +117,6 @@ class RateLimitMiddleware:
             limiter, limits, asynchronous=True, fail_open=fail_open, where="RateLimitMiddleware"
         )
         self.key = _middleware.check_key(key)
-        self.key_is_async = _middleware.is_async(key)
         self.ipv6_subnet = _middleware.check_ipv6_subnet(ipv6_subnet)
         self.exempt = _middleware.Exempt(exempt)
         if skip is not None and not callable(skip):
@@ -178,7 +177,7 @@ class RateLimitMiddleware:
             key = ...
         else:
             key = _middleware.key_of(self.key, scope, ip, lambda name: _header(scope, name))
-            if self.key_is_async:
+            if inspect.isawaitable(key):  # an async key function (or one that returns a coroutine)
                 key = await key
         if key is ...:
             return await self.gate.decide_async(None)

@@ -93,8 +93,7 @@ class _Limited:
             limiter, limits, asynchronous=asynchronous, fail_open=fail_open, where=where
         )
         self.key = _middleware.check_key(key)
-        self.key_is_async = _middleware.is_async(key)
-        if self.key_is_async and not asynchronous:
+        if _middleware.is_async(key) and not asynchronous:
             raise TypeError(f"{where} is sync and cannot await the key function {key!r}")
         self.ipv6_subnet = _middleware.check_ipv6_subnet(ipv6_subnet)
         self.exempt = _middleware.Exempt(exempt)

@@ -92,7 +92,6 @@ class _Route:
     ) -> None:
         self.gate = _middleware.Gate(limiter, limits, asynchronous=True, fail_open=fail_open, where=where)
         self.key = _middleware.check_key(key)
-        self.key_is_async = _middleware.is_async(key)
         self.ipv6_subnet = _middleware.check_ipv6_subnet(ipv6_subnet)
         if skip is not None and not callable(skip):
             raise TypeError(f"skip is a function of the request, not {skip!r}")
@@ -111,7 +110,7 @@ class _Route:
         client = request.client
         ip = client.host if client else None
         key: Any = _middleware.key_of(self.key, request, ip, request.headers.get, self.ipv6_subnet)
-        if self.key_is_async:
+        if inspect.isawaitable(key):  # an async key function (or one that returns a coroutine)
             key = await key
         if key is None or key == "":
             verdict = (
