@@ -359,6 +359,20 @@ def test_django_async_middleware_with_exempt_paths(asgi_server: Callable[..., st
     assert [get(url + "/", USER)[0] for _ in range(3)] == [200, 200, 429]
 
 
+def test_django_async_stack_with_a_blocking_limiter_on_redis(asgi_server: Callable[..., str]) -> None:
+    """The same settings serve WSGI and ASGI: a RateLimiter in an async stack decides in the
+    loop's executor (on a networked store), and admits what it should."""
+    redis = networked("TOLLGATE_REDIS_URL")
+    if redis is None:
+        pytest.skip("no TOLLGATE_REDIS_URL")
+    from django.core.asgi import get_asgi_application
+
+    name = fresh("dexec")
+    django_settings(limiter=RateLimiter(redis, limits={name: TWO}), limits=name, key={"header": "x-user"})
+    url = asgi_server(get_asgi_application())
+    assert [get(url + "/", USER)[0] for _ in range(3)] == [200, 200, 429]
+
+
 # Rate strings: what slowapi and django-ratelimit users write.
 
 
