@@ -26,10 +26,15 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes};
 use tokio::runtime::Runtime;
+use tollgate::{
+    Call, Config, MemoryStore, RateLimiter, Request, Status, Taken as TakenStatus, Target,
+    TransactionTaken,
+};
 use tollgate_server::answer::Answer;
 use tollgate_server::config::Settings;
-use tollgate_server::engine::{Engine as Served, Op};
-use tollgate_server::store::{self, Leasing};
+use tollgate_server::engine::{Defined, Engine as Served, Op};
+use tollgate_server::fields::{Member, rate_limit_fields};
+use tollgate_server::store::{self, Leasing, Stored};
 
 /// The runtime every store's I/O runs on (its threads, not Python's), once made: one per
 /// process. Every runtime made is leaked, never dropped: in a forked child the parent's has
@@ -434,6 +439,12 @@ impl Engine {
         reply_py(py, reply(self.engine.config()))
     }
 
+    /// The limits of a middleware, `(name, count)` each, resolved now: a name not defined
+    /// raises `ValueError` with the names that are.
+    fn gate(&self, limits: Vec<(String, f64)>) -> PyResult<Gate> {
+        Gate::new(&self.engine, limits)
+    }
+
     /// Gives back every lease this process holds, waiting at most the store deadline (GIL
     /// released).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
@@ -451,6 +462,252 @@ impl Engine {
     }
 }
 
+/// One limit of a middleware, its config and header members made once.
+struct GateLimit {
+    name: Box<str>,
+    config: Config,
+    count: f64,
+    /// Its `RateLimit-Policy` member.
+    policy: String,
+}
+
+impl GateLimit {
+    fn target(&self) -> Target<'_> {
+        Target::Inline(&self.name, self.config)
+    }
+
+    fn request<'k>(&self, key: Option<&'k str>) -> Request<'k> {
+        let request = Request::new().count(self.count);
+        match key {
+            Some(key) => request.key(key),
+            None => request,
+        }
+    }
+}
+
+/// The limits of a middleware (one or several, taken all or nothing), resolved when the
+/// middleware is made: each request takes them with its key, and what its header fields
+/// need comes back with the decision, with no JSON and no look-up by name.
+#[pyclass(frozen, module = "pytollgate._native")]
+struct Gate {
+    /// The limits defined when the gate was made (the engine's, which no reload replaces
+    /// in-process).
+    defined: Arc<Defined>,
+    limits: Arc<[GateLimit]>,
+    /// The limiter on the memory store as itself, when that is the store: its takes are
+    /// made here, without a future.
+    memory: Option<RateLimiter<Arc<MemoryStore>>>,
+    /// `RateLimit-Policy` of a gate of one limit.
+    policy: Option<String>,
+}
+
+/// A gate's answer: the decision and its header fields' numbers, or the store's failure
+/// (`Err((status, message, may_have_taken))`).
+type Gated = Result<Passage, (u16, String, bool)>;
+
+/// A decision of a gate, with what the middleware writes of it.
+struct Passage {
+    ok: bool,
+    /// Refused: the wait of the limit that refuses longest (ms).
+    wait: f64,
+    /// The limit that decides: the one refusing longest, else the one with the least left.
+    index: usize,
+    /// That limit's capacity, what it has left (NaN if unknown: granted by a fail-open
+    /// limit while the store failed) and the ms until it is full.
+    limit: f64,
+    remaining: f64,
+    reset: f64,
+    /// `RateLimit-Policy` and `RateLimit`, unless unknown (a fail-open grant); the first is
+    /// `None` for a gate of one limit, whose policy the gate holds.
+    fields: Option<(Option<String>, String)>,
+}
+
+impl Gate {
+    fn new(engine: &Served, limits: Vec<(String, f64)>) -> PyResult<Gate> {
+        let defined = engine.current();
+        let mut resolved = Vec::with_capacity(limits.len());
+        for (name, count) in limits {
+            let Some(config) = defined.limiter().defined_config(&name) else {
+                let mut names: Vec<&str> = defined.limiter().defined().map(|(n, _)| n).collect();
+                names.sort_unstable();
+                return Err(PyValueError::new_err(format!(
+                    "the limit {name:?} is not defined on this limiter (its limits: {}); define \
+                     it in the limiter's limits={{...}}, or fix the name",
+                    names.join(", ")
+                )));
+            };
+            let policy = tollgate::tower::fields::policy_member(&name, &config);
+            resolved.push(GateLimit { name: name.into(), config, count, policy });
+        }
+        if resolved.is_empty() {
+            return Err(PyValueError::new_err("a middleware takes at least one limit"));
+        }
+        let memory = match &engine.stored {
+            Some(Stored::Memory(memory)) => Some(defined.limiter().on(Arc::clone(memory))),
+            _ => None,
+        };
+        let policy = match &resolved[..] {
+            [one] => Some(one.policy.clone()),
+            _ => None,
+        };
+        Ok(Gate { defined, limits: resolved.into(), memory, policy })
+    }
+
+    fn calls<'a>(limits: &'a [GateLimit], key: Option<&'a str>) -> Vec<Call<'a>> {
+        limits.iter().map(|l| l.target().with(l.request(key))).collect()
+    }
+
+    /// The store failed, or the request cannot be taken (a key too long).
+    fn failure(e: tollgate::Error) -> (u16, String, bool) {
+        match e {
+            tollgate::Error::Store(e) => (503, e.to_string(), e.may_have_taken()),
+            e => (400, e.to_string(), false),
+        }
+    }
+
+    fn of_single(limits: &[GateLimit], taken: Result<TakenStatus, tollgate::Error>) -> Gated {
+        let taken = taken.map_err(Self::failure)?;
+        Ok(Self::passage(limits, taken.decision.ok, &[taken.decision], &[taken.status]))
+    }
+
+    fn of_transaction(
+        limits: &[GateLimit],
+        taken: Result<TransactionTaken, tollgate::Error>,
+    ) -> Gated {
+        let taken = taken.map_err(Self::failure)?;
+        Ok(Self::passage(limits, taken.decision.ok, &taken.decision.results, &taken.statuses))
+    }
+
+    fn passage(
+        limits: &[GateLimit],
+        ok: bool,
+        results: &[tollgate::Decision],
+        statuses: &[Status],
+    ) -> Passage {
+        let index = match tollgate::core::longest_refusal(results) {
+            Some(i) => i,
+            None => {
+                // The least left of its capacity, the first of equals.
+                let left = |i: usize| statuses[i].remaining / limits[i].config.capacity();
+                (1..limits.len()).fold(0, |best, i| if left(i) < left(best) { i } else { best })
+            }
+        };
+        let fields = if let [one] = limits {
+            statuses[0]
+                .is_known()
+                .then(|| (None, tollgate::tower::fields::status_member(&one.name, &statuses[0])))
+        } else {
+            let members: Vec<Member<'_>> = limits
+                .iter()
+                .zip(statuses)
+                .map(|(l, status)| Member {
+                    name: &l.name,
+                    policy: std::borrow::Cow::Borrowed(l.policy.as_str()),
+                    capacity: l.config.capacity(),
+                    status: *status,
+                })
+                .collect();
+            rate_limit_fields(&members).map(|(policy, current)| (Some(policy), current))
+        };
+        Passage {
+            ok,
+            wait: if ok { 0.0 } else { results[index].retry_after.unwrap_or(0.0) },
+            index,
+            limit: limits[index].config.capacity(),
+            remaining: statuses[index].remaining,
+            reset: statuses[index].reset_after,
+            fields,
+        }
+    }
+
+    /// The decision for `key`, on the memory store made here; else its work. One limit is
+    /// taken as itself (no transaction's plan to build), several as a transaction.
+    fn work(&self, key: Option<&str>) -> Result<Gated, Work<Gated>> {
+        if let Some(memory) = &self.memory {
+            return Ok(match &self.limits[..] {
+                [one] => Self::of_single(
+                    &self.limits,
+                    memory.limit_with_status(one.target(), one.request(key)),
+                ),
+                many => Self::of_transaction(
+                    many,
+                    memory.transaction_with_status(&Self::calls(many, key)),
+                ),
+            });
+        }
+        let (defined, limits) = (Arc::clone(&self.defined), Arc::clone(&self.limits));
+        let key = key.map(str::to_owned);
+        Err(Box::pin(async move {
+            let limiter = defined.limiter();
+            match &limits[..] {
+                [one] => {
+                    let taken =
+                        limiter.limit_with_status_async(one.target(), one.request(key.as_deref()));
+                    Self::of_single(&limits, taken.await)
+                }
+                many => {
+                    let calls = Self::calls(many, key.as_deref());
+                    Self::of_transaction(many, limiter.transaction_with_status_async(&calls).await)
+                }
+            }
+        }))
+    }
+}
+
+/// `(ok, wait, index, limit, remaining, reset, policy, current)`, or `(status, message,
+/// may_have_taken)` for a failure. `policy` is None for a gate of one limit, whose policy
+/// is the gate's (`Gate.policy`, made once), and both are None when unknown.
+fn gated_py(py: Python<'_>, gated: Gated) -> PyResult<Py<PyAny>> {
+    let tuple = match gated {
+        Ok(p) => {
+            let (policy, current) = match p.fields {
+                Some((policy, current)) => (policy, Some(current)),
+                None => (None, None),
+            };
+            (p.ok, p.wait, p.index, p.limit, p.remaining, p.reset, policy, current)
+                .into_pyobject(py)?
+        }
+        Err(failed) => failed.into_pyobject(py)?,
+    };
+    Ok(tuple.into_any().unbind())
+}
+
+#[pymethods]
+impl Gate {
+    /// The decision for `key` (None: the limits' global value), blocking with the GIL
+    /// released if the store must be waited for.
+    fn decide(&self, py: Python<'_>, key: Option<&str>) -> PyResult<Py<PyAny>> {
+        let gated = match self.work(key) {
+            Ok(now) => now,
+            Err(work) => Engine::blocking(py, work)?,
+        };
+        gated_py(py, gated)
+    }
+
+    /// The same for asyncio: the answer now, or None and `future` gets it.
+    fn decide_async(
+        &self,
+        py: Python<'_>,
+        key: Option<&str>,
+        event_loop: Py<PyAny>,
+        future: Py<PyAny>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        match self.work(key) {
+            Ok(now) => gated_py(py, now).map(Some),
+            Err(work) => Engine::awaited(work, event_loop, future, gated_py)
+                .map(|done| gated_py(py, done))
+                .transpose(),
+        }
+    }
+
+    /// `RateLimit-Policy` of a gate of one limit (None for several: each decision brings
+    /// the members that are listed).
+    #[getter]
+    fn policy(&self) -> Option<String> {
+        self.policy.clone()
+    }
+}
+
 /// tollgate's engine, for `pytollgate`.
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -459,6 +716,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(open_async, module)?)?;
     module.add_function(wrap_pyfunction!(forked, module)?)?;
     module.add_class::<Engine>()?;
+    module.add_class::<Gate>()?;
     let quiesce = wrap_pyfunction!(quiesce, module)?;
     module.py().import("atexit")?.call_method1("register", (quiesce,))?;
     Ok(())

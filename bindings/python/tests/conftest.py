@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -71,3 +72,34 @@ async def ticks_during(work: "asyncio.Future[Any]") -> int:
     await work
     task.cancel()
     return ticks
+
+
+@pytest.fixture
+def asgi_server() -> Iterator[Callable[..., str]]:
+    """``start(app, **options)``: an ASGI app under uvicorn (with its ``options``: a unix
+    socket, the proxy's header trusted), in a thread of its own with its own event loop; its
+    URL. Stopped at the end of the test."""
+    import uvicorn
+
+    servers = []
+
+    def start(app: Any, **options: Any) -> str:
+        options = {"host": "127.0.0.1", "port": 0, **options}
+        config = uvicorn.Config(app, log_level="error", lifespan="off", **options)
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        for _ in range(200):
+            if server.started:
+                break
+            threading.Event().wait(0.025)
+        servers.append((server, thread))
+        if "uds" in options:
+            return "http://localhost"
+        port = server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(10)

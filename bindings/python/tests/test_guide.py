@@ -1,6 +1,9 @@
-"""The guide's chapter "In-process in Python" (docs/src/python.md): every ```python block runs
-against the installed package (the Django settings block is executed as a settings module is
-read), and the first prints what the chapter says."""
+"""The guide's pages of pytollgate: "In-process in Python" (docs/src/python.md), "From
+slowapi" and "From django-ratelimit" (docs/src/migrate): every ```python block runs against
+the installed package (the Django settings block is executed as a settings module is read;
+the migration pages' views with Django set up), and what a block prints is what its
+``# [...`` / ``# {...`` lines say. Their "before" blocks (```python,ignore) are the other
+packages' code, not run."""
 
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "src" / "python.md"
+MIGRATIONS = [ROOT / "docs" / "src" / "migrate" / page for page in ("slowapi.md", "django-ratelimit.md")]
 
 
-def blocks() -> list[tuple[int, str]]:
-    found, lines, i = [], PAGE.read_text().split("\n"), 0
+def blocks(page: Path = PAGE) -> list[tuple[int, str]]:
+    found, lines, i = [], page.read_text().split("\n"), 0
     while i < len(lines):
         if lines[i].strip() == "```python":
             start, body = i + 1, []
@@ -26,12 +30,28 @@ def blocks() -> list[tuple[int, str]]:
     return found
 
 
+def run(page: Path, line: int, text: str) -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(text, f"{page.relative_to(ROOT)}:{line}", "exec"), {"__name__": "guide"})
+    shown = [l[2:] for l in text.split("\n") if l.startswith(("# [", "# {"))]
+    if shown:
+        assert out.getvalue().strip() == "\n".join(shown), (page.name, line, out.getvalue())
+
+
 def test_every_block_of_the_chapter_runs() -> None:
     found = blocks()
     assert len(found) >= 4
     for line, text in found:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            exec(compile(text, f"docs/src/python.md:{line}", "exec"), {"__name__": "guide"})
-        for shown in (l[2:] for l in text.split("\n") if l.startswith("# [")):
-            assert out.getvalue().strip() == shown, (line, out.getvalue())
+        run(PAGE, line, text)
+
+
+def test_every_after_of_the_migration_pages_runs() -> None:
+    from test_middleware import django_settings
+
+    django_settings()  # RequestFactory needs settings
+    for page in MIGRATIONS:
+        found = blocks(page)
+        assert len(found) >= 2, page
+        for line, text in found:
+            run(page, line, text)

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 from conftest import fresh
@@ -60,37 +60,7 @@ def three_requests(url: str, name: str) -> None:
     assert status == 400 and "no key in the request" in json.loads(body)["error"]
 
 
-# ASGI: FastAPI under uvicorn, in a thread of its own with its own event loop.
-
-
-@pytest.fixture
-def asgi_server() -> Iterator[Callable[..., str]]:
-    """``start(app, **options)``: the app under uvicorn (with its ``options``: a unix socket,
-    the proxy's header trusted), its URL; stopped at the end of the test."""
-    import uvicorn
-
-    servers = []
-
-    def start(app: Any, **options: Any) -> str:
-        options = {"host": "127.0.0.1", "port": 0, **options}
-        config = uvicorn.Config(app, log_level="error", lifespan="off", **options)
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        for _ in range(200):
-            if server.started:
-                break
-            threading.Event().wait(0.025)
-        servers.append((server, thread))
-        if "uds" in options:
-            return "http://localhost"
-        port = server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(10)
+# ASGI: FastAPI under uvicorn (the asgi_server fixture of conftest.py).
 
 
 def fastapi_app(limiter: Any, limits: Any, key: Any = None) -> Any:

@@ -28,6 +28,8 @@ from tollgate_client import (
 )
 
 from ._async import AsyncRateLimiter
+from ._common import parse_rate
+from ._middleware import RateLimit
 from ._sync import RateLimiter
 
 __version__ = "0.1.0"
@@ -42,10 +44,12 @@ __all__ = [
     "Decision",
     "LimitCall",
     "LimitConfig",
+    "RateLimit",
     "RateLimitError",
     "RateLimiter",
     "TollgateError",
     "TransactionResult",
     "ValueReading",
     "__version__",
+    "parse_rate",
 ]

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from typing import Any, Iterable, Mapping, Optional, Tuple
+from typing import Any, Generic, Iterable, Mapping, Optional, Tuple
 
 from tollgate_client import Decision, Seconds, TollgateError, _core
 from tollgate_client._async import AsyncLimiter
-from tollgate_client._core import Limits
 
 from . import _aio, _common, _native
-from ._common import LeaseOptions
+from ._common import LeaseOptions, Limits, Name
 from ._native import Engine
 from ._opening import Opening
 
@@ -22,7 +21,7 @@ __all__ = ["AsyncRateLimiter"]
 Opened = Tuple[bool, Any]
 
 
-class AsyncRateLimiter(Opening, AsyncLimiter):
+class AsyncRateLimiter(Opening, AsyncLimiter, Generic[Name]):
     """:class:`~pytollgate.RateLimiter` for asyncio, with the same arguments. The store is
     opened on the first call, on the module's runtime and for whichever event loops wait
     for it: the limiter is tied to no loop, and serves several at once (one per thread) or
@@ -36,7 +35,7 @@ class AsyncRateLimiter(Opening, AsyncLimiter):
     def __init__(
         self,
         store: str,
-        limits: Optional[Limits] = None,
+        limits: Optional[Limits[Name]] = None,
         *,
         store_deadline: Optional[Seconds] = None,
         max_keys: Optional[int] = None,

@@ -9,6 +9,8 @@ message, which names its host, user and database, goes to the log, never to the 
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import ipaddress
 import json
 import logging
@@ -16,16 +18,33 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, NotRequired, Optional, Tuple, TypedDict, Union
 
 from tollgate_client import TollgateError, TransactionResult
+
+from . import _native
+from ._common import Name
 
 #: Where the middleware says what a client is not told: a store's failures (summed up, at
 #: most one warning every LOG_EVERY seconds) and a setup that cannot work (once).
 logger = logging.getLogger("pytollgate")
 
+class LimitEntry(TypedDict, Generic[Name]):
+    """One limit a request takes from, with a count other than 1."""
+
+    name: Name
+    count: NotRequired[float]
+
+
 #: One limit a request takes from: its name, or ``{"name": ..., "count": ...}``.
-LimitRef = Union[str, Mapping[str, object]]
+LimitRef = Union[Name, LimitEntry[Name]]
+
+#: A middleware's limits: one, or several (a list or a tuple) taken all or nothing. mypy
+#: checks the names against a limiter annotated with a ``Literal`` of its names. (A lone
+#: dict is not inferred then: give a limit with a count in a list, ``[{"name": ..., "count":
+#: 5}]``. The list and tuple types, not ``Sequence``, are what let mypy infer a list of
+#: names, which it would otherwise widen to ``str``.)
+Names = Union[Name, LimitEntry[Name], List[LimitRef[Name]], Tuple[LimitRef[Name], ...]]
 
 #: Where a request's key comes from: ``"ip"`` (the peer's address, see :func:`ip_key`),
 #: ``"global"`` (one value for every request), ``{"header": "x-api-key"}``, or a function of
@@ -74,13 +93,11 @@ def ip_key(address: str, subnet: Optional[int]) -> str:
     host = 128 - subnet
     return f"{ipaddress.IPv6Address(bits >> host << host).compressed}/{subnet}"
 
-_NAMES = {"ratelimit-policy": "RateLimit-Policy", "ratelimit": "RateLimit", "retry-after": "Retry-After"}
-
 
 @dataclass
 class Verdict:
-    """Pass the request on (with ``headers`` on its answer), or answer it with ``status``,
-    ``headers`` and the JSON ``body``."""
+    """An answer of the middleware's own, in place of the app's: ``status``, ``headers`` and
+    the JSON ``body`` (no key, a store that failed, a setup that cannot work)."""
 
     passes: bool
     status: int = 200
@@ -88,7 +105,43 @@ class Verdict:
     body: bytes = b""
 
 
-def limits_of(limits: Union[LimitRef, Sequence[LimitRef]]) -> List[Dict[str, object]]:
+@dataclass(frozen=True)
+class RateLimit:
+    """A request's decision, for its handlers (``request.state.rate_limit`` in ASGI,
+    ``request.rate_limit`` in Django): ``ok``, and of the limit that decided (the one refusing
+    with the longest wait, else the one with the least left of its capacity) its ``name``,
+    ``limit`` (capacity), ``remaining`` (whole tokens) and ``reset`` (seconds until full);
+    ``retry_after`` (seconds) when refused. The numbers are None when no one knows them (a
+    request let through while the store failed). Over a tollgate server's client, ``limit``
+    is the policy's quota (``q``: the rate over its window), since the server's answer
+    carries no capacity. ``policy`` and ``current`` are the
+    ``RateLimit-Policy`` and ``RateLimit`` header fields written for it."""
+
+    ok: bool
+    name: str
+    limit: Optional[float] = None
+    remaining: Optional[float] = None
+    reset: Optional[float] = None
+    retry_after: Optional[float] = None
+    policy: Optional[str] = None
+    current: Optional[str] = None
+
+
+class Options(TypedDict, total=False):
+    """The options every middleware and decorator takes (see pytollgate.asgi), for mypy."""
+
+    key: KeySource
+    ipv6_subnet: Ipv6Subnet
+    skip: Optional[Callable[[Any], Any]]
+    handler: Optional[Callable[[Any, RateLimit], Any]]
+    message: Optional[RefusalMessage]
+    status_code: int
+    standard_headers: bool
+    legacy_headers: bool
+    fail_open: bool
+
+
+def limits_of(limits: Names[Any]) -> List[Dict[str, object]]:
     """The middleware's limits as transaction entries, checked once at setup."""
     listed = [limits] if isinstance(limits, (str, Mapping)) else list(limits)
     entries: List[Dict[str, object]] = [
@@ -96,6 +149,10 @@ def limits_of(limits: Union[LimitRef, Sequence[LimitRef]]) -> List[Dict[str, obj
     ]
     if not entries or any(not isinstance(e.get("name"), str) or not e["name"] for e in entries):
         raise ValueError("limits: give at least one limit name")
+    for e in entries:
+        count = e.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, (int, float)) or count < 0:
+            raise ValueError(f"limits: the count of {e['name']!r} is a number >= 0, not {count!r}")
     return entries
 
 
@@ -106,16 +163,15 @@ def key_of(
     header: Callable[[str], Optional[str]],
     ipv6_subnet: Optional[int] = DEFAULT_IPV6_SUBNET,
 ) -> object:
-    """The key, ``None`` for none (refused), or ``...`` for one shared value (``"global"``)."""
+    """The key, ``None`` for none (refused), or ``...`` for one shared value (``"global"``);
+    a key function's answer as it returned it (an awaitable, for an async one)."""
     if callable(source):
         return source(request)
     if source == "global":
         return ...
     if source == "ip":
         return ip_key(ip, ipv6_subnet) if ip else None
-    if isinstance(source, Mapping) and isinstance(source.get("header"), str):
-        return header(source["header"].lower())
-    raise ValueError(f"key is 'ip', 'global', {{'header': name}} or a function, not {source!r}")
+    return header(source["header"].lower())  # type: ignore[index]
 
 
 def check_key(source: KeySource) -> KeySource:
@@ -124,7 +180,18 @@ def check_key(source: KeySource) -> KeySource:
         return source
     if isinstance(source, Mapping) and isinstance(source.get("header"), str):
         return source
-    raise ValueError(f"key is 'ip', 'global', {{'header': name}} or a function, not {source!r}")
+    raise ValueError(
+        f"key is 'ip', 'global', {{'header': name}} or a function of the request (sync or "
+        f"async) that returns the key, not {source!r}"
+    )
+
+
+def is_async(function: object) -> bool:
+    """Whether calling ``function`` gives an awaitable (an ``async def``, or an object whose
+    ``__call__`` is one)."""
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
+        getattr(function, "__call__", None)
+    )
 
 
 #: Said to the client when the ``"ip"`` key finds no address, and logged once.
@@ -155,26 +222,294 @@ def missing_key(first: str) -> Verdict:
     return Verdict(False, 400, {}, _json({"error": f"Rate limit {first}: no key in the request."}))
 
 
-def calls(entries: List[Dict[str, object]], key: object) -> List[Dict[str, object]]:
-    return [entry if key is ... else {**entry, "key": key} for entry in entries]
+class Exempt:
+    """The paths a middleware lets through untaken: each exactly, or every path under it
+    when it ends with ``*`` (``"/static/*"``)."""
+
+    def __init__(self, paths: Iterable[str]) -> None:
+        if isinstance(paths, str):
+            raise TypeError(f"exempt is a list of paths, not the string {paths!r}")
+        listed = list(paths)
+        if any(not isinstance(p, str) or not p.startswith("/") for p in listed):
+            raise ValueError(f"exempt paths start with '/' (a '*' at the end: every path under it): {listed!r}")
+        self.exact = frozenset(p for p in listed if not p.endswith("*"))
+        self.prefixes = tuple(p[:-1] for p in listed if p.endswith("*"))
+
+    def __contains__(self, path: str) -> bool:
+        return path in self.exact or (bool(self.prefixes) and path.startswith(self.prefixes))
 
 
-def verdict(entries: List[Dict[str, object]], result: TransactionResult) -> Verdict:
-    """How to answer, from the transaction's result (taken with ``fields=True``)."""
-    headers = {_NAMES.get(k, k): v for k, v in (result.fields or {}).items()}
-    if result.ok:
-        headers.pop("Retry-After", None)
-        return Verdict(True, 200, headers)
-    # The refusal that waits longest names the answer, as the tower layer's does.
-    refusing = 0
-    for i, r in enumerate(result.results):
-        longest = result.results[refusing]
-        if not r.ok and (longest.ok or (r.retry_after or 0) > (longest.retry_after or 0)):
-            refusing = i
-    wait = result.results[refusing].retry_after or result.retry_after or 0.0
-    headers.setdefault("Retry-After", str(max(0, math.ceil(wait / 1_000))))
-    body = {"kind": "RateLimited", "name": entries[refusing]["name"], "retryAfter": wait}
-    return Verdict(False, 429, headers, _json(body))
+#: A custom refusal's body: text (sent as text/plain), a dict or list (sent as JSON), or a
+#: function of the request and its :class:`RateLimit` that returns one of them.
+RefusalMessage = Union[str, Mapping[str, object], List[object], Callable[[Any, RateLimit], object]]
+
+
+class Refusal:
+    """How a middleware answers a refused request, fixed when it is made: ``status_code``
+    (default 429), and ``message`` (the body; default ``{"kind": "RateLimited", "name",
+    "retryAfter"}`` with the wait in ms, as the server and the tower layer write it);
+    ``Retry-After`` and the header fields are written in any case."""
+
+    def __init__(self, status_code: int, message: Optional[RefusalMessage]) -> None:
+        if isinstance(status_code, bool) or not isinstance(status_code, int) or not 400 <= status_code <= 599:
+            raise ValueError(f"status_code is an HTTP error status (400 to 599), not {status_code!r}")
+        if message is not None and not (callable(message) or isinstance(message, (str, Mapping, list))):
+            raise TypeError(f"message is text, a dict, a list or a function of (request, rate_limit), not {message!r}")
+        self.status = status_code
+        self.message = message
+
+    def body(self, request: object, rate_limit: RateLimit) -> Tuple[bytes, str]:
+        """The body and its content type."""
+        message: object = self.message
+        if message is None:
+            wait = (rate_limit.retry_after or 0.0) * 1_000
+            message = {"kind": "RateLimited", "name": rate_limit.name, "retryAfter": wait}
+        elif callable(message):
+            message = message(request, rate_limit)
+        if isinstance(message, str):
+            return message.encode(), "text/plain; charset=utf-8"
+        return _json(message), "application/json"
+
+
+def header_fields(rate_limit: RateLimit, standard: bool, legacy: bool) -> List[Tuple[str, str]]:
+    """The header fields of a decision (names in lower case): the IETF ``RateLimit-Policy``
+    and ``RateLimit`` (``standard``), the ``X-RateLimit-Limit``, ``-Remaining`` and ``-Reset``
+    that slowapi and express-rate-limit write (``legacy``: the reset as a Unix time in
+    seconds, as both write it), and ``Retry-After`` in whole seconds when refused."""
+    fields: List[Tuple[str, str]] = []
+    if standard and rate_limit.current is not None and rate_limit.policy is not None:
+        fields.append(("ratelimit-policy", rate_limit.policy))
+        fields.append(("ratelimit", rate_limit.current))
+    if legacy and rate_limit.remaining is not None and rate_limit.limit is not None:
+        reset = math.ceil(time.time() + (rate_limit.reset or 0.0))
+        fields.append(("x-ratelimit-limit", _whole(rate_limit.limit)))
+        fields.append(("x-ratelimit-remaining", _whole(rate_limit.remaining)))
+        fields.append(("x-ratelimit-reset", str(reset)))
+    if not rate_limit.ok:
+        fields.append(("retry-after", str(max(0, math.ceil(rate_limit.retry_after or 0.0)))))
+    return fields
+
+
+def _whole(x: float) -> str:
+    return str(int(x)) if x == int(x) else str(x)
+
+
+
+class Gate:
+    """One middleware's limits, resolved when it is made, and its decisions: through the
+    engine's direct path for pytollgate's limiters (no JSON, the limits' configs and
+    policies looked up once), through one ``transaction`` for a tollgate server's client.
+
+    Raises at construction, naming the fix: a limit the in-process limiter does not define,
+    an async limiter in a sync middleware or the reverse, an object that is no limiter.
+    ``asynchronous=None`` (Django's middleware, whose settings serve WSGI and ASGI alike)
+    takes a blocking limiter in an async stack too: its decisions are made in a thread of
+    the event loop's executor, but on the memory store, where they are made at once."""
+
+    def __init__(
+        self,
+        limiter: object,
+        limits: Names[Any],
+        *,
+        asynchronous: Optional[bool],
+        fail_open: bool,
+        where: str,
+    ) -> None:
+        from ._async import AsyncRateLimiter
+        from ._sync import RateLimiter
+
+        self.entries = limits_of(limits)
+        self.names = [str(e["name"]) for e in self.entries]
+        self.first = self.names[0]
+        if not isinstance(fail_open, bool):
+            raise TypeError(f"fail_open is True or False, not {fail_open!r}")
+        self.fail_open = fail_open
+        self.limiter = limiter
+        self.failures = Failures()
+        self.in_process = isinstance(limiter, (RateLimiter, AsyncRateLimiter))
+        if self.in_process:
+            if asynchronous is True and isinstance(limiter, RateLimiter):
+                raise TypeError(
+                    f"{where} is async, and pytollgate.RateLimiter blocks the event loop while "
+                    "it waits for the store: give it pytollgate.AsyncRateLimiter (the same "
+                    "arguments)"
+                )
+            if asynchronous is False and isinstance(limiter, AsyncRateLimiter):
+                raise TypeError(
+                    f"{where} is sync and cannot await pytollgate.AsyncRateLimiter: give it "
+                    "pytollgate.RateLimiter (the same arguments)"
+                )
+            defined = json.loads(limiter._config)["limits"]  # type: ignore[attr-defined]
+            for name in self.names:
+                if name not in defined:
+                    raise ValueError(
+                        f"{where}: the limit {name!r} is not defined on the limiter (its "
+                        f"limits: {', '.join(sorted(defined)) or 'none'}); define it in "
+                        f"the limiter's limits={{...}}, or fix the name"
+                    )
+        else:
+            transaction = getattr(limiter, "transaction", None)
+            if not callable(transaction):
+                raise TypeError(
+                    f"{where} takes a limiter: pytollgate's RateLimiter / AsyncRateLimiter, "
+                    f"or tollgate_client's; not {limiter!r}"
+                )
+            awaited = is_async(transaction)
+            if (awaited and asynchronous is False) or (not awaited and asynchronous is True):
+                wanted = "AsyncRateLimiter" if asynchronous else "RateLimiter"
+                raise TypeError(
+                    f"{where} is {'sync' if awaited else 'async'}: give it "
+                    f"tollgate_client.{wanted}, not {limiter!r}"
+                )
+        #: A blocking limiter (RateLimiter, either door): decide_async runs it in a thread.
+        self.blocking = not (isinstance(limiter, AsyncRateLimiter) or is_async(getattr(limiter, "transaction", None)))
+        self._engine: object = None
+        self._gate: Optional[_native.Gate] = None
+        #: The gate's RateLimit-Policy if it has one limit (made once, in the gate), and
+        #: whether its engine answers at once (the memory store).
+        self._policy: Optional[str] = None
+        self._immediate = False
+        self._said_awaitable = False
+        self._counts = [(name, float(e.get("count", 1))) for name, e in zip(self.names, self.entries)]  # type: ignore[arg-type]
+
+    def _gate_of(self, engine: _native.Engine) -> _native.Gate:
+        """The native gate of ``engine`` (made anew for a limiter's new engine: after
+        ``fork``, after a failed open)."""
+        if engine is not self._engine:
+            gate = self._gate = engine.gate(self._counts)
+            self._engine, self._policy, self._immediate = engine, gate.policy, engine.immediate
+            return gate
+        assert self._gate is not None
+        return self._gate
+
+    async def decide_async(self, key: object) -> Union[RateLimit, Verdict]:
+        """The decision for ``key`` (None: the limits' global value; anything else but a
+        string, such as a user's id, as its text), awaited."""
+        if key is not None and not isinstance(key, str):
+            key = self._text(key)
+            if isinstance(key, Verdict):
+                return key
+        limiter: Any = self.limiter
+        if self.blocking:
+            engine = limiter._engine if self.in_process else None
+            if engine is not None and engine.immediate:
+                return self.decide(key)
+            return await asyncio.get_running_loop().run_in_executor(None, self.decide, key)
+        try:
+            if not self.in_process:
+                return self._of_result(await limiter.transaction(self._calls(key), fields=True))
+            engine = limiter._engine
+            if engine is None:
+                engine = await limiter._native()
+            gate = self._gate_of(engine)
+            if self._immediate:
+                return self._read(gate.decide(key))
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[_native.Gated] = loop.create_future()
+            got = gate.decide_async(key, loop, future)
+            return self._read(await future if got is None else got)
+        except Exception as e:  # noqa: BLE001 - any failure fails closed (or open, if asked)
+            return self._failed(e)
+
+    def decide(self, key: object) -> Union[RateLimit, Verdict]:
+        """The decision for ``key``, blocking (the GIL released while the store answers)."""
+        if key is not None and not isinstance(key, str):
+            key = self._text(key)
+            if isinstance(key, Verdict):
+                return key
+        limiter: Any = self.limiter
+        try:
+            if not self.in_process:
+                return self._of_result(limiter.transaction(self._calls(key), fields=True))
+            engine = limiter._engine
+            if engine is None:
+                engine = limiter._native()
+            return self._read(self._gate_of(engine).decide(key))
+        except Exception as e:  # noqa: BLE001
+            return self._failed(e)
+
+    def _text(self, key: object) -> Union[str, Verdict]:
+        """A key function's answer that is not a string: its text (an int id), or a 500 for
+        an awaitable, which a sync middleware cannot wait for (said once in the log)."""
+        if inspect.isawaitable(key):
+            if inspect.iscoroutine(key):
+                key.close()  # never awaited: no warning about it at exit
+            message = (
+                f"Rate limit {self.first}: the key function returned an awaitable, which this "
+                "sync middleware cannot wait for; make it a plain function, or serve the app "
+                "with an async middleware and an AsyncRateLimiter"
+            )
+            if not self._said_awaitable:
+                self._said_awaitable = True
+                logger.error("%s", message)
+            return Verdict(False, 500, {}, _json({"error": message}))
+        return str(key)
+
+    def _read(self, got: _native.Gated) -> Union[RateLimit, Verdict]:
+        if len(got) == 3:
+            status, message, taken = got
+            return self._failed(TollgateError(message, status, taken))
+        ok, wait, index, limit, remaining, reset, policy, current = got
+        if remaining != remaining:  # NaN: granted by a limit that fails open
+            return RateLimit(ok, self.names[index])
+        return RateLimit(
+            ok,
+            self.names[index],
+            limit,
+            float(math.floor(remaining)),
+            reset / 1_000,
+            None if ok else wait / 1_000,
+            policy or self._policy,
+            current,
+        )
+
+    def _failed(self, error: Exception) -> Union[RateLimit, Verdict]:
+        verdict = self.failures.failed(error)
+        if self.fail_open and verdict.status >= 500:
+            return RateLimit(True, self.first)
+        return verdict
+
+    def _calls(self, key: Optional[str]) -> List[Dict[str, object]]:
+        return [entry if key is None else {**entry, "key": key} for entry in self.entries]
+
+    def _of_result(self, result: TransactionResult) -> RateLimit:
+        """A server's answer, read as the native gate's: the deciding limit's numbers from
+        its ``RateLimit`` member (``"name";r=R;t=T``) and its policy's ``q``."""
+        results = result.results
+        refusing = [i for i, r in enumerate(results) if not r.ok]
+        fields = result.fields or {}
+        policy, current = fields.get("ratelimit-policy"), fields.get("ratelimit")
+        members = _members(current)
+        if refusing:
+            index = max(refusing, key=lambda i: results[i].retry_after or 0.0)
+        else:
+            index = min(
+                range(len(results)),
+                key=lambda i: members.get(self.names[i], (None, None))[0] or 0.0,
+            )
+        name = self.names[index]
+        wait = results[index].retry_after or result.retry_after or 0.0
+        remaining, reset = members.get(name, (None, None))
+        quota = _members(policy, "q").get(name, (None, None))[0]
+        return RateLimit(
+            result.ok, name, quota, remaining, reset, None if result.ok else wait / 1_000, policy, current
+        )
+
+
+def _members(field: Optional[str], first: str = "r") -> Dict[str, Tuple[Optional[float], Optional[float]]]:
+    """``"name";r=1;t=6, ...`` as name -> (r, t) (or, with ``first="q"``, (q, w))."""
+    found: Dict[str, Tuple[Optional[float], Optional[float]]] = {}
+    for member in (field or "").split(", "):
+        parts = member.split(";")
+        if len(parts) < 2 or not parts[0].startswith('"'):
+            continue
+        params = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        second = "w" if first == "q" else "t"
+        try:
+            found[parts[0][1:-1]] = (float(params[first]), float(params.get(second, 0)))
+        except (KeyError, ValueError):
+            continue
+    return found
 
 
 #: The most often a middleware logs a store's failures: one warning in this many seconds,

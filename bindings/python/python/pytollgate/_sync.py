@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Generic, Iterable, Mapping, Optional
 
 from tollgate_client import Decision, Seconds, _core
-from tollgate_client._core import Limits
 from tollgate_client._sync import Limiter
 
 from . import _common, _native
-from ._common import LeaseOptions
+from ._common import LeaseOptions, Limits, Name
 from ._native import Engine
 from ._opening import Opening
 
 __all__ = ["RateLimiter"]
 
 
-class RateLimiter(Opening, Limiter):
+class RateLimiter(Opening, Limiter, Generic[Name]):
     """A rate limiter in this process, on ``store``: ``memory``, ``sqlite://PATH``,
     ``redis://HOST:PORT/DB`` (``redis+cluster://…``, ``redis+sentinel://…/MASTER``,
     ``rediss…`` over TLS) or ``postgres://USER@HOST/DB``. ``limits``: name -> config (SPEC §1,
     snake_case or camelCase keys; ``period`` in milliseconds, or a string with its unit such
-    as ``"1m"``), defined for every call.
+    as ``"1m"``), or a rate string as slowapi and django-ratelimit write them (``"5/minute"``,
+    ``"5/m"``: a fixed window, see ``pytollgate.parse_rate``), defined for every call.
 
     ``store_deadline``: the most a call waits for Redis or PostgreSQL (or SQLite's write
     lock), in seconds or a string with its unit (``"250ms"``), default 0.25; ``max_keys``:
@@ -40,7 +40,7 @@ class RateLimiter(Opening, Limiter):
     def __init__(
         self,
         store: str,
-        limits: Optional[Limits] = None,
+        limits: Optional[Limits[Name]] = None,
         *,
         store_deadline: Optional[Seconds] = None,
         max_keys: Optional[int] = None,

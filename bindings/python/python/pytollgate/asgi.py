@@ -13,12 +13,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Dict, MutableMapping, Optional, Protocol, Sequence, Union
+import inspect
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, List, MutableMapping, Optional, Tuple, Union, overload
 
-from tollgate_client import TransactionResult
+import tollgate_client
 
 from . import _middleware
-from ._middleware import DEFAULT_IPV6_SUBNET, Ipv6Subnet, KeySource, LimitRef, Verdict
+from ._async import AsyncRateLimiter
+from ._common import Name
+from ._middleware import DEFAULT_IPV6_SUBNET, Ipv6Subnet, KeySource, Names, RateLimit, RefusalMessage, Verdict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+class MiddlewareOptions(_middleware.Options, total=False):
+    """The options of :class:`RateLimitMiddleware`, for mypy."""
+
+    exempt: Iterable[str]
+
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -29,24 +42,38 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 __all__ = ["RateLimitMiddleware"]
 
 
-class AsyncTransacting(Protocol):
-    """What the middleware needs of a limiter: ``pytollgate.AsyncRateLimiter`` (in-process)
-    or ``tollgate_client.AsyncRateLimiter`` (a server's)."""
-
-    async def transaction(self, limits: Any, throws: bool = ..., fields: bool = ...) -> TransactionResult: ...
-
-
 class RateLimitMiddleware:
     """Takes ``limits`` (one name, or several taken all or nothing) for each HTTP request,
     keyed as ``key`` says: ``"ip"`` (default: the ASGI ``client`` address; behind a proxy,
     have the server set it from the proxy's header, as uvicorn's ``--proxy-headers`` does),
-    ``{"header": "x-api-key"}``, ``"global"``, or a function of the ASGI scope. Other scopes
-    (websocket, lifespan) pass untouched.
+    ``{"header": "x-api-key"}``, ``"global"``, or a function of the ASGI scope (sync or
+    ``async def``) that returns the key. Other scopes (websocket, lifespan) pass untouched.
 
-    ``ipv6_subnet``: the ``"ip"`` key of an IPv6 client is its /56 network (default 56: one
-    host changes address within its /64 or more at will), ``2001:db8:abcd:1200::/56``; a
-    prefix length from 1 to 128, ``False`` (or 128) for whole addresses. IPv4-mapped addresses
-    (``::ffff:1.2.3.4``) are keyed as their IPv4.
+    ``limiter`` is ``pytollgate.AsyncRateLimiter`` (in-process: each decision goes through
+    the engine's direct path, no JSON) or ``tollgate_client.AsyncRateLimiter`` (a server's).
+    The limits, the key and every option are checked here: a limit the limiter does not
+    define, a blocking ``RateLimiter``, a bad key or option raise at once, with the fix.
+
+    Options, under express-rate-limit's names where they mean the same:
+
+    - ``exempt``: paths let through untaken (``"/docs"``, ``"/static/*"`` for every path
+      under it). CORS preflights (``OPTIONS`` with ``Access-Control-Request-Method``) always
+      pass: the browser sends them, and one refused fails the request it asks for.
+    - ``skip``: a function of the scope (sync or async); true lets the request through.
+    - ``status_code`` (default 429), ``message`` (text, a dict sent as JSON, or a function of
+      the scope and the :class:`~pytollgate.RateLimit`), or ``handler``: a function of the
+      scope and the ``RateLimit`` (sync or async) returning an ASGI app to answer with (a
+      Starlette ``Response`` is one).
+    - ``standard_headers`` (default True): ``RateLimit-Policy`` and ``RateLimit``;
+      ``legacy_headers`` (default False): ``X-RateLimit-Limit``, ``-Remaining``, ``-Reset``
+      as slowapi writes them. ``Retry-After`` on every refusal.
+    - ``fail_open`` (default False): while the store fails, requests pass (without header
+      fields) instead of 503; each failure is still logged.
+
+    The decision is ``request.state.rate_limit`` (``scope["state"]["rate_limit"]``) for the
+    app. ``ipv6_subnet``: the ``"ip"`` key of an IPv6 client is its /56 network (default 56),
+    a prefix length from 1 to 128, ``False`` (or 128) for whole addresses; IPv4-mapped
+    addresses (``::ffff:1.2.3.4``) are keyed as their IPv4.
 
     A request without a client address (a server on a unix socket, without the proxy's
     header taken) cannot be keyed by ``"ip"``: it is answered 500 with how to fix that, said
@@ -55,70 +82,151 @@ class RateLimitMiddleware:
     the middleware's own that cannot be sent any more (the client gone, a response already
     sent by a middleware before it) is dropped; the decision was taken all the same."""
 
+    @overload
+    def __init__(
+        self, app: App, *, limiter: AsyncRateLimiter[Name], limits: Names[Name], **options: Unpack[MiddlewareOptions]
+    ) -> None: ...
+    @overload
     def __init__(
         self,
         app: App,
         *,
-        limiter: AsyncTransacting,
-        limits: Union[LimitRef, Sequence[LimitRef]],
+        limiter: tollgate_client.AsyncRateLimiter,
+        limits: Names[str],
+        **options: Unpack[MiddlewareOptions],
+    ) -> None: ...
+    def __init__(
+        self,
+        app: App,
+        *,
+        limiter: object,
+        limits: Names[Any],
         key: KeySource = "ip",
         ipv6_subnet: Ipv6Subnet = DEFAULT_IPV6_SUBNET,
+        exempt: Iterable[str] = (),
+        skip: Optional[Callable[[Scope], Any]] = None,
+        handler: Optional[Callable[[Scope, RateLimit], Any]] = None,
+        message: Optional[RefusalMessage] = None,
+        status_code: int = 429,
+        standard_headers: bool = True,
+        legacy_headers: bool = False,
+        fail_open: bool = False,
     ) -> None:
-        self.app, self.limiter = app, limiter
+        self.app = app
+        self.gate = _middleware.Gate(
+            limiter, limits, asynchronous=True, fail_open=fail_open, where="RateLimitMiddleware"
+        )
         self.key = _middleware.check_key(key)
         self.ipv6_subnet = _middleware.check_ipv6_subnet(ipv6_subnet)
-        self.entries = _middleware.limits_of(limits)
-        self.first = str(self.entries[0]["name"])
-        self.failures = _middleware.Failures()
+        self.exempt = _middleware.Exempt(exempt)
+        if skip is not None and not callable(skip):
+            raise TypeError(f"skip is a function of the request, not {skip!r}")
+        self.skip, self.skip_is_async = skip, _middleware.is_async(skip)
+        if handler is not None and not callable(handler):
+            raise TypeError(f"handler is a function of (scope, rate_limit), not {handler!r}")
+        self.handler = handler
+        self.refusal = _middleware.Refusal(status_code, message)
+        self.standard, self.legacy = bool(standard_headers), bool(legacy_headers)
         self.setup = _middleware.Setup()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self._passes(scope):
             await self.app(scope, receive, send)
             return
-        verdict = await self._decide(scope)
-        if not verdict.passes:
-            await _answer(send, verdict)
+        if self.skip is not None:
+            skipped = self.skip(scope)
+            if (await skipped) if self.skip_is_async else skipped:
+                await self.app(scope, receive, send)
+                return
+        decided = await self._decide(scope)
+        if isinstance(decided, Verdict):
+            await _answer(send, decided.status, decided.headers.items(), decided.body, "application/json")
             return
-        added = [(k.lower().encode(), v.encode()) for k, v in verdict.headers.items()]
+        scope.setdefault("state", {})["rate_limit"] = decided
+        fields = _middleware.header_fields(decided, self.standard, self.legacy)
+        if not decided.ok:
+            await self._refuse(scope, receive, send, decided, fields)
+            return
+        if not fields:
+            await self.app(scope, receive, send)
+            return
+        added = [(k.encode(), v.encode()) for k, v in fields]
 
-        async def send_with_fields(message: Message) -> None:
+        async def send_with_fields(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = list(message.get("headers", [])) + added
             await send(message)
 
         await self.app(scope, receive, send_with_fields)
 
-    async def _decide(self, scope: Scope) -> Verdict:
+    def _passes(self, scope: Scope) -> bool:
+        """An exempt path, or a CORS preflight."""
+        if scope["path"] in self.exempt:
+            return True
+        if scope.get("method") == "OPTIONS":
+            return any(name == b"access-control-request-method" for name, _ in scope.get("headers", ()))
+        return False
+
+    async def _decide(self, scope: Scope) -> Union[RateLimit, Verdict]:
         client = scope.get("client")
         ip: Optional[str] = client[0] if client else None
-        headers: Dict[str, str] = {}
-        for name, value in scope.get("headers", []):
-            headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
-        key = _middleware.key_of(self.key, scope, ip, headers.get, self.ipv6_subnet)
+        key: Any
+        if self.key == "ip":
+            key = _middleware.ip_key(ip, self.ipv6_subnet) if ip else None
+        elif self.key == "global":
+            key = ...
+        else:
+            key = _middleware.key_of(self.key, scope, ip, lambda name: _header(scope, name))
+            if inspect.isawaitable(key):  # an async key function (or one that returns a coroutine)
+                key = await key
+        if key is ...:
+            return await self.gate.decide_async(None)
         if key is None or key == "":
             if self.key == "ip":
-                return self.setup.no_address(self.first, _FIX)
-            return _middleware.missing_key(self.first)
-        try:
-            result = await self.limiter.transaction(
-                _middleware.calls(self.entries, key), fields=True
-            )
-        except Exception as e:  # noqa: BLE001 - any failure fails closed
-            return self.failures.failed(e)
-        return _middleware.verdict(self.entries, result)
+                return self.setup.no_address(self.gate.first, _FIX)
+            return _middleware.missing_key(self.gate.first)
+        return await self.gate.decide_async(key)
+
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, decided: RateLimit, fields: List[Tuple[str, str]]
+    ) -> None:
+        if self.handler is None:
+            body, content_type = self.refusal.body(scope, decided)
+            await _answer(send, self.refusal.status, fields, body, content_type)
+            return
+        answer = self.handler(scope, decided)
+        if inspect.isawaitable(answer):
+            answer = await answer
+        added = [(k.encode(), v.encode()) for k, v in fields]
+
+        async def send_with_fields(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + added
+            await send(message)
+
+        await answer(scope, receive, send_with_fields)
+
+
+def _header(scope: Scope, name: str) -> Optional[str]:
+    wanted = name.encode("latin-1")
+    for field, value in scope.get("headers", ()):
+        if field.lower() == wanted:
+            return str(value.decode("latin-1"))
+    return None
 
 
 #: How an ASGI server is told to take the client's address from a proxy's header.
 _FIX = "uvicorn --forwarded-allow-ips=ADDRESS, or '*' on a unix socket only the proxy reaches"
 
 
-async def _answer(send: Send, verdict: Verdict) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(verdict.body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in verdict.headers.items()]
+async def _answer(
+    send: Send, status: int, fields: Iterable[Tuple[str, str]], body: bytes, content_type: str
+) -> None:
+    headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in fields]
     try:
-        await send({"type": "http.response.start", "status": verdict.status, "headers": headers})
-        await send({"type": "http.response.body", "body": verdict.body})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
     except (OSError, RuntimeError) as e:
         # The response moved on while the decision was made: the client left (a server
         # raises an OSError on a send after a disconnect, as ASGI asks) or a middleware

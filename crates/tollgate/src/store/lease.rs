@@ -262,9 +262,11 @@ pub struct LeaseStats {
 pub(crate) struct Leases {
     names: HashMap<String, Named>,
     /// How often each key was taken in the current term, for the keys without an entry: a
-    /// count-min row of [`HEAT_SLOTS`] counters by the hash of (name, key), each the term's
-    /// number (high 32 bits) and its count. Two keys in one slot add up: a cold key may be
-    /// leased early, never a hot one late.
+    /// count-min sketch of two rows of [`HEAT_SLOTS`] counters, by two parts of the hash of
+    /// (name, key), each counter the term's number (high 32 bits) and its count; a key's
+    /// count is the smaller of its two. Keys that share both counters add up: a cold key
+    /// may be leased early, never a hot one late. (One row of 4,096 leased a tenth of
+    /// 10,000 keys taken evenly at 3 a second each, by their neighbours' takes.)
     heat: Box<[AtomicU64]>,
     /// A random number of this process's, from which each entry's holder id is drawn.
     id: u64,
@@ -287,8 +289,8 @@ pub(crate) struct Leases {
 
 type Entries = HashMap<u64, Vec<Arc<Entry>>>;
 
-/// Counters of [`Leases::heat`].
-const HEAT_SLOTS: usize = 4_096;
+/// Counters of each row of [`Leases::heat`] (two rows of 16,384: 256 KiB a leasing store).
+const HEAT_SLOTS: usize = 16_384;
 
 /// A leased name in this process: its options, and the takes of its keys that no lease
 /// served because the key was not hot (or no entry was left), sent as an unleased limit's.
@@ -307,8 +309,9 @@ struct Entry {
     /// Given back: it asks for no more leases (a request that found it before it went still
     /// takes directly).
     retired: AtomicBool,
-    /// Requests it answered (from the lease or directly) when idleness was last looked at,
-    /// and when that was (the bits of an `f64`, on the holder's clock).
+    /// Requests it answered (from the lease or directly) when idleness was last noted, and
+    /// when that was (the bits of an `f64`, on the holder's clock; first, when it was made,
+    /// with the take that made it).
     seen: AtomicU64,
     seen_at: AtomicU64,
     name: Box<str>,
@@ -344,19 +347,25 @@ impl Entry {
         }
     }
 
-    /// Whether no request came since the last look, at least two terms before `now`, and
-    /// its lease is past its deadline with none on its way; notes what it saw otherwise.
+    /// Whether it has cooled: fewer than `hot_after` requests (none, with the default of
+    /// 1: see [`LeaseOptions::hot_after`]) since the last look, at least two terms before
+    /// `now`, and its lease past its deadline with none on its way. A look two terms or more
+    /// after the last notes what it saw.
     fn idle(&self, now: f64) -> bool {
-        let answered = self.local.load(Ordering::Relaxed) + self.direct.load(Ordering::Relaxed) + 1;
-        let idle_for = 2.0 * self.options.term.as_secs_f64() * 1e3;
-        let quiet = self.seen.load(Ordering::Relaxed) == answered
-            && now - f64::from_bits(self.seen_at.load(Ordering::Relaxed)) >= idle_for;
-        if quiet && !self.holder.fetching() && now >= self.holder.deadline() {
+        let answered = self.local.load(Ordering::Relaxed) + self.direct.load(Ordering::Relaxed);
+        let window = 2.0 * self.options.term.as_secs_f64() * 1e3;
+        if now - f64::from_bits(self.seen_at.load(Ordering::Relaxed)) < window {
+            return false;
+        }
+        let counted = answered.saturating_sub(self.seen.load(Ordering::Relaxed));
+        if counted < u64::from(self.options.hot_after)
+            && !self.holder.fetching()
+            && now >= self.holder.deadline()
+        {
             return true;
         }
-        if self.seen.swap(answered, Ordering::Relaxed) != answered {
-            self.seen_at.store(now.to_bits(), Ordering::Relaxed);
-        }
+        self.seen.store(answered, Ordering::Relaxed);
+        self.seen_at.store(now.to_bits(), Ordering::Relaxed);
         false
     }
 
@@ -384,7 +393,7 @@ impl Leases {
             .collect();
         Some(Leases {
             names,
-            heat: (0..HEAT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            heat: (0..2 * HEAT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
             id,
             started: Instant::now(),
             entries: ArcSwap::from_pointee(HashMap::new()),
@@ -401,12 +410,12 @@ impl Leases {
         self.names.contains_key(name)
     }
 
-    /// The entry of `slot`'s (name, key), made if there is room (at most [`MOST_HELD`] in
-    /// a store: a leased limit keyed by users would otherwise hold one per user for ever).
-    /// When there is none, at most once a second, the entries idle for two terms (no request
-    /// since, no lease in use, none on its way) are given back ([`Leases::sweep`]), so that
-    /// keys that stopped coming make room for those that come now. `now` is the holder's
-    /// clock, read only then.
+    /// The entry of `slot`'s (name, key), made if the key is hot (taken `hot_after` times
+    /// within a term) and there is room (at most [`MOST_HELD`] in a store). On the way, at
+    /// most once a second, the entries that cooled (fewer than `hot_after` requests over two
+    /// terms, no lease in use, none on its way) are given back ([`Leases::sweep`]), so that
+    /// a key hot once is not leased at a cold key's pace, and keys that stopped coming make
+    /// room for those that come now. `now` is the holder's clock, read only on a miss.
     fn entry(&self, slot: &Slot<'_>, now: impl Fn() -> f64) -> Option<Arc<Entry>> {
         let hash = self.hash(slot.name, slot.key);
         if let Some(entry) = Self::find(&self.entries.load(), hash, slot.name, slot.key) {
@@ -415,6 +424,11 @@ impl Leases {
         let named = &self.names[slot.name];
         let now = now();
         if !self.heated(hash, &named.options, now) {
+            // Keys that cooled give their entries back (at most one look a second), so that
+            // a key hot once is not leased for ever at a cold key's pace.
+            if self.held_keys.load(Ordering::Relaxed) > 0 {
+                self.sweep(now);
+            }
             return None;
         }
         // Full: no lock, no count, for each request of the keys left out.
@@ -433,8 +447,10 @@ impl Leases {
         let entry = Arc::new(Entry {
             id: tollgate_algebra::splitmix64(self.id ^ made.rotate_left(29)) >> 11,
             retired: AtomicBool::new(false),
-            seen: AtomicU64::new(0),
-            seen_at: AtomicU64::new(f64::NEG_INFINITY.to_bits()),
+            // The take that makes it is counted (from the lease or directly), and is not one
+            // of those that keep it.
+            seen: AtomicU64::new(1),
+            seen_at: AtomicU64::new(now.to_bits()),
             holder: Holder::new(MARGIN_MS),
             name: slot.name.into(),
             key: slot.key.map(Into::into),
@@ -469,13 +485,17 @@ impl Leases {
         }
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let term = (now / (options.term.as_secs_f64() * 1e3)) as u64 & u64::from(u32::MAX);
+        let bump = |counter: &AtomicU64| {
+            let mut count = 0;
+            let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |was| {
+                count = if was >> 32 == term { (was & u64::from(u32::MAX)) + 1 } else { 1 };
+                Some(term << 32 | count.min(u64::from(u32::MAX)))
+            });
+            count
+        };
         #[allow(clippy::cast_possible_truncation)]
-        let counter = &self.heat[hash as usize % HEAT_SLOTS];
-        let mut count = 0;
-        let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |was| {
-            count = if was >> 32 == term { (was & u64::from(u32::MAX)) + 1 } else { 1 };
-            Some(term << 32 | count.min(u64::from(u32::MAX)))
-        });
+        let (a, b) = ((hash as usize) % HEAT_SLOTS, ((hash >> 32) as usize) % HEAT_SLOTS);
+        let count = bump(&self.heat[a]).min(bump(&self.heat[HEAT_SLOTS + b]));
         count >= u64::from(options.hot_after)
     }
 
@@ -486,10 +506,9 @@ impl Leases {
         }
     }
 
-    /// Gives back the entries idle at `now` (at most once a second): whether any went. An
-    /// entry is idle when no request came for it over the last look, at least two terms ago,
-    /// its lease is past its deadline and no grant is on its way. It asks for nothing more;
-    /// its record at the store, under its own holder id, expires there.
+    /// Gives back the entries idle at `now` (at most once a second): whether any went (see
+    /// [`Entry::idle`]). It asks for nothing more; its record at the store, under its own
+    /// holder id, expires there.
     fn sweep(&self, now: f64) -> bool {
         let last = f64::from_bits(self.swept_at.load(Ordering::Acquire));
         if now - last < 1_000.0 {
@@ -1205,7 +1224,7 @@ pub(crate) mod testing {
     /// a key taken 16 times within a term is leased from then on; 15 takes in one term and
     /// 15 in the next leave a key cold; a cold key whose state holds another process's lease
     /// is taken under that lease's cap (Redis: its one-take script refuses the state, and
-    /// the take goes again as a lease step).
+    /// the take goes again as a lease step); a leased key that cools gives its entry back.
     pub(crate) async fn only_hot_keys_are_leased(
         store: &impl Leasing,
         shared: &impl LeaseStore,
@@ -1251,6 +1270,11 @@ pub(crate) mod testing {
             assert!(ok, "take {i} of the 10 left");
         }
         assert!(!store.execute_one_async(&writing(&take("theirs"))).await.unwrap().decision.ok);
+        // Three terms later, with fewer than 16 takes of "hot" since: it cooled, and the next
+        // cold take's look gives its entry back.
+        clock.advance(3.0 * term);
+        assert!(store.execute_one_async(&writing(&take(&keys[0]))).await.unwrap().decision.ok);
+        assert_eq!(store.names()[0].keys, 0, "the key that cooled gave its entry back");
         store.release().await;
         for key in keys.iter().map(String::as_str).chain(["warm", "hot", "theirs"]) {
             store.delete_async("hot", Some(key), 1).await.unwrap();
