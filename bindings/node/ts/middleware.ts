@@ -5,18 +5,76 @@
 // `{"kind": "RateLimited", "name", "retryAfter"}` on a refusal, `503 {"error": "rate limit
 // store unavailable", "mayHaveTaken"}` when the store fails (fail closed; the store's message
 // goes to `onStoreError`, never to the client), `400 {"error"}` without a key. Every
-// option is checked and resolved once, when the middleware is made (`middleware`); a request
-// pays for its key, the transaction and the answer's fields.
+// option is checked and resolved once, when the middleware is made (`middleware`), its limits
+// included: an in-process limiter takes them through a function of the addon made for the
+// middleware (no JSON), a server's through its transaction. A request pays for its key, the
+// take and the answer's fields.
 
-import { TollgateError, type TransactionOptions, type TransactionRequest, type TransactionResult } from "tollgate-client";
+import { TollgateError, type RateLimitConfig, type TransactionOptions, type TransactionRequest, type TransactionResult } from "tollgate-client";
 
 import { ipKey, ipv6SubnetOf } from "./ip.js";
 
 export { ipKey } from "./ip.js";
 
+/** One limit's numbers in a middleware's decision (ms where a time). */
+export interface LimitStatus {
+  /** The limit's name. */
+  name: string;
+  /** Its capacity: the most tokens it holds (a fixed window's rate). */
+  limit: number;
+  /** The tokens it has left (after this request, if it was admitted): the `r` of its
+   *  `RateLimit` member. NaN when not known (granted because the store failed and the limit
+   *  fails open); over a server, whole tokens. */
+  remaining: number;
+  /** The ms until it is full again: the `t` of its `RateLimit` member. NaN when not known;
+   *  over a server, whole seconds. */
+  resetAfter: number;
+  /** Its window: the `w` of its `RateLimit-Policy` member, in ms. */
+  window: number;
+}
+
+/** A middleware's decision, whatever the door. */
+export interface Decision {
+  /** Whether every limit admitted the request (then all were taken, else none). */
+  ok: boolean;
+  /** When refused, the ms until the limit that refused it longest admits it; else 0. */
+  retryAfter: number;
+  /** The limits' numbers, in the middleware's order (over a server, those its header fields
+   *  list: the 8 tightest of more). */
+  limits: LimitStatus[];
+  /** When refused, the name of the limit that refused it longest (the one a 429 names). */
+  refusedBy?: string;
+}
+
+/** How a middleware takes its limits for a request's key (`undefined`: no key, the
+ *  `"global"` key's), made once per middleware by its limiter's door. */
+export type Take = (key: string | undefined) => Decision | Promise<Decision>;
+
+/** A limit's IETF header fields: its `RateLimit-Policy` member (`"name";q=10;w=60`), its
+ *  name as the fields quote it, and its capacity (which ranks how tight it is). */
+export interface Policy {
+  member: string;
+  quoted: string;
+  capacity: number;
+}
+
+/** What a limiter's door makes for one middleware: its take, and the policy of each limit
+ *  by name (a server's come with its answers). */
+export interface Taking {
+  take: Take;
+  policies: Map<string, Policy>;
+}
+
+/** The method of an in-process limiter (ts/index.ts) that makes a middleware's `Taking` for
+ *  its limits, or throws a TypeError naming a limit it does not define. */
+export const taking: unique symbol = Symbol("tollgate.taking");
+
 /** What the middleware needs of a limiter: in-process (`{ store }`) or a server's (`{ url }`). */
 export interface Transacting {
   transaction(requests: ReadonlyArray<TransactionRequest<string>>, options?: TransactionOptions): Promise<TransactionResult>;
+  /** A server's limits, to check the middleware's names against. */
+  getServerLimits?(): Promise<Record<string, RateLimitConfig>>;
+  [taking]?(limits: ReadonlyArray<{ name: string; count?: number }>): Taking | undefined;
 }
 
 /** One limit a request takes from: its name, or its name and how many tokens. */
@@ -100,6 +158,10 @@ const GLOBAL = Symbol("global");
 export interface Middleware<Req> {
   limiter: Transacting;
   limits: Array<{ name: string; count?: number }>;
+  /** Takes the limits for a key. */
+  take: Take;
+  /** The limits' policies, by name, for the IETF fields. */
+  policies: Map<string, Policy>;
   key(request: Req, view: RequestView): Key | Promise<Key>;
   /** The 400 answer's body for a request without a key. */
   noKey: string;
@@ -108,12 +170,6 @@ export interface Middleware<Req> {
    *  request has a peer address (undefined for the other keys). */
   unixSocket?: (socket: unknown) => Verdict | undefined;
 }
-
-const NAMES: Record<string, string> = {
-  "ratelimit-policy": "RateLimit-Policy",
-  ratelimit: "RateLimit",
-  "retry-after": "Retry-After",
-};
 
 /** Checks `options` and resolves them for `decide`; throws a `TypeError` for a bad one. */
 export function middleware<Req>(options: MiddlewareOptions<Req>, framework: Framework): Middleware<Req> {
@@ -141,7 +197,10 @@ export function middleware<Req>(options: MiddlewareOptions<Req>, framework: Fram
     throw new TypeError(`onStoreError must be a function of (error, request); got ${String(onStoreError)}`);
   }
   const unixSocket = source === "ip" ? unixSocketOf(limits[0]!.name, framework) : undefined;
-  return { limiter: options.limiter, limits, key, noKey, onStoreError, unixSocket };
+  const limiter = options.limiter;
+  // In-process: the limiter checks the names now (a TypeError), and takes without JSON.
+  const { take, policies } = limiter?.[taking]?.(limits) ?? transactionTaking(limiter, limits);
+  return { limiter, limits, take, policies, key, noKey, onStoreError, unixSocket };
 }
 
 /** The path a server listens on, if `socket` is a connection to a unix socket's server. */
@@ -228,13 +287,12 @@ export async function decide<Req>(m: Middleware<Req>, request: Req, view: Reques
   if (key !== GLOBAL && typeof key !== "string") {
     throw new TypeError(`Rate limit ${m.limits[0]!.name}: the key function returned ${String(key)}, not a string`);
   }
-  let result: TransactionResult;
+  let decision: Decision;
   try {
-    result = await m.limiter.transaction(
-      m.limits.map((l) => (key === GLOBAL ? l : { ...l, key: key as string })),
-      { fields: true },
-    );
+    decision = await m.take(key === GLOBAL ? undefined : (key as string));
   } catch (e) {
+    // A limit the server does not define: the app's configuration, not the request's fault.
+    if (e instanceof NotDefined) throw e;
     // The limiter's checks refused the request's key (a lone surrogate, say): the request's
     // own fault, answered 400 like a key that is missing; nothing was taken.
     if (e instanceof TypeError) return { pass: false, status: 400, headers: {}, body: json({ error: e.message }) };
@@ -250,23 +308,190 @@ export async function decide<Req>(m: Middleware<Req>, request: Req, view: Reques
     return { pass: false, status: 503, headers: {}, body: UNAVAILABLE[`${mayHaveTaken}`] };
   }
   const headers: Record<string, string> = {};
-  for (const [name, value] of Object.entries(result.fields ?? {})) headers[NAMES[name] ?? name] = value;
-  if (result.ok) {
-    delete headers["Retry-After"];
-    return { pass: true, status: 200, headers };
-  }
-  // The refusal that waits longest names the answer, as the tower layer's does.
-  let refusing = 0;
-  result.results.forEach((r, i) => {
-    const longest = result.results[refusing]!;
-    if (!r.ok && (longest.ok || (r.retryAfter ?? 0) > (longest.retryAfter ?? 0))) refusing = i;
-  });
-  const retryAfter = result.results[refusing]!.retryAfter ?? result.retryAfter ?? 0;
-  headers["Retry-After"] ??= String(Math.max(0, Math.ceil(retryAfter / 1_000)));
+  ietfFields(decision, m.policies, headers);
+  if (decision.ok) return { pass: true, status: 200, headers };
+  const retryAfter = decision.retryAfter;
+  headers["Retry-After"] = String(Math.max(0, Math.ceil(retryAfter / 1_000)));
   return {
     pass: false,
     status: 429,
     headers,
-    body: json({ kind: "RateLimited", name: m.limits[refusing]!.name, retryAfter }),
+    body: json({ kind: "RateLimited", name: decision.refusedBy ?? m.limits[0]!.name, retryAfter }),
   };
+}
+
+/** The most members each IETF field lists (as the engine's, crates/server/src/fields.rs). */
+const MAX_MEMBERS = 8;
+/** The most bytes each IETF field may take (as the engine's). */
+const MAX_FIELD_BYTES = 1024;
+
+/**
+ * `RateLimit-Policy` and `RateLimit` of `decision` into `headers`, as the engine writes them
+ * (crates/server/src/fields.rs): every limit when they fit, else the tightest that fit;
+ * none when a limit's numbers are not known.
+ */
+function ietfFields(decision: Decision, policies: Map<string, Policy>, headers: Record<string, string>): void {
+  const limits = decision.limits;
+  const members: Array<{ policy: Policy; status: string; left: number }> = [];
+  for (const l of limits) {
+    const policy = policies.get(l.name);
+    if (policy === undefined || Number.isNaN(l.remaining) || Number.isNaN(l.resetAfter)) return;
+    // r: the tokens left, rounded down; t: the seconds until full, rounded up.
+    const r = Math.max(0, Math.floor(l.remaining));
+    const t = Math.max(0, Math.ceil(l.resetAfter / 1_000));
+    members.push({ policy, status: `${policy.quoted};r=${r};t=${t}`, left: l.remaining / policy.capacity });
+  }
+  if (members.length === 0) return;
+  if (members.length === 1) {
+    headers["RateLimit-Policy"] = members[0]!.policy.member;
+    headers["RateLimit"] = members[0]!.status;
+    return;
+  }
+  const bytes = (i: number): [number, number] => [members[i]!.policy.member.length + 2, members[i]!.status.length + 2];
+  let kept = members.map((_, i) => i);
+  const [p, s] = kept.map(bytes).reduce(([p, s], [dp, ds]) => [p + dp, s + ds], [0, 0]);
+  if (members.length > MAX_MEMBERS || Math.max(p, s) > MAX_FIELD_BYTES + 2) {
+    // The least left of capacity first (a refused limit has 0 left), then the order given;
+    // the first always fits.
+    kept.sort((a, b) => members[a]!.left - members[b]!.left || a - b);
+    const chosen: number[] = [];
+    let [cp, cs] = [0, 0];
+    for (const i of kept) {
+      if (chosen.length === MAX_MEMBERS) break;
+      const [dp, ds] = bytes(i);
+      if (chosen.length > 0 && Math.max(cp + dp, cs + ds) > MAX_FIELD_BYTES + 2) continue;
+      [cp, cs] = [cp + dp, cs + ds];
+      chosen.push(i);
+    }
+    kept = chosen.sort((a, b) => a - b);
+  }
+  headers["RateLimit-Policy"] = kept.map((i) => members[i]!.policy.member).join(", ");
+  headers["RateLimit"] = kept.map((i) => members[i]!.status).join(", ");
+}
+
+/** A limit the server does not define, found at a middleware's first request. */
+class NotDefined extends TypeError {}
+
+/** `member`'s name as the fields quote it: the part before its `;q=`. */
+export function policyOf(member: string, capacity: number): Policy {
+  return { member, quoted: member.slice(0, member.lastIndexOf(";q=")), capacity };
+}
+
+/**
+ * A door's `Taking` through its transaction with header fields: a server's, or any
+ * `Transacting`. The names are checked against the server's limits (`GET /v1/config`) at
+ * the first request rather than when the middleware is made: making one is synchronous
+ * (`app.use(rateLimit(...))`), and the server may not be up yet when the app starts. An
+ * undefined name is the app's error at each request (500, with the names the server
+ * defines); the check is made again a second later, as the server's config may be reloaded.
+ * The numbers are those of the answer's header fields: whole tokens and seconds, and of more
+ * than 8 limits the tightest.
+ */
+function transactionTaking(limiter: Transacting, limits: ReadonlyArray<{ name: string; count?: number }>): Taking {
+  const policies = new Map<string, Policy>();
+  const capacities = new Map<string, number>();
+  let checked: { done: boolean; at: number; error?: NotDefined; pending?: Promise<void> } = { done: false, at: -Infinity };
+  const check = async (): Promise<void> => {
+    const defined = await limiter.getServerLimits!();
+    const missing = limits.find((l) => !Object.hasOwn(defined, l.name));
+    if (missing !== undefined) {
+      const names = Object.keys(defined);
+      throw new NotDefined(
+        `rate limit ${JSON.stringify(missing.name)} is not defined by the server; it defines ${names.length === 0 ? "none" : names.map((n) => JSON.stringify(n)).join(", ")}`,
+      );
+    }
+    for (const l of limits) {
+      const capacity = (defined[l.name] as { capacity?: unknown }).capacity;
+      if (typeof capacity === "number") capacities.set(l.name, capacity);
+    }
+  };
+  const resolved = async (): Promise<void> => {
+    if (checked.done || typeof limiter.getServerLimits !== "function") return;
+    if (checked.error !== undefined && Date.now() - checked.at < 1_000) throw checked.error;
+    checked.pending ??= check().then(
+      () => void (checked = { done: true, at: Date.now() }),
+      (e: unknown) => {
+        // The server not reached: the transaction says so; checked at the next request.
+        checked = e instanceof NotDefined ? { done: false, at: Date.now(), error: e } : { done: false, at: -Infinity };
+      },
+    );
+    await checked.pending;
+    if (checked.error !== undefined) throw checked.error;
+  };
+  const take = async (key: string | undefined): Promise<Decision> => {
+    await resolved();
+    const requests = key === undefined ? limits : limits.map((l) => ({ ...l, key }));
+    const result = await limiter.transaction(requests, { fields: true });
+    return decisionOfAnswer(result, limits, policies, capacities);
+  };
+  return { take, policies };
+}
+
+/** A transaction's result with its header fields as a `Decision`; the policies of the
+ *  fields into `policies`. */
+export function decisionOfAnswer(
+  result: TransactionResult,
+  limits: ReadonlyArray<{ name: string }>,
+  policies: Map<string, Policy>,
+  capacities?: Map<string, number>,
+): Decision {
+  const listed = new Map<string, LimitStatus>();
+  const fields = result.fields ?? {};
+  const members = (field: string | undefined) => (field === undefined ? [] : sfMembers(field));
+  const statuses = new Map(members(fields["ratelimit"]).map((m) => [m.name, m]));
+  for (const m of members(fields["ratelimit-policy"])) {
+    const status = statuses.get(m.name);
+    const q = Number(m.params.q);
+    if (!policies.has(m.name)) policies.set(m.name, policyOf(m.text, capacities?.get(m.name) ?? q));
+    if (status === undefined) continue;
+    listed.set(m.name, {
+      name: m.name,
+      limit: capacities?.get(m.name) ?? q,
+      remaining: Number(status.params.r),
+      resetAfter: Number(status.params.t) * 1_000,
+      window: Number(m.params.w) * 1_000,
+    });
+  }
+  const decision: Decision = { ok: result.ok, retryAfter: 0, limits: [] };
+  for (const l of limits) {
+    const status = listed.get(l.name);
+    if (status !== undefined) decision.limits.push(status);
+  }
+  if (!result.ok) {
+    // The refusal that waits longest names the answer, as the tower layer's does.
+    let refusing = -1;
+    result.results.forEach((r, i) => {
+      if (!r.ok && (refusing < 0 || (r.retryAfter ?? 0) > (result.results[refusing]!.retryAfter ?? 0))) refusing = i;
+    });
+    const wait = refusing < 0 ? undefined : result.results[refusing]!.retryAfter;
+    decision.retryAfter = wait ?? result.retryAfter ?? 0;
+    decision.refusedBy = limits[Math.max(refusing, 0)]!.name;
+  }
+  return decision;
+}
+
+/** The members of a structured field's list of strings with parameters
+ *  (`"a";q=10;w=60, "b";r=1;t=6`): each member's name (unescaped), its parameters and its
+ *  text as written. */
+function sfMembers(field: string): Array<{ name: string; params: Record<string, string>; text: string }> {
+  const out: Array<{ name: string; params: Record<string, string>; text: string }> = [];
+  let i = 0;
+  while (i < field.length) {
+    while (field[i] === " " || field[i] === ",") i++;
+    if (field[i] !== '"') break;
+    const start = i;
+    let name = "";
+    for (i++; i < field.length && field[i] !== '"'; i++) name += field[i] === "\\" ? field[++i] : field[i];
+    i++;
+    const params: Record<string, string> = {};
+    while (field[i] === ";") {
+      const end = [field.indexOf(";", i + 1), field.indexOf(",", i + 1)].filter((e) => e >= 0);
+      const stop = end.length === 0 ? field.length : Math.min(...end);
+      const [k, v] = field.slice(i + 1, stop).split("=");
+      params[k!.trim()] = (v ?? "").trim();
+      i = stop;
+    }
+    out.push({ name, params, text: field.slice(start, i) });
+  }
+  return out;
 }

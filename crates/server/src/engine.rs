@@ -204,6 +204,10 @@ pub struct Engine {
     /// The store whose states a reload carries to a changed config (none: nothing is
     /// carried, as in the simulator, whose states live no longer than a run).
     pub stored: Option<crate::store::Stored>,
+    /// The largest body [`Engine::run`] takes: [`MAX_BODY`] for a body read from a network;
+    /// none in process ([`Engine::in_process`]), where the application builds its bodies
+    /// itself (a transaction of thousands of limits is a body of 100 KB).
+    max_body: Option<usize>,
 }
 
 /// The limits of one config: the limiter with its defined names, what requests may carry,
@@ -298,6 +302,7 @@ impl Engine {
     pub fn in_process(opened: &crate::store::Opened, settings: &crate::config::Settings) -> Self {
         let mut engine = Self::opened(opened.store.clone(), opened, settings, String::new());
         engine.stats = crate::stats::Stats::off();
+        engine.max_body = None;
         engine
     }
 
@@ -309,6 +314,7 @@ impl Engine {
             stats: crate::stats::Stats::default(),
             leases: None,
             stored: None,
+            max_body: Some(MAX_BODY),
         }
     }
 
@@ -423,20 +429,20 @@ impl Engine {
     }
 
     /// Answers `op` with the JSON `body`. Nothing is consumed by a request answered with an
-    /// error.
+    /// error. A body over [`MAX_BODY`] is refused (413), but by an in-process engine
+    /// ([`Engine::in_process`]).
     pub async fn run(&self, op: Op, body: &[u8]) -> Answer {
-        if body.len() > MAX_BODY {
+        if let Some(max) = self.max_body.filter(|&max| body.len() > max) {
             return Answer::error(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                format!("request body is {} bytes; the most is {MAX_BODY}", body.len()),
+                format!("request body is {} bytes; the most is {max}", body.len()),
             );
         }
         self.run_in_process(op, body).await
     }
 
-    /// [`Engine::run`] without [`MAX_BODY`]: for an in-process package, whose bodies are
-    /// built by the application itself and never read from a network (a transaction of
-    /// thousands of limits is a body of 100 KB).
+    /// [`Engine::run`] without [`MAX_BODY`], whatever the engine. An in-process engine's
+    /// [`Engine::run`] takes any size already: call that.
     pub async fn run_in_process(&self, op: Op, body: &[u8]) -> Answer {
         let defined = self.current();
         let (d, stats) = (&*defined, &self.stats);
@@ -512,6 +518,27 @@ impl Engine {
             _ => None,
         };
         Some(Named { defined, name: name.into(), config, memory })
+    }
+
+    /// The limits `limits` (each a defined name, and the count taken from it: 1 if none),
+    /// taken together all or nothing with one key, their configs looked up now: what the
+    /// in-process packages' middleware takes by. `None` if a name is not defined.
+    ///
+    /// As [`Engine::named`], it keeps the limits of when it was made and counts no stats.
+    pub fn named_limits(&self, limits: &[(&str, Option<f64>)]) -> Option<NamedLimits> {
+        let defined = self.current();
+        let mut named = Vec::with_capacity(limits.len());
+        for &(name, count) in limits {
+            let config = defined.limiter.defined_config(name)?;
+            named.push((Arc::<str>::from(name), config, count.unwrap_or(1.0)));
+        }
+        let memory = match &self.stored {
+            Some(crate::store::Stored::Memory(memory)) => {
+                Some(defined.limiter.on(Arc::clone(memory)))
+            }
+            _ => None,
+        };
+        Some(NamedLimits { defined, limits: named, memory })
     }
 
     /// A decision of [`Engine::take`] as one number, what the in-process packages hand
@@ -593,6 +620,81 @@ impl Named {
     ) -> Result<tollgate::Decision, Answer> {
         let target = Target::Inline(&self.name, self.config);
         self.defined.take(target, key, count, reserve, writes).await
+    }
+}
+
+/// Limits defined in an engine, taken together (see [`Engine::named_limits`]).
+pub struct NamedLimits {
+    defined: Arc<Defined>,
+    /// Each limit's name, config and count.
+    limits: Vec<(Arc<str>, Config, f64)>,
+    /// As [`Named`]'s: the limiter on the memory store as itself, when that is the store.
+    memory: Option<RateLimiter<Arc<tollgate::MemoryStore>>>,
+}
+
+impl NamedLimits {
+    /// How many limits are taken.
+    pub fn len(&self) -> usize {
+        self.limits.len()
+    }
+
+    /// Whether no limit is taken.
+    pub fn is_empty(&self) -> bool {
+        self.limits.is_empty()
+    }
+
+    /// [`NamedLimits::take`] on the memory store, answered now (no future is made); `None`
+    /// on another store.
+    ///
+    /// # Errors
+    ///
+    /// As for [`NamedLimits::take`].
+    pub fn take_now(
+        &self,
+        key: Option<&str>,
+    ) -> Option<Result<tollgate::TransactionTaken, Answer>> {
+        let memory = self.memory.as_ref()?;
+        let taken = memory.transaction_with_status(self.calls(key).as_slice());
+        Some(taken.map_err(|e| self.defined.error(e)))
+    }
+
+    /// The transaction of every limit with `key` (or none), all or nothing, with what each
+    /// limit has left: the decision and statuses of a `transaction` of [`Engine::run`] with
+    /// the same limits, key and counts, and its errors.
+    ///
+    /// # Errors
+    ///
+    /// The answer [`Engine::run`] would give: a bad count, the store's failure.
+    pub async fn take(&self, key: Option<&str>) -> Result<tollgate::TransactionTaken, Answer> {
+        let calls = self.calls(key);
+        let taken = self.defined.limiter.transaction_with_status_async(calls.as_slice()).await;
+        taken.map_err(|e| self.defined.error(e))
+    }
+
+    /// The call of each limit with `key`.
+    fn calls<'a>(&'a self, key: Option<&'a str>) -> Calls<'a> {
+        let call = |(name, config, count): &'a (Arc<str>, Config, f64)| {
+            Target::Inline(name, *config).with(Defined::request_of(key, Some(*count), false))
+        };
+        match &*self.limits {
+            [one] => Calls::One([call(one)]),
+            limits => Calls::Many(limits.iter().map(call).collect()),
+        }
+    }
+}
+
+/// A transaction's calls: one (the usual middleware) on the stack, more in a vector.
+enum Calls<'a> {
+    One([Call<'a>; 1]),
+    Many(Vec<Call<'a>>),
+}
+
+impl<'a> Calls<'a> {
+    fn as_slice(&self) -> &[Call<'a>] {
+        match self {
+            Calls::One(one) => one,
+            Calls::Many(many) => many,
+        }
     }
 }
 
