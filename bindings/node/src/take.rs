@@ -237,17 +237,16 @@ impl Takes for Limits {
         let len = 1 + 3 * named.len();
         // Read before the take: a bad `out` throws with nothing taken.
         let out = read_f64s(env, argv[3], len)?;
-        // Answered now: the numbers into `out`.
-        let mut now = |taken: Taken| match taken {
-            Taken::C(numbers) => {
-                out[..len].copy_from_slice(&numbers);
-                answer(env, Taken::A(0.0))
-            }
-            other => answer(env, other),
-        };
-        // The memory store: answered here, the key where it was read.
+        // The memory store: answered here, the key where it was read, the numbers written
+        // where JavaScript reads them.
         if let Some(taken) = named.take_now(key.as_deref()) {
-            return now(limits_taken(taken, len));
+            return match taken {
+                Ok(taken) => {
+                    numbers(&taken, out);
+                    answer(env, Taken::A(0.0))
+                }
+                Err(error) => answer(env, Taken::B(reply(error))),
+            };
         }
         let Some(settler) = settler.get().cloned() else {
             return Err("tollgate: settleWith was not called".to_owned());
@@ -257,7 +256,11 @@ impl Takes for Limits {
         let mut work = Box::pin(async move { limits_taken(named.take(key.as_deref()).await, len) });
         // A leased limit's take from its lease needs no I/O.
         if let Some(taken) = within_runtime_if_available(|| (&mut work).now_or_never()) {
-            return now(taken);
+            if let Taken::C(numbers) = &taken {
+                out[..len].copy_from_slice(numbers);
+                return answer(env, Taken::A(0.0));
+            }
+            return answer(env, taken);
         }
         napi::bindgen_prelude::spawn(async move {
             let taken = work.await;
@@ -274,13 +277,20 @@ fn limits_taken(taken: Result<tollgate::TransactionTaken, Answer>, len: usize) -
         Ok(taken) => taken,
         Err(answer) => return Taken::B(reply(answer)),
     };
-    let t = &taken.decision;
-    let mut out = Vec::with_capacity(len);
-    out.push(Engine::decision_number(tollgate::Decision { ok: t.ok, retry_after: t.retry_after }));
-    for (decision, status) in t.results.iter().zip(taken.statuses.iter()) {
-        out.extend([Engine::decision_number(*decision), status.remaining, status.reset_after]);
-    }
+    let mut out = vec![0.0; len];
+    numbers(&taken, &mut out);
     Taken::C(out)
+}
+
+/// A transaction's numbers (see [`limits_function`]) into `out`.
+fn numbers(taken: &tollgate::TransactionTaken, out: &mut [f64]) {
+    let t = &taken.decision;
+    out[0] = Engine::decision_number(tollgate::Decision { ok: t.ok, retry_after: t.retry_after });
+    for (i, (decision, status)) in t.results.iter().zip(&taken.statuses).enumerate() {
+        out[1 + 3 * i] = Engine::decision_number(*decision);
+        out[2 + 3 * i] = status.remaining;
+        out[3 + 3 * i] = status.reset_after;
+    }
 }
 
 /// JavaScript's null.

@@ -357,13 +357,17 @@ function limitsTaking(
   const out = new Float64Array(1 + 3 * limits.length);
   let native: NativeTakeAll | null | undefined;
   const decisionOf = (n: ArrayLike<number>): Decision => {
-    const statuses: LimitStatus[] = new Array(names.length);
-    let [refusing, longest] = [-1, 0];
+    const statuses: LimitStatus[] = [];
+    let refusing = -1;
+    let longest = 0;
     for (let i = 0; i < names.length; i++) {
       // A refusal is -2 - its wait (see native.ts); the longest names the answer.
       const d = n[1 + 3 * i]!;
-      if (d <= -2 && (refusing < 0 || -2 - d > longest)) [refusing, longest] = [i, -2 - d];
-      statuses[i] = { name: names[i]!, limit: capacities[i]!, remaining: n[2 + 3 * i]!, resetAfter: n[3 + 3 * i]!, window: windows[i]! };
+      if (d <= -2 && (refusing < 0 || -2 - d > longest)) {
+        refusing = i;
+        longest = -2 - d;
+      }
+      statuses.push({ name: names[i]!, limit: capacities[i]!, remaining: n[2 + 3 * i]!, resetAfter: n[3 + 3 * i]!, window: windows[i]! });
     }
     if (n[0]! > -2) return { ok: true, retryAfter: 0, limits: statuses };
     return { ok: false, retryAfter: longest, limits: statuses, refusedBy: names[Math.max(refusing, 0)]! };

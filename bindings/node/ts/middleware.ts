@@ -278,37 +278,60 @@ function json(body: unknown): string {
   return JSON.stringify(body);
 }
 
-/** Takes the request's limits and says how to answer it. */
-export async function decide<Req>(m: Middleware<Req>, request: Req, view: RequestView): Promise<Verdict> {
-  const key = await m.key(request, view);
+/** Takes the request's limits and says how to answer it. Not an `async` function: where
+ *  the key and the decision are at hand (a key from the request, the memory store, a lease),
+ *  the verdict is made without a turn of the microtask queue per step. */
+export function decide<Req>(m: Middleware<Req>, request: Req, view: RequestView): Promise<Verdict> {
+  let key: Key | Promise<Key>;
+  try {
+    key = m.key(request, view);
+  } catch (e) {
+    return Promise.reject(e);
+  }
+  return key instanceof Promise ? key.then((k) => keyed(m, request, view, k)) : keyed(m, request, view, key);
+}
+
+/** `decide` once the key is known. */
+function keyed<Req>(m: Middleware<Req>, request: Req, view: RequestView, key: Key): Promise<Verdict> {
   if (key === undefined || key === null || key === "") {
-    return (m.unixSocket && view.ip === undefined && m.unixSocket(view.socket)) || { pass: false, status: 400, headers: {}, body: m.noKey };
+    return Promise.resolve((m.unixSocket && view.ip === undefined && m.unixSocket(view.socket)) || { pass: false, status: 400, headers: {}, body: m.noKey });
   }
   if (key !== GLOBAL && typeof key !== "string") {
-    throw new TypeError(`Rate limit ${m.limits[0]!.name}: the key function returned ${String(key)}, not a string`);
+    return Promise.reject(new TypeError(`Rate limit ${m.limits[0]!.name}: the key function returned ${String(key)}, not a string`));
   }
-  let decision: Decision;
+  let decision: Decision | Promise<Decision>;
   try {
-    decision = await m.take(key === GLOBAL ? undefined : (key as string));
+    decision = m.take(key === GLOBAL ? undefined : (key as string));
   } catch (e) {
-    // A limit the server does not define: the app's configuration, not the request's fault.
-    if (e instanceof NotDefined) throw e;
-    // The limiter's checks refused the request's key (a lone surrogate, say): the request's
-    // own fault, answered 400 like a key that is missing; nothing was taken.
-    if (e instanceof TypeError) return { pass: false, status: 400, headers: {}, body: json({ error: e.message }) };
-    if (e instanceof TollgateError && e.status !== undefined && e.status < 500 && e.status !== 429) {
-      return { pass: false, status: e.status, headers: {}, body: json({ error: e.message }) };
-    }
-    const mayHaveTaken = e instanceof TollgateError ? e.mayHaveTaken : true;
-    try {
-      m.onStoreError(e instanceof Error ? e : new Error(String(e)), request);
-    } catch {
-      // A logger that throws does not change the answer.
-    }
-    return { pass: false, status: 503, headers: {}, body: UNAVAILABLE[`${mayHaveTaken}`] };
+    return new Promise((resolve) => resolve(failed(m, request, e)));
   }
-  const headers: Record<string, string> = {};
-  ietfFields(decision, m.policies, headers);
+  if (decision instanceof Promise) return decision.then((d) => verdictOf(m, d), (e: unknown) => failed(m, request, e));
+  return Promise.resolve(verdictOf(m, decision));
+}
+
+/** The answer to a request whose limits were not taken because of `e`; throws `e` when it
+ *  is the app's error. */
+function failed<Req>(m: Middleware<Req>, request: Req, e: unknown): Verdict {
+  // A limit the server does not define: the app's configuration, not the request's fault.
+  if (e instanceof NotDefined) throw e;
+  // The limiter's checks refused the request's key (a lone surrogate, say): the request's
+  // own fault, answered 400 like a key that is missing; nothing was taken.
+  if (e instanceof TypeError) return { pass: false, status: 400, headers: {}, body: json({ error: e.message }) };
+  if (e instanceof TollgateError && e.status !== undefined && e.status < 500 && e.status !== 429) {
+    return { pass: false, status: e.status, headers: {}, body: json({ error: e.message }) };
+  }
+  const mayHaveTaken = e instanceof TollgateError ? e.mayHaveTaken : true;
+  try {
+    m.onStoreError(e instanceof Error ? e : new Error(String(e)), request);
+  } catch {
+    // A logger that throws does not change the answer.
+  }
+  return { pass: false, status: 503, headers: {}, body: UNAVAILABLE[`${mayHaveTaken}`] };
+}
+
+/** The answer to a request whose limits decided `decision`. */
+function verdictOf<Req>(m: Middleware<Req>, decision: Decision): Verdict {
+  const headers = ietfFields(decision, m.policies);
   if (decision.ok) return { pass: true, status: 200, headers };
   const retryAfter = decision.retryAfter;
   headers["Retry-After"] = String(Math.max(0, Math.ceil(retryAfter / 1_000)));
@@ -326,27 +349,26 @@ const MAX_MEMBERS = 8;
 const MAX_FIELD_BYTES = 1024;
 
 /**
- * `RateLimit-Policy` and `RateLimit` of `decision` into `headers`, as the engine writes them
+ * `RateLimit-Policy` and `RateLimit` of `decision`, as the engine writes them
  * (crates/server/src/fields.rs): every limit when they fit, else the tightest that fit;
  * none when a limit's numbers are not known.
  */
-function ietfFields(decision: Decision, policies: Map<string, Policy>, headers: Record<string, string>): void {
+function ietfFields(decision: Decision, policies: Map<string, Policy>): Record<string, string> {
   const limits = decision.limits;
+  if (limits.length === 1) {
+    // The usual middleware: one limit.
+    const policy = policies.get(limits[0]!.name);
+    const status = policy && statusMember(policy, limits[0]!);
+    return status === undefined ? {} : { "RateLimit-Policy": policy!.member, RateLimit: status };
+  }
   const members: Array<{ policy: Policy; status: string; left: number }> = [];
   for (const l of limits) {
     const policy = policies.get(l.name);
-    if (policy === undefined || Number.isNaN(l.remaining) || Number.isNaN(l.resetAfter)) return;
-    // r: the tokens left, rounded down; t: the seconds until full, rounded up.
-    const r = Math.max(0, Math.floor(l.remaining));
-    const t = Math.max(0, Math.ceil(l.resetAfter / 1_000));
-    members.push({ policy, status: `${policy.quoted};r=${r};t=${t}`, left: l.remaining / policy.capacity });
+    const status = policy && statusMember(policy, l);
+    if (status === undefined) return {};
+    members.push({ policy: policy!, status, left: l.remaining / policy!.capacity });
   }
-  if (members.length === 0) return;
-  if (members.length === 1) {
-    headers["RateLimit-Policy"] = members[0]!.policy.member;
-    headers["RateLimit"] = members[0]!.status;
-    return;
-  }
+  if (members.length === 0) return {};
   const bytes = (i: number): [number, number] => [members[i]!.policy.member.length + 2, members[i]!.status.length + 2];
   let kept = members.map((_, i) => i);
   const [p, s] = kept.map(bytes).reduce(([p, s], [dp, ds]) => [p + dp, s + ds], [0, 0]);
@@ -365,8 +387,17 @@ function ietfFields(decision: Decision, policies: Map<string, Policy>, headers: 
     }
     kept = chosen.sort((a, b) => a - b);
   }
-  headers["RateLimit-Policy"] = kept.map((i) => members[i]!.policy.member).join(", ");
-  headers["RateLimit"] = kept.map((i) => members[i]!.status).join(", ");
+  return {
+    "RateLimit-Policy": kept.map((i) => members[i]!.policy.member).join(", "),
+    RateLimit: kept.map((i) => members[i]!.status).join(", "),
+  };
+}
+
+/** A limit's member of `RateLimit`: `"name";r=<tokens left, down>;t=<s until full, up>`;
+ *  undefined when its numbers are not known. */
+function statusMember(policy: Policy, l: LimitStatus): string | undefined {
+  if (Number.isNaN(l.remaining) || Number.isNaN(l.resetAfter)) return undefined;
+  return `${policy.quoted};r=${Math.max(0, Math.floor(l.remaining))};t=${Math.max(0, Math.ceil(l.resetAfter / 1_000))}`;
 }
 
 /** A limit the server does not define, found at a middleware's first request. */
