@@ -10,6 +10,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use napi::JsValue;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 use tollgate_server::config::Settings;
@@ -139,15 +140,16 @@ impl Limiter {
     }
 
     /// The function that takes from every limit of `names` at once, all or nothing (with
-    /// `counts[i]` tokens from `names[i]`, 1 where that is null), and gives the numbers of
-    /// the middleware's header fields (see `take::limits_function`); null if a name is not
-    /// defined.
+    /// `counts[i]` tokens from `names[i]`, 1 where that is null), and writes the numbers of
+    /// the middleware's header fields into `out` (see `take::limits_function`); null if a
+    /// name is not defined.
     #[napi(ts_return_type = "NativeTakeAll | null")]
     pub fn limits_taker(
         &self,
         env: &Env,
         names: Vec<String>,
         counts: Vec<Option<f64>>,
+        out: Unknown<'_>,
     ) -> Result<Option<take::Raw>> {
         let limits: Vec<(&str, Option<f64>)> = names
             .iter()
@@ -155,7 +157,8 @@ impl Limiter {
             .zip(counts.iter().copied().chain(std::iter::repeat(None)))
             .collect();
         let Some(named) = self.engine.named_limits(&limits) else { return Ok(None) };
-        take::limits_function(env.raw(), Arc::clone(&self.settler), named).map(Some)
+        take::limits_function(env.raw(), Arc::clone(&self.settler), named, out.value().value)
+            .map(Some)
     }
 
     /// The store's clock (`{"now": ms}`), as `GET /v1/time` answers it.

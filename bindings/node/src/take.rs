@@ -65,10 +65,13 @@ struct Limit {
     named: Arc<Named>,
 }
 
-/// What a middleware's function holds: its limits, and its limiter's settler.
+/// What a middleware's function holds: its limits, its limiter's settler, and the numbers
+/// of its `Float64Array` (see [`limits_function`]), which it holds a reference to.
 struct Limits {
     settler: Arc<OnceLock<Arc<Settler>>>,
     named: Arc<NamedLimits>,
+    out: *mut f64,
+    out_ref: sys::napi_ref,
 }
 
 /// What a function made here does when called: a take, with the call's arguments.
@@ -78,6 +81,9 @@ trait Takes {
         env: sys::napi_env,
         argv: &[sys::napi_value; 4],
     ) -> Result<sys::napi_value, String>;
+
+    /// Lets go of what it holds in JavaScript, as its function is collected.
+    fn release(&self, _env: sys::napi_env) {}
 }
 
 /// A JavaScript value made here, handed to napi-rs as it is.
@@ -104,21 +110,31 @@ pub(crate) fn function(
     make(env, c"take", Limit { settler, named: Arc::new(named) })
 }
 
-/// The function `(key, flags, id, out)` that takes from every limit of `named` at once, all
+/// The function `(key, flags, id)` that takes from every limit of `named` at once, all
 /// or nothing, with one key (`flags` 1: a key is given, else none is), and gives its numbers:
 /// the transaction's decision (a number, as [`function`]'s), then per limit its decision, the
 /// tokens it has left and the ms until it is full (NaN, NaN when not known: granted because
 /// the store failed and the limit fails open). Answered now when no I/O was needed: the
-/// numbers are written into `out` (a `Float64Array` of at least `1 + 3 * limits`) and it
-/// returns 0; else it returns null, and the numbers come back through the limiter's settler
+/// numbers are written into `out` (a `Float64Array` of at least `1 + 3 * limits`, given
+/// once, here) and it returns 0; else it returns null, and the numbers come back through the limiter's settler
 /// with `id`, as an array. An error is the answer `run` would give, as its string. Throws a
 /// `TypeError` for an argument of the wrong type (then nothing was taken).
 pub(crate) fn limits_function(
     env: sys::napi_env,
     settler: Arc<OnceLock<Arc<Settler>>>,
     named: NamedLimits,
+    out: sys::napi_value,
 ) -> napi::Result<Raw> {
-    make(env, c"takeAll", Limits { settler, named: Arc::new(named) })
+    let numbers = read_f64s(env, out, 1 + 3 * named.len()).map_err(napi::Error::from_reason)?;
+    let mut out_ref = ptr::null_mut();
+    // SAFETY: `out` is an argument of this call. The reference keeps the array, and so its
+    // numbers, alive (and where they are: an ArrayBuffer's store never moves once made, and
+    // reading it above made it) until the function is collected.
+    if unsafe { sys::napi_create_reference(env, out, 1, &mut out_ref) } != sys::Status::napi_ok {
+        return Err(napi::Error::from_reason("the take function could not hold its numbers"));
+    }
+    let out = numbers.as_mut_ptr();
+    make(env, c"takeAll", Limits { settler, named: Arc::new(named), out, out_ref })
 }
 
 /// A JavaScript function named `name` that calls `data`'s [`Takes::take`].
@@ -155,9 +171,10 @@ fn make<T: Takes>(env: sys::napi_env, name: &std::ffi::CStr, data: T) -> napi::R
 }
 
 /// Frees a function's data once the function is collected.
-unsafe extern "C" fn finalize<T>(_: sys::napi_env, data: *mut c_void, _: *mut c_void) {
+unsafe extern "C" fn finalize<T: Takes>(env: sys::napi_env, data: *mut c_void, _: *mut c_void) {
     // SAFETY: `data` is the box `make` made for this function, freed only here.
-    drop(unsafe { Box::from_raw(data.cast::<T>()) });
+    let data = unsafe { Box::from_raw(data.cast::<T>()) };
+    data.release(env);
 }
 
 /// The function's body: reads the arguments, takes, and makes the answer's value.
@@ -233,10 +250,11 @@ impl Takes for Limits {
         let flags = read_u32(env, argv[1], "flags")?;
         let mut key_buf = [0; SHORT];
         let key = if flags & KEY != 0 { Some(read_str(env, argv[0], &mut key_buf)?) } else { None };
-        let Limits { settler, named } = self;
+        let Limits { settler, named, out, .. } = self;
         let len = 1 + 3 * named.len();
-        // Read before the take: a bad `out` throws with nothing taken.
-        let out = read_f64s(env, argv[3], len)?;
+        // SAFETY: the array's `len` numbers at least (checked when the function was made), held
+        // alive by `out_ref`; only this thread's JavaScript reads them, and not during the call.
+        let out = unsafe { std::slice::from_raw_parts_mut(*out, len) };
         // The memory store: answered here, the key where it was read, the numbers written
         // where JavaScript reads them.
         if let Some(taken) = named.take_now(key.as_deref()) {
@@ -267,6 +285,11 @@ impl Takes for Limits {
             settler.call((id, taken), ThreadsafeFunctionCallMode::NonBlocking);
         });
         null(env)
+    }
+
+    fn release(&self, env: sys::napi_env) {
+        // SAFETY: the reference made with the function, deleted only here.
+        unsafe { sys::napi_delete_reference(env, self.out_ref) };
     }
 }
 
@@ -357,7 +380,8 @@ fn read_f64(env: sys::napi_env, value: sys::napi_value, what: &str) -> Result<f6
     }
 }
 
-/// The `Float64Array` `value`'s numbers, at least `len` of them, to write into.
+/// The `Float64Array` `value`'s numbers, at least `len` of them, to write into; for as long
+/// as the caller holds the array.
 fn read_f64s<'v>(
     env: sys::napi_env,
     value: sys::napi_value,

@@ -354,7 +354,9 @@ function limitsTaking(
   // w of the policy member, in ms.
   const windows = found.map((p) => Number(p!.member.slice(p!.member.lastIndexOf(";w=") + 3)) * 1_000);
   const counts = limits.map((l) => l.count ?? null);
-  const out = new Float64Array(1 + 3 * limits.length);
+  // In an ArrayBuffer of its own (a small typed array may start in V8's heap, where its
+  // numbers would move): the addon writes the numbers here.
+  const out = new Float64Array(new ArrayBuffer(8 * (1 + 3 * limits.length)));
   let native: NativeTakeAll | null | undefined;
   const decisionOf = (n: ArrayLike<number>): Decision => {
     const statuses: LimitStatus[] = [];
@@ -379,7 +381,7 @@ function limitsTaking(
     if (ready === undefined) return slow(key);
     if (native === undefined) {
       try {
-        native = ready.limitsTaker(names, counts);
+        native = ready.limitsTaker(names, counts, out);
       } catch {
         native = null;
       }
@@ -389,7 +391,7 @@ function limitsTaking(
     engine.nextId = (id + 1) % 4_294_967_296;
     let answered: number | string | null;
     try {
-      answered = native(key ?? "", key === undefined ? 0 : 1, id, out);
+      answered = native(key ?? "", key === undefined ? 0 : 1, id);
     } catch {
       // Refused by the addon before any work: the general path says why.
       return slow(key);
