@@ -442,8 +442,9 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
     return take(engines.get(this), name, options, true) ?? super.limit(name, ...([options] as Args<Limits, string, LimitOptions>));
   }
 
-  /** A middleware's way to take its limits (ts/middleware.ts): without JSON in this
-   *  process, a server's transaction for a server's limiter. */
+  /** A middleware's way to take its limits in this process (ts/middleware.ts), without
+   *  JSON; undefined for a server's limiter, whose middleware takes them by transaction.
+   *  Throws a TypeError for a limit not defined here. */
   [taking](limits: ReadonlyArray<{ name: string; count?: number }>): Taking | undefined {
     const engine = engines.get(this);
     if (engine === undefined) return undefined;

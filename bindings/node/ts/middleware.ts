@@ -288,7 +288,11 @@ export function decide<Req>(m: Middleware<Req>, request: Req, view: RequestView)
   } catch (e) {
     return Promise.reject(e);
   }
-  return key instanceof Promise ? key.then((k) => keyed(m, request, view, k)) : keyed(m, request, view, key);
+  // A key function's promise, or any thenable, as `await` would take it.
+  if (typeof (key as PromiseLike<Key> | undefined)?.then === "function") {
+    return Promise.resolve(key as PromiseLike<Key>).then((k) => keyed(m, request, view, k));
+  }
+  return keyed(m, request, view, key);
 }
 
 /** `decide` once the key is known. */
