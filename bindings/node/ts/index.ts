@@ -359,7 +359,7 @@ function limitsTaking(
   const out = new Float64Array(new ArrayBuffer(8 * (1 + 3 * limits.length)));
   let native: NativeTakeAll | null | undefined;
   const decisionOf = (n: ArrayLike<number>): Decision => {
-    const statuses: LimitStatus[] = [];
+    const statuses = new Array<LimitStatus>(names.length);
     let refusing = -1;
     let longest = 0;
     for (let i = 0; i < names.length; i++) {
@@ -369,7 +369,7 @@ function limitsTaking(
         refusing = i;
         longest = -2 - d;
       }
-      statuses.push({ name: names[i]!, limit: capacities[i]!, remaining: n[2 + 3 * i]!, resetAfter: n[3 + 3 * i]!, window: windows[i]! });
+      statuses[i] = { name: names[i]!, limit: capacities[i]!, remaining: n[2 + 3 * i]!, resetAfter: n[3 + 3 * i]!, window: windows[i]! };
     }
     if (n[0]! > -2) return { ok: true, retryAfter: 0, limits: statuses };
     return { ok: false, retryAfter: longest, limits: statuses, refusedBy: names[Math.max(refusing, 0)]! };

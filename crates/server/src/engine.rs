@@ -702,13 +702,18 @@ impl NamedLimits {
 /// transaction's (half the cost of a middleware's decision, by `bench.mjs`).
 fn transaction_of_one(taken: tollgate::Taken) -> tollgate::TransactionTaken {
     let decision = taken.decision;
+    // Pushed: a collect of one went through the vector's general extend (3% of a decision).
+    let (mut results, mut statuses) =
+        (tollgate::core::Inline::new(), tollgate::core::Inline::new());
+    results.push(decision);
+    statuses.push(taken.status);
     tollgate::TransactionTaken {
         decision: tollgate::TransactionDecision {
             ok: decision.ok,
             retry_after: decision.retry_after,
-            results: std::iter::once(decision).collect(),
+            results,
         },
-        statuses: std::iter::once(taken.status).collect(),
+        statuses,
     }
 }
 
@@ -1171,9 +1176,17 @@ mod tests {
         // Refused (1 left of the 2 asked), as run's transaction of the same is.
         let taken = limits.take(Some("k")).await.expect("taken");
         assert!(!taken.decision.ok);
+        assert_eq!(taken.statuses[0].remaining.floor(), 1.0);
         let body = json!({ "limits": [{ "name": "tb", "key": "k", "count": 2 }] }).to_string();
         let answer = engine.run(Op::Transaction, body.as_bytes()).await;
-        assert_eq!(answer.body.to_json(), json!({ "ok": false, "retryAfter": number(taken.decision.retry_after.unwrap()), "results": [{ "ok": false, "retryAfter": number(taken.decision.retry_after.unwrap()) }] }).to_string());
+        let answer: Value = serde_json::from_str(&answer.body.to_json()).expect("json");
+        assert_eq!(answer["ok"], false);
+        // The same wait for the one token missing (an hour), a moment later.
+        let (wait, by_run) = (
+            taken.decision.retry_after.expect("a wait"),
+            answer["retryAfter"].as_f64().expect("a wait"),
+        );
+        assert!(by_run <= wait && wait - by_run < 1_000.0, "{wait} {by_run}");
     }
 
     fn answered(taken: Result<tollgate::Decision, Answer>) -> Result<bool, (u16, String)> {
