@@ -10,7 +10,10 @@
 // with any other status is reported as such. Redis: TOLLGATE_REDIS_URL (default
 // redis://127.0.0.1:6379, which must be a loopback address).
 //
-//   npm run build:addon -- --release && node bench-http.mjs [ROUNDS] [SECONDS]
+//   npm run build:addon -- --release && node bench-http.mjs [ROUNDS] [SECONDS] [WORD]
+//
+// WORD runs only the apps whose name has it (`redis`, `fastify`), the fewer processes
+// sharing the machine.
 import { spawn } from "node:child_process";
 import { createServer } from "node:http";
 import { fileURLToPath } from "node:url";
@@ -133,7 +136,7 @@ async function main() {
   const rounds = Number(process.argv[2] ?? 3);
   const seconds = Number(process.argv[3] ?? 5);
   const { default: autocannon } = await import("autocannon");
-  const names = Object.keys(apps);
+  const names = Object.keys(apps).filter((name) => name.includes(process.argv[4] ?? ""));
   const running = {};
   for (const name of names) running[name] = await start(name);
   /** Requests/s of one run of `seconds` on `name`'s app, and its answers that were not 200. */
@@ -160,7 +163,7 @@ async function main() {
   const fmt = (x) => Math.round(x).toLocaleString("en");
   console.log(`${rounds} rounds of ${seconds} s, 64 connections; requests/s, median (each round):`);
   for (const name of names) console.log(`  ${name.padEnd(40)} ${fmt(median(results[name])).padStart(7)}  (${results[name].map(fmt).join(", ")})`);
-  for (const [ours, theirs] of ratios) {
+  for (const [ours, theirs] of ratios.filter((pair) => pair.every((name) => names.includes(name)))) {
     console.log(`${ours} / ${theirs}: ${(median(results[ours]) / median(results[theirs])).toFixed(2)}x`);
   }
 }
