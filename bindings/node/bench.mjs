@@ -5,6 +5,9 @@
 //   redis:   the same over one Redis (TOLLGATE_REDIS_URL, default 127.0.0.1:6379), 64 calls
 //            in flight, vs RateLimiterRedis over ioredis, on the same keys
 //   leased:  one hot key, tollgate's limit leased, vs RateLimiterRedis on one key
+//   middleware decision (mw memory, mw redis): what a middleware does per request, its
+//            limit taken for the key of an `x-user` header and the IETF header fields
+//            written (`decide`, without a framework), against the peer's consume as above
 //
 //   npm run build:addon -- --release && node bench.mjs [ROUNDS] [SCALE]
 //
@@ -14,6 +17,7 @@ import { Redis } from "ioredis";
 import { RateLimiterMemory, RateLimiterRedis } from "rate-limiter-flexible";
 
 import { RateLimiter } from "./dist/index.js";
+import { decide, middleware } from "./dist/middleware.js";
 
 const rounds = Number(process.argv[2] ?? 5);
 const scale = Number(process.argv[3] ?? 1);
@@ -34,6 +38,16 @@ async function measure(call, calls, inFlight) {
   return calls / (Number(process.hrtime.bigint() - started) / 1e9);
 }
 
+/** The middleware's decision of a request of user `keys[i % 1000]` (its verdict, with the
+ *  header fields), as a framework's middleware asks it. */
+function deciding(limiter, name) {
+  const m = middleware({ limiter, limits: name, key: { header: "x-user" } }, { trustProxy: "" });
+  return (i) => {
+    const view = { ip: undefined, header: () => keys[i % 1_000] };
+    return decide(m, undefined, view);
+  };
+}
+
 const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
 
 async function compare(label, contenders, calls, inFlight) {
@@ -47,7 +61,7 @@ async function compare(label, contenders, calls, inFlight) {
   const a = median(results[ours]);
   const b = median(results[theirs]);
   console.log(
-    `${label.padEnd(8)} ${ours} ${Math.round(a).toLocaleString("en")}/s, ${theirs} ${Math.round(b).toLocaleString("en")}/s: ${(a / b).toFixed(2)}x` +
+    `${label.padEnd(9)} ${ours} ${Math.round(a).toLocaleString("en")}/s, ${theirs} ${Math.round(b).toLocaleString("en")}/s: ${(a / b).toFixed(2)}x` +
       `  (rounds: ${results[ours].map((x) => Math.round(x / 1e3)).join(" ")} k vs ${results[theirs].map((x) => Math.round(x / 1e3)).join(" ")} k)`,
   );
 }
@@ -63,6 +77,12 @@ async function compare(label, contenders, calls, inFlight) {
       tollgate: (i) => limiter.limit(name, { key: keys[i % 1_000] }),
       "rate-limiter-flexible": (i) => peer.consume(keys[i % 1_000]),
     },
+    Math.round(200_000 * scale),
+    1,
+  );
+  await compare(
+    "mw memory",
+    { "tollgate decide": deciding(limiter, name), "rate-limiter-flexible": (i) => peer.consume(keys[i % 1_000]) },
     Math.round(200_000 * scale),
     1,
   );
@@ -84,6 +104,12 @@ async function compare(label, contenders, calls, inFlight) {
       tollgate: (i) => limiter.limit(name, { key: keys[i % 1_000] }),
       "rate-limiter-flexible": (i) => peer.consume(keys[i % 1_000]),
     },
+    Math.round(30_000 * scale),
+    64,
+  );
+  await compare(
+    "mw redis",
+    { "tollgate decide": deciding(limiter, name), "rate-limiter-flexible": (i) => peer.consume(keys[i % 1_000]) },
     Math.round(30_000 * scale),
     64,
   );

@@ -10,6 +10,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use napi::JsValue;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 use tollgate_server::config::Settings;
@@ -46,6 +47,29 @@ fn settings(config: &str) -> Result<Settings> {
 #[napi]
 pub fn validate(config: String) -> Result<()> {
     settings(&config).map(|_| ())
+}
+
+/// A limit's header fields as an in-process engine writes them.
+#[napi(object)]
+pub struct Policy {
+    /// Its `RateLimit-Policy` member: `"name";q=10;w=60`.
+    pub member: String,
+    /// Its capacity, which ranks how tight it is when the fields list only the tightest.
+    pub capacity: f64,
+}
+
+/// The policy of each limit of `config` named in `names` (null for a name it does not
+/// define), as the engine's header fields give them, without opening a store: what a
+/// middleware writes its fields with from its first request.
+#[napi]
+pub fn policies(config: String, names: Vec<String>) -> Result<Vec<Option<Policy>>> {
+    let settings = settings(&config)?;
+    let policy = |name: &String| {
+        let (_, config) = settings.limits.iter().find(|(defined, _)| defined == name)?;
+        let member = tollgate::tower::fields::policy_member(name, config);
+        Some(Policy { member, capacity: config.capacity() })
+    };
+    Ok(names.iter().map(policy).collect())
 }
 
 /// Opens the store and defines the limits of `config` (see [`validate`]).
@@ -113,6 +137,28 @@ impl Limiter {
     pub fn taker(&self, env: &Env, name: String) -> Result<Option<take::Raw>> {
         let Some(named) = self.engine.named(&name) else { return Ok(None) };
         take::function(env.raw(), Arc::clone(&self.settler), named).map(Some)
+    }
+
+    /// The function that takes from every limit of `names` at once, all or nothing (with
+    /// `counts[i]` tokens from `names[i]`, 1 where that is null), and writes the numbers of
+    /// the middleware's header fields into `out` (see `take::limits_function`); null if a
+    /// name is not defined.
+    #[napi(ts_return_type = "NativeTakeAll | null")]
+    pub fn limits_taker(
+        &self,
+        env: &Env,
+        names: Vec<String>,
+        counts: Vec<Option<f64>>,
+        out: Unknown<'_>,
+    ) -> Result<Option<take::Raw>> {
+        let limits: Vec<(&str, Option<f64>)> = names
+            .iter()
+            .map(String::as_str)
+            .zip(counts.iter().copied().chain(std::iter::repeat(None)))
+            .collect();
+        let Some(named) = self.engine.named_limits(&limits) else { return Ok(None) };
+        take::limits_function(env.raw(), Arc::clone(&self.settler), named, out.value().value)
+            .map(Some)
     }
 
     /// The store's clock (`{"now": ms}`), as `GET /v1/time` answers it.

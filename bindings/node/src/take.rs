@@ -1,5 +1,6 @@
-//! The package's hottest call, a `limit` or `check` of a limit defined at open, as a
-//! function of its own per limit, made with Node-API directly.
+//! The package's hottest calls, a `limit` or `check` of a limit defined at open and a
+//! middleware's transaction of its limits, as a function of its own per limit (per
+//! middleware), made with Node-API directly.
 //!
 //! Through napi-rs, a call paid for its per-call bookkeeping (a borrow scope with two
 //! allocations, thread-local look-ups, a conversion per argument) and, through the engine,
@@ -16,11 +17,11 @@ use std::ptr;
 use std::sync::{Arc, OnceLock};
 
 use futures_util::FutureExt;
-use napi::bindgen_prelude::{Either, Status, ToNapiValue, within_runtime_if_available};
+use napi::bindgen_prelude::{Either3, Status, ToNapiValue, within_runtime_if_available};
 use napi::sys;
 use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
 use tollgate_server::answer::Answer;
-use tollgate_server::engine::{Engine, Named};
+use tollgate_server::engine::{Engine, Named, NamedLimits};
 
 /// What an operation is answered, as one string (one string crosses into JavaScript for
 /// less than an object of three fields does): the HTTP status the server would send (three
@@ -38,8 +39,9 @@ pub(crate) fn reply(answer: Answer) -> String {
     out
 }
 
-/// A decision as a number, or an answer that is not one as its string (see [`function`]).
-pub(crate) type Taken = Either<f64, String>;
+/// A decision as a number, or an answer that is not one as its string (see [`function`]),
+/// or a transaction's numbers (see [`limits_function`]).
+pub(crate) type Taken = Either3<f64, String, Vec<f64>>;
 
 /// The function the answers of the take functions that had to wait come back through, as
 /// `[id, answer]`, on the event loop: one for the limiter, made once (a thread-safe function
@@ -63,6 +65,27 @@ struct Limit {
     named: Arc<Named>,
 }
 
+/// What a middleware's function holds: its limits, its limiter's settler, and the numbers
+/// of its `Float64Array` (see [`limits_function`]), which it holds a reference to.
+struct Limits {
+    settler: Arc<OnceLock<Arc<Settler>>>,
+    named: Arc<NamedLimits>,
+    out: *mut f64,
+    out_ref: sys::napi_ref,
+}
+
+/// What a function made here does when called: a take, with the call's arguments.
+trait Takes {
+    fn take(
+        &self,
+        env: sys::napi_env,
+        argv: &[sys::napi_value; 4],
+    ) -> Result<sys::napi_value, String>;
+
+    /// Lets go of what it holds in JavaScript, as its function is collected.
+    fn release(&self, _env: sys::napi_env) {}
+}
+
 /// A JavaScript value made here, handed to napi-rs as it is.
 pub struct Raw(sys::napi_value);
 
@@ -84,45 +107,81 @@ pub(crate) fn function(
     settler: Arc<OnceLock<Arc<Settler>>>,
     named: Named,
 ) -> napi::Result<Raw> {
-    let limit = Box::into_raw(Box::new(Limit { settler, named: Arc::new(named) }));
+    make(env, c"take", Limit { settler, named: Arc::new(named) })
+}
+
+/// The function `(key, flags, id)` that takes from every limit of `named` at once, all
+/// or nothing, with one key (`flags` 1: a key is given, else none is), and gives its numbers:
+/// the transaction's decision (a number, as [`function`]'s), then per limit its decision, the
+/// tokens it has left and the ms until it is full (NaN, NaN when not known: granted because
+/// the store failed and the limit fails open). Answered now when no I/O was needed: the
+/// numbers are written into `out` (a `Float64Array` of at least `1 + 3 * limits`, given
+/// once, here) and it returns 0; else it returns null, and the numbers come back through the limiter's settler
+/// with `id`, as an array. An error is the answer `run` would give, as its string. Throws a
+/// `TypeError` for an argument of the wrong type (then nothing was taken).
+pub(crate) fn limits_function(
+    env: sys::napi_env,
+    settler: Arc<OnceLock<Arc<Settler>>>,
+    named: NamedLimits,
+    out: sys::napi_value,
+) -> napi::Result<Raw> {
+    let numbers = read_f64s(env, out, 1 + 3 * named.len()).map_err(napi::Error::from_reason)?;
+    let mut out_ref = ptr::null_mut();
+    // SAFETY: `out` is an argument of this call. The reference keeps the array, and so its
+    // numbers, alive (and where they are: an ArrayBuffer's store never moves once made, and
+    // reading it above made it) until the function is collected.
+    if unsafe { sys::napi_create_reference(env, out, 1, &mut out_ref) } != sys::Status::napi_ok {
+        return Err(napi::Error::from_reason("the take function could not hold its numbers"));
+    }
+    let out = numbers.as_mut_ptr();
+    make(env, c"takeAll", Limits { settler, named: Arc::new(named), out, out_ref })
+}
+
+/// A JavaScript function named `name` that calls `data`'s [`Takes::take`].
+fn make<T: Takes>(env: sys::napi_env, name: &std::ffi::CStr, data: T) -> napi::Result<Raw> {
+    let data = Box::into_raw(Box::new(data));
     let mut function = ptr::null_mut();
     // SAFETY: `env` is the env of the call that makes the function; the function's data is
-    // `limit`, which the finalizer added next frees once the function is collected (or
+    // `data`, which the finalizer added next frees once the function is collected (or
     // here, if either call fails).
     unsafe {
         let made = sys::napi_create_function(
             env,
-            c"take".as_ptr(),
-            4,
-            Some(call),
-            limit.cast(),
+            name.as_ptr(),
+            name.count_bytes() as isize,
+            Some(call::<T>),
+            data.cast(),
             &mut function,
         );
         if made != sys::Status::napi_ok
             || sys::napi_add_finalizer(
                 env,
                 function,
-                limit.cast(),
-                Some(finalize),
+                data.cast(),
+                Some(finalize::<T>),
                 ptr::null_mut(),
                 ptr::null_mut(),
             ) != sys::Status::napi_ok
         {
-            drop(Box::from_raw(limit));
-            return Err(napi::Error::from_reason("the limit's take function could not be made"));
+            drop(Box::from_raw(data));
+            return Err(napi::Error::from_reason("the take function could not be made"));
         }
     }
     Ok(Raw(function))
 }
 
-/// Frees a function's [`Limit`] once the function is collected.
-unsafe extern "C" fn finalize(_: sys::napi_env, limit: *mut c_void, _: *mut c_void) {
-    // SAFETY: `limit` is the box `function` made for this function, freed only here.
-    drop(unsafe { Box::from_raw(limit.cast::<Limit>()) });
+/// Frees a function's data once the function is collected.
+unsafe extern "C" fn finalize<T: Takes>(env: sys::napi_env, data: *mut c_void, _: *mut c_void) {
+    // SAFETY: `data` is the box `make` made for this function, freed only here.
+    let data = unsafe { Box::from_raw(data.cast::<T>()) };
+    data.release(env);
 }
 
 /// The function's body: reads the arguments, takes, and makes the answer's value.
-unsafe extern "C" fn call(env: sys::napi_env, info: sys::napi_callback_info) -> sys::napi_value {
+unsafe extern "C" fn call<T: Takes>(
+    env: sys::napi_env,
+    info: sys::napi_callback_info,
+) -> sys::napi_value {
     let mut argc = 4;
     let mut argv = [ptr::null_mut(); 4];
     let mut data = ptr::null_mut();
@@ -133,46 +192,132 @@ unsafe extern "C" fn call(env: sys::napi_env, info: sys::napi_callback_info) -> 
     if status != sys::Status::napi_ok {
         return throw(env, "tollgate: the call's arguments could not be read");
     }
-    // SAFETY: `data` is the `Limit` of this function, alive while the function is.
-    let limit = unsafe { &*data.cast::<Limit>() };
+    // SAFETY: `data` is the `T` of this function, alive while the function is.
+    let data = unsafe { &*data.cast::<T>() };
     // A panic must not unwind into Node: it is thrown as an error instead.
-    match std::panic::catch_unwind(AssertUnwindSafe(|| take(env, limit, &argv))) {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| data.take(env, &argv))) {
         Ok(Ok(value)) => value,
         Ok(Err(message)) => throw(env, &message),
         Err(_) => throw(env, "tollgate: a take failed inside the addon"),
     }
 }
 
-/// A take of `limit` with the arguments `argv` (see [`function`]).
-fn take(
-    env: sys::napi_env,
-    limit: &Limit,
-    argv: &[sys::napi_value; 4],
-) -> Result<sys::napi_value, String> {
-    let flags = read_u32(env, argv[2], "flags")?;
-    let count = if flags & COUNT != 0 { Some(read_f64(env, argv[1], "count")?) } else { None };
-    let (reserve, writes) = (flags & RESERVE != 0, flags & WRITES != 0);
-    let mut key_buf = [0; SHORT];
-    let key = if flags & KEY != 0 { Some(read_str(env, argv[0], &mut key_buf)?) } else { None };
-    let Limit { settler, named } = limit;
-    // The memory store: answered here, the key where it was read.
-    if let Some(taken) = named.take_now(key.as_deref(), count, reserve, writes) {
-        return answer(env, number(taken));
+impl Takes for Limit {
+    /// A take of the limit with the arguments `argv` (see [`function`]).
+    fn take(
+        &self,
+        env: sys::napi_env,
+        argv: &[sys::napi_value; 4],
+    ) -> Result<sys::napi_value, String> {
+        let limit = self;
+        let flags = read_u32(env, argv[2], "flags")?;
+        let count = if flags & COUNT != 0 { Some(read_f64(env, argv[1], "count")?) } else { None };
+        let (reserve, writes) = (flags & RESERVE != 0, flags & WRITES != 0);
+        let mut key_buf = [0; SHORT];
+        let key = if flags & KEY != 0 { Some(read_str(env, argv[0], &mut key_buf)?) } else { None };
+        let Limit { settler, named } = limit;
+        // The memory store: answered here, the key where it was read.
+        if let Some(taken) = named.take_now(key.as_deref(), count, reserve, writes) {
+            return answer(env, number(taken));
+        }
+        let Some(settler) = settler.get().cloned() else {
+            return Err("tollgate: settleWith was not called".to_owned());
+        };
+        let id = read_u32(env, argv[3], "id")?;
+        let (named, key) = (Arc::clone(named), key.map(Cow::into_owned));
+        let mut work =
+            Box::pin(
+                async move { number(named.take(key.as_deref(), count, reserve, writes).await) },
+            );
+        if let Some(taken) = within_runtime_if_available(|| (&mut work).now_or_never()) {
+            return answer(env, taken);
+        }
+        napi::bindgen_prelude::spawn(async move {
+            let taken = work.await;
+            settler.call((id, taken), ThreadsafeFunctionCallMode::NonBlocking);
+        });
+        null(env)
     }
-    let Some(settler) = settler.get().cloned() else {
-        return Err("tollgate: settleWith was not called".to_owned());
+}
+
+impl Takes for Limits {
+    /// A take of every limit with the arguments `argv` (see [`limits_function`]).
+    fn take(
+        &self,
+        env: sys::napi_env,
+        argv: &[sys::napi_value; 4],
+    ) -> Result<sys::napi_value, String> {
+        let flags = read_u32(env, argv[1], "flags")?;
+        let mut key_buf = [0; SHORT];
+        let key = if flags & KEY != 0 { Some(read_str(env, argv[0], &mut key_buf)?) } else { None };
+        let Limits { settler, named, out, .. } = self;
+        let len = 1 + 3 * named.len();
+        // SAFETY: the array's `len` numbers at least (checked when the function was made), held
+        // alive by `out_ref`; only this thread's JavaScript reads them, and not during the call.
+        let out = unsafe { std::slice::from_raw_parts_mut(*out, len) };
+        // The memory store: answered here, the key where it was read, the numbers written
+        // where JavaScript reads them.
+        if let Some(taken) = named.take_now(key.as_deref()) {
+            return match taken {
+                Ok(taken) => {
+                    numbers(&taken, out);
+                    answer(env, Taken::A(0.0))
+                }
+                Err(error) => answer(env, Taken::B(reply(error))),
+            };
+        }
+        let Some(settler) = settler.get().cloned() else {
+            return Err("tollgate: settleWith was not called".to_owned());
+        };
+        let id = read_u32(env, argv[2], "id")?;
+        let (named, key) = (Arc::clone(named), key.map(Cow::into_owned));
+        let mut work = Box::pin(async move { limits_taken(named.take(key.as_deref()).await, len) });
+        // A leased limit's take from its lease needs no I/O.
+        if let Some(taken) = within_runtime_if_available(|| (&mut work).now_or_never()) {
+            if let Taken::C(numbers) = &taken {
+                out[..len].copy_from_slice(numbers);
+                return answer(env, Taken::A(0.0));
+            }
+            return answer(env, taken);
+        }
+        napi::bindgen_prelude::spawn(async move {
+            let taken = work.await;
+            settler.call((id, taken), ThreadsafeFunctionCallMode::NonBlocking);
+        });
+        null(env)
+    }
+
+    fn release(&self, env: sys::napi_env) {
+        // SAFETY: the reference made with the function, deleted only here.
+        unsafe { sys::napi_delete_reference(env, self.out_ref) };
+    }
+}
+
+/// A transaction's outcome as what crosses: its `len` numbers (see [`limits_function`]), or
+/// an error's answer.
+fn limits_taken(taken: Result<tollgate::TransactionTaken, Answer>, len: usize) -> Taken {
+    let taken = match taken {
+        Ok(taken) => taken,
+        Err(answer) => return Taken::B(reply(answer)),
     };
-    let id = read_u32(env, argv[3], "id")?;
-    let (named, key) = (Arc::clone(named), key.map(Cow::into_owned));
-    let mut work =
-        Box::pin(async move { number(named.take(key.as_deref(), count, reserve, writes).await) });
-    if let Some(taken) = within_runtime_if_available(|| (&mut work).now_or_never()) {
-        return answer(env, taken);
+    let mut out = vec![0.0; len];
+    numbers(&taken, &mut out);
+    Taken::C(out)
+}
+
+/// A transaction's numbers (see [`limits_function`]) into `out`.
+fn numbers(taken: &tollgate::TransactionTaken, out: &mut [f64]) {
+    let t = &taken.decision;
+    out[0] = Engine::decision_number(tollgate::Decision { ok: t.ok, retry_after: t.retry_after });
+    for (i, (decision, status)) in t.results.iter().zip(&taken.statuses).enumerate() {
+        out[1 + 3 * i] = Engine::decision_number(*decision);
+        out[2 + 3 * i] = status.remaining;
+        out[3 + 3 * i] = status.reset_after;
     }
-    napi::bindgen_prelude::spawn(async move {
-        let taken = work.await;
-        settler.call((id, taken), ThreadsafeFunctionCallMode::NonBlocking);
-    });
+}
+
+/// JavaScript's null.
+fn null(env: sys::napi_env) -> Result<sys::napi_value, String> {
     let mut null = ptr::null_mut();
     // SAFETY: a value of this call's env.
     unsafe { sys::napi_get_null(env, &mut null) };
@@ -200,6 +345,7 @@ fn answer(env: sys::napi_env, taken: Taken) -> Result<sys::napi_value, String> {
                 text.len() as isize,
                 &mut value,
             ),
+            Taken::C(_) => return Err("tollgate: numbers are not answered now".to_owned()),
         }
     };
     if status != sys::Status::napi_ok {
@@ -232,6 +378,35 @@ fn read_f64(env: sys::napi_env, value: sys::napi_value, what: &str) -> Result<f6
         sys::Status::napi_ok => Ok(out),
         _ => Err(format!("tollgate: {what} must be a number")),
     }
+}
+
+/// The `Float64Array` `value`'s numbers, at least `len` of them, to write into; for as long
+/// as the caller holds the array.
+fn read_f64s<'v>(
+    env: sys::napi_env,
+    value: sys::napi_value,
+    len: usize,
+) -> Result<&'v mut [f64], String> {
+    let (mut kind, mut length, mut data) = (0, 0, ptr::null_mut());
+    // SAFETY: `value` is an argument of this call; the array buffer and offset are not asked.
+    let status = unsafe {
+        sys::napi_get_typedarray_info(
+            env,
+            value,
+            &mut kind,
+            &mut length,
+            &mut data,
+            ptr::null_mut(),
+            ptr::null_mut(),
+        )
+    };
+    if status != sys::Status::napi_ok || kind != sys::TypedarrayType::float64_array || length < len
+    {
+        return Err(format!("tollgate: out must be a Float64Array of {len} numbers at least"));
+    }
+    // SAFETY: `data` points to the array's `length` numbers (past its offset), alive during
+    // this call, which is the only code running on this thread's JavaScript.
+    Ok(unsafe { std::slice::from_raw_parts_mut(data.cast::<f64>(), length) })
 }
 
 /// The bytes of a string argument [`read_str`] reads into the stack; a longer one is read

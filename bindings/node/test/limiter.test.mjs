@@ -473,3 +473,14 @@ test("calls after close() are refused with a TollgateError and take nothing, on 
     await server.stop();
   }
 });
+
+test("a transaction of 2,000 limits answers in process (its body is past the server's 64 KiB)", async () => {
+  const names = Array.from({ length: 2_000 }, (_, i) => `${fresh("many")}-${i}`.padEnd(48, "x"));
+  const limiter = new RateLimiter("memory", Object.fromEntries(names.map((n) => [n, { kind: "token bucket", rate: 1, period: MINUTE }])));
+  const requests = names.map((name) => ({ name, key: "alice" }));
+  assert.ok(JSON.stringify({ limits: requests }).length > 64 * 1024);
+  const taken = await limiter.transaction(requests);
+  assert.equal(taken.ok, true);
+  assert.equal(taken.results.length, 2_000);
+  assert.equal((await limiter.transaction(requests)).ok, false);
+});

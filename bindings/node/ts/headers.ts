@@ -1,6 +1,6 @@
 // The header sets a middleware writes, each in a function of its own and each from a
-// `Decision` only: tollgate's IETF fields (`"ietf"`, as the tower layer writes them: one
-// member per limit), the drafts 6, 7 and 8 as express-rate-limit 8 writes them (6 and 7
+// `Decision` only (tollgate's own IETF fields, `"ietf"`, are ts/middleware.ts's, written as
+// the engine writes them): the drafts 6, 7 and 8 as express-rate-limit 8 writes them (6 and 7
 // carry one limit: the one that binds), and the legacy `X-RateLimit-*` fields.
 
 import { createHash } from "node:crypto";
@@ -25,20 +25,6 @@ export function sfString(name: string): string {
  *  early. */
 export function seconds(ms: number): number {
   return Math.max(0, Math.ceil(ms / 1_000));
-}
-
-/** `RateLimit-Policy` and `RateLimit` with one member per limit: `"name";q=<limit>;w=<s>` and
- *  `"name";r=<remaining, down>;t=<s until full, up>`. `names` are the limits' names, quoted. */
-export function ietfHeaders(decision: Decision, names: readonly string[], out: Record<string, string>): void {
-  let policy = "";
-  let current = "";
-  decision.limits.forEach((l, i) => {
-    const sep = i === 0 ? "" : ", ";
-    policy += `${sep}${names[i]};q=${l.limit};w=${seconds(l.window)}`;
-    current += `${sep}${names[i]};r=${Math.floor(l.remaining)};t=${seconds(l.resetAfter)}`;
-  });
-  out["RateLimit-Policy"] = policy;
-  out["RateLimit"] = current;
 }
 
 /** Draft 6: `RateLimit-Policy: <limit>;w=<s>` and `RateLimit-Limit`, `-Remaining`, `-Reset`

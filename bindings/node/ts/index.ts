@@ -17,9 +17,11 @@ import {
   type LimitOptions,
   type RateLimitConfig,
   type RateLimitResult,
+  type TransactionResult,
 } from "tollgate-client";
 
-import { addon, type NativeLimiter, type NativeTake } from "./native.js";
+import { type Decision, type LimitStatus, type Taking, decisionOfAnswer, policyOf, taking } from "./middleware.js";
+import { addon, type NativeLimiter, type NativeTake, type NativeTakeAll } from "./native.js";
 
 export * from "tollgate-client";
 
@@ -161,7 +163,7 @@ interface Engine {
   /** Set by `close`: an open that ends later does not make the direct path live again. */
   closed?: boolean;
   /** Resolvers of the `take`s whose answers come back through the settler, by id. */
-  waiting: Map<number, (answer: number | string) => void>;
+  waiting: Map<number, (answer: number | string | number[]) => void>;
   nextId: number;
   /** Holds the event loop open, and the engine alive, while answers are awaited (the
    *  settler does neither). */
@@ -173,7 +175,7 @@ interface Engine {
  *  holds it, and a strong hold would keep the engine, its native limiter and the store
  *  alive for as long as the process runs, each limiter ever made. While answers are
  *  awaited, the engine is held by its timer (`hold`). */
-function settler(engine: Engine): (settled: [number, number | string]) => void {
+function settler(engine: Engine): (settled: [number, number | string | number[]]) => void {
   const weak = new WeakRef(engine);
   return ([id, answer]) => {
     const engine = weak.deref();
@@ -299,15 +301,7 @@ function take(
     // Refused by the addon before any work: the general path says why.
     return undefined;
   }
-  if (answered === null) {
-    const waiting = engine!.waiting;
-    // The timer holds the event loop open and the engine alive until the answers are in.
-    const held = engine!;
-    held.hold ??= setInterval(() => held, 2 ** 30);
-    return new Promise<number | string>((resolve) => waiting.set(id, resolve)).then((r) =>
-      result(r, name, throws === true, writes),
-    );
-  }
+  if (answered === null) return settled(engine!, id).then((r) => result(r as number | string, name, throws === true, writes));
   try {
     return Promise.resolve(result(answered, name, throws === true, writes));
   } catch (e) {
@@ -315,17 +309,101 @@ function take(
   }
 }
 
+/** The answer of the take function call `id` that waits, when it comes to the settler. */
+function settled(engine: Engine, id: number): Promise<number | string | number[]> {
+  // The timer holds the event loop open and the engine alive until the answers are in.
+  engine.hold ??= setInterval(() => engine, 2 ** 30);
+  return new Promise((resolve) => engine.waiting.set(id, resolve));
+}
+
+/** The error of an answer's string that is not a decision (see native.ts). */
+function failure(answer: string, writes: boolean): never {
+  const { status, text } = reply(answer);
+  throw answerError(status, text, JSON.parse(text), writes);
+}
+
 /** What `take`'s answer `r` says (see native.ts), as the client's result or error. */
 function result(r: number | string, name: string, throws: boolean, writes: boolean): RateLimitResult {
-  if (typeof r === "string") {
-    const { status, text } = reply(r);
-    throw answerError(status, text, JSON.parse(text), writes);
-  }
+  if (typeof r === "string") failure(r, writes);
   if (r === -1) return { ok: true };
   if (r >= 0) return { ok: true, retryAfter: r };
   const retryAfter = -2 - r;
   if (throws) throw new RateLimitError(name, retryAfter);
   return { ok: false, retryAfter };
+}
+
+/**
+ * A middleware's `Taking` of `limits` on `engine`: through the addon's function for them
+ * (`NativeTakeAll`), no JSON; through the limiter's transaction (`general`) while the engine
+ * is not open, and for a key the addon does not take as it is (the transaction says why).
+ * Throws a TypeError now for a limit the limiter does not define.
+ */
+function limitsTaking(
+  engine: Engine,
+  limits: ReadonlyArray<{ name: string; count?: number }>,
+  general: (key: string | undefined) => Promise<TransactionResult>,
+): Taking {
+  const names = limits.map((l) => l.name);
+  const found = addon().policies(engine.config, names);
+  const missing = found.findIndex((p) => p === null);
+  if (missing >= 0) {
+    const defined = Object.keys((JSON.parse(engine.config) as { limits: object }).limits);
+    throw new TypeError(
+      `limits: ${JSON.stringify(names[missing])} is not a limit of the limiter; it has ${defined.length === 0 ? "none" : defined.map((n) => JSON.stringify(n)).join(", ")} (a limit is defined by new RateLimiter(store, { name: config }))`,
+    );
+  }
+  const policies = new Map(found.map((p, i) => [names[i]!, policyOf(p!.member, p!.capacity)]));
+  const capacities = found.map((p) => p!.capacity);
+  // w of the policy member, in ms.
+  const windows = found.map((p) => Number(p!.member.slice(p!.member.lastIndexOf(";w=") + 3)) * 1_000);
+  const counts = limits.map((l) => l.count ?? null);
+  // In an ArrayBuffer of its own (a small typed array may start in V8's heap, where its
+  // numbers would move): the addon writes the numbers here.
+  const out = new Float64Array(new ArrayBuffer(8 * (1 + 3 * limits.length)));
+  let native: NativeTakeAll | null | undefined;
+  const decisionOf = (n: ArrayLike<number>): Decision => {
+    const statuses = new Array<LimitStatus>(names.length);
+    let refusing = -1;
+    let longest = 0;
+    for (let i = 0; i < names.length; i++) {
+      // A refusal is -2 - its wait (see native.ts); the longest names the answer.
+      const d = n[1 + 3 * i]!;
+      if (d <= -2 && (refusing < 0 || -2 - d > longest)) {
+        refusing = i;
+        longest = -2 - d;
+      }
+      statuses[i] = { name: names[i]!, limit: capacities[i]!, remaining: n[2 + 3 * i]!, resetAfter: n[3 + 3 * i]!, window: windows[i]! };
+    }
+    if (n[0]! > -2) return { ok: true, retryAfter: 0, limits: statuses };
+    return { ok: false, retryAfter: longest, limits: statuses, refusedBy: names[Math.max(refusing, 0)]! };
+  };
+  const capacityOf = new Map(names.map((n, i) => [n, capacities[i]!]));
+  const slow = (key: string | undefined) => general(key).then((r) => decisionOfAnswer(r, limits, policies, capacityOf));
+  const take = (key: string | undefined): Decision | Promise<Decision> => {
+    const ready = engine.ready;
+    if (ready === undefined) return slow(key);
+    if (native === undefined) {
+      try {
+        native = ready.limitsTaker(names, counts, out);
+      } catch {
+        native = null;
+      }
+    }
+    if (native === null) return slow(key);
+    const id = engine.nextId;
+    engine.nextId = (id + 1) % 4_294_967_296;
+    let answered: number | string | null;
+    try {
+      answered = native(key ?? "", key === undefined ? 0 : 1, id);
+    } catch {
+      // Refused by the addon before any work: the general path says why.
+      return slow(key);
+    }
+    if (answered === 0) return decisionOf(out);
+    if (typeof answered === "string") failure(answered, true);
+    return settled(engine, id).then((r) => (typeof r === "string" ? failure(r, true) : decisionOf(r as number[])));
+  };
+  return { take, policies };
 }
 
 /**
@@ -365,6 +443,20 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
   override limit<Name extends string>(name: Name, ...options: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult>;
   override limit(name: string, options?: LimitOptions): Promise<RateLimitResult> {
     return take(engines.get(this), name, options, true) ?? super.limit(name, ...([options] as Args<Limits, string, LimitOptions>));
+  }
+
+  /** A middleware's way to take its limits in this process (ts/middleware.ts), without
+   *  JSON; undefined for a server's limiter, whose middleware takes them by transaction.
+   *  Throws a TypeError for a limit not defined here. */
+  [taking](limits: ReadonlyArray<{ name: string; count?: number }>): Taking | undefined {
+    const engine = engines.get(this);
+    if (engine === undefined) return undefined;
+    const general = (key: string | undefined) =>
+      this.transaction(
+        limits.map((l) => (key === undefined ? l : { ...l, key })),
+        { fields: true },
+      );
+    return limitsTaking(engine, limits, general);
   }
 
   override check<Name extends string>(name: Name, ...options: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult>;

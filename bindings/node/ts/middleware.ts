@@ -7,13 +7,16 @@
 // goes to `onStoreError`, never to the client), `400 {"error"}` without a key; and, as the
 // options of express-rate-limit 8, @fastify/rate-limit 11 and hono-rate-limiter say under
 // their names, otherwise (ts/headers.ts writes the header sets). Every option is checked and
-// resolved once, when the middleware is made (`middleware`); a request pays for its key, the
-// decision and the answer's fields.
+// resolved once, when the middleware is made (`middleware`), its limits included: an
+// in-process limiter takes them through a function of the addon made for the middleware (no
+// JSON), a server's through its transaction. A request pays for its key, the take and the
+// answer's fields.
 
 import {
   TollgateError,
   type LimitName,
   type RateLimiter as Client,
+  type RateLimitConfig,
   type TransactionOptions,
   type TransactionRequest,
   type TransactionResult,
@@ -23,7 +26,6 @@ import {
   draft6Headers,
   draft7Headers,
   draft8Headers,
-  ietfHeaders,
   legacyHeaders,
   seconds,
   sfString,
@@ -37,23 +39,63 @@ export type { StandardHeaders } from "./headers.js";
 
 /** One limit's numbers in a middleware's decision (ms where a time). */
 export interface LimitStatus {
+  /** The limit's name. */
   name: string;
+  /** Its capacity: the most tokens it holds (a fixed window's rate). */
   limit: number;
+  /** The tokens it has left (after this request, if it was admitted): the `r` of its
+   *  `RateLimit` member. NaN when not known (granted because the store failed and the limit
+   *  fails open); over a server, whole tokens. */
   remaining: number;
+  /** The ms until it is full again: the `t` of its `RateLimit` member. NaN when not known;
+   *  over a server, whole seconds. */
   resetAfter: number;
+  /** Its window: the `w` of its `RateLimit-Policy` member, in ms. */
   window: number;
 }
 
 /** A middleware's decision, whatever the door. */
 export interface Decision {
+  /** Whether every limit admitted the request (then all were taken, else none). */
   ok: boolean;
+  /** When refused, the ms until the limit that refused it longest admits it; else 0. */
   retryAfter: number;
+  /** The limits' numbers, in the middleware's order (over a server, those its header fields
+   *  list: the 8 tightest of more). */
   limits: LimitStatus[];
+  /** When refused, the name of the limit that refused it longest (the one a 429 names). */
+  refusedBy?: string;
 }
+
+/** How a middleware takes its limits for a request's key (`undefined`: no key, the
+ *  `"global"` key's), made once per middleware by its limiter's door. */
+export type Take = (key: string | undefined) => Decision | Promise<Decision>;
+
+/** A limit's IETF header fields: its `RateLimit-Policy` member (`"name";q=10;w=60`), its
+ *  name as the fields quote it, and its capacity (which ranks how tight it is). */
+export interface Policy {
+  member: string;
+  quoted: string;
+  capacity: number;
+}
+
+/** What a limiter's door makes for one middleware: its take, and the policy of each limit
+ *  by name (a server's come with its answers). */
+export interface Taking {
+  take: Take;
+  policies: Map<string, Policy>;
+}
+
+/** The method of an in-process limiter (ts/index.ts) that makes a middleware's `Taking` for
+ *  its limits, or throws a TypeError naming a limit it does not define. */
+export const taking: unique symbol = Symbol("tollgate.taking");
 
 /** What the middleware needs of a limiter: in-process (`{ store }`) or a server's (`{ url }`). */
 export interface Transacting {
   transaction(requests: ReadonlyArray<TransactionRequest<string>>, options?: TransactionOptions): Promise<TransactionResult>;
+  /** A server's limits, to check the middleware's names against. */
+  getServerLimits?(): Promise<Record<string, RateLimitConfig>>;
+  [taking]?(limits: ReadonlyArray<{ name: string; count?: number }>): Taking | undefined;
   /** Gives tokens back (a negative count), for `skipFailedRequests` and `skipSuccessfulRequests`. */
   adjust(name: string, options: { key?: string; count: number }): Promise<unknown>;
 }
@@ -219,6 +261,10 @@ const GLOBAL = Symbol("global");
 export interface Middleware<Req, Res = never> {
   limiter: Transacting;
   limits: Array<{ name: string; count?: number }>;
+  /** Takes the limits for a key. */
+  take: Take;
+  /** The limits' policies, by name, for the IETF fields. */
+  policies: Map<string, Policy>;
   /** What each limit takes of a request (its count, default 1). */
   counts: number[];
   key(request: Req, view: RequestView): Key | Promise<Key>;
@@ -298,6 +344,8 @@ export function middleware<Req, Res = never>(
   }
   const limits = limitsOf(options.limits);
   const first = limits[0]!.name;
+  // In-process: the limiter checks the names now (a TypeError), and takes without JSON.
+  const { take, policies } = options.limiter[taking]?.(limits) ?? transactionTaking(options.limiter, limits);
   const source = options.key ?? "ip";
   const subnet = ipv6SubnetOf(options.ipv6Subnet);
   let key: Middleware<Req>["key"];
@@ -346,6 +394,8 @@ export function middleware<Req, Res = never>(
   return {
     limiter: options.limiter,
     limits,
+    take,
+    policies,
     counts: limits.map((l) => l.count ?? 1),
     key,
     noKey,
@@ -356,7 +406,7 @@ export function middleware<Req, Res = never>(
     statusCode,
     message,
     requestPropertyName,
-    headers: headersOf(options, limits),
+    headers: headersOf(options, limits, policies),
     passOnStoreError,
     giveBack: failed || successful ? { failed, successful } : undefined,
     undefinedName,
@@ -423,6 +473,7 @@ function optionalFunction<F>(options: object, name: string, shape: string): F | 
 function headersOf<Req>(
   options: MiddlewareOptions<Req, Transacting, never>,
   limits: ReadonlyArray<{ name: string; count?: number }>,
+  policies: Map<string, Policy>,
 ): Middleware<Req>["headers"] {
   const given = options.standardHeaders ?? "ietf";
   const standard = given === true ? "draft-6" : given;
@@ -446,9 +497,10 @@ function headersOf<Req>(
   const counts = limits.map((l) => l.count ?? 1);
   const any = standard !== false || legacy;
   return (decision, key, request, out) => {
-    if (decision.limits.length === 0) return;
+    // No numbers (a limit granted because the store failed and it fails open): no fields.
+    if (decision.limits.length === 0 || decision.limits.some((l) => Number.isNaN(l.remaining))) return;
     const binding = decision.limits[bindingOf(decision, counts)]!;
-    if (standard === "ietf") ietfHeaders(decision, names, out);
+    if (standard === "ietf") Object.assign(out, ietfFields(decision, policies));
     else if (standard === "draft-6") draft6Headers(binding, out);
     else if (standard === "draft-7") draft7Headers(binding, out);
     else if (standard === "draft-8") {
@@ -555,98 +607,118 @@ function json(body: unknown): string {
 }
 
 /**
- * The members of an IETF field as tollgate writes them (`"name";a=1;b=2, "other";a=3`): each
- * member's numeric parameters, in order. The names are skipped as structured field strings,
- * so a name holding `,` or `;` is read right.
- */
-function members(field: string): Array<Record<string, number>> {
-  const out: Array<Record<string, number>> = [];
-  let i = 0;
-  while (i < field.length) {
-    while (field[i] === " " || field[i] === ",") i++;
-    if (field[i] !== '"') break;
-    for (i++; i < field.length && field[i] !== '"'; i++) if (field[i] === "\\") i++;
-    i++;
-    const params: Record<string, number> = {};
-    while (field[i] === ";") {
-      const end = field.slice(i + 1).search(/[;,]/);
-      const param = end < 0 ? field.slice(i + 1) : field.slice(i + 1, i + 1 + end);
-      const eq = param.indexOf("=");
-      params[param.slice(0, eq).trim()] = Number(param.slice(eq + 1));
-      i += 1 + param.length;
-    }
-    out.push(params);
-  }
-  return out;
-}
-
-/**
- * Takes `requests` and answers the middleware's decision: today through `transaction` with
- * the header fields, read back from them (so `remaining` is whole and the times whole
- * seconds, as the fields write them). The one place that asks the limiter for a decision.
+ * Takes `requests` through `transaction` with the header fields, read back from them (so
+ * `remaining` is whole and the times whole seconds, as the fields write them): for a caller
+ * with a config of its own (`TollgateStore`); the middleware takes through `Middleware.take`.
  */
 export async function decisionOf(limiter: Transacting, requests: ReadonlyArray<TransactionRequest<string>>): Promise<Decision> {
-  const result = await limiter.transaction(requests, { fields: true });
-  const policy = members(result.fields?.["ratelimit-policy"] ?? "");
-  const status = members(result.fields?.ratelimit ?? "");
-  const limits = requests.map((r, i) => ({
-    name: r.name,
-    limit: policy[i]?.q ?? 0,
-    remaining: status[i]?.r ?? 0,
-    resetAfter: (status[i]?.t ?? 0) * 1_000,
-    window: (policy[i]?.w ?? 0) * 1_000,
-  }));
-  // On a refusal, the wait of the refusal that waits longest.
-  let retryAfter = 0;
-  if (!result.ok) for (const r of result.results) if (!r.ok) retryAfter = Math.max(retryAfter, r.retryAfter ?? 0);
-  return { ok: result.ok, retryAfter, limits };
+  return decisionOfAnswer(await limiter.transaction(requests, { fields: true }), requests, new Map());
 }
 
 /** The answer of a request that passes untouched (skipped, or a store that failed with
  *  `passOnStoreError`): nothing written. */
 const UNTOUCHED: Verdict = Object.freeze({ pass: true, status: 200, headers: Object.freeze({}) }) as Verdict;
 
-/** Takes the request's limits and says how to answer it. */
-export async function decide<Req, Res>(m: Middleware<Req, Res>, request: Req, response: Res, view: RequestView): Promise<Verdict> {
-  if (m.skip !== undefined && (await m.skip(request, response))) return UNTOUCHED;
-  const key = await m.key(request, view);
+/** Whether `value` is a promise or another thenable, as `await` would take it. */
+function isThenable<T>(value: T | PromiseLike<T>): value is PromiseLike<T> {
+  return typeof (value as PromiseLike<T> | undefined)?.then === "function";
+}
+
+/** Takes the request's limits and says how to answer it. Not an `async` function: where the
+ *  options, the key and the decision are at hand (a key from the request, the memory store, a
+ *  lease), the verdict is made without a turn of the microtask queue per step. */
+export function decide<Req, Res>(m: Middleware<Req, Res>, request: Req, response: Res, view: RequestView): Promise<Verdict> {
+  try {
+    if (m.skip !== undefined) {
+      const skipped = m.skip(request, response);
+      if (isThenable(skipped)) return Promise.resolve(skipped).then((s) => (s ? UNTOUCHED : unskipped(m, request, view)));
+      if (skipped) return Promise.resolve(UNTOUCHED);
+    }
+    return unskipped(m, request, view);
+  } catch (e) {
+    return Promise.reject(e);
+  }
+}
+
+/** `decide` past `skip`. */
+function unskipped<Req, Res>(m: Middleware<Req, Res>, request: Req, view: RequestView): Promise<Verdict> {
+  const key = m.key(request, view);
+  if (isThenable(key)) return Promise.resolve(key).then((k) => keyed(m, request, view, k));
+  return keyed(m, request, view, key);
+}
+
+/** `decide` once the key is known. */
+function keyed<Req, Res>(m: Middleware<Req, Res>, request: Req, view: RequestView, key: Key): Promise<Verdict> {
   if (key === undefined || key === null || key === "") {
-    return (m.unixSocket && view.ip === undefined && m.unixSocket(view.socket)) || { pass: false, status: 400, headers: {}, body: m.noKey };
+    return Promise.resolve((m.unixSocket && view.ip === undefined && m.unixSocket(view.socket)) || { pass: false, status: 400, headers: {}, body: m.noKey });
   }
   if (key !== GLOBAL && typeof key !== "string") {
-    throw new TypeError(`Rate limit ${m.limits[0]!.name}: the key function returned ${String(key)}, not a string`);
+    return Promise.reject(new TypeError(`Rate limit ${m.limits[0]!.name}: the key function returned ${String(key)}, not a string`));
   }
   const given = key === GLOBAL ? undefined : (key as string);
-  if (m.allow !== undefined && (await m.allow(request, given))) return UNTOUCHED;
-  let decision: Decision;
-  try {
-    decision = await decisionOf(m.limiter, given === undefined ? m.limits : m.limits.map((l) => ({ ...l, key: given })));
-  } catch (e) {
-    // The limiter's checks refused the request's key (a lone surrogate, say): the request's
-    // own fault, answered 400 like a key that is missing; nothing was taken.
-    if (e instanceof TypeError) return { pass: false, status: 400, headers: {}, body: json({ error: e.message }) };
-    if (e instanceof TollgateError && e.status === 404) {
-      // A limit not defined: the app's configuration, said in the log; not the client's fault.
-      const name = m.limits.find((l) => e.message.includes(`Rate limit ${l.name} `))?.name ?? m.limits[0]!.name;
-      m.undefinedName(name);
-      return { pass: false, status: 500, headers: {}, body: json({ error: `Rate limit ${name} is not defined.` }) };
-    }
-    if (e instanceof TollgateError && e.status !== undefined && e.status < 500 && e.status !== 429) {
-      return { pass: false, status: e.status, headers: {}, body: json({ error: e.message }) };
-    }
-    const mayHaveTaken = e instanceof TollgateError ? e.mayHaveTaken : true;
-    tell(m, e, request);
-    if (m.passOnStoreError) return UNTOUCHED;
-    return { pass: false, status: 503, headers: {}, body: UNAVAILABLE[`${mayHaveTaken}`] };
+  if (m.allow !== undefined) {
+    const allowed = m.allow(request, given);
+    if (isThenable(allowed)) return Promise.resolve(allowed).then((a) => (a ? UNTOUCHED : taken(m, request, given)));
+    if (allowed) return Promise.resolve(UNTOUCHED);
   }
+  return taken(m, request, given);
+}
+
+/** `decide` once the request is to be taken: its limits taken for `given`. */
+function taken<Req, Res>(m: Middleware<Req, Res>, request: Req, given: string | undefined): Promise<Verdict> {
+  let decision: Decision | Promise<Decision>;
+  try {
+    decision = m.take(given);
+  } catch (e) {
+    return new Promise((resolve) => resolve(failed(m, request, e)));
+  }
+  if (decision instanceof Promise) {
+    return decision.then(
+      (d) => verdictOf(m, d, given, request),
+      (e: unknown) => failed(m, request, e),
+    );
+  }
+  return Promise.resolve(verdictOf(m, decision, given, request));
+}
+
+/** The answer to a request whose limits were not taken because of `e`. */
+function failed<Req, Res>(m: Middleware<Req, Res>, request: Req, e: unknown): Verdict {
+  // A limit the server does not define (or, from an older server, its 404): the app's
+  // configuration, said in the log; not the client's fault.
+  const notDefined =
+    e instanceof NotDefined
+      ? m.limits.find((l) => e.message.includes(JSON.stringify(l.name)))?.name
+      : e instanceof TollgateError && e.status === 404
+        ? (m.limits.find((l) => e.message.includes(`Rate limit ${l.name} `))?.name ?? m.limits[0]!.name)
+        : undefined;
+  if (notDefined !== undefined || e instanceof NotDefined) {
+    const name = notDefined ?? m.limits[0]!.name;
+    m.undefinedName(name);
+    return { pass: false, status: 500, headers: {}, body: json({ error: `Rate limit ${name} is not defined.` }) };
+  }
+  // The limiter's checks refused the request's key (a lone surrogate, say): the request's
+  // own fault, answered 400 like a key that is missing; nothing was taken.
+  if (e instanceof TypeError) return { pass: false, status: 400, headers: {}, body: json({ error: e.message }) };
+  if (e instanceof TollgateError && e.status !== undefined && e.status < 500 && e.status !== 429) {
+    return { pass: false, status: e.status, headers: {}, body: json({ error: e.message }) };
+  }
+  const mayHaveTaken = e instanceof TollgateError ? e.mayHaveTaken : true;
+  tell(m, e, request);
+  if (m.passOnStoreError) return UNTOUCHED;
+  return { pass: false, status: 503, headers: {}, body: UNAVAILABLE[`${mayHaveTaken}`] };
+}
+
+/** The answer to a request whose limits decided `decision`. */
+function verdictOf<Req, Res>(m: Middleware<Req, Res>, decision: Decision, given: string | undefined, request: Req): Verdict {
   const headers: Record<string, string> = {};
   m.headers(decision, given, request, headers);
-  const binding = bindingOf(decision, m.counts);
-  const info = infoOf(decision, binding, given);
+  const known = decision.limits.length > 0 && !decision.limits.some((l) => Number.isNaN(l.remaining));
+  const binding = known ? bindingOf(decision, m.counts) : 0;
+  const info = known ? infoOf(decision, binding, given) : undefined;
   if (decision.ok) {
-    return { pass: true, status: 200, headers, info, settle: m.giveBack && settler(m, decision, given, request) };
+    return { pass: true, status: 200, headers, info, settle: known && m.giveBack ? settler(m, decision, given, request) : undefined };
   }
-  const name = m.limits[binding]!.name;
+  const name = decision.refusedBy ?? m.limits[binding]!.name;
   return {
     pass: false,
     status: m.statusCode,
@@ -753,4 +825,188 @@ export function settleWhenOver<Req, Res>(
   response.once("close", () => {
     if (!response.writableEnded) settle(false);
   });
+}
+
+/** The most members each IETF field lists (as the engine's, crates/server/src/fields.rs). */
+const MAX_MEMBERS = 8;
+/** The most bytes each IETF field may take (as the engine's). */
+const MAX_FIELD_BYTES = 1024;
+
+/**
+ * `RateLimit-Policy` and `RateLimit` of `decision`, as the engine writes them
+ * (crates/server/src/fields.rs): every limit when they fit, else the tightest that fit;
+ * none when a limit's numbers are not known.
+ */
+function ietfFields(decision: Decision, policies: Map<string, Policy>): Record<string, string> {
+  const limits = decision.limits;
+  if (limits.length === 1) {
+    // The usual middleware: one limit.
+    const policy = policies.get(limits[0]!.name);
+    const status = policy && statusMember(policy, limits[0]!);
+    return status === undefined ? {} : { "RateLimit-Policy": policy!.member, RateLimit: status };
+  }
+  const members: Array<{ policy: Policy; status: string; left: number }> = [];
+  for (const l of limits) {
+    const policy = policies.get(l.name);
+    const status = policy && statusMember(policy, l);
+    if (status === undefined) return {};
+    members.push({ policy: policy!, status, left: l.remaining / policy!.capacity });
+  }
+  if (members.length === 0) return {};
+  const bytes = (i: number): [number, number] => [members[i]!.policy.member.length + 2, members[i]!.status.length + 2];
+  let kept = members.map((_, i) => i);
+  const [p, s] = kept.map(bytes).reduce(([p, s], [dp, ds]) => [p + dp, s + ds], [0, 0]);
+  if (members.length > MAX_MEMBERS || Math.max(p, s) > MAX_FIELD_BYTES + 2) {
+    // The least left of capacity first (a refused limit has 0 left), then the order given;
+    // the first always fits.
+    kept.sort((a, b) => members[a]!.left - members[b]!.left || a - b);
+    const chosen: number[] = [];
+    let [cp, cs] = [0, 0];
+    for (const i of kept) {
+      if (chosen.length === MAX_MEMBERS) break;
+      const [dp, ds] = bytes(i);
+      if (chosen.length > 0 && Math.max(cp + dp, cs + ds) > MAX_FIELD_BYTES + 2) continue;
+      [cp, cs] = [cp + dp, cs + ds];
+      chosen.push(i);
+    }
+    kept = chosen.sort((a, b) => a - b);
+  }
+  return {
+    "RateLimit-Policy": kept.map((i) => members[i]!.policy.member).join(", "),
+    RateLimit: kept.map((i) => members[i]!.status).join(", "),
+  };
+}
+
+/** A limit's member of `RateLimit`: `"name";r=<tokens left, down>;t=<s until full, up>`;
+ *  undefined when its numbers are not known. */
+function statusMember(policy: Policy, l: LimitStatus): string | undefined {
+  if (Number.isNaN(l.remaining) || Number.isNaN(l.resetAfter)) return undefined;
+  return `${policy.quoted};r=${Math.max(0, Math.floor(l.remaining))};t=${Math.max(0, Math.ceil(l.resetAfter / 1_000))}`;
+}
+
+/** A limit the server does not define, found at a middleware's first request. */
+class NotDefined extends TypeError {}
+
+/** `member`'s name as the fields quote it: the part before its `;q=`. */
+export function policyOf(member: string, capacity: number): Policy {
+  return { member, quoted: member.slice(0, member.lastIndexOf(";q=")), capacity };
+}
+
+/**
+ * A door's `Taking` through its transaction with header fields: a server's, or any
+ * `Transacting`. The names are checked against the server's limits (`GET /v1/config`) at
+ * the first request rather than when the middleware is made: making one is synchronous
+ * (`app.use(rateLimit(...))`), and the server may not be up yet when the app starts. An
+ * undefined name is the app's error at each request (500, with the names the server
+ * defines); the check is made again a second later, as the server's config may be reloaded.
+ * The numbers are those of the answer's header fields: whole tokens and seconds, and of more
+ * than 8 limits the tightest.
+ */
+function transactionTaking(limiter: Transacting, limits: ReadonlyArray<{ name: string; count?: number }>): Taking {
+  const policies = new Map<string, Policy>();
+  const capacities = new Map<string, number>();
+  let checked: { done: boolean; at: number; error?: NotDefined; pending?: Promise<void> } = { done: false, at: -Infinity };
+  const check = async (): Promise<void> => {
+    const defined = await limiter.getServerLimits!();
+    const missing = limits.find((l) => !Object.hasOwn(defined, l.name));
+    if (missing !== undefined) {
+      const names = Object.keys(defined);
+      throw new NotDefined(
+        `rate limit ${JSON.stringify(missing.name)} is not defined by the server; it defines ${names.length === 0 ? "none" : names.map((n) => JSON.stringify(n)).join(", ")}`,
+      );
+    }
+    for (const l of limits) {
+      const capacity = (defined[l.name] as { capacity?: unknown }).capacity;
+      if (typeof capacity === "number") capacities.set(l.name, capacity);
+    }
+  };
+  const resolved = async (): Promise<void> => {
+    if (checked.done || typeof limiter.getServerLimits !== "function") return;
+    if (checked.error !== undefined && Date.now() - checked.at < 1_000) throw checked.error;
+    checked.pending ??= check().then(
+      () => void (checked = { done: true, at: Date.now() }),
+      (e: unknown) => {
+        // The server not reached: the transaction says so; checked at the next request.
+        checked = e instanceof NotDefined ? { done: false, at: Date.now(), error: e } : { done: false, at: -Infinity };
+      },
+    );
+    await checked.pending;
+    if (checked.error !== undefined) throw checked.error;
+  };
+  const take = async (key: string | undefined): Promise<Decision> => {
+    await resolved();
+    const requests = key === undefined ? limits : limits.map((l) => ({ ...l, key }));
+    const result = await limiter.transaction(requests, { fields: true });
+    return decisionOfAnswer(result, limits, policies, capacities);
+  };
+  return { take, policies };
+}
+
+/** A transaction's result with its header fields as a `Decision`; the policies of the
+ *  fields into `policies`. */
+export function decisionOfAnswer(
+  result: TransactionResult,
+  limits: ReadonlyArray<{ name: string }>,
+  policies: Map<string, Policy>,
+  capacities?: Map<string, number>,
+): Decision {
+  const listed = new Map<string, LimitStatus>();
+  const fields = result.fields ?? {};
+  const members = (field: string | undefined) => (field === undefined ? [] : sfMembers(field));
+  const statuses = new Map(members(fields["ratelimit"]).map((m) => [m.name, m]));
+  for (const m of members(fields["ratelimit-policy"])) {
+    const status = statuses.get(m.name);
+    const q = Number(m.params.q);
+    if (!policies.has(m.name)) policies.set(m.name, policyOf(m.text, capacities?.get(m.name) ?? q));
+    if (status === undefined) continue;
+    listed.set(m.name, {
+      name: m.name,
+      limit: capacities?.get(m.name) ?? q,
+      remaining: Number(status.params.r),
+      resetAfter: Number(status.params.t) * 1_000,
+      window: Number(m.params.w) * 1_000,
+    });
+  }
+  const decision: Decision = { ok: result.ok, retryAfter: 0, limits: [] };
+  for (const l of limits) {
+    const status = listed.get(l.name);
+    if (status !== undefined) decision.limits.push(status);
+  }
+  if (!result.ok) {
+    // The refusal that waits longest names the answer, as the tower layer's does.
+    let refusing = -1;
+    result.results.forEach((r, i) => {
+      if (!r.ok && (refusing < 0 || (r.retryAfter ?? 0) > (result.results[refusing]!.retryAfter ?? 0))) refusing = i;
+    });
+    const wait = refusing < 0 ? undefined : result.results[refusing]!.retryAfter;
+    decision.retryAfter = wait ?? result.retryAfter ?? 0;
+    decision.refusedBy = limits[Math.max(refusing, 0)]!.name;
+  }
+  return decision;
+}
+
+/** The members of a structured field's list of strings with parameters
+ *  (`"a";q=10;w=60, "b";r=1;t=6`): each member's name (unescaped), its parameters and its
+ *  text as written. */
+function sfMembers(field: string): Array<{ name: string; params: Record<string, string>; text: string }> {
+  const out: Array<{ name: string; params: Record<string, string>; text: string }> = [];
+  let i = 0;
+  while (i < field.length) {
+    while (field[i] === " " || field[i] === ",") i++;
+    if (field[i] !== '"') break;
+    const start = i;
+    let name = "";
+    for (i++; i < field.length && field[i] !== '"'; i++) name += field[i] === "\\" ? field[++i] : field[i];
+    i++;
+    const params: Record<string, string> = {};
+    while (field[i] === ";") {
+      const end = [field.indexOf(";", i + 1), field.indexOf(",", i + 1)].filter((e) => e >= 0);
+      const stop = end.length === 0 ? field.length : Math.min(...end);
+      const [k, v] = field.slice(i + 1, stop).split("=");
+      params[k!.trim()] = (v ?? "").trim();
+      i = stop;
+    }
+    out.push({ name, params, text: field.slice(start, i) });
+  }
+  return out;
 }

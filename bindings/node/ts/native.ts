@@ -15,9 +15,13 @@ export interface NativeLimiter {
    *  `count` is), 4 reserve, 8 writes. Throws a TypeError for an argument of the wrong type
    *  (nothing taken). */
   taker(name: string): NativeTake | null;
+  /** The function that takes from every limit of `names` at once, all or nothing, with one
+   *  key (`counts[i]` tokens from `names[i]`, 1 where null), or null if a name is not
+   *  defined: see `NativeTakeAll`. */
+  limitsTaker(names: string[], counts: Array<number | null>, out: Float64Array): NativeTakeAll | null;
   /** Where the answers of the take functions that waited come back, as [id, answer]; once
    *  per limiter. */
-  settleWith(settler: (settled: [number, number | string]) => void): void;
+  settleWith(settler: (settled: [number, number | string | number[]]) => void): void;
   time(): Promise<string>;
   config(): string;
   close(): Promise<void>;
@@ -26,8 +30,29 @@ export interface NativeLimiter {
 /** A limit's take function (see `NativeLimiter.taker`). */
 export type NativeTake = (key: string, count: number, flags: number, id: number) => number | string | null;
 
+/**
+ * A middleware's take function (see `NativeLimiter.limitsTaker`): `flags` 1 when a key is
+ * given (else `key` is ignored). Its numbers are the transaction's decision (a number, as a
+ * `NativeTake`'s), then per limit its decision, the tokens it has left and the ms until it is
+ * full (both NaN when not known: granted because the store failed and the limit fails open).
+ * Answered now when no I/O was needed: the numbers are written into the `out` given to
+ * `limitsTaker` (at least `1 + 3 * limits` of them) and it returns 0; else null, and the numbers come to the settler
+ * with `id`, as an array. An error is the answer's string. Throws a TypeError for an argument
+ * of the wrong type (nothing taken).
+ */
+export type NativeTakeAll = (key: string, flags: number, id: number) => number | string | null;
+
+/** A limit's header fields as the engine writes them: its `RateLimit-Policy` member
+ *  (`"name";q=10;w=60`) and its capacity. */
+export interface NativePolicy {
+  member: string;
+  capacity: number;
+}
+
 interface Addon {
   validate(config: string): void;
+  /** The policy of each limit of `config` named in `names`, null for a name not defined. */
+  policies(config: string, names: string[]): Array<NativePolicy | null>;
   open(config: string): Promise<NativeLimiter>;
 }
 
