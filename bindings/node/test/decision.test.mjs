@@ -36,7 +36,7 @@ for (const [label, store] of stores()) {
       const transaction = limiter.transaction.bind(limiter);
       limiter.transaction = () => Promise.reject(new Error("the middleware went the JSON path"));
       for (let i = 0; i < 4; i++) {
-        const verdict = await decide(m, undefined, asUser("{alice}"));
+        const verdict = await decide(m, undefined, undefined, asUser("{alice}"));
         const reference = await transaction([{ name: a, key: "{bob}" }, { name: b, count: 2, key: "{bob}" }], { fields: true });
         assert.equal(verdict.pass, reference.ok, `${label} ${i}: ${verdict.body}`);
         assert.deepEqual(verdict.headers, engineFields(reference), `${label} ${i}`);
@@ -49,7 +49,7 @@ for (const [label, store] of stores()) {
           assert.match(verdict.headers.RateLimit, new RegExp(`^"${a}";r=1;t=12, "${b}";r=1;t=24$`));
         }
       }
-      assert.deepEqual((await decide(m, undefined, asUser("{carol}"))).headers.RateLimit, `"${a}";r=2;t=6, "${b}";r=3;t=12`);
+      assert.deepEqual((await decide(m, undefined, undefined, asUser("{carol}"))).headers.RateLimit, `"${a}";r=2;t=6, "${b}";r=3;t=12`);
     } finally {
       await limiter.close();
     }
@@ -61,7 +61,7 @@ for (const [label, store] of stores()) {
     try {
       const m = middleware({ limiter, limits: name, key: "global" }, framework);
       await limiter.getServerTime();
-      const verdicts = await Promise.all(Array.from({ length: 20 }, () => decide(m, undefined, asUser(undefined))));
+      const verdicts = await Promise.all(Array.from({ length: 20 }, () => decide(m, undefined, undefined, asUser(undefined))));
       assert.equal(verdicts.filter((v) => v.pass).length, 5, verdicts.map((v) => v.status).join(" "));
       assert.ok(verdicts.every((v) => v.pass || v.status === 429), verdicts.map((v) => v.body).join(" "));
     } finally {
@@ -80,7 +80,7 @@ for (const [label, store] of stores().filter(([label]) => label === "redis" || l
       const transaction = limiter.transaction.bind(limiter);
       limiter.transaction = () => Promise.reject(new Error("the middleware went the JSON path"));
       const verdicts = [];
-      for (let i = 0; i < 30; i++) verdicts.push(await decide(m, undefined, asUser("hot")));
+      for (let i = 0; i < 30; i++) verdicts.push(await decide(m, undefined, undefined, asUser("hot")));
       assert.equal(verdicts.filter((v) => v.pass).length, 20, verdicts.map((v) => v.status).join(" "));
       assert.equal(verdicts.at(-1).status, 429);
       // The fields are those of the engine (its leased limit's own numbers).
@@ -99,15 +99,25 @@ test("over a server: the transaction, 20 requests at once against 5 admit exactl
   const limiter = new RateLimiter({ url: server.url });
   try {
     const m = middleware({ limiter, limits: name, key: { header: "x-user" } }, framework);
-    const verdicts = await Promise.all(Array.from({ length: 20 }, () => decide(m, undefined, asUser("dave"))));
+    const verdicts = await Promise.all(Array.from({ length: 20 }, () => decide(m, undefined, undefined, asUser("dave"))));
     assert.equal(verdicts.filter((v) => v.pass).length, 5);
     const reference = await limiter.transaction([{ name, key: "dave" }], { fields: true });
-    const last = await decide(m, undefined, asUser("dave"));
+    const last = await decide(m, undefined, undefined, asUser("dave"));
     assert.deepEqual(last.headers, engineFields(reference));
     // A limit the server does not define: the app's error at the request, naming the ones it does.
     const misspelled = middleware({ limiter, limits: `${name}x` }, framework);
     const view = { ip: "192.0.2.1", header: () => undefined };
-    await assert.rejects(decide(misspelled, undefined, view), new RegExp(`"${name}x" is not defined by the server; it defines "${name}"`));
+    const said = [];
+    const error = console.error;
+    console.error = (line) => said.push(line);
+    try {
+      const verdict = await decide(misspelled, undefined, undefined, view);
+      assert.equal(verdict.status, 500);
+      assert.deepEqual(JSON.parse(verdict.body), { error: `Rate limit ${name}x is not defined.` });
+    } finally {
+      console.error = error;
+    }
+    assert.match(said.join("\n"), new RegExp(`takes "${name}x", which the limiter does not define`));
   } finally {
     await limiter.close();
     await server.stop();
@@ -130,7 +140,7 @@ test("a limit that fails open: granted while the store is down, without fields i
   try {
     const m = middleware({ limiter, limits: name, key: { header: "x-user" } }, framework);
     await limiter.getServerTime().catch(() => {});
-    const verdict = await decide(m, undefined, asUser("erin"));
+    const verdict = await decide(m, undefined, undefined, asUser("erin"));
     assert.equal(verdict.pass, true, verdict.body);
     assert.deepEqual(verdict.headers, {});
   } finally {

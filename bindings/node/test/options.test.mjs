@@ -445,14 +445,23 @@ test("TollgateStore: a limit function, limit 0, skipFailedRequests through decre
   assert.throws(() => new TollgateStore({ limiter }).init({ limit: 3 }), /windowMs that is a positive number/);
 });
 
-test("a limit the limiter does not define: said once in the log with the fix, and its requests answered 500, not 404", async () => {
+test("a limit the limiter does not define: in process, an error when the middleware is made; over a server, said once in the log with the fix, and its requests answered 500, not 404", async () => {
   const { name, limiter } = windowOf(1, "defined");
+  for (const framework of frameworks) {
+    await assert.rejects(
+      withApp(framework, { limiter, limits: [name, "perIP"], key: { header: "x-user" } }, async () => {}),
+      new RegExp(`"perIP" is not a limit of the limiter; it has "${name}"`),
+    );
+  }
+  const { startServer } = await import("../../../clients/js/test/server.mjs");
+  const server = await startServer({ config: `[limits.${name}]\nkind = "fixed window"\nrate = 1\nperiod = "1m"\n` });
+  const served = new RateLimiter({ url: server.url });
   const said = [];
   const error = console.error;
   console.error = (line) => said.push(line);
   try {
     for (const framework of frameworks) {
-      await withApp(framework, { limiter, limits: [name, "perIP"], key: { header: "x-user" } }, async (app) => {
+      await withApp(framework, { limiter: served, limits: [name, "perIP"], key: { header: "x-user" } }, async (app) => {
         for (let i = 0; i < 2; i++) {
           const answer = await get(`${app.url}/`, alice);
           assert.equal(answer.status, 500);
@@ -462,9 +471,11 @@ test("a limit the limiter does not define: said once in the log with the fix, an
     }
   } finally {
     console.error = error;
+    await served.close();
+    await server.stop();
   }
   assert.equal(said.length, 3, said.join("\n"));
-  assert.match(said[0], new RegExp(`takes "perIP", which the limiter does not define \\(it defines "${name}"\\).*Define it in the limiter's limits`));
+  assert.match(said[0], /takes "perIP", which the limiter does not define.*Define it in the limiter's limits/);
 });
 
 test("per-route limits: Express's route middleware and Hono's path use, each route its own limit", async () => {

@@ -685,14 +685,13 @@ function taken<Req, Res>(m: Middleware<Req, Res>, request: Req, given: string | 
 function failed<Req, Res>(m: Middleware<Req, Res>, request: Req, e: unknown): Verdict {
   // A limit the server does not define (or, from an older server, its 404): the app's
   // configuration, said in the log; not the client's fault.
-  const notDefined =
+  const name =
     e instanceof NotDefined
-      ? m.limits.find((l) => e.message.includes(JSON.stringify(l.name)))?.name
+      ? e.limit
       : e instanceof TollgateError && e.status === 404
         ? (m.limits.find((l) => e.message.includes(`Rate limit ${l.name} `))?.name ?? m.limits[0]!.name)
         : undefined;
-  if (notDefined !== undefined || e instanceof NotDefined) {
-    const name = notDefined ?? m.limits[0]!.name;
+  if (name !== undefined) {
     m.undefinedName(name);
     return { pass: false, status: 500, headers: {}, body: json({ error: `Rate limit ${name} is not defined.` }) };
   }
@@ -885,7 +884,15 @@ function statusMember(policy: Policy, l: LimitStatus): string | undefined {
 }
 
 /** A limit the server does not define, found at a middleware's first request. */
-class NotDefined extends TypeError {}
+class NotDefined extends TypeError {
+  constructor(
+    message: string,
+    /** The name not defined. */
+    readonly limit: string,
+  ) {
+    super(message);
+  }
+}
 
 /** `member`'s name as the fields quote it: the part before its `;q=`. */
 export function policyOf(member: string, capacity: number): Policy {
@@ -913,6 +920,7 @@ function transactionTaking(limiter: Transacting, limits: ReadonlyArray<{ name: s
       const names = Object.keys(defined);
       throw new NotDefined(
         `rate limit ${JSON.stringify(missing.name)} is not defined by the server; it defines ${names.length === 0 ? "none" : names.map((n) => JSON.stringify(n)).join(", ")}`,
+        missing.name,
       );
     }
     for (const l of limits) {
