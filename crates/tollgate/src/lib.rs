@@ -132,14 +132,22 @@ mod guide {
     struct LibraryMiddleware;
     #[doc = include_str!("../../../docs/src/migrate/convex.md")]
     struct MigrateConvex;
+    #[doc = include_str!("../../../docs/src/migrate/django-ratelimit.md")]
+    struct MigrateDjangoRatelimit;
     #[doc = include_str!("../../../docs/src/migrate/envoy-ratelimit.md")]
     struct MigrateEnvoyRatelimit;
+    #[doc = include_str!("../../../docs/src/migrate/express-rate-limit.md")]
+    struct MigrateExpressRateLimit;
+    #[doc = include_str!("../../../docs/src/migrate/fastify-rate-limit.md")]
+    struct MigrateFastifyRateLimit;
     #[doc = include_str!("../../../docs/src/migrate/governor.md")]
     struct MigrateGovernor;
     #[doc = include_str!("../../../docs/src/migrate/limitador.md")]
     struct MigrateLimitador;
     #[doc = include_str!("../../../docs/src/migrate/redis-cell.md")]
     struct MigrateRedisCell;
+    #[doc = include_str!("../../../docs/src/migrate/slowapi.md")]
+    struct MigrateSlowapi;
     #[doc = include_str!("../../../docs/src/operations/kubernetes.md")]
     struct OperationsKubernetes;
     #[doc = include_str!("../../../docs/src/operations/redis-ha.md")]
