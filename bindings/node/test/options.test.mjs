@@ -478,6 +478,37 @@ test("a limit the limiter does not define: in process, an error when the middlew
   assert.match(said[0], /takes "perIP", which the limiter does not define.*Define it in the limiter's limits/);
 });
 
+test("over a server, nine limits with skipFailedRequests: a failed response gives back what the fields list (the 8 tightest), and nothing throws", async () => {
+  const names = Array.from({ length: 9 }, (_, i) => fresh(`nine${i}`));
+  // The ninth is the roomiest: the fields list the other eight, and it gets nothing back.
+  const config = names.map((n, i) => `[limits.${n}]\nkind = "fixed window"\nrate = ${i < 8 ? 5 : 50}\nperiod = "1m"\n`).join("");
+  const { startServer } = await import("../../../clients/js/test/server.mjs");
+  const server = await startServer({ config });
+  const served = new RateLimiter({ url: server.url });
+  try {
+    for (const framework of frameworks) {
+      const user = { "x-user": `u-${framework}` };
+      await withApp(framework, { limiter: served, limits: names, key: { header: "x-user" }, skipFailedRequests: true }, async (app) => {
+        assert.equal((await get(`${app.url}/fail`, user)).status, 500);
+        assert.equal((await get(`${app.url}/`, user)).status, 200);
+      });
+      // The failed one's tokens came back to the eight listed: each has 4 of 5 left (the
+      // second request's), the ninth 48 of 50.
+      for (let i = 0; i < 9; i++) {
+        const want = i < 8 ? 4 : 48;
+        for (let t = 0; t < 50; t++) {
+          if ((await served.getValue(names[i], { key: user["x-user"] })).value === want) break;
+          await new Promise((r) => setTimeout(r, 20));
+        }
+        assert.equal((await served.getValue(names[i], { key: user["x-user"] })).value, want, `${framework}: ${names[i]}`);
+      }
+    }
+  } finally {
+    await served.close();
+    await server.stop();
+  }
+});
+
 test("per-route limits: Express's route middleware and Hono's path use, each route its own limit", async () => {
   const perIp = fresh("perIp");
   const uploads = fresh("uploads");

@@ -145,7 +145,8 @@ export interface RateLimitInfo {
   resetTime: Date;
   /** The request's key; undefined for `key: "global"`. */
   key: string | undefined;
-  /** Every limit of the middleware, in the order given. */
+  /** Every limit of the middleware, in the order given (over a server, of more than 8 the
+   *  8 tightest, as its header fields list them). */
   limits: LimitStatus[];
 }
 
@@ -265,8 +266,8 @@ export interface Middleware<Req, Res = never> {
   take: Take;
   /** The limits' policies, by name, for the IETF fields. */
   policies: Map<string, Policy>;
-  /** What each limit takes of a request (its count, default 1). */
-  counts: number[];
+  /** What each limit takes of a request (its count, default 1), by name. */
+  countOf: Map<string, number>;
   key(request: Req, view: RequestView): Key | Promise<Key>;
   /** The 400 answer's body for a request without a key. */
   noKey: string;
@@ -396,7 +397,7 @@ export function middleware<Req, Res = never>(
     limits,
     take,
     policies,
-    counts: limits.map((l) => l.count ?? 1),
+    countOf: countsOf(limits),
     key,
     noKey,
     onStoreError,
@@ -494,30 +495,44 @@ function headersOf<Req>(
   // One identifier for several limits: the second is `id-2`, and so on.
   const named = (id: string) => limits.map((_, i) => sfString(i === 0 ? id : `${id}-${i + 1}`));
   const identifiers = typeof identifier === "string" ? named(identifier) : names;
-  const counts = limits.map((l) => l.count ?? 1);
+  const countOf = countsOf(limits);
+  // A decision lists its limits by name (over a server, the 8 tightest of more): each one's
+  // identifier is found by its name, never by its place.
+  const position = new Map(limits.map((l, i) => [l.name, i]));
   const any = standard !== false || legacy;
   return (decision, key, request, out) => {
     // No numbers (a limit granted because the store failed and it fails open): no fields.
     if (decision.limits.length === 0 || decision.limits.some((l) => Number.isNaN(l.remaining))) return;
-    const binding = decision.limits[bindingOf(decision, counts)]!;
+    const binding = decision.limits[bindingOf(decision, countOf)]!;
     if (standard === "ietf") Object.assign(out, ietfFields(decision, policies));
     else if (standard === "draft-6") draft6Headers(binding, out);
     else if (standard === "draft-7") draft7Headers(binding, out);
     else if (standard === "draft-8") {
       const ids = typeof identifier === "function" ? named(identifier(request)) : identifiers;
-      draft8Headers(decision, ids, key, out);
+      draft8Headers(decision, decision.limits.map((l) => ids[position.get(l.name) ?? 0]!), key, out);
     }
     if (legacy) legacyHeaders(binding, Date.now(), out);
     if (any && !decision.ok) out["Retry-After"] = String(seconds(decision.retryAfter));
   };
 }
 
+/** What each limit takes of a request, by name (1 unless its `count` says). */
+function countsOf(limits: ReadonlyArray<{ name: string; count?: number }>): Map<string, number> {
+  return new Map(limits.map((l) => [l.name, l.count ?? 1]));
+}
+
 /**
- * The index of the limit that binds a decision: on a refusal, the one that refused (fewer
- * tokens left than the request takes) and waits longest; else the one with the fewest
- * tokens left, the first of equals.
+ * The index in `decision.limits` of the limit that binds a decision: on a refusal, the one
+ * that names it (`refusedBy`: the refusal that waits longest, as the 429's body and
+ * `Retry-After` say), else the one that refused (fewer tokens left than the request takes)
+ * and is full again last; on a grant, the one with the fewest tokens left, the first of
+ * equals. `countOf`: what each limit takes, by name.
  */
-export function bindingOf(decision: Decision, counts: readonly number[]): number {
+export function bindingOf(decision: Decision, countOf: ReadonlyMap<string, number>): number {
+  if (!decision.ok && decision.refusedBy !== undefined) {
+    const named = decision.limits.findIndex((l) => l.name === decision.refusedBy);
+    if (named >= 0) return named;
+  }
   let best = 0;
   decision.limits.forEach((l, i) => {
     const b = decision.limits[best]!;
@@ -525,7 +540,7 @@ export function bindingOf(decision: Decision, counts: readonly number[]): number
       if (l.remaining < b.remaining) best = i;
       return;
     }
-    const refuses = (j: number) => decision.limits[j]!.remaining < (counts[j] ?? 1);
+    const refuses = (j: number) => decision.limits[j]!.remaining < (countOf.get(decision.limits[j]!.name) ?? 1);
     if (refuses(i) && (!refuses(best) || l.resetAfter > b.resetAfter)) best = i;
   });
   return best;
@@ -712,12 +727,12 @@ function verdictOf<Req, Res>(m: Middleware<Req, Res>, decision: Decision, given:
   const headers: Record<string, string> = {};
   m.headers(decision, given, request, headers);
   const known = decision.limits.length > 0 && !decision.limits.some((l) => Number.isNaN(l.remaining));
-  const binding = known ? bindingOf(decision, m.counts) : 0;
+  const binding = known ? bindingOf(decision, m.countOf) : 0;
   const info = known ? infoOf(decision, binding, given) : undefined;
   if (decision.ok) {
     return { pass: true, status: 200, headers, info, settle: known && m.giveBack ? settler(m, decision, given, request) : undefined };
   }
-  const name = decision.refusedBy ?? m.limits[binding]!.name;
+  const name = decision.refusedBy ?? decision.limits[binding]?.name ?? m.limits[0]!.name;
   return {
     pass: false,
     status: m.statusCode,
@@ -771,12 +786,15 @@ function settler<Req, Res>(
     settled = true;
     if (!(successful ? m.giveBack!.successful : m.giveBack!.failed)) return;
     const now = Date.now();
-    m.limits.forEach((l, i) => {
-      if (now >= at + decision.limits[i]!.resetAfter) return;
-      const count = -m.counts[i]!;
+    for (const l of m.limits) {
+      // By name: over a server, a decision of more than 8 limits lists the tightest 8, and a
+      // limit it does not list gets nothing back (less given back, never more).
+      const status = decision.limits.find((d) => d.name === l.name);
+      if (status === undefined || now >= at + status.resetAfter) continue;
+      const count = -(m.countOf.get(l.name) ?? 1);
       const options = key === undefined ? { count } : { key, count };
       m.limiter.adjust(l.name, options).catch((e: unknown) => tell(m, e, request));
-    });
+    }
   };
 }
 

@@ -347,10 +347,9 @@ impl Entry {
         }
     }
 
-    /// Whether it has cooled: fewer than `hot_after` requests (none, with the default of
-    /// 1: see [`LeaseOptions::hot_after`]) since the last look, at least two terms before
-    /// `now`, and its lease past its deadline with none on its way. A look two terms or more
-    /// after the last notes what it saw.
+    /// Whether it has cooled: fewer than `hot_after` requests (none, with `hot_after(1)`:
+    /// see [`LeaseOptions::hot_after`]) since the last look, at least two terms before `now`,
+    /// and no lease on its way. A look two terms or more after the last notes what it saw.
     fn idle(&self, now: f64) -> bool {
         let answered = self.local.load(Ordering::Relaxed) + self.direct.load(Ordering::Relaxed);
         let window = 2.0 * self.options.term.as_secs_f64() * 1e3;
@@ -358,9 +357,13 @@ impl Entry {
             return false;
         }
         let counted = answered.saturating_sub(self.seen.load(Ordering::Relaxed));
+        // Not waiting for its lease to end: each take past half a term renews it, so a key
+        // taken once a term would never be given back. What it holds is spent until then by
+        // the takes that found it, and stays out at the store until it expires (fewer
+        // admitted meanwhile, never more).
         if counted < u64::from(self.options.hot_after)
             && !self.holder.fetching()
-            && now >= self.holder.deadline()
+            && self.asking.load(Ordering::Acquire) == 0
         {
             return true;
         }
@@ -413,7 +416,7 @@ impl Leases {
     /// The entry of `slot`'s (name, key), made if the key is hot (taken `hot_after` times
     /// within a term) and there is room (at most [`MOST_HELD`] in a store). On the way, at
     /// most once a second, the entries that cooled (fewer than `hot_after` requests over two
-    /// terms, no lease in use, none on its way) are given back ([`Leases::sweep`]), so that
+    /// terms, none on its way) are given back ([`Leases::sweep`]), so that
     /// a key hot once is not leased at a cold key's pace, and keys that stopped coming make
     /// room for those that come now. `now` is the holder's clock, read only on a miss.
     fn entry(&self, slot: &Slot<'_>, now: impl Fn() -> f64) -> Option<Arc<Entry>> {
@@ -743,6 +746,13 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
         return;
     }
     let Some(asked) = entry.holder.ask(now) else { return };
+    // A sweep that found the entry idle before this ask retired it: its lease would be held
+    // where no take finds it (a sweep that looked just before the ask and retires just after
+    // still strands one until it expires: fewer admitted meanwhile, never more).
+    if entry.retired.load(Ordering::Acquire) {
+        entry.holder.failed();
+        return;
+    }
     // Sized from demand: twice what was spent since the last ask, at least one token (the
     // store gives no more than the share allows, nor than it has).
     let direct = f64::from_bits(entry.spent.swap(0f64.to_bits(), Ordering::AcqRel));
@@ -770,13 +780,15 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
         let kept = entry.holder.granted(asked, grant, store_now);
         if !kept {
             // The lease was given back while this grant was on its way (a limit near its
-            // bound, a reset): the holder drops it, so it goes back whole, or the store
-            // would count it out until it expires. If the store saw the give-back after the
-            // grant, no record is left and this is nothing (the give-back counted the grant
-            // spent: fewer admitted, never more). No ask starts until this is done
-            // (`asking`): a give-back landing after a newer grant would return tokens the
-            // holder still spends.
-            let unused = grant.kept + grant.tokens;
+            // bound, a reset): the holder drops it, so its new tokens go back, or the store
+            // would count them out until they expire. Not `kept`: that is what the holder
+            // had left when it asked, and it went on spending it until its own give-back,
+            // which returns what was left then; were this one to land first, it would
+            // return tokens already spent. If the store saw the holder's give-back after
+            // the grant, no record is left and this is nothing (fewer admitted, never
+            // more). No ask starts until this is done (`asking`): a give-back landing after
+            // a newer grant would return tokens the holder still spends.
+            let unused = grant.tokens;
             let _ = step(&*store, &entry.slot(), Step::Release { holder: id, unused }).await;
         }
         entry.asking.fetch_sub(1, Ordering::AcqRel);
@@ -1224,7 +1236,8 @@ pub(crate) mod testing {
     /// a key taken 16 times within a term is leased from then on; 15 takes in one term and
     /// 15 in the next leave a key cold; a cold key whose state holds another process's lease
     /// is taken under that lease's cap (Redis: its one-take script refuses the state, and
-    /// the take goes again as a lease step); a leased key that cools gives its entry back.
+    /// the take goes again as a lease step); a leased key that cools gives its entry back,
+    /// though a take a term still renews its lease.
     pub(crate) async fn only_hot_keys_are_leased(
         store: &impl Leasing,
         shared: &impl LeaseStore,
@@ -1270,9 +1283,14 @@ pub(crate) mod testing {
             assert!(ok, "take {i} of the 10 left");
         }
         assert!(!store.execute_one_async(&writing(&take("theirs"))).await.unwrap().decision.ok);
-        // Three terms later, with fewer than 16 takes of "hot" since: it cooled, and the next
-        // cold take's look gives its entry back.
-        clock.advance(3.0 * term);
+        // Taken once a term for three terms (each take past half a term renews its lease),
+        // it cooled all the same: the next cold take's look gives its entry back.
+        for _ in 0..3 {
+            clock.advance(term);
+            assert!(store.execute_one_async(&writing(&take("hot"))).await.unwrap().decision.ok);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(store.stats()[0].grants >= 2, "renewed: {:?}", store.stats());
         assert!(store.execute_one_async(&writing(&take(&keys[0]))).await.unwrap().decision.ok);
         assert_eq!(store.names()[0].keys, 0, "the key that cooled gave its entry back");
         store.release().await;
