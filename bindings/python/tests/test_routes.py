@@ -480,6 +480,7 @@ def test_the_middleware_core_on_every_store(store: str) -> None:
     from pytollgate._middleware import Gate
 
     a, b = fresh("coreA"), fresh("coreB")
+    # The keys carry a hash tag: on a Redis Cluster a transaction's states must share a slot.
     limits = {a: TWO, b: {"kind": "token bucket", "rate": 3, "period": "1h", "capacity": 3}}
 
     def check(decided: List[Any]) -> None:
@@ -493,13 +494,13 @@ def test_the_middleware_core_on_every_store(store: str) -> None:
         assert third.current is not None and f'"{b}";r=1;' in third.current
 
     blocking = Gate(RateLimiter(store, limits=limits), [a, b], asynchronous=False, fail_open=False, where="test")
-    check([blocking.decide("k") for _ in range(3)])
+    check([blocking.decide("{k}") for _ in range(3)])
     one = Gate(RateLimiter(store, limits=limits), a, asynchronous=False, fail_open=False, where="test")
-    alone = one.decide("other")
+    alone = one.decide("{other}")
     assert (alone.ok, alone.policy, alone.current) == (True, f'"{a}";q=10;w=60', f'"{a}";r=1;t=6')  # type: ignore[union-attr]
 
     async def three() -> List[Any]:
         gate = Gate(AsyncRateLimiter(store, limits=limits), [a, b], asynchronous=True, fail_open=False, where="test")
-        return [await gate.decide_async("k2") for _ in range(3)]
+        return [await gate.decide_async("{k2}") for _ in range(3)]
 
     check(asyncio.run(three()))
