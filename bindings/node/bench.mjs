@@ -44,7 +44,7 @@ function deciding(limiter, name) {
   const m = middleware({ limiter, limits: name, key: { header: "x-user" } }, { trustProxy: "" });
   return (i) => {
     const view = { ip: undefined, header: () => keys[i % 1_000] };
-    return decide(m, undefined, view);
+    return decide(m, undefined, undefined, view);
   };
 }
 

@@ -282,8 +282,9 @@ export interface Middleware<Req, Res = never> {
   /** The refusal's body, if not tollgate's own: what `message` gives for the request. */
   message?: (request: Req) => unknown;
   requestPropertyName: string;
-  /** Writes the header fields of a decision. */
-  headers(decision: Decision, key: string | undefined, request: Req, out: Record<string, string>): void;
+  /** Writes the header fields of a decision whose numbers are known, `binding` the index of
+   *  its binding limit (`bindingOf`). */
+  headers(decision: Decision, binding: number, key: string | undefined, request: Req, out: Record<string, string>): void;
   passOnStoreError: boolean;
   /** Which responses give their tokens back: failed ones, successful ones. */
   giveBack?: { failed: boolean; successful: boolean };
@@ -495,15 +496,12 @@ function headersOf<Req>(
   // One identifier for several limits: the second is `id-2`, and so on.
   const named = (id: string) => limits.map((_, i) => sfString(i === 0 ? id : `${id}-${i + 1}`));
   const identifiers = typeof identifier === "string" ? named(identifier) : names;
-  const countOf = countsOf(limits);
   // A decision lists its limits by name (over a server, the 8 tightest of more): each one's
   // identifier is found by its name, never by its place.
   const position = new Map(limits.map((l, i) => [l.name, i]));
   const any = standard !== false || legacy;
-  return (decision, key, request, out) => {
-    // No numbers (a limit granted because the store failed and it fails open): no fields.
-    if (decision.limits.length === 0 || decision.limits.some((l) => Number.isNaN(l.remaining))) return;
-    const binding = decision.limits[bindingOf(decision, countOf)]!;
+  return (decision, index, key, request, out) => {
+    const binding = decision.limits[index]!;
     if (standard === "ietf") Object.assign(out, ietfFields(decision, policies));
     else if (standard === "draft-6") draft6Headers(binding, out);
     else if (standard === "draft-7") draft7Headers(binding, out);
@@ -529,6 +527,7 @@ function countsOf(limits: ReadonlyArray<{ name: string; count?: number }>): Map<
  * equals. `countOf`: what each limit takes, by name.
  */
 export function bindingOf(decision: Decision, countOf: ReadonlyMap<string, number>): number {
+  if (decision.limits.length === 1) return 0;
   if (!decision.ok && decision.refusedBy !== undefined) {
     const named = decision.limits.findIndex((l) => l.name === decision.refusedBy);
     if (named >= 0) return named;
@@ -725,9 +724,12 @@ function failed<Req, Res>(m: Middleware<Req, Res>, request: Req, e: unknown): Ve
 /** The answer to a request whose limits decided `decision`. */
 function verdictOf<Req, Res>(m: Middleware<Req, Res>, decision: Decision, given: string | undefined, request: Req): Verdict {
   const headers: Record<string, string> = {};
-  m.headers(decision, given, request, headers);
-  const known = decision.limits.length > 0 && !decision.limits.some((l) => Number.isNaN(l.remaining));
+  // No numbers (a limit granted because the store failed and it fails open): no fields, no
+  // info, nothing to give back.
+  let known = decision.limits.length > 0;
+  for (const l of decision.limits) if (Number.isNaN(l.remaining)) known = false;
   const binding = known ? bindingOf(decision, m.countOf) : 0;
+  if (known) m.headers(decision, binding, given, request, headers);
   const info = known ? infoOf(decision, binding, given) : undefined;
   if (decision.ok) {
     return { pass: true, status: 200, headers, info, settle: known && m.giveBack ? settler(m, decision, given, request) : undefined };
