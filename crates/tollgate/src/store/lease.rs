@@ -751,6 +751,8 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
     // still strands one until it expires: fewer admitted meanwhile, never more).
     if entry.retired.load(Ordering::Acquire) {
         entry.holder.failed();
+        // A take that saw this ask on its way waits for word of it (`awaited`).
+        entry.arrived.notify_waiters();
         return;
     }
     // Sized from demand: twice what was spent since the last ask, at least one token (the
