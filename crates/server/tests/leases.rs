@@ -108,8 +108,9 @@ fn answered_from_the_lease_and_returned_on_sigterm(url: &str) {
     let pid = served.child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     let status = served.child.wait().unwrap();
-    assert!(status.success(), "{}", served.stderr());
-    assert!(served.stderr().contains("leases returned"), "{}", served.stderr());
+    let stderr = served.stderr_at_exit();
+    assert!(status.success(), "{stderr}");
+    assert!(stderr.contains("leases returned"), "{stderr}");
     // A reset from a server that has never taken from the limit (a restart, or another
     // replica): answered, with no lease of its own and no config sent; the limit is whole
     // again but for leases still out.

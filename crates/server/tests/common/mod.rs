@@ -170,6 +170,9 @@ pub(crate) struct Served {
     /// The banner's lines, up to `auth:` (or `rls:`).
     pub(crate) banner: String,
     stderr: std::sync::Arc<std::sync::Mutex<String>>,
+    /// The thread that reads stderr: it ends when the server has exited and its pipe is read
+    /// whole.
+    stderr_reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Served {
@@ -183,7 +186,7 @@ impl Served {
         let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let mut err = child.stderr.take().unwrap();
         let collected = std::sync::Arc::clone(&stderr);
-        std::thread::spawn(move || {
+        let stderr_reader = std::thread::spawn(move || {
             let mut chunk = [0; 4096];
             while let Ok(n @ 1..) = err.read(&mut chunk) {
                 collected.lock().unwrap().push_str(&String::from_utf8_lossy(&chunk[..n]));
@@ -213,7 +216,7 @@ impl Served {
             std::thread::sleep(std::time::Duration::from_millis(100));
             panic!("no banner; stderr: {}", stderr.lock().unwrap());
         };
-        Served { child, http, rls, banner, stderr }
+        Served { child, http, rls, banner, stderr, stderr_reader: Some(stderr_reader) }
     }
 
     /// `POST path` with `headers` and the JSON `body`: the status, and the JSON answer
@@ -238,6 +241,15 @@ impl Served {
     /// What the server wrote to stderr so far.
     pub(crate) fn stderr(&self) -> String {
         self.stderr.lock().unwrap().clone()
+    }
+
+    /// All the server wrote to stderr, once it has exited (`child.wait()`): its last lines
+    /// may still be in the pipe when `wait` returns, so this waits for them.
+    pub(crate) fn stderr_at_exit(&mut self) -> String {
+        if let Some(reader) = self.stderr_reader.take() {
+            let _ = reader.join();
+        }
+        self.stderr()
     }
 
     /// Its resident memory, in bytes (Linux).
