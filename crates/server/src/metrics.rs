@@ -227,8 +227,7 @@ pub fn render_leases(
     out: &mut String,
     stats: &[(String, Option<String>, tollgate::store::LeaseStats)],
 ) {
-    type Read = fn(&tollgate::store::LeaseStats) -> f64;
-    let series: [(&str, &str, &str, Read); 5] = [
+    let series: [Series<'_, tollgate::store::LeaseStats>; 5] = [
         (
             "tollgate_lease_grants_total",
             "counter",
@@ -257,26 +256,24 @@ pub fn render_leases(
             s.held
         }),
     ];
-    for (name, kind, help, value) in series {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (limit, key, s) in stats {
-            let key = key.as_deref().unwrap_or("");
-            let _ = writeln!(
-                out,
-                "{name}{{name=\"{}\",key=\"{}\"}} {}",
+    let rows: Vec<_> = stats
+        .iter()
+        .map(|(limit, key, s)| {
+            let labels = format!(
+                "name=\"{}\",key=\"{}\"",
                 label(limit),
-                label(key),
-                value(s)
+                label(key.as_deref().unwrap_or(""))
             );
-        }
-    }
+            (labels, s)
+        })
+        .collect();
+    render_series(out, &series, &rows);
 }
 
 /// The leased limits' lines per name: keys leased now in this process (only hot keys are:
 /// see `lease.hotAfter`), and takes no lease served (cold keys, checks, or no room left).
 pub fn render_leased_names(out: &mut String, names: &[tollgate::store::LeasedName]) {
-    type Read = fn(&tollgate::store::LeasedName) -> f64;
-    let series: [(&str, &str, &str, Read); 2] = [
+    let series: [Series<'_, tollgate::store::LeasedName>; 2] = [
         (
             "tollgate_lease_keys_leased",
             "gauge",
@@ -290,10 +287,19 @@ pub fn render_leased_names(out: &mut String, names: &[tollgate::store::LeasedNam
             |n| n.cold as f64,
         ),
     ];
-    for (metric, kind, help, value) in series {
-        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} {kind}");
-        for n in names {
-            let _ = writeln!(out, "{metric}{{name=\"{}\"}} {}", label(&n.name), value(n));
+    let rows: Vec<_> = names.iter().map(|n| (format!("name=\"{}\"", label(&n.name)), n)).collect();
+    render_series(out, &series, &rows);
+}
+
+/// A series: its name, kind, help, and how to read it from a row.
+type Series<'a, T> = (&'a str, &'a str, &'a str, fn(&T) -> f64);
+
+/// Each series' `# HELP` and `# TYPE` lines, then a line per row with the row's labels.
+fn render_series<T>(out: &mut String, series: &[Series<'_, T>], rows: &[(String, &T)]) {
+    for (name, kind, help, value) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (labels, row) in rows {
+            let _ = writeln!(out, "{name}{{{labels}}} {}", value(row));
         }
     }
 }
