@@ -577,29 +577,20 @@ async fn release<S: LeaseStore>(store: &S, leases: &Leases, entry: &Entry) {
 }
 
 /// A take from a leased limit: from this process's lease if it holds enough, else a direct
-/// take; either way the next lease is fetched in the background when this one runs low (one
-/// request on its way at a time).
+/// take (as a lease step, a cold key's too); either way the next lease is fetched in the
+/// background when this one runs low (one request on its way at a time).
 ///
-/// A take the lease serves is answered at the first poll by a small future: the part that
-/// may wait (for the next lease, or on the store) is a future of its own, made only when it
-/// is needed. As one future it held the store's request inline, and each take from a lease
-/// allocated and copied all of it (a sixth of a take from a lease in Node, by `perf`).
+/// What needs no waiting is decided when it is called (see [`take_if_leased`]), and a take
+/// the lease serves is a ready future: the part that may wait (for the next lease, or on the
+/// store) is a future of its own, made only when it is needed. As one future it held the
+/// store's request inline, and each take from a lease allocated and copied all of it (a
+/// sixth of a take from a lease in Node, by `perf`).
 pub(crate) fn take<'a, S: LeaseStore>(
     store: &'a Arc<S>,
     leases: &'a Leases,
     one: &'a OneTake<'_>,
 ) -> BoxFuture<'a, Taken> {
-    Box::pin(async move {
-        match at_once(store, leases, one) {
-            Ok(answer) => answer,
-            Err(entry) => {
-                if entry.is_none() {
-                    leases.cold(one.slot.name);
-                }
-                Box::pin(take_waiting(store, leases, one, entry)).await
-            }
-        }
-    })
+    take_if_leased(store, leases, one).unwrap_or_else(|| Box::pin(direct_take(&**store, one)))
 }
 
 /// [`take`] for a store whose plain take is cheaper than a direct take as a lease step
@@ -618,7 +609,7 @@ pub(crate) fn take_if_leased<'a, S: LeaseStore>(
             leases.cold(one.slot.name);
             None
         }
-        Err(entry) => Some(Box::pin(take_waiting(store, leases, one, entry))),
+        Err(Some(entry)) => Some(Box::pin(take_waiting(store, leases, one, entry))),
     }
 }
 
@@ -671,19 +662,16 @@ fn served<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) -> Taken 
     Taken { decision: Decision { ok: true, retry_after: None }, status }
 }
 
-/// The rest of [`take`], after [`at_once`] did not answer: a direct take without an entry;
-/// with one, the next lease awaited if the take is one a lease serves (rather than a direct
-/// take: when demand outruns a lease, every request would go to the store meanwhile), else
-/// a direct take that counts against the lease's cap.
+/// The rest of [`take`] for a key with an entry, after [`at_once`] did not answer: the next
+/// lease awaited if the take is one a lease serves (rather than a direct take: when demand
+/// outruns a lease, every request would go to the store meanwhile), else a direct take that
+/// counts against the lease's cap.
 async fn take_waiting<S: LeaseStore>(
     store: &Arc<S>,
     leases: &Leases,
     one: &OneTake<'_>,
-    entry: Option<Arc<Entry>>,
+    entry: Arc<Entry>,
 ) -> Result<Taken, StoreError> {
-    let Some(entry) = entry else {
-        return direct_take(&**store, one).await;
-    };
     if !one.reserve
         && awaited(&entry).await
         && entry.holder.try_take(one.count, || leases.now(&**store))
