@@ -19,17 +19,8 @@ import { MINUTE, RateLimiter } from "../dist/index.js";
 import { TollgateStore, rateLimit } from "../dist/express.js";
 import { rateLimitHook, rateLimitPlugin } from "../dist/fastify.js";
 import { rateLimiter } from "../dist/hono.js";
+import { listening } from "./listening.mjs";
 import { fresh } from "./stores.mjs";
-
-/** Listens on a free loopback port; resolves to { url, close }. */
-function listening(server) {
-  return new Promise((resolve) => {
-    server.listen(0, "127.0.0.1", () => {
-      const { port } = server.address();
-      resolve({ url: `http://127.0.0.1:${port}`, close: () => new Promise((done) => server.close(done)) });
-    });
-  });
-}
 
 /**
  * An app of `framework` with the middleware of `options` on every route: `/` answers "hello",
