@@ -1,6 +1,7 @@
 //! What the benchmarks of tollgate share: the scenarios, built the same way for tollgate and
 //! for governor, so the criterion bench and the memory report measure the same thing.
 
+pub mod admissions;
 pub mod proxy;
 
 use std::hint::black_box;

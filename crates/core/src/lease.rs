@@ -356,6 +356,12 @@ impl Holder {
         held.start + (held.deadline - held.start) / 2.0
     }
 
+    /// When the request of the lease in use was sent, on the holder's clock (minus infinity:
+    /// none): with [`Holder::spent`], the rate it is spent at.
+    pub fn since(&self) -> f64 {
+        self.held.load().start
+    }
+
     /// Whether a grant request is on its way.
     pub fn fetching(&self) -> bool {
         self.fetching.load(Ordering::Acquire)

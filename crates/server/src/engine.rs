@@ -409,7 +409,10 @@ impl Engine {
             sum.returns += s.returns;
             sum.local += s.local;
             sum.direct += s.direct;
+            sum.refused += s.refused;
             sum.held += s.held;
+            // The farthest any key of it saw (NaN, the sum's start, loses to any number).
+            sum.round_trip = sum.round_trip.max(s.round_trip);
         }
         for (name, _) in self.current().limiter.defined() {
             if leasing.leases(name) {
@@ -425,7 +428,9 @@ impl Engine {
                 "returns": s.returns,
                 "local": s.local,
                 "direct": s.direct,
+                "refused": s.refused,
                 "held": number(s.held),
+                "roundTrip": number(s.round_trip),
                 "keys": named.map_or(0, |n| n.keys),
                 "cold": named.map_or(0, |n| n.cold),
             })

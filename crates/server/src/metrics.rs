@@ -227,7 +227,7 @@ pub fn render_leases(
     out: &mut String,
     stats: &[(String, Option<String>, tollgate::store::LeaseStats)],
 ) {
-    let series: [Series<'_, tollgate::store::LeaseStats>; 5] = [
+    let series: [Series<'_, tollgate::store::LeaseStats>; 7] = [
         (
             "tollgate_lease_grants_total",
             "counter",
@@ -252,9 +252,22 @@ pub fn render_leases(
             "Requests of a leased limit sent to the store as direct takes.",
             |s| s.direct as f64,
         ),
+        (
+            "tollgate_lease_refused_total",
+            "counter",
+            "Requests refused from this process's lease with no store call (a store far away \
+             and empty at the last grant).",
+            |s| s.refused as f64,
+        ),
         ("tollgate_lease_tokens_held", "gauge", "Tokens this process holds in leases now.", |s| {
             s.held
         }),
+        (
+            "tollgate_lease_round_trip_ms",
+            "gauge",
+            "The store's round trip as this process's lease requests see it (a moving average).",
+            |s| s.round_trip,
+        ),
     ];
     let rows: Vec<_> = stats
         .iter()

@@ -112,6 +112,8 @@ mod guide {
     struct ConceptsFailure;
     #[doc = include_str!("../../../docs/src/concepts/leases.md")]
     struct ConceptsLeases;
+    #[doc = include_str!("../../../docs/src/concepts/regions.md")]
+    struct ConceptsRegions;
     #[doc = include_str!("../../../docs/src/concepts/sharding.md")]
     struct ConceptsSharding;
     #[doc = include_str!("../../../docs/src/concepts/transactions.md")]

@@ -26,27 +26,19 @@
 //! fixed window the count of each window (admissions wholly inside it) is checked against
 //! the allowance (the capacity equals the rate here, so this is the interval bound).
 
-use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use memmap2::MmapMut;
 use std::sync::Arc;
 use tollgate::store::{AsyncStore, LeaseOptions, LeaseStats, PgStore, RedisStore};
 
 use tollgate::core::{OneTake, Slot, State, splitmix64};
 use tollgate::{Config, RateLimiter, Request};
+use tollgate_bench::admissions::{Log, Logged, OwnRedis, flag, read_log, real_ns, worst_interval};
 use tollgate_bench::proxy::Proxy;
-
-/// Bytes of one logged request: sent and answered (ns since the run's start), flags in the
-/// top bits of the second.
-const RECORD: usize = 16;
-const ADMITTED: u64 = 1 << 63;
-const ERROR: u64 = 1 << 62;
-const TIME_BITS: u64 = (1 << 62) - 1;
 
 /// Requests a process keeps on their way at once.
 const IN_FLIGHT: usize = 128;
@@ -58,16 +50,6 @@ fn main() {
     } else {
         harness(&args);
     }
-}
-
-fn flag<T: std::str::FromStr>(args: &[String], name: &str) -> Option<T> {
-    let at = args.iter().position(|a| a == name)?;
-    let value = args.get(at + 1).unwrap_or_else(|| panic!("{name} needs a value"));
-    Some(value.parse().unwrap_or_else(|_| panic!("{name}: cannot read {value}")))
-}
-
-fn real_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -114,17 +96,12 @@ fn child(args: &[String]) {
     let log: PathBuf = flag::<String>(args, "--log").expect("--log").into();
     let slots: usize = flag(args, "--slots").expect("--slots");
 
-    let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&log);
-    let file = file.unwrap();
-    file.set_len((8 + slots * RECORD) as u64).unwrap();
-    // The file is this process's alone while it runs; the harness reads it after.
-    #[allow(unsafe_code)]
-    let map = unsafe { MmapMut::map_mut(&file) }.unwrap();
+    let log = Log::create(&log, slots, start);
 
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let options = LeaseOptions::new().term(Duration::from_millis(term));
     let config = kind.config(rate);
-    let drive = Drive { map, slots, offered, until, start, key };
+    let drive = Drive { log, slots, offered, until, key };
     runtime.block_on(async move {
         if url.starts_with("postgres") {
             let store = PgStore::builder().table(TABLE).lease("hot", options).open(&url).await;
@@ -177,21 +154,19 @@ type Answered = (u64, u64, Result<tollgate::Decision, tollgate::Error>);
 
 /// A process's load: requests at `offered` a second until `until`, each logged.
 struct Drive {
-    map: MmapMut,
+    log: Log,
     slots: usize,
     offered: f64,
     until: u64,
-    start: u64,
     key: String,
 }
 
 impl Drive {
     async fn run<S: Leasing>(self, limiter: RateLimiter<S>) {
-        let Drive { mut map, slots, offered, until, start, key } = self;
+        let Drive { mut log, slots, offered, until, key } = self;
         let limiter = Arc::new(limiter);
         let t0 = Instant::now();
         let mut issued = 0u64;
-        let mut logged = 0usize;
         let mut pending = FuturesUnordered::new();
         let send = |limiter: &Arc<RateLimiter<S>>| {
             let sent = real_ns();
@@ -203,13 +178,9 @@ impl Drive {
             }
         };
         let mut errors: Vec<(String, u64)> = Vec::new();
-        let mut record = |map: &mut MmapMut, (sent, answered, answer): Answered| {
-            if logged == slots {
-                return;
-            }
-            let flags = match answer {
-                Ok(tollgate::Decision { ok: true, .. }) => ADMITTED,
-                Ok(_) => 0,
+        let mut record = |log: &mut Log, (sent, answered, answer): Answered| {
+            let admitted = match answer {
+                Ok(decision) => Some(decision.ok),
                 Err(e) => {
                     let e = e.to_string();
                     if !errors.iter().any(|(seen, _)| *seen == e) && errors.len() < 8 {
@@ -218,15 +189,10 @@ impl Drive {
                     if let Some((_, n)) = errors.iter_mut().find(|(seen, _)| *seen == e) {
                         *n += 1;
                     }
-                    ERROR
+                    None
                 }
             };
-            let at = 8 + logged * RECORD;
-            map[at..at + 8].copy_from_slice(&(sent - start).to_le_bytes());
-            map[at + 8..at + 16].copy_from_slice(&((answered - start) | flags).to_le_bytes());
-            logged += 1;
-            // The count after the record: a kill between the two loses that one record.
-            map[..8].copy_from_slice(&(logged as u64).to_le_bytes());
+            log.record(sent, answered, admitted);
         };
         while real_ns() < until {
             let due = (offered * t0.elapsed().as_secs_f64()) as u64;
@@ -236,14 +202,14 @@ impl Drive {
             }
             tokio::select! {
                 biased;
-                Some(done) = pending.next(), if !pending.is_empty() => record(&mut map, done),
+                Some(done) = pending.next(), if !pending.is_empty() => record(&mut log, done),
                 () = tokio::time::sleep(Duration::from_millis(1)) => {}
             }
         }
         while let Some(done) = pending.next().await {
-            record(&mut map, done);
+            record(&mut log, done);
         }
-        map.flush().unwrap();
+        log.flush();
         if std::env::var_os("LEASE_FAULTS_ERRORS").is_some() {
             for (error, n) in &errors {
                 eprintln!("{n} x {error}");
@@ -323,7 +289,7 @@ fn harness(args: &[String]) {
         "lease_faults: {} processes (one offered 80%), rate {}/s, lease term {} ms, {} s a run",
         plan.procs, plan.rate, plan.term, plan.secs
     );
-    let mut redis = OwnRedis::start(dir.path());
+    let mut redis = OwnRedis::start(dir.path(), true);
     let restart_postgres = args.iter().any(|a| a == "--restart-postgres");
     let mut scenarios =
         vec![Scenario::Redis, Scenario::RedisDelayed, Scenario::Cluster, Scenario::Postgres];
@@ -437,74 +403,6 @@ fn backend(var: &str, require: bool) -> Option<String> {
         Err(_) => {
             println!("skipped: no {var}");
             None
-        }
-    }
-}
-
-/// A Redis of the harness's own: an append-only file fsynced on every write (so a restart
-/// keeps every state and lease it acknowledged), in `dir`.
-struct OwnRedis {
-    port: u16,
-    dir: PathBuf,
-    child: Option<Child>,
-}
-
-impl OwnRedis {
-    fn start(dir: &Path) -> OwnRedis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let dir = dir.join("redis");
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut redis = OwnRedis { port, dir, child: None };
-        redis.spawn();
-        redis
-    }
-
-    /// Empties it and compacts its append-only file, so that a restart loads little.
-    fn empty(&self) {
-        let url = format!("redis://{}", self.addr());
-        let mut conn = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
-        let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
-        let _: String = redis::cmd("BGREWRITEAOF").query(&mut conn).unwrap();
-    }
-
-    fn addr(&self) -> std::net::SocketAddr {
-        ([127, 0, 0, 1], self.port).into()
-    }
-
-    fn spawn(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string(), "--save", ""])
-            .args(["--appendonly", "yes", "--appendfsync", "always", "--dir"])
-            .arg(&self.dir)
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server on the PATH");
-        self.child = Some(child);
-        let url = format!("redis://{}", self.addr());
-        let started = Instant::now();
-        loop {
-            let ping = redis::Client::open(url.as_str())
-                .and_then(|c| c.get_connection())
-                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
-            if ping.is_ok() {
-                return;
-            }
-            assert!(started.elapsed() < Duration::from_secs(10), "redis-server did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Kills it with -9 and starts it again on its files.
-    fn restart(&mut self, down: Duration) {
-        self.stop();
-        std::thread::sleep(down);
-        self.spawn();
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
         }
     }
 }
@@ -732,34 +630,6 @@ fn wait_with_deadline(child: &mut Child, deadline: Duration) -> String {
     out
 }
 
-/// A request as logged: sent and answered (ms since the run's start), admitted, failed.
-#[derive(Clone, Copy)]
-struct Logged {
-    sent: f64,
-    answered: f64,
-    admitted: bool,
-    error: bool,
-}
-
-fn read_log(path: &Path, into: &mut Vec<Logged>) {
-    let Ok(bytes) = std::fs::read(path) else { return };
-    if bytes.len() < 8 {
-        return;
-    }
-    let count = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    for i in 0..count {
-        let at = 8 + i * RECORD;
-        let sent = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
-        let second = u64::from_le_bytes(bytes[at + 8..at + 16].try_into().unwrap());
-        into.push(Logged {
-            sent: sent as f64 / 1e6,
-            answered: (second & TIME_BITS) as f64 / 1e6,
-            admitted: second & ADMITTED != 0,
-            error: second & ERROR != 0,
-        });
-    }
-}
-
 /// The interval check and the oracle.
 fn check(kind: Kind, rate: f64, start: u64, key: &str, records: &[Logged], found: &mut Found) {
     let config = kind.config(rate);
@@ -810,150 +680,5 @@ fn check(kind: Kind, rate: f64, start: u64, key: &str, records: &[Logged], found
         if next.is_some() {
             state = next;
         }
-    }
-}
-
-/// The interval [a, b] (a a request's send time, b an answer's time) with the most
-/// admissions wholly inside it over `capacity + rate (b - a)`: that excess (at most 0 when
-/// exact), with the count and bound there.
-fn worst_interval(admitted: &[&Logged], rate: f64, capacity: f64) -> (f64, (u64, f64)) {
-    if admitted.is_empty() {
-        return (f64::NEG_INFINITY, (0, capacity));
-    }
-    let mut starts: Vec<f64> = admitted.iter().map(|r| r.sent).collect();
-    starts.sort_by(f64::total_cmp);
-    let mut by_answer: Vec<&Logged> = admitted.to_vec();
-    by_answer.sort_by(|x, y| x.answered.total_cmp(&y.answered));
-    // tree[i] = count of admissions inside [starts[i], b] + rate * starts[i]
-    let mut tree = MaxAdd::new(&starts.iter().map(|a| rate * a).collect::<Vec<_>>());
-    let mut worst = (f64::NEG_INFINITY, (0, capacity));
-    for r in by_answer {
-        // Every interval starting at or before r.sent now holds r.
-        let upto = starts.partition_point(|&a| a <= r.sent);
-        tree.add(0, upto, 1.0);
-        let b = r.answered;
-        let candidates = starts.partition_point(|&a| a <= b);
-        let (best, at) = tree.max(0, candidates);
-        let excess = best - rate * b - capacity;
-        if excess > worst.0 {
-            let count = (best - rate * starts[at]).round() as u64;
-            worst = (excess, (count, capacity + rate * (b - starts[at])));
-        }
-    }
-    worst
-}
-
-/// A segment tree of values with "add to a range" and "the largest in a range (and where)".
-struct MaxAdd {
-    n: usize,
-    max: Vec<(f64, usize)>,
-    pending: Vec<f64>,
-}
-
-impl MaxAdd {
-    fn new(values: &[f64]) -> MaxAdd {
-        let n = values.len();
-        let mut tree = MaxAdd { n, max: vec![(0.0, 0); 4 * n], pending: vec![0.0; 4 * n] };
-        tree.build(1, 0, n, values);
-        tree
-    }
-
-    fn build(&mut self, node: usize, lo: usize, hi: usize, values: &[f64]) {
-        if hi - lo == 1 {
-            self.max[node] = (values[lo], lo);
-            return;
-        }
-        let mid = usize::midpoint(lo, hi);
-        self.build(2 * node, lo, mid, values);
-        self.build(2 * node + 1, mid, hi, values);
-        self.max[node] = larger(self.max[2 * node], self.max[2 * node + 1]);
-    }
-
-    fn add(&mut self, from: usize, to: usize, value: f64) {
-        if from < to {
-            self.add_in(1, 0, self.n, from, to, value);
-        }
-    }
-
-    fn add_in(&mut self, node: usize, lo: usize, hi: usize, from: usize, to: usize, value: f64) {
-        if to <= lo || hi <= from {
-            return;
-        }
-        if from <= lo && hi <= to {
-            self.max[node].0 += value;
-            self.pending[node] += value;
-            return;
-        }
-        let mid = usize::midpoint(lo, hi);
-        self.add_in(2 * node, lo, mid, from, to, value);
-        self.add_in(2 * node + 1, mid, hi, from, to, value);
-        let (m, at) = larger(self.max[2 * node], self.max[2 * node + 1]);
-        self.max[node] = (m + self.pending[node], at);
-    }
-
-    fn max(&self, from: usize, to: usize) -> (f64, usize) {
-        if from >= to {
-            return (f64::NEG_INFINITY, 0);
-        }
-        self.max_in(1, 0, self.n, from, to)
-    }
-
-    fn max_in(&self, node: usize, lo: usize, hi: usize, from: usize, to: usize) -> (f64, usize) {
-        if to <= lo || hi <= from {
-            return (f64::NEG_INFINITY, 0);
-        }
-        if from <= lo && hi <= to {
-            return self.max[node];
-        }
-        let mid = usize::midpoint(lo, hi);
-        let (m, at) = larger(
-            self.max_in(2 * node, lo, mid, from, to),
-            self.max_in(2 * node + 1, mid, hi, from, to),
-        );
-        (m + self.pending[node], at)
-    }
-}
-
-fn larger(a: (f64, usize), b: (f64, usize)) -> (f64, usize) {
-    if b.0 > a.0 { b } else { a }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn admitted(times: &[(f64, f64)]) -> Vec<Logged> {
-        times
-            .iter()
-            .map(|&(sent, answered)| Logged { sent, answered, admitted: true, error: false })
-            .collect()
-    }
-
-    /// The check finds an interval over the bound, and only one that certainly is.
-    #[test]
-    fn the_interval_check_finds_the_worst_interval() {
-        // Capacity 2, rate 1 a ms: three at once is one too many; three a ms apart are not.
-        let burst = admitted(&[(0.0, 0.1), (0.0, 0.1), (0.0, 0.1), (5.0, 5.1)]);
-        let refs: Vec<&Logged> = burst.iter().collect();
-        let (excess, (count, _)) = worst_interval(&refs, 1.0, 2.0);
-        assert!((excess - 0.9).abs() < 1e-9, "{excess}");
-        assert_eq!(count, 3);
-        let spread = admitted(&[(0.0, 0.0), (1.0, 1.0), (2.0, 2.0), (3.0, 3.0)]);
-        let refs: Vec<&Logged> = spread.iter().collect();
-        assert!(worst_interval(&refs, 1.0, 2.0).0 <= 0.0);
-        // Four in [10, 11] with capacity 2 and rate 1/ms: 4 - (2 + 1) = 1 over, found even
-        // with admissions before and after.
-        let later = admitted(&[(0.0, 0.5), (10.0, 10.2), (10.3, 10.5), (10.6, 10.8), (10.9, 11.0)]);
-        let refs: Vec<&Logged> = later.iter().collect();
-        let (excess, (count, bound)) = worst_interval(&refs, 1.0, 2.0);
-        assert!((excess - 1.0).abs() < 1e-9, "{excess}");
-        assert_eq!((count, bound), (4, 3.0));
-        // A request whose answer took long may have been decided at either end: it counts
-        // only in intervals that hold all of it.
-        let slow = admitted(&[(0.0, 10.0), (10.0, 10.0), (10.0, 10.0), (10.0, 10.0)]);
-        let refs: Vec<&Logged> = slow.iter().collect();
-        let (excess, (count, _)) = worst_interval(&refs, 1.0, 2.0);
-        assert!((excess - 1.0).abs() < 1e-9, "{excess}");
-        assert_eq!(count, 3);
     }
 }

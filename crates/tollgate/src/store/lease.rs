@@ -234,7 +234,9 @@ impl LeaseOptions {
 
     /// Below this fraction of the capacity left (default 0.25), holders stop leasing and
     /// return what they hold: every request is a direct take, exact as without leases,
-    /// until the limit has room again.
+    /// until the limit has room again. Only near the store: a holder whose round trip to it
+    /// is [`FAR_MS`] or more keeps leasing (another region's every request would wait a
+    /// round trip), and refuses from its lease what it cannot serve while the store is empty.
     #[must_use]
     pub fn floor(mut self, floor: f64) -> Self {
         self.floor = floor.clamp(0.0, 1.0);
@@ -254,6 +256,12 @@ pub struct LeaseStats {
     pub local: u64,
     /// Requests sent to the store as direct takes.
     pub direct: u64,
+    /// Requests refused from the lease, with no store call: the key is leased from a store
+    /// far away ([`FAR_MS`] or more) and the last grant found it empty.
+    pub refused: u64,
+    /// The round trip of a grant request, in milliseconds (a moving average; NaN before the
+    /// first reply).
+    pub round_trip: f64,
     /// Tokens held now.
     pub held: f64,
 }
@@ -328,6 +336,23 @@ struct Entry {
     returns: AtomicU64,
     local: AtomicU64,
     direct: AtomicU64,
+    refused: AtomicU64,
+    /// The store's round trip as this entry saw it (ms, the bits of an `f64`): a moving
+    /// average of its grant requests and direct takes, NaN before the first.
+    round_trip: AtomicU64,
+    /// The last grant gave less than this process's demand asked for (or a direct take found
+    /// the store empty). Far from the store, a take the lease cannot serve is then refused
+    /// from here.
+    short: AtomicBool,
+    /// The last grant request (or direct take) failed. Far from the store, a take the lease
+    /// cannot serve then fails at once (the limit's failure policy answers it) until a grant
+    /// comes again.
+    failing: AtomicBool,
+    /// Holders of the key at the store, and the value it had left (the bits of an `f64`),
+    /// at the last grant: a lease is sized to this process's share of the rate, and of what
+    /// the others left (see [`fetch_if_low`]).
+    holders: AtomicU64,
+    left: AtomicU64,
     /// Told when a grant request's answer (or failure) has come in, and again when its
     /// request is done with (`asking` back to 0).
     arrived: tokio::sync::Notify,
@@ -351,7 +376,9 @@ impl Entry {
     /// see [`LeaseOptions::hot_after`]) since the last look, at least two terms before `now`,
     /// and no lease on its way. A look two terms or more after the last notes what it saw.
     fn idle(&self, now: f64) -> bool {
-        let answered = self.local.load(Ordering::Relaxed) + self.direct.load(Ordering::Relaxed);
+        let answered = self.local.load(Ordering::Relaxed)
+            + self.direct.load(Ordering::Relaxed)
+            + self.refused.load(Ordering::Relaxed);
         let window = 2.0 * self.options.term.as_secs_f64() * 1e3;
         if now - f64::from_bits(self.seen_at.load(Ordering::Relaxed)) < window {
             return false;
@@ -370,6 +397,26 @@ impl Entry {
         self.seen.store(answered, Ordering::Relaxed);
         self.seen_at.store(now.to_bits(), Ordering::Relaxed);
         false
+    }
+
+    /// The store's round trip as seen from here, in ms (NaN before the first).
+    fn round_trip(&self) -> f64 {
+        f64::from_bits(self.round_trip.load(Ordering::Relaxed))
+    }
+
+    /// Notes a round trip of `ms`: a moving average, a quarter of it the newest.
+    fn saw_round_trip(&self, ms: f64) {
+        let _ = self.round_trip.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+            let was = f64::from_bits(bits);
+            Some(if was.is_nan() { ms } else { 0.75 * was + 0.25 * ms }.to_bits())
+        });
+    }
+
+    /// Far from its store: a round trip of [`FAR_MS`] or more. A direct take costs a request
+    /// that much waiting, so near the limit such an entry keeps leasing rather than take
+    /// every request directly (see [`LeaseOptions::floor`]).
+    fn far(&self) -> bool {
+        self.round_trip() >= FAR_MS
     }
 
     fn spend(&self, count: f64) {
@@ -466,6 +513,12 @@ impl Leases {
             returns: AtomicU64::new(0),
             local: AtomicU64::new(0),
             direct: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            round_trip: AtomicU64::new(f64::NAN.to_bits()),
+            short: AtomicBool::new(false),
+            failing: AtomicBool::new(false),
+            holders: AtomicU64::new(1),
+            left: AtomicU64::new(f64::INFINITY.to_bits()),
             arrived: tokio::sync::Notify::new(),
             asking: AtomicUsize::new(0),
         });
@@ -568,6 +621,15 @@ pub(crate) const MOST_HELD: usize = 1_024;
 /// Milliseconds a holder's deadline keeps before its lease's end, besides the drift.
 const MARGIN_MS: f64 = 5.0;
 
+/// A store this many milliseconds away or more (a round trip, as a leased key's holder
+/// measures it) is far: another region. Near the limit, a key leased from near takes every
+/// request directly, exact as unleased, at the cost of a round trip each (a millisecond in
+/// one region); one leased from far keeps leasing, in leases sized to its demand over the
+/// round trip, and refuses from its lease what the lease cannot serve while the store is
+/// empty, with no store call: a region 75 ms away would otherwise wait 150 ms for each
+/// refusal, and send the store every request of a saturated limit.
+pub const FAR_MS: f64 = 5.0;
+
 /// Returns what `entry` holds (the holder stops spending it at once).
 async fn release<S: LeaseStore>(store: &S, leases: &Leases, entry: &Entry) {
     let unused = entry.holder.release(leases.now(store));
@@ -651,7 +713,53 @@ fn at_once<S: LeaseStore>(
     if !one.reserve && entry.holder.try_take(one.count, read) {
         return Ok(Ok(served(store, &entry, now)));
     }
+    if !one.reserve && entry.far() {
+        if entry.failing.load(Ordering::Acquire) {
+            if now.is_nan() {
+                now = leases.now(&**store);
+            }
+            fetch_if_low_at(store, &entry, now);
+            return Ok(Err(StoreError::new(format!(
+                "{}: the last lease request for {:?} got no answer; this process serves it \
+                 from its lease until the store answers again, and its lease is spent",
+                S::NAME,
+                one.slot.name
+            ))));
+        }
+        // Once it has had a lease, a request it cannot serve is refused here (a fixed
+        // window's refusal waits for its window's end, which the store knows: it goes there).
+        if entry.holder.since().is_finite()
+            && entry.config.kind() == tollgate_algebra::Kind::TokenBucket
+        {
+            if now.is_nan() {
+                now = leases.now(&**store);
+            }
+            return Ok(Ok(refused_here(store, &entry, one.count, now)));
+        }
+    }
     Err(Some(entry))
+}
+
+/// A refusal from `entry`'s lease at `now`, with no store call (see [`FAR_MS`]): the next
+/// lease is asked for (sized by this demand too). The wait: if the last grant gave less than
+/// this process's demand (the limit is spent), what the shared bucket, empty, would say (the
+/// time its rate takes to bring `count`); else a round trip, when the next lease is due.
+/// Fewer admitted than one shared bucket would only while tokens wait at the store, in other
+/// holders' leases or on their way here; never more.
+fn refused_here<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, count: f64, now: f64) -> Taken {
+    entry.refused.fetch_add(1, Ordering::Relaxed);
+    entry.spend(count);
+    fetch_if_low_at(store, entry, now);
+    let per_token = entry.config.period() / entry.config.rate();
+    let wait = if entry.short.load(Ordering::Acquire) {
+        count * per_token
+    } else {
+        entry.round_trip().max(count * per_token)
+    };
+    Taken {
+        decision: Decision { ok: false, retry_after: Some(wait) },
+        status: Status { remaining: 0.0, reset_after: entry.config.capacity() * per_token },
+    }
 }
 
 /// The answer of a take `entry`'s lease served at `now` (the holder's clock, read once).
@@ -679,12 +787,27 @@ async fn take_waiting<S: LeaseStore>(
         return Ok(served(store, &entry, leases.now(&**store)));
     }
     entry.direct.fetch_add(1, Ordering::Relaxed);
-    let (taken, value) = direct(&**store, one).await?;
+    let sent = leases.now(&**store);
+    let (taken, value) = match direct(&**store, one).await {
+        Ok(answer) => answer,
+        Err(e) => {
+            entry.failing.store(true, Ordering::Release);
+            return Err(e);
+        }
+    };
+    entry.saw_round_trip(leases.now(&**store) - sent);
+    entry.failing.store(false, Ordering::Release);
+    entry.short.store(value < 1.0, Ordering::Release);
+    entry.left.store(value.max(0.0).to_bits(), Ordering::Release);
     if taken.decision.ok && one.writes {
         entry.spend(one.count);
     }
     let floor = entry.options.floor * entry.config.capacity();
-    if value < floor {
+    if entry.far() {
+        // Far from the store: no direct takes near the limit (see `FAR_MS`).
+        entry.near.store(false, Ordering::Release);
+        fetch_if_low(store, leases, &entry);
+    } else if value < floor {
         if !entry.near.swap(true, Ordering::AcqRel) {
             let (store, entry) = (Arc::clone(store), Arc::clone(&entry));
             tokio::spawn(async move {
@@ -730,7 +853,18 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
     }
     let spent = entry.holder.spent() + f64::from_bits(entry.spent.load(Ordering::Acquire));
     let held = entry.holder.held();
-    if held > spent / 2.0 && held > 0.0 && now < entry.holder.renew_at() {
+    // What is spent a millisecond, since the lease in use was asked for; and the round trip
+    // (0 before the first): a lease that would run out before the next one can come is
+    // renewed now.
+    let since = entry.holder.since();
+    let per_ms = if since.is_finite() { spent / (now - since).max(1.0) } else { 0.0 };
+    let trip = entry.round_trip();
+    let trip = if trip.is_nan() { 0.0 } else { trip };
+    if held > spent / 2.0
+        && held > 2.0 * trip * per_ms
+        && held > 0.0
+        && now < entry.holder.renew_at()
+    {
         return;
     }
     let Some(asked) = entry.holder.ask(now) else { return };
@@ -743,10 +877,25 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
         entry.arrived.notify_waiters();
         return;
     }
-    // Sized from demand: twice what was spent since the last ask, at least one token (the
-    // store gives no more than the share allows, nor than it has).
+    // Sized from demand: twice what was asked for since the last ask (spent from the lease,
+    // taken directly, refused here), and at least what is asked for over three round trips
+    // at that pace (the store gives no more than the share allows, nor than it has). But no
+    // more than this process's part of what the rate brings until its next lease (the time
+    // since the last ask, or a round trip), among the holders at the last grant, and its
+    // part of what was left then beyond the floor (`LeaseOptions::floor`): holders that ask
+    // more often (nearer the store) would otherwise take all that flowed in each time, and
+    // one far away would get what the near ones left. Under the floor, what the store holds
+    // is what flows in for the holders still to ask; above it, what some holder did not want,
+    // which the others take, a part at each ask.
     let direct = f64::from_bits(entry.spent.swap(0f64.to_bits(), Ordering::AcqRel));
-    let want = (2.0 * (entry.holder.spent() + direct)).max(1.0);
+    let demand = (2.0 * (entry.holder.spent() + direct)).max(3.0 * trip * per_ms).max(1.0);
+    let horizon = if since.is_finite() { (now - since).max(trip) } else { trip };
+    #[allow(clippy::cast_precision_loss)]
+    let holders = entry.holders.load(Ordering::Acquire).max(1) as f64;
+    let part = entry.config.rate() / entry.config.period() * horizon / holders;
+    let left = f64::from_bits(entry.left.load(Ordering::Acquire));
+    let surplus = (left - entry.options.floor * entry.config.capacity()).max(0.0);
+    let want = demand.min(part + surplus / holders).max(1.0);
     let (store, entry, id) = (Arc::clone(store), Arc::clone(entry), entry.id);
     entry.asking.fetch_add(1, Ordering::AcqRel);
     tokio::spawn(async move {
@@ -761,12 +910,21 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
         let Ok((Answer::Granted(grant), store_now, after)) =
             step(&*store, &entry.slot(), grant).await
         else {
+            entry.failing.store(true, Ordering::Release);
             entry.holder.failed();
             entry.asking.fetch_sub(1, Ordering::AcqRel);
             entry.arrived.notify_waiters();
             return;
         };
         entry.grants.fetch_add(1, Ordering::Relaxed);
+        if let Some(leases) = store.leases() {
+            entry.saw_round_trip(leases.now(&*store) - asked.sent);
+        }
+        let left = after.state.map_or(entry.config.capacity(), |s| s.value);
+        entry.failing.store(false, Ordering::Release);
+        entry.short.store(grant.tokens < demand, Ordering::Release);
+        entry.left.store(left.max(0.0).to_bits(), Ordering::Release);
+        entry.holders.store(after.leases.len() as u64, Ordering::Release);
         let kept = entry.holder.granted(asked, grant, store_now);
         if !kept {
             // The lease was given back while this grant was on its way (a limit near its
@@ -789,8 +947,8 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
         if let Some(leases) = store.leases() {
             announce(&*store, leases, &entry).await;
         }
-        let left = after.state.map_or(entry.config.capacity(), |s| s.value);
         if left < entry.options.floor * entry.config.capacity()
+            && !entry.far()
             && !entry.near.swap(true, Ordering::AcqRel)
             && let Some(leases) = store.leases()
         {
@@ -934,6 +1092,8 @@ pub(crate) fn stats(leases: Option<&Leases>) -> Vec<(String, Option<String>, Lea
                 returns: load(&e.returns),
                 local: load(&e.local),
                 direct: load(&e.direct),
+                refused: load(&e.refused),
+                round_trip: e.round_trip(),
                 held: e.holder.held(),
             };
             (e.name.to_string(), e.key.as_deref().map(str::to_string), stats)

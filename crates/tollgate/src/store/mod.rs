@@ -81,7 +81,7 @@ mod url;
 #[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
 pub use breaker::{BreakerStats, CircuitBreaker, CircuitBreakerBuilder};
 #[cfg(any(feature = "redis", feature = "postgres"))]
-pub use lease::{HOT_AFTER, LeaseOptions, LeaseStats, LeasedName};
+pub use lease::{FAR_MS, HOT_AFTER, LeaseOptions, LeaseStats, LeasedName};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgStore, PgStoreBuilder, PgTransaction};
