@@ -532,16 +532,20 @@ function headersOf<Req>(
  *  with `Retry-After` on a refusal). Its policy is found once: in process it is known when the
  *  middleware is made, over a server from the first answer with fields. */
 function ietfOfOne<Req>(name: string, policies: Map<string, Policy>): Middleware<Req>["headers"] {
-  let policy = policies.get(name);
+  // The policy's member, and its name as `RateLimit` starts with it.
+  let found: { member: string; status: string } | undefined;
   return (decision): Record<string, string> => {
-    policy ??= policies.get(name);
+    if (found === undefined) {
+      const policy = policies.get(name);
+      if (policy !== undefined) found = { member: policy.member, status: `${policy.quoted};r=` };
+    }
     const l = decision.limits[0]!;
-    if (policy === undefined || Number.isNaN(l.resetAfter) || Number.isNaN(l.remaining)) {
+    if (found === undefined || Number.isNaN(l.resetAfter) || Number.isNaN(l.remaining)) {
       return decision.ok ? {} : { "Retry-After": String(seconds(decision.retryAfter)) };
     }
-    const status = `${policy.quoted};r=${Math.max(0, Math.floor(l.remaining))};t=${Math.max(0, Math.ceil(l.resetAfter / 1_000))}`;
-    if (decision.ok) return { "RateLimit-Policy": policy.member, RateLimit: status };
-    return { "RateLimit-Policy": policy.member, RateLimit: status, "Retry-After": String(seconds(decision.retryAfter)) };
+    const status = `${found.status}${Math.max(0, Math.floor(l.remaining))};t=${Math.max(0, Math.ceil(l.resetAfter / 1_000))}`;
+    if (decision.ok) return { "RateLimit-Policy": found.member, RateLimit: status };
+    return { "RateLimit-Policy": found.member, RateLimit: status, "Retry-After": String(seconds(decision.retryAfter)) };
   };
 }
 
@@ -790,6 +794,11 @@ function infoOf(decision: Decision, binding: number, key: string | undefined): R
   return new Info(l.limit, Math.floor(l.remaining), decision.at + l.resetAfter, key, decision.limits);
 }
 
+/** `Info`'s own fields that are not `RateLimitInfo`'s: keyed by symbols, which JSON and
+ *  `Object.keys` leave out. */
+const RESET_AT = Symbol("resetAt");
+const RESET_TIME = Symbol("resetTime");
+
 /**
  * A `RateLimitInfo`, as the middleware makes it for each request: its numbers are plain
  * fields, and `resetTime` is a getter of the class that makes its `Date` at the first read
@@ -802,29 +811,33 @@ function infoOf(decision: Decision, binding: number, key: string | undefined): R
  * does not have it (copy it by name).
  */
 class Info implements RateLimitInfo {
+  // Each field is set by the constructor alone (declared, not defined first as undefined).
+  declare limit: number;
+  declare used: number;
+  declare remaining: number;
+  declare key: string | undefined;
+  declare limits: LimitStatus[];
   /** `resetTime` in ms since the Unix epoch. */
-  #resetAt: number;
+  declare [RESET_AT]: number;
   /** `resetTime` once read (or set). */
-  #resetTime: Date | undefined = undefined;
-  used: number;
+  declare [RESET_TIME]: Date | undefined;
 
-  constructor(
-    public limit: number,
-    public remaining: number,
-    resetAt: number,
-    public key: string | undefined,
-    public limits: LimitStatus[],
-  ) {
+  constructor(limit: number, remaining: number, resetAt: number, key: string | undefined, limits: LimitStatus[]) {
+    this.limit = limit;
     this.used = Math.max(0, limit - remaining);
-    this.#resetAt = resetAt;
+    this.remaining = remaining;
+    this.key = key;
+    this.limits = limits;
+    this[RESET_AT] = resetAt;
+    this[RESET_TIME] = undefined;
   }
 
   get resetTime(): Date {
-    return (this.#resetTime ??= new Date(this.#resetAt));
+    return (this[RESET_TIME] ??= new Date(this[RESET_AT]));
   }
 
   set resetTime(value: Date) {
-    this.#resetTime = value;
+    this[RESET_TIME] = value;
   }
 
   /** Every field, `resetTime` included, in the order of `RateLimitInfo`. */
