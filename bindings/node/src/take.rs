@@ -20,6 +20,7 @@ use futures_util::FutureExt;
 use napi::bindgen_prelude::{Either3, Status, ToNapiValue, within_runtime_if_available};
 use napi::sys;
 use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
+use tollgate::Clock as _;
 use tollgate_server::answer::Answer;
 use tollgate_server::engine::{Engine, Named, NamedLimits};
 
@@ -114,8 +115,11 @@ pub(crate) fn function(
 /// or nothing, with one key (`flags` 1: a key is given, else none is), and gives its numbers:
 /// the transaction's decision (a number, as [`function`]'s), then per limit its decision, the
 /// tokens it has left and the ms until it is full (NaN, NaN when not known: granted because
-/// the store failed and the limit fails open). Answered now when no I/O was needed: the
-/// numbers are written into `out` (a `Float64Array` of at least `1 + 3 * limits`, given
+/// the store failed and the limit fails open), and last the time they were written, ms since
+/// the Unix epoch (the process's clock, `SystemClock`: a read of the CPU's counter, where
+/// JavaScript's `Date.now()` costs a call into V8's runtime and the system's clock; the
+/// middleware's `resetTime` is counted from it). Answered now when no I/O was needed: the
+/// numbers are written into `out` (a `Float64Array` of at least `2 + 3 * limits`, given
 /// once, here) and it returns 0; else it returns null, and the numbers come back through the limiter's settler
 /// with `id`, as an array. An error is the answer `run` would give, as its string. Throws a
 /// `TypeError` for an argument of the wrong type (then nothing was taken).
@@ -125,7 +129,7 @@ pub(crate) fn limits_function(
     named: NamedLimits,
     out: sys::napi_value,
 ) -> napi::Result<Raw> {
-    let numbers = read_f64s(env, out, 1 + 3 * named.len()).map_err(napi::Error::from_reason)?;
+    let numbers = read_f64s(env, out, 2 + 3 * named.len()).map_err(napi::Error::from_reason)?;
     let mut out_ref = ptr::null_mut();
     // SAFETY: `out` is an argument of this call. The reference keeps the array, and so its
     // numbers, alive (and where they are: an ArrayBuffer's store never moves once made, and
@@ -251,7 +255,7 @@ impl Takes for Limits {
         let mut key_buf = [0; SHORT];
         let key = if flags & KEY != 0 { Some(read_str(env, argv[0], &mut key_buf)?) } else { None };
         let Limits { settler, named, out, .. } = self;
-        let len = 1 + 3 * named.len();
+        let len = 2 + 3 * named.len();
         // SAFETY: the array's `len` numbers at least (checked when the function was made), held
         // alive by `out_ref`; only this thread's JavaScript reads them, and not during the call.
         let out = unsafe { std::slice::from_raw_parts_mut(*out, len) };
@@ -305,7 +309,8 @@ fn limits_taken(taken: Result<tollgate::TransactionTaken, Answer>, len: usize) -
     Taken::C(out)
 }
 
-/// A transaction's numbers (see [`limits_function`]) into `out`.
+/// A transaction's numbers (see [`limits_function`]) into `out` (of `2 + 3 * limits`), the
+/// time they were written last.
 fn numbers(taken: &tollgate::TransactionTaken, out: &mut [f64]) {
     let t = &taken.decision;
     out[0] = Engine::decision_number(tollgate::Decision { ok: t.ok, retry_after: t.retry_after });
@@ -313,6 +318,9 @@ fn numbers(taken: &tollgate::TransactionTaken, out: &mut [f64]) {
         out[1 + 3 * i] = Engine::decision_number(*decision);
         out[2 + 3 * i] = status.remaining;
         out[3 + 3 * i] = status.reset_after;
+    }
+    if let Some(at) = out.last_mut() {
+        *at = tollgate::SystemClock.now();
     }
 }
 

@@ -4,6 +4,7 @@
 // at once against a limit of M; its limit names resolved when it is made.
 import assert from "node:assert/strict";
 import { test } from "node:test";
+import { inspect } from "node:util";
 
 import { MINUTE, RateLimiter } from "../dist/index.js";
 import { decide, middleware } from "../dist/middleware.js";
@@ -50,6 +51,35 @@ for (const [label, store] of stores()) {
         }
       }
       assert.deepEqual((await decide(m, undefined, undefined, asUser("{carol}"))).headers.RateLimit, `"${a}";r=2;t=6, "${b}";r=3;t=12`);
+    } finally {
+      await limiter.close();
+    }
+  });
+
+  test(`${label}: the handlers' resetTime counts from the decision, its Date made once when read`, { skip: store === undefined && "no URL" }, async () => {
+    const name = fresh("reset");
+    const limiter = new RateLimiter({ store, storeDeadline: 2_000 }, { [name]: { kind: "token bucket", rate: 10, period: MINUTE, capacity: 3 } });
+    try {
+      const m = middleware({ limiter, limits: name, key: { header: "x-user" } }, framework);
+      await limiter.getServerTime(); // open
+      const before = Date.now();
+      const { info } = await decide(m, undefined, undefined, asUser("{dana}"));
+      const after = Date.now();
+      assert.deepEqual([info.limit, info.used, info.remaining, info.key], [3, 1, 2, "{dana}"]);
+      const resetAfter = info.limits[0].resetAfter;
+      assert.ok(resetAfter > 0 && resetAfter <= 6_000, String(resetAfter));
+      // The addon's clock (the time its numbers were written) against Date.now(): the same
+      // wall clock, read another way.
+      const reset = info.resetTime.getTime();
+      assert.ok(reset >= before + resetAfter - 1_000 && reset <= after + resetAfter + 1_000, `${reset - before} ms after the request`);
+      assert.ok(info.resetTime instanceof Date);
+      assert.equal(info.resetTime, info.resetTime, "the same Date at each read");
+      assert.equal(JSON.parse(JSON.stringify(info)).resetTime, info.resetTime.toISOString());
+      assert.deepEqual(Object.keys(JSON.parse(JSON.stringify(info))), ["limit", "used", "remaining", "resetTime", "key", "limits"]);
+      assert.match(inspect(info), /resetTime: \d{4}-/);
+      const mine = new Date(0);
+      info.resetTime = mine;
+      assert.equal(info.resetTime, mine, "a handler may set it");
     } finally {
       await limiter.close();
     }

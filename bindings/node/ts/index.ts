@@ -359,7 +359,9 @@ function limitsTaking(
   const counts = limits.map((l) => l.count ?? null);
   // In an ArrayBuffer of its own (a small typed array may start in V8's heap, where its
   // numbers would move): the addon writes the numbers here.
-  const out = new Float64Array(new ArrayBuffer(8 * (1 + 3 * limits.length)));
+  const out = new Float64Array(new ArrayBuffer(8 * (2 + 3 * limits.length)));
+  // Where the addon writes the time of the numbers (see native.ts).
+  const atIndex = 1 + 3 * limits.length;
   let native: NativeTakeAll | null | undefined;
   const decisionOf = (n: ArrayLike<number>): Decision => {
     const statuses = new Array<LimitStatus>(names.length);
@@ -374,8 +376,9 @@ function limitsTaking(
       }
       statuses[i] = { name: names[i]!, limit: capacities[i]!, remaining: n[2 + 3 * i]!, resetAfter: n[3 + 3 * i]!, window: windows[i]! };
     }
-    if (n[0]! > -2) return { ok: true, retryAfter: 0, limits: statuses };
-    return { ok: false, retryAfter: longest, limits: statuses, refusedBy: names[Math.max(refusing, 0)]! };
+    const at = n[atIndex]!;
+    if (n[0]! > -2) return { ok: true, retryAfter: 0, limits: statuses, at };
+    return { ok: false, retryAfter: longest, limits: statuses, refusedBy: names[Math.max(refusing, 0)]!, at };
   };
   const capacityOf = new Map(names.map((n, i) => [n, capacities[i]!]));
   const slow = (key: string | undefined) => general(key).then((r) => decisionOfAnswer(r, limits, policies, capacityOf));

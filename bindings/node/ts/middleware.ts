@@ -65,6 +65,9 @@ export interface Decision {
   limits: LimitStatus[];
   /** When refused, the name of the limit that refused it longest (the one a 429 names). */
   refusedBy?: string;
+  /** When its numbers were read, ms since the Unix epoch: `resetAfter` counts from then (in
+   *  process the addon's clock, over a server when the answer came). */
+  at: number;
 }
 
 /** How a middleware takes its limits for a request's key (`undefined`: no key, the
@@ -141,7 +144,10 @@ export interface RateLimitInfo {
   used: number;
   /** Tokens left, rounded down. */
   remaining: number;
-  /** When the limit is full again. */
+  /** When the limit is full again, counted from when its tokens were taken. On the object the
+   *  middleware sets this is a getter that makes the `Date` at its first read (the same one
+   *  at each read after): `JSON.stringify` and `util.inspect` show it, a copy by spread or
+   *  `Object.assign` does not have it (copy it by name). */
   resetTime: Date;
   /** The request's key; undefined for `key: "global"`. */
   key: string | undefined;
@@ -282,9 +288,10 @@ export interface Middleware<Req, Res = never> {
   /** The refusal's body, if not tollgate's own: what `message` gives for the request. */
   message?: (request: Req) => unknown;
   requestPropertyName: string;
-  /** Writes the header fields of a decision whose numbers are known, `binding` the index of
-   *  its binding limit (`bindingOf`). */
-  headers(decision: Decision, binding: number, key: string | undefined, request: Req, out: Record<string, string>): void;
+  /** The header fields of a decision whose numbers are known, `binding` the index of its
+   *  binding limit (`bindingOf`): a writer made for the options' header sets when the
+   *  middleware is made (`headersOf`). */
+  headers(decision: Decision, binding: number, key: string | undefined, request: Req): Record<string, string>;
   passOnStoreError: boolean;
   /** Which responses give their tokens back: failed ones, successful ones. */
   giveBack?: { failed: boolean; successful: boolean };
@@ -470,8 +477,12 @@ function optionalFunction<F>(options: object, name: string, shape: string): F | 
   return value as F;
 }
 
-/** The header sets `standardHeaders` and `legacyHeaders` ask for, as one writer of a
- *  decision's fields: `Retry-After` on a refusal whenever any set is written. */
+/**
+ * The header sets `standardHeaders` and `legacyHeaders` ask for, as one writer of a
+ * decision's fields, made for them once: `Retry-After` on a refusal whenever any set is
+ * written. The usual options (the IETF fields of one limit, no legacy fields) get a writer of
+ * their own, which makes the answer's fields in one object literal.
+ */
 function headersOf<Req>(
   options: MiddlewareOptions<Req, Transacting, never>,
   limits: ReadonlyArray<{ name: string; count?: number }>,
@@ -493,24 +504,48 @@ function headersOf<Req>(
   if (identifier !== undefined && standard !== "draft-8") {
     throw new TypeError(`identifier names the limits in draft 8's fields: give it with standardHeaders: "draft-8"`);
   }
+  if (standard === "ietf" && !legacy && limits.length === 1) return ietfOfOne(limits[0]!.name, policies);
+  if (standard === false && !legacy) return () => ({});
   // One identifier for several limits: the second is `id-2`, and so on.
   const named = (id: string) => limits.map((_, i) => sfString(i === 0 ? id : `${id}-${i + 1}`));
   const identifiers = typeof identifier === "string" ? named(identifier) : names;
   // A decision lists its limits by name (over a server, the 8 tightest of more): each one's
   // identifier is found by its name, never by its place.
   const position = new Map(limits.map((l, i) => [l.name, i]));
-  const any = standard !== false || legacy;
-  return (decision, index, key, request, out) => {
+  return (decision, index, key, request) => {
+    const out: Record<string, string> = {};
     const binding = decision.limits[index]!;
-    if (standard === "ietf") Object.assign(out, ietfFields(decision, policies));
+    if (standard === "ietf") ietfFields(decision, policies, out);
     else if (standard === "draft-6") draft6Headers(binding, out);
     else if (standard === "draft-7") draft7Headers(binding, out);
     else if (standard === "draft-8") {
       const ids = typeof identifier === "function" ? named(identifier(request)) : identifiers;
       draft8Headers(decision, decision.limits.map((l) => ids[position.get(l.name) ?? 0]!), key, out);
     }
-    if (legacy) legacyHeaders(binding, Date.now(), out);
-    if (any && !decision.ok) out["Retry-After"] = String(seconds(decision.retryAfter));
+    if (legacy) legacyHeaders(binding, decision.at, out);
+    if (!decision.ok) out["Retry-After"] = String(seconds(decision.retryAfter));
+    return out;
+  };
+}
+
+/** The IETF fields of a middleware of one limit, `name` (`ietfFields`' answer for one limit,
+ *  with `Retry-After` on a refusal). Its policy is found once: in process it is known when the
+ *  middleware is made, over a server from the first answer with fields. */
+function ietfOfOne<Req>(name: string, policies: Map<string, Policy>): Middleware<Req>["headers"] {
+  // The policy's member, and its name as `RateLimit` starts with it.
+  let found: { member: string; status: string } | undefined;
+  return (decision): Record<string, string> => {
+    if (found === undefined) {
+      const policy = policies.get(name);
+      if (policy !== undefined) found = { member: policy.member, status: `${policy.quoted};r=` };
+    }
+    const l = decision.limits[0]!;
+    if (found === undefined || Number.isNaN(l.resetAfter) || Number.isNaN(l.remaining)) {
+      return decision.ok ? {} : { "Retry-After": String(seconds(decision.retryAfter)) };
+    }
+    const status = `${found.status}${Math.max(0, Math.floor(l.remaining))};t=${Math.max(0, Math.ceil(l.resetAfter / 1_000))}`;
+    if (decision.ok) return { "RateLimit-Policy": found.member, RateLimit: status };
+    return { "RateLimit-Policy": found.member, RateLimit: status, "Retry-After": String(seconds(decision.retryAfter)) };
   };
 }
 
@@ -723,13 +758,12 @@ function failed<Req, Res>(m: Middleware<Req, Res>, request: Req, e: unknown): Ve
 
 /** The answer to a request whose limits decided `decision`. */
 function verdictOf<Req, Res>(m: Middleware<Req, Res>, decision: Decision, given: string | undefined, request: Req): Verdict {
-  const headers: Record<string, string> = {};
   // No numbers (a limit granted because the store failed and it fails open): no fields, no
   // info, nothing to give back.
   let known = decision.limits.length > 0;
   for (const l of decision.limits) if (Number.isNaN(l.remaining)) known = false;
   const binding = known ? bindingOf(decision, m.countOf) : 0;
-  if (known) m.headers(decision, binding, given, request, headers);
+  const headers = known ? m.headers(decision, binding, given, request) : {};
   const info = known ? infoOf(decision, binding, given) : undefined;
   if (decision.ok) {
     return { pass: true, status: 200, headers, info, settle: known && m.giveBack ? settler(m, decision, given, request) : undefined };
@@ -757,15 +791,63 @@ function tell<Req>(m: Middleware<Req, never> | Middleware<Req, unknown>, e: unkn
 /** `req.rateLimit` of a decision: the binding limit's numbers, and every limit's. */
 function infoOf(decision: Decision, binding: number, key: string | undefined): RateLimitInfo {
   const l = decision.limits[binding]!;
-  const remaining = Math.floor(l.remaining);
-  return {
-    limit: l.limit,
-    used: Math.max(0, l.limit - remaining),
-    remaining,
-    resetTime: new Date(Date.now() + l.resetAfter),
-    key,
-    limits: decision.limits,
-  };
+  return new Info(l.limit, Math.floor(l.remaining), decision.at + l.resetAfter, key, decision.limits);
+}
+
+/** `Info`'s own fields that are not `RateLimitInfo`'s: keyed by symbols, which JSON and
+ *  `Object.keys` leave out. */
+const RESET_AT = Symbol("resetAt");
+const RESET_TIME = Symbol("resetTime");
+
+/**
+ * A `RateLimitInfo`, as the middleware makes it for each request: its numbers are plain
+ * fields, and `resetTime` is a getter of the class that makes its `Date` at the first read
+ * (the same `Date` at each read after): a `Date` made for every request cost about a tenth of
+ * the decision on the memory store (BENCHMARKS.md), and most handlers never read it. A getter
+ * of the class, not of each object: an accessor defined on each object made the decision more
+ * than twice as slow. The time it says is the decision's: when the binding limit is full again,
+ * counted from when its tokens were taken (`Decision.at`). `JSON.stringify` and
+ * `util.inspect` show `resetTime` with the other fields; a copy by spread or `Object.assign`
+ * does not have it (copy it by name).
+ */
+class Info implements RateLimitInfo {
+  // Each field is set by the constructor alone (declared, not defined first as undefined).
+  declare limit: number;
+  declare used: number;
+  declare remaining: number;
+  declare key: string | undefined;
+  declare limits: LimitStatus[];
+  /** `resetTime` in ms since the Unix epoch. */
+  declare [RESET_AT]: number;
+  /** `resetTime` once read (or set). */
+  declare [RESET_TIME]: Date | undefined;
+
+  constructor(limit: number, remaining: number, resetAt: number, key: string | undefined, limits: LimitStatus[]) {
+    this.limit = limit;
+    this.used = Math.max(0, limit - remaining);
+    this.remaining = remaining;
+    this.key = key;
+    this.limits = limits;
+    this[RESET_AT] = resetAt;
+    this[RESET_TIME] = undefined;
+  }
+
+  get resetTime(): Date {
+    return (this[RESET_TIME] ??= new Date(this[RESET_AT]));
+  }
+
+  set resetTime(value: Date) {
+    this[RESET_TIME] = value;
+  }
+
+  /** Every field, `resetTime` included, in the order of `RateLimitInfo`. */
+  toJSON(): RateLimitInfo {
+    return { limit: this.limit, used: this.used, remaining: this.remaining, resetTime: this.resetTime, key: this.key, limits: this.limits };
+  }
+
+  [Symbol.for("nodejs.util.inspect.custom")](): RateLimitInfo {
+    return this.toJSON();
+  }
 }
 
 /**
@@ -854,24 +936,23 @@ const MAX_FIELD_BYTES = 1024;
 /**
  * `RateLimit-Policy` and `RateLimit` of `decision`, as the engine writes them
  * (crates/server/src/fields.rs): every limit when they fit, else the tightest that fit;
- * none when a limit's numbers are not known.
+ * none when a limit's numbers are not known. Written into `out`.
  */
-function ietfFields(decision: Decision, policies: Map<string, Policy>): Record<string, string> {
+function ietfFields(decision: Decision, policies: Map<string, Policy>, out: Record<string, string>): void {
   const limits = decision.limits;
-  if (limits.length === 1) {
-    // The usual middleware: one limit.
-    const policy = policies.get(limits[0]!.name);
-    const status = policy && statusMember(policy, limits[0]!);
-    return status === undefined ? {} : { "RateLimit-Policy": policy!.member, RateLimit: status };
-  }
   const members: Array<{ policy: Policy; status: string; left: number }> = [];
   for (const l of limits) {
     const policy = policies.get(l.name);
     const status = policy && statusMember(policy, l);
-    if (status === undefined) return {};
+    if (status === undefined) return;
     members.push({ policy: policy!, status, left: l.remaining / policy!.capacity });
   }
-  if (members.length === 0) return {};
+  if (members.length === 0) return;
+  if (members.length === 1) {
+    out["RateLimit-Policy"] = members[0]!.policy.member;
+    out["RateLimit"] = members[0]!.status;
+    return;
+  }
   const bytes = (i: number): [number, number] => [members[i]!.policy.member.length + 2, members[i]!.status.length + 2];
   let kept = members.map((_, i) => i);
   const [p, s] = kept.map(bytes).reduce(([p, s], [dp, ds]) => [p + dp, s + ds], [0, 0]);
@@ -890,10 +971,8 @@ function ietfFields(decision: Decision, policies: Map<string, Policy>): Record<s
     }
     kept = chosen.sort((a, b) => a - b);
   }
-  return {
-    "RateLimit-Policy": kept.map((i) => members[i]!.policy.member).join(", "),
-    RateLimit: kept.map((i) => members[i]!.status).join(", "),
-  };
+  out["RateLimit-Policy"] = kept.map((i) => members[i]!.policy.member).join(", ");
+  out["RateLimit"] = kept.map((i) => members[i]!.status).join(", ");
 }
 
 /** A limit's member of `RateLimit`: `"name";r=<tokens left, down>;t=<s until full, up>`;
@@ -995,7 +1074,7 @@ export function decisionOfAnswer(
       window: Number(m.params.w) * 1_000,
     });
   }
-  const decision: Decision = { ok: result.ok, retryAfter: 0, limits: [] };
+  const decision: Decision = { ok: result.ok, retryAfter: 0, limits: [], at: Date.now() };
   for (const l of limits) {
     const status = listed.get(l.name);
     if (status !== undefined) decision.limits.push(status);

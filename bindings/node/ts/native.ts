@@ -34,9 +34,10 @@ export type NativeTake = (key: string, count: number, flags: number, id: number)
  * A middleware's take function (see `NativeLimiter.limitsTaker`): `flags` 1 when a key is
  * given (else `key` is ignored). Its numbers are the transaction's decision (a number, as a
  * `NativeTake`'s), then per limit its decision, the tokens it has left and the ms until it is
- * full (both NaN when not known: granted because the store failed and the limit fails open).
- * Answered now when no I/O was needed: the numbers are written into the `out` given to
- * `limitsTaker` (at least `1 + 3 * limits` of them) and it returns 0; else null, and the numbers come to the settler
+ * full (both NaN when not known: granted because the store failed and the limit fails open),
+ * and last the time they were written (ms since the Unix epoch, the addon's clock: cheaper
+ * than `Date.now()`). Answered now when no I/O was needed: the numbers are written into the
+ * `out` given to `limitsTaker` (at least `2 + 3 * limits` of them) and it returns 0; else null, and the numbers come to the settler
  * with `id`, as an array. An error is the answer's string. Throws a TypeError for an argument
  * of the wrong type (nothing taken).
  */
