@@ -492,15 +492,23 @@ async fn a_defined_limit_cannot_be_lifted_by_a_request() {
 async fn reset_forgets_every_shard_whatever_config_made_them() {
     let (app, _) = app();
     let sharded = r#"{"kind":"token bucket","rate":40,"period":60000,"shards":8}"#;
+    // Two shards drawn at random for each take (the power of two choices): a take whose two
+    // are both empty is refused, so how many of the 30 were admitted varies.
+    let mut admitted = 0.0;
     for _ in 0..30 {
         let body = format!(r#"{{"name":"inline","key":"k","config":{sharded}}}"#);
-        assert_eq!(post(&app, "/v1/limit", body).await.status, StatusCode::OK);
+        let r = post(&app, "/v1/limit", body).await;
+        assert_eq!(r.status, StatusCode::OK);
+        if r.body["ok"] == json!(true) {
+            admitted += 1.0;
+        }
     }
     let value = |app: Service| async move {
         let body = format!(r#"{{"name":"inline","key":"k","sampleShards":8,"config":{sharded}}}"#);
         post(&app, "/v1/value", body).await.body["value"].as_f64().unwrap()
     };
-    assert!(value(app.clone()).await < 11.0, "30 of 40 taken");
+    assert!(admitted >= 20.0, "{admitted} of 30 admitted");
+    assert!(value(app.clone()).await < 41.0 - admitted, "{admitted} of 40 taken");
     let r = post(&app, "/v1/reset", r#"{"name":"inline","key":"k"}"#).await;
     assert_eq!((r.status, r.body), (StatusCode::OK, json!({})));
     assert_eq!(value(app.clone()).await, 40.0, "every shard forgotten");

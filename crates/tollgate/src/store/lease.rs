@@ -236,7 +236,7 @@ impl LeaseOptions {
     /// return what they hold: every request is a direct take, exact as without leases,
     /// until the limit has room again. Only near the store: a holder whose round trip to it
     /// is [`FAR_MS`] or more keeps leasing (another region's every request would wait a
-    /// round trip), and refuses from its lease what it cannot serve while the store is empty.
+    /// round trip), and refuses from its lease what the lease cannot serve.
     #[must_use]
     pub fn floor(mut self, floor: f64) -> Self {
         self.floor = floor.clamp(0.0, 1.0);
@@ -257,7 +257,7 @@ pub struct LeaseStats {
     /// Requests sent to the store as direct takes.
     pub direct: u64,
     /// Requests refused from the lease, with no store call: the key is leased from a store
-    /// far away ([`FAR_MS`] or more) and the last grant found it empty.
+    /// far away ([`FAR_MS`] or more), and the lease could not serve them.
     pub refused: u64,
     /// The round trip of a grant request, in milliseconds (a moving average; NaN before the
     /// first reply).
@@ -625,9 +625,9 @@ const MARGIN_MS: f64 = 5.0;
 /// measures it) is far: another region. Near the limit, a key leased from near takes every
 /// request directly, exact as unleased, at the cost of a round trip each (a millisecond in
 /// one region); one leased from far keeps leasing, in leases sized to its demand over the
-/// round trip, and refuses from its lease what the lease cannot serve while the store is
-/// empty, with no store call: a region 75 ms away would otherwise wait 150 ms for each
-/// refusal, and send the store every request of a saturated limit.
+/// round trip, and refuses from its lease what the lease cannot serve, with no store call
+/// and no wait: a region 75 ms away would otherwise wait 150 ms for each refusal, and send
+/// the store every request of a saturated limit.
 pub const FAR_MS: f64 = 5.0;
 
 /// Returns what `entry` holds (the holder stops spending it at once).
