@@ -236,7 +236,8 @@ impl LeaseOptions {
     /// return what they hold: every request is a direct take, exact as without leases,
     /// until the limit has room again. Only near the store: a holder whose round trip to it
     /// is [`FAR_MS`] or more keeps leasing (another region's every request would wait a
-    /// round trip), and refuses from its lease what the lease cannot serve.
+    /// round trip), and while the limit is spent refuses from its lease what the lease
+    /// cannot serve.
     #[must_use]
     pub fn floor(mut self, floor: f64) -> Self {
         self.floor = floor.clamp(0.0, 1.0);
@@ -257,7 +258,8 @@ pub struct LeaseStats {
     /// Requests sent to the store as direct takes.
     pub direct: u64,
     /// Requests refused from the lease, with no store call: the key is leased from a store
-    /// far away ([`FAR_MS`] or more), and the lease could not serve them.
+    /// far away ([`FAR_MS`] or more), the limit was spent, and the lease could not serve
+    /// them.
     pub refused: u64,
     /// The round trip of a grant request, in milliseconds (a moving average; NaN before the
     /// first reply).
@@ -322,6 +324,9 @@ struct Entry {
     /// with the take that made it).
     seen: AtomicU64,
     seen_at: AtomicU64,
+    /// When it was made, on the holder's clock: its first lease is sized from the demand
+    /// since then.
+    made_at: f64,
     name: Box<str>,
     key: Option<Box<str>>,
     config: Config,
@@ -353,6 +358,12 @@ struct Entry {
     /// the others left (see [`fetch_if_low`]).
     holders: AtomicU64,
     left: AtomicU64,
+    /// A take of it is on its way to the store while its round trip is not known yet (the
+    /// key's first), and told when it is back: the takes that come meanwhile wait for it
+    /// rather than each go to the store (a region 150 ms away sent the store some 600
+    /// direct takes a server that way, each waiting a round trip).
+    probing: AtomicBool,
+    probed: tokio::sync::Notify,
     /// Told when a grant request's answer (or failure) has come in, and again when its
     /// request is done with (`asking` back to 0).
     arrived: tokio::sync::Notify,
@@ -501,6 +512,7 @@ impl Leases {
             // of those that keep it.
             seen: AtomicU64::new(1),
             seen_at: AtomicU64::new(now.to_bits()),
+            made_at: now,
             holder: Holder::new(MARGIN_MS),
             name: slot.name.into(),
             key: slot.key.map(Into::into),
@@ -519,6 +531,8 @@ impl Leases {
             failing: AtomicBool::new(false),
             holders: AtomicU64::new(1),
             left: AtomicU64::new(f64::INFINITY.to_bits()),
+            probing: AtomicBool::new(false),
+            probed: tokio::sync::Notify::new(),
             arrived: tokio::sync::Notify::new(),
             asking: AtomicUsize::new(0),
         });
@@ -625,9 +639,10 @@ const MARGIN_MS: f64 = 5.0;
 /// measures it) is far: another region. Near the limit, a key leased from near takes every
 /// request directly, exact as unleased, at the cost of a round trip each (a millisecond in
 /// one region); one leased from far keeps leasing, in leases sized to its demand over the
-/// round trip, and refuses from its lease what the lease cannot serve, with no store call
-/// and no wait: a region 75 ms away would otherwise wait 150 ms for each refusal, and send
-/// the store every request of a saturated limit.
+/// round trip, and while the limit is spent (its last grant gave less than its demand
+/// asked for) refuses from its lease what the lease cannot serve, with no store call and no
+/// wait: a region 75 ms away would otherwise wait 150 ms for each refusal, and send the
+/// store every request of a saturated limit.
 pub const FAR_MS: f64 = 5.0;
 
 /// Returns what `entry` holds (the holder stops spending it at once).
@@ -726,9 +741,12 @@ fn at_once<S: LeaseStore>(
                 one.slot.name
             ))));
         }
-        // Once it has had a lease, a request it cannot serve is refused here (a fixed
+        // While its last grant gave less than its demand asked for (the limit is spent, or
+        // this process has its part of it), a request it cannot serve is refused here; one
+        // that outran a lease the store gave in full waits for the next, on its way (a fixed
         // window's refusal waits for its window's end, which the store knows: it goes there).
-        if entry.holder.since().is_finite()
+        if entry.short.load(Ordering::Acquire)
+            && (entry.holder.since().is_finite() || entry.holder.fetching())
             && entry.config.kind() == tollgate_algebra::Kind::TokenBucket
         {
             if now.is_nan() {
@@ -741,23 +759,17 @@ fn at_once<S: LeaseStore>(
 }
 
 /// A refusal from `entry`'s lease at `now`, with no store call (see [`FAR_MS`]): the next
-/// lease is asked for (sized by this demand too). The wait: if the last grant gave less than
-/// this process's demand (the limit is spent), what the shared bucket, empty, would say (the
-/// time its rate takes to bring `count`); else a round trip, when the next lease is due.
-/// Fewer admitted than one shared bucket would only while tokens wait at the store, in other
-/// holders' leases or on their way here; never more.
+/// lease is asked for (sized by this demand too), and the wait is what the shared bucket,
+/// empty, would say (the time its rate takes to bring `count`). Fewer admitted than one
+/// shared bucket would only while tokens wait at the store, in other holders' leases or on
+/// their way here; never more.
 fn refused_here<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, count: f64, now: f64) -> Taken {
     entry.refused.fetch_add(1, Ordering::Relaxed);
     entry.spend(count);
     fetch_if_low_at(store, entry, now);
     let per_token = entry.config.period() / entry.config.rate();
-    let wait = if entry.short.load(Ordering::Acquire) {
-        count * per_token
-    } else {
-        entry.round_trip().max(count * per_token)
-    };
     Taken {
-        decision: Decision { ok: false, retry_after: Some(wait) },
+        decision: Decision { ok: false, retry_after: Some(count * per_token) },
         status: Status { remaining: 0.0, reset_after: entry.config.capacity() * per_token },
     }
 }
@@ -780,11 +792,63 @@ async fn take_waiting<S: LeaseStore>(
     one: &OneTake<'_>,
     entry: Arc<Entry>,
 ) -> Result<Taken, StoreError> {
+    let mut probe = None;
+    if !one.reserve && entry.round_trip().is_nan() {
+        if entry.probing.swap(true, Ordering::AcqRel) {
+            // Another take measures the round trip: wait for it (at most half a term), then
+            // decide as any take (served, refused here far from the store, or on below).
+            entry.spend(one.count);
+            let probed = entry.probed.notified();
+            tokio::pin!(probed);
+            probed.as_mut().enable();
+            if entry.probing.load(Ordering::Acquire) {
+                let _ = tokio::time::timeout(entry.options.term / 2, probed).await;
+            }
+            if let Ok(answer) = at_once(store, leases, one) {
+                return answer;
+            }
+        } else {
+            probe = Some(Probing(&entry));
+        }
+    }
+    let answer = take_served_or_direct(store, leases, one, &entry).await;
+    drop(probe);
+    answer
+}
+
+/// The take that measures a fresh entry's round trip: when it is done (or dropped, its
+/// request cancelled), the takes waiting for it are told.
+struct Probing<'a>(&'a Entry);
+
+impl Drop for Probing<'_> {
+    fn drop(&mut self) {
+        self.0.probing.store(false, Ordering::Release);
+        self.0.probed.notify_waiters();
+    }
+}
+
+/// [`take_waiting`] once no probe is awaited.
+async fn take_served_or_direct<S: LeaseStore>(
+    store: &Arc<S>,
+    leases: &Leases,
+    one: &OneTake<'_>,
+    entry: &Arc<Entry>,
+) -> Result<Taken, StoreError> {
+    let entry = Arc::clone(entry);
     if !one.reserve
         && awaited(&entry).await
         && entry.holder.try_take(one.count, || leases.now(&**store))
     {
         return Ok(served(store, &entry, leases.now(&**store)));
+    }
+    // The lease it waited for fell short (the limit spent, or its room leased out to the
+    // others): far from the store, refused here as any take then (see `at_once`).
+    if !one.reserve
+        && entry.far()
+        && entry.short.load(Ordering::Acquire)
+        && entry.config.kind() == tollgate_algebra::Kind::TokenBucket
+    {
+        return Ok(refused_here(store, &entry, one.count, leases.now(&**store)));
     }
     entry.direct.fetch_add(1, Ordering::Relaxed);
     let sent = leases.now(&**store);
@@ -857,7 +921,8 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
     // (0 before the first): a lease that would run out before the next one can come is
     // renewed now.
     let since = entry.holder.since();
-    let per_ms = if since.is_finite() { spent / (now - since).max(1.0) } else { 0.0 };
+    let since = if since.is_finite() { since } else { entry.made_at };
+    let per_ms = spent / (now - since).max(1.0);
     let trip = entry.round_trip();
     let trip = if trip.is_nan() { 0.0 } else { trip };
     if held > spent / 2.0
@@ -889,7 +954,7 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
     // which the others take, a part at each ask.
     let direct = f64::from_bits(entry.spent.swap(0f64.to_bits(), Ordering::AcqRel));
     let demand = (2.0 * (entry.holder.spent() + direct)).max(3.0 * trip * per_ms).max(1.0);
-    let horizon = if since.is_finite() { (now - since).max(trip) } else { trip };
+    let horizon = (now - since).max(trip);
     #[allow(clippy::cast_precision_loss)]
     let holders = entry.holders.load(Ordering::Acquire).max(1) as f64;
     let part = entry.config.rate() / entry.config.period() * horizon / holders;
