@@ -782,10 +782,11 @@ fn served<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) -> Taken 
     Taken { decision: Decision { ok: true, retry_after: None }, status }
 }
 
-/// The rest of [`take`] for a key with an entry, after [`at_once`] did not answer: the next
-/// lease awaited if the take is one a lease serves (rather than a direct take: when demand
-/// outruns a lease, every request would go to the store meanwhile), else a direct take that
-/// counts against the lease's cap.
+/// The rest of [`take`] for a key with an entry, after [`at_once`] did not answer: while the
+/// key's first take to the store is on its way (its round trip not known yet), the others
+/// wait for it; then the next lease awaited if the take is one a lease serves (rather than a
+/// direct take: when demand outruns a lease, every request would go to the store
+/// meanwhile), else a direct take that counts against the lease's cap.
 async fn take_waiting<S: LeaseStore>(
     store: &Arc<S>,
     leases: &Leases,
