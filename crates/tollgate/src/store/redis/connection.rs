@@ -67,20 +67,9 @@ impl Source {
         timeout: Duration,
     ) -> redis::RedisResult<MultiplexedConnection> {
         match self {
-            // The whole of it within `timeout`: redis-rs bounds the TCP connect and each
-            // response, but a peer that accepts the connection and never answers its
-            // handshake (a middlebox during a partition) held it until the link healed.
-            Source::Fixed(client) => tokio::time::timeout(
-                timeout,
-                client.get_multiplexed_async_connection_with_config(config),
-            )
-            .await
-            .unwrap_or_else(|_| {
-                Err(redis::RedisError::from(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("no connection made within {timeout:?}"),
-                )))
-            }),
+            Source::Fixed(client) => {
+                client.get_multiplexed_async_connection_with_config(config).await
+            }
             Source::Sentinel(sentinel) => {
                 let found = async {
                     let primary = sentinel.lock().await.async_get_client().await?;
@@ -116,20 +105,11 @@ pub(super) struct Connection<T> {
     current: Mutex<(Option<T>, u64)>,
     /// Held while connecting, so that many requests that find no connection make one.
     connecting: tokio::sync::Mutex<()>,
-    /// Attempts to connect that failed, and the last one's error: the requests that waited
-    /// for an attempt that failed fail with it, rather than each try again in turn (a
-    /// thousand requests waiting on a store that does not answer waited a timeout each, one
-    /// after the other: 15 s).
-    failures: Mutex<(u64, String)>,
 }
 
 impl<T> Default for Connection<T> {
     fn default() -> Self {
-        Connection {
-            current: Mutex::new((None, 0)),
-            connecting: tokio::sync::Mutex::new(()),
-            failures: Mutex::new((0, String::new())),
-        }
+        Connection { current: Mutex::new((None, 0)), connecting: tokio::sync::Mutex::new(()) }
     }
 }
 
@@ -143,27 +123,11 @@ impl<T: Clone> Connection<T> {
         if let (Some(conn), generation) = &*self.current.lock() {
             return Ok((conn.clone(), *generation));
         }
-        let failed_before = self.failures.lock().0;
         let _connecting = self.connecting.lock().await;
         if let (Some(conn), generation) = &*self.current.lock() {
             return Ok((conn.clone(), *generation));
         }
-        {
-            let (failed, why) = &*self.failures.lock();
-            if *failed != failed_before {
-                return Err(StoreError::new(format!("redis: {why}")).unavailable());
-            }
-        }
-        let conn = match connect().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                let error = redis_error("cannot connect", e).unavailable();
-                let mut failures = self.failures.lock();
-                failures.0 += 1;
-                failures.1 = format!("another request's attempt to connect just failed: {error}");
-                return Err(error);
-            }
-        };
+        let conn = connect().await.map_err(|e| redis_error("cannot connect", e).unavailable())?;
         let mut current = self.current.lock();
         current.0 = Some(conn.clone());
         current.1 += 1;
