@@ -411,6 +411,8 @@ impl Engine {
             sum.direct += s.direct;
             sum.refused += s.refused;
             sum.held += s.held;
+            sum.elsewhere += s.elsewhere;
+            sum.holders = sum.holders.max(s.holders);
             // The farthest any key of it saw (NaN, the sum's start, loses to any number).
             sum.round_trip = sum.round_trip.max(s.round_trip);
         }
@@ -431,6 +433,8 @@ impl Engine {
                 "refused": s.refused,
                 "held": number(s.held),
                 "roundTrip": number(s.round_trip),
+                "elsewhere": number(s.elsewhere),
+                "holders": s.holders,
                 "keys": named.map_or(0, |n| n.keys),
                 "cold": named.map_or(0, |n| n.cold),
             })

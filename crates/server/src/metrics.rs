@@ -227,7 +227,7 @@ pub fn render_leases(
     out: &mut String,
     stats: &[(String, Option<String>, tollgate::store::LeaseStats)],
 ) {
-    let series: [Series<'_, tollgate::store::LeaseStats>; 7] = [
+    let series: [Series<'_, tollgate::store::LeaseStats>; 9] = [
         (
             "tollgate_lease_grants_total",
             "counter",
@@ -267,6 +267,19 @@ pub fn render_leases(
             "gauge",
             "The store's round trip as this process's lease requests see it (a moving average).",
             |s| s.round_trip,
+        ),
+        (
+            "tollgate_lease_tokens_elsewhere",
+            "gauge",
+            "Tokens the store counted out to the key's other holders (other processes) at this \
+             process's last grant.",
+            |s| s.elsewhere,
+        ),
+        (
+            "tollgate_lease_holders",
+            "gauge",
+            "Holders of the key at the store at this process's last grant, this one included.",
+            |s| s.holders as f64,
         ),
     ];
     let rows: Vec<_> = stats

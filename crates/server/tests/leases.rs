@@ -263,3 +263,71 @@ fn two_servers_leasing_one_name_apart_say_so() {
         assert!(a.stderr().contains("as a token bucket of 50000 per 60000 ms"), "{}", a.stderr());
     }
 }
+
+/// What is held where (issue 59): two servers leasing one key each say, in `/v1/stats` and
+/// `/metrics`, what they hold and what the store counted out to the other at their last
+/// grant; the two holdings together stay within the capacity.
+#[test]
+fn two_servers_leasing_one_key_say_what_the_other_holds() {
+    let Some(url) = common::backend("TOLLGATE_REDIS_URL") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let name = format!("where{}", std::process::id());
+    let config = dir.path().join("tollgate.toml");
+    let text = format!(
+        "[limits.{name}]\nkind = \"token bucket\"\nrate = 100000\nperiod = \"1m\"\n\
+         lease = {{ term = \"400ms\", hotAfter = 2 }}\n"
+    );
+    std::fs::write(&config, text).unwrap();
+    let start = || {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        command.args(["serve", "--listen", "127.0.0.1:0", "--store", &url, "--config"]);
+        command.arg(&config);
+        common::Served::start(command, false)
+    };
+    let (a, b) = (start(), start());
+    let lease_of = |served: &common::Served| {
+        let stats: serde_json::Value = ureq::get(&format!("http://{}/v1/stats", served.http))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_json()
+            .unwrap();
+        let limits = stats["limits"].as_array().unwrap();
+        limits.iter().find(|l| l["name"] == name.as_str()).unwrap()["lease"].clone()
+    };
+    // Both take until each has had a grant since the other held a lease (renewals come at
+    // half the 400 ms term).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let (mut seen_a, mut seen_b) = (serde_json::Value::Null, serde_json::Value::Null);
+    while seen_a["holders"] != json!(2) || seen_b["holders"] != json!(2) {
+        assert!(std::time::Instant::now() < deadline, "{seen_a}\n{seen_b}");
+        for served in [&a, &b] {
+            for _ in 0..20 {
+                let (status, answer) =
+                    served.post("/v1/limit", &[], &json!({ "name": name, "key": "k" }));
+                assert_eq!((status, &answer["ok"]), (200, &json!(true)), "{answer}");
+            }
+        }
+        seen_a = lease_of(&a);
+        seen_b = lease_of(&b);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for (seen, other) in [(&seen_a, &seen_b), (&seen_b, &seen_a)] {
+        let elsewhere = seen["elsewhere"].as_f64().unwrap();
+        assert!(elsewhere > 0.0, "{seen}");
+        // What one holds and what the store counted out to the other are both out of the
+        // store's 100,000.
+        assert!(elsewhere + seen["held"].as_f64().unwrap() <= 100_000.0, "{seen}");
+        assert!(other["held"].as_f64().unwrap() <= 100_000.0, "{other}");
+    }
+    let metrics = ureq::get(&format!("http://{}/metrics", a.http))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    let series =
+        |metric: &str| common::metric(&metrics, &format!("{metric}{{name=\"{name}\",key=\"k\"}}"));
+    assert_eq!(series("tollgate_lease_holders"), 2.0, "{metrics}");
+    assert!(series("tollgate_lease_tokens_elsewhere") > 0.0, "{metrics}");
+}

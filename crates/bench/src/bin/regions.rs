@@ -9,7 +9,7 @@
 //! ```text
 //! cargo build --release -p tollgate-bench --bin regions
 //! target/release/regions [--short] [--secs S] [--rate R] [--capacity C] [--trips 50,150,150]
-//!                        [--servers N] [--only SCENARIO]
+//!                        [--servers N] [--only SCENARIO] [--limitador PATH]
 //! ```
 //!
 //! Scenarios:
@@ -24,6 +24,11 @@
 //! - `throughput`: each server as fast as it can (64 requests in flight, closed loop), on the
 //!   leased global limit and on a memory store of its own, rounds taking turns: what a region
 //!   serves of a saturated global limit against what it serves on its memory store.
+//! - `limitador` and `limitador-cut` (with `--limitador PATH`, a limitador-server binary):
+//!   the loads of `saturated` and `cut`, each server a client (Envoy's gRPC protocol) of a
+//!   limitador-server of its own, whose `redis_cached` storage reaches the Redis through the
+//!   region's proxy; the limit a fixed window of the rate a second (limitador has no token
+//!   bucket), checked against what an exact fixed window admits.
 //!
 //! Checked: every interval [a, b] admits at most `capacity + rate (b - a)` (an admission
 //! counts in an interval only if both its send and its answer lie inside it, so a count over
@@ -38,12 +43,17 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use tollgate::store::{AsyncStore, LeaseOptions, MemoryStore, RedisStore};
 use tollgate::{Config, RateLimiter, Request};
 use tollgate_bench::admissions::{Log, Logged, OwnRedis, flag, read_log, real_ns, worst_interval};
 use tollgate_bench::proxy::Proxy;
+use tonic::transport::Endpoint;
 
 /// Requests a server keeps on their way at once, open loop (a region 150 ms away waits that
 /// long for its first takes, before its key is leased).
@@ -113,12 +123,14 @@ fn child(args: &[String]) {
     runtime.block_on(async move {
         if url == "memory" {
             let limiter = RateLimiter::builder(MemoryStore::new()).define("hot", config).build();
-            drive.run(limiter).await;
+            drive.limiter(limiter).await;
+        } else if let Some(addr) = url.strip_prefix("rls://") {
+            drive.rls(addr).await;
         } else {
             let options = LeaseOptions::new().term(Duration::from_millis(term));
             let store = RedisStore::builder().prefix("regions:").lease("hot", options).open(&url);
             let limiter = RateLimiter::builder(store.unwrap()).define("hot", config).build();
-            drive.run(limiter).await;
+            drive.limiter(limiter).await;
         }
     });
 }
@@ -172,18 +184,78 @@ struct Drive {
 }
 
 impl Drive {
-    async fn run<S: Counted>(self, limiter: RateLimiter<S>) {
-        let Drive { mut log, load, start, until, key } = self;
+    /// Drives a `RateLimiter` of this process; prints its store's counts at the end.
+    async fn limiter<S: Counted>(self, limiter: RateLimiter<S>) {
         let limiter = Arc::new(limiter);
-        let mut issued = 0u64;
-        let mut pending = FuturesUnordered::new();
-        let send = |limiter: &Arc<RateLimiter<S>>| {
-            let sent = real_ns();
-            let limiter = Arc::clone(limiter);
+        let key = self.key.clone();
+        self.run(|| {
+            let limiter = Arc::clone(&limiter);
             let key = key.clone();
             async move {
                 let answer = limiter.limit_async("hot", Request::new().key(&key)).await;
-                (sent, real_ns(), answer.ok().map(|d| d.ok))
+                answer.ok().map(|d| d.ok)
+            }
+        })
+        .await;
+        limiter.store().release().await;
+        let counts = limiter.store().counts().map(|n| n.to_string());
+        println!("{}", counts.join(" "));
+    }
+
+    /// Drives a rate limit service over Envoy's gRPC protocol (limitador-server): the
+    /// namespace `regions`, one descriptor entry `key` = the key, a hit each.
+    async fn rls(self, addr: &str) {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}")).unwrap().tcp_nodelay(true);
+        // A few HTTP/2 connections, as a sidecar's client would keep.
+        let mut channels = Vec::new();
+        for _ in 0..4 {
+            channels.push(endpoint.connect().await.unwrap_or_else(|e| panic!("{addr}: {e}")));
+        }
+        let next = std::cell::Cell::new(0usize);
+        let key = self.key.clone();
+        self.run(|| {
+            let i = next.get();
+            next.set(i + 1);
+            let mut client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
+            let request = RateLimitRequest {
+                domain: "regions".into(),
+                descriptors: vec![RateLimitDescriptor {
+                    entries: vec![Entry { key: "key".into(), value: key.clone() }],
+                    ..RateLimitDescriptor::default()
+                }],
+                hits_addend: 1,
+            };
+            async move {
+                match client.should_rate_limit(request).await {
+                    Ok(r) => match r.get_ref().overall_code {
+                        1 => Some(true),
+                        2 => Some(false),
+                        _ => None,
+                    },
+                    Err(_) => None,
+                }
+            }
+        })
+        .await;
+        println!("0 0 0 0 0");
+    }
+
+    /// Offers the load, each request `decide()` (admitted, refused, or `None` for an error),
+    /// and logs every one.
+    async fn run<F, Fut>(self, decide: F)
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Option<bool>>,
+    {
+        let Drive { mut log, load, start, until, key: _ } = self;
+        let mut issued = 0u64;
+        let mut pending = FuturesUnordered::new();
+        let send = || {
+            let sent = real_ns();
+            let decided = decide();
+            async move {
+                let admitted = decided.await;
+                (sent, real_ns(), admitted)
             }
         };
         while real_ns() < until && !log.full() {
@@ -193,12 +265,12 @@ impl Drive {
                     let due = due(schedule, elapsed) as u64;
                     while issued < due && pending.len() < IN_FLIGHT {
                         issued += 1;
-                        pending.push(send(&limiter));
+                        pending.push(send());
                     }
                 }
                 Load::Closed(n) => {
                     while pending.len() < *n {
-                        pending.push(send(&limiter));
+                        pending.push(send());
                     }
                 }
             }
@@ -214,9 +286,6 @@ impl Drive {
             log.record(sent, answered, admitted);
         }
         log.flush();
-        limiter.store().release().await;
-        let counts = limiter.store().counts().map(|n| n.to_string());
-        println!("{}", counts.join(" "));
     }
 }
 
@@ -233,6 +302,8 @@ struct Plan {
     trips: Vec<f64>,
     servers: usize,
     short: bool,
+    /// limitador-server, for its scenarios (`--limitador PATH`).
+    limitador: Option<PathBuf>,
 }
 
 /// A server of a region and its generations (one more each time it is killed).
@@ -268,6 +339,7 @@ fn harness(args: &[String]) {
         trips: trips.split(',').map(|t| t.parse().expect("--trips: ms,ms,ms")).collect(),
         servers: flag(args, "--servers").unwrap_or(2),
         short,
+        limitador: flag::<String>(args, "--limitador").map(PathBuf::from),
     };
     assert!(plan.trips.len() >= 2, "--trips: at least two regions");
     let only: Option<String> = flag(args, "--only");
@@ -315,6 +387,14 @@ fn harness(args: &[String]) {
     if wanted("throughput") {
         throughput(&plan, &proxies, &mut redis, dir.path());
     }
+    if plan.limitador.is_some() {
+        for scenario in [Scenario::Limitador, Scenario::LimitadorCut] {
+            if wanted(scenario.name()) {
+                let ran = run(&plan, &proxies, &mut redis, dir.path(), scenario);
+                report_windows(scenario.name(), &plan, &ran);
+            }
+        }
+    }
     redis.stop();
     if over > 0 {
         println!("VIOLATION: {over} runs had an interval over the bound");
@@ -328,6 +408,11 @@ enum Scenario {
     Saturated,
     Cut,
     Swing,
+    /// The saturated loads, each server a client of a limitador-server of its own
+    /// (`redis_cached` on the region's proxy), the limit a fixed window.
+    Limitador,
+    /// The same, the last region cut off for the middle third.
+    LimitadorCut,
 }
 
 impl Scenario {
@@ -337,7 +422,13 @@ impl Scenario {
             Scenario::Saturated => "saturated",
             Scenario::Cut => "cut",
             Scenario::Swing => "swing",
+            Scenario::Limitador => "limitador",
+            Scenario::LimitadorCut => "limitador-cut",
         }
+    }
+
+    fn limitador(self) -> bool {
+        matches!(self, Scenario::Limitador | Scenario::LimitadorCut)
     }
 }
 
@@ -355,7 +446,11 @@ fn schedule_of(plan: &Plan, scenario: Scenario, region: usize) -> String {
     let regions = plan.trips.len();
     let per_server = |region_rate: f64| region_rate / plan.servers as f64;
     match scenario {
-        Scenario::Memory | Scenario::Saturated | Scenario::Cut => {
+        Scenario::Memory
+        | Scenario::Saturated
+        | Scenario::Cut
+        | Scenario::Limitador
+        | Scenario::LimitadorCut => {
             format!("0:{}", per_server(plan.rate))
         }
         Scenario::Swing => {
@@ -423,12 +518,27 @@ fn run(
     scenario: Scenario,
 ) -> Ran {
     redis.empty();
+    // A limitador-server per server for its scenarios, each on its region's proxy.
+    let limitadors: Vec<(Child, u16)> = if scenario.limitador() {
+        let mut all = Vec::new();
+        for proxy in proxies {
+            for _ in 0..plan.servers {
+                all.push(limitador(plan, dir, &format!("redis://{}", proxy.addr)));
+            }
+        }
+        all
+    } else {
+        Vec::new()
+    };
     reset_stats(redis);
     let start = real_ns();
     let until = start + (plan.secs * 1e9) as u64;
     let slots = (3.0 * plan.rate * plan.secs) as usize + 10_000;
-    let url = |region: usize| match scenario {
+    let url = |region: usize, s: usize| match scenario {
         Scenario::Memory => "memory".to_string(),
+        _ if scenario.limitador() => {
+            format!("rls://127.0.0.1:{}", limitadors[region * plan.servers + s].1)
+        }
         _ => format!("redis://{}", proxies[region].addr),
     };
     let mut servers = Vec::new();
@@ -437,13 +547,15 @@ fn run(
             let log = dir.join(format!("{}-r{region}-s{s}-0.log", scenario.name()));
             let schedule = schedule_of(plan, scenario, region);
             let load = ["--schedule", schedule.as_str()];
-            let child = spawn(plan, &url(region), &load, start, until, &log, slots);
+            let child = spawn(plan, &url(region, s), &load, start, until, &log, slots);
             servers.push(Server { region, logs: vec![log], child: Some(child), schedule });
         }
     }
     let last = plan.trips.len() - 1;
     let (cut_at, heal_at, kill_at) = match scenario {
-        Scenario::Cut => (Some(plan.secs / 3.0), 2.0 * plan.secs / 3.0, None),
+        Scenario::Cut | Scenario::LimitadorCut => {
+            (Some(plan.secs / 3.0), 2.0 * plan.secs / 3.0, None)
+        }
         Scenario::Swing => {
             let (_, from, to, kill) = swing_times(plan);
             (Some(from), to, Some(kill))
@@ -476,7 +588,7 @@ fn run(
             let generation = server.logs.len();
             let log = dir.join(format!("{}-r{last}-killed-{generation}.log", scenario.name()));
             let load = ["--schedule", server.schedule.as_str()];
-            server.child = Some(spawn(plan, &url(last), &load, start, until, &log, slots));
+            server.child = Some(spawn(plan, &url(last, 0), &load, start, until, &log, slots));
             server.logs.push(log);
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -502,10 +614,94 @@ fn run(
         }
     }
     ran.calls = if scenario == Scenario::Memory { 0 } else { store_calls(redis) };
+    for (mut child, _) in limitadors {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
     let first = ran.records.iter().map(|(_, r)| r.sent).fold(f64::INFINITY, f64::min);
     let end = ran.records.iter().map(|(_, r)| r.answered).fold(0.0, f64::max);
     ran.span_ms = end - first;
     ran
+}
+
+/// Starts a limitador-server (`redis_cached` on `url`, its defaults: a flush a second)
+/// with the limit as a fixed window of `rate` a second, one counter for the namespace;
+/// returns it once its gRPC port answers.
+fn limitador(plan: &Plan, dir: &Path, url: &str) -> (Child, u16) {
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (rls, http) = (free(), free());
+    let limits = dir.join("limitador.yaml");
+    let yaml = format!(
+        "- namespace: regions\n  max_value: {}\n  seconds: 1\n  conditions: []\n  variables: []\n",
+        plan.rate as u64
+    );
+    std::fs::write(&limits, yaml).unwrap();
+    let child = Command::new(plan.limitador.as_ref().unwrap())
+        .args(["--rls-ip", "127.0.0.1", "--rls-port", &rls.to_string()])
+        .args(["--http-ip", "127.0.0.1", "--http-port", &http.to_string()])
+        .arg(&limits)
+        .args(["redis_cached", url])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("limitador-server");
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", rls)).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "limitador-server did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (child, rls)
+}
+
+/// A limitador run's figures. Its limit is a fixed window of `M = rate` a second (limitador
+/// has no token bucket); an exact fixed window admits at most `M (ceil(t) + 1)` in any
+/// interval of `t` seconds, so at most `2M + M t`: an interval over that is a certain
+/// violation of the limit, and the admissions of the whole run are set against `M (T + 1)`.
+fn report_windows(name: &str, plan: &Plan, ran: &Ran) {
+    let arrivals = ran.records.len();
+    let admitted: Vec<&Logged> =
+        ran.records.iter().filter(|(_, r)| r.admitted).map(|(_, r)| r).collect();
+    let errors = ran.records.iter().filter(|(_, r)| r.error).count();
+    let secs = ran.span_ms / 1e3;
+    let bound = plan.rate * (secs.ceil() + 1.0);
+    let (excess, (count, at)) = worst_interval(&admitted, plan.rate / 1e3, 2.0 * plan.rate);
+    println!("\n{name}: {arrivals} requests, {} admitted, {errors} failed", admitted.len());
+    println!(
+        "  admitted: {} where an exact window of {}/s admits at most {bound:.0} over the run's \
+         {secs:.1} s: {:.3}",
+        admitted.len(),
+        plan.rate,
+        admitted.len() as f64 / bound
+    );
+    println!(
+        "  worst interval: {count} admitted where an exact window admits at most {at:.1} \
+         (excess {excess:.2}): {}",
+        if excess > 1e-6 { "OVER" } else { "within" }
+    );
+    println!(
+        "  store calls: {} ({:.5} a request)",
+        ran.calls,
+        ran.calls as f64 / arrivals.max(1) as f64
+    );
+    for region in 0..plan.trips.len() {
+        let mut waits: Vec<f64> = ran
+            .records
+            .iter()
+            .filter(|(r, _)| *r == region)
+            .map(|(_, l)| l.answered - l.sent)
+            .collect();
+        waits.sort_by(f64::total_cmp);
+        let admitted = ran.records.iter().filter(|(r, l)| *r == region && l.admitted).count();
+        println!(
+            "  region {region} ({} ms): {} requests, {admitted} admitted ({:.0}/s); p50 {:.3} \
+             ms, p99 {:.3} ms",
+            plan.trips[region],
+            waits.len(),
+            admitted as f64 / secs,
+            percentile(&waits, 0.5),
+            percentile(&waits, 0.99)
+        );
+    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

@@ -266,6 +266,12 @@ pub struct LeaseStats {
     pub round_trip: f64,
     /// Tokens held now.
     pub held: f64,
+    /// Tokens the store counted out to the key's other holders (other processes) at this
+    /// process's last grant: what the rest of the fleet held then.
+    pub elsewhere: f64,
+    /// Holders of the key at the store at the last grant, this process's included (0
+    /// before a grant).
+    pub holders: u64,
 }
 
 /// The leased limits of a store and their holders in this process.
@@ -358,6 +364,9 @@ struct Entry {
     /// the others left (see [`fetch_if_low`]).
     holders: AtomicU64,
     left: AtomicU64,
+    /// The tokens the store counted out to the key's other holders at the last grant (the
+    /// bits of an `f64`): what the rest of the fleet held then.
+    elsewhere: AtomicU64,
     /// A take of it is on its way to the store while its round trip is not known yet (the
     /// key's first), and told when it is back: the takes that come meanwhile wait for it
     /// rather than each go to the store (a region 150 ms away sent the store some 600
@@ -531,6 +540,7 @@ impl Leases {
             failing: AtomicBool::new(false),
             holders: AtomicU64::new(1),
             left: AtomicU64::new(f64::INFINITY.to_bits()),
+            elsewhere: AtomicU64::new(0f64.to_bits()),
             probing: AtomicBool::new(false),
             probed: tokio::sync::Notify::new(),
             arrived: tokio::sync::Notify::new(),
@@ -991,6 +1001,13 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
         entry.short.store(grant.tokens < demand, Ordering::Release);
         entry.left.store(left.max(0.0).to_bits(), Ordering::Release);
         entry.holders.store(after.leases.len() as u64, Ordering::Release);
+        let elsewhere: f64 = after
+            .leases
+            .iter()
+            .filter(|(holder, lease)| *holder != id && lease.expiry > store_now)
+            .map(|(_, lease)| lease.tokens)
+            .sum();
+        entry.elsewhere.store(elsewhere.to_bits(), Ordering::Release);
         let kept = entry.holder.granted(asked, grant, store_now);
         if !kept {
             // The lease was given back while this grant was on its way (a limit near its
@@ -1161,6 +1178,8 @@ pub(crate) fn stats(leases: Option<&Leases>) -> Vec<(String, Option<String>, Lea
                 refused: load(&e.refused),
                 round_trip: e.round_trip(),
                 held: e.holder.held(),
+                elsewhere: f64::from_bits(e.elsewhere.load(Ordering::Acquire)),
+                holders: if load(&e.grants) == 0 { 0 } else { load(&e.holders) },
             };
             (e.name.to_string(), e.key.as_deref().map(str::to_string), stats)
         })
