@@ -674,7 +674,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(field: &'static str, value: String, rule: &'static str) -> Self {
+    pub(crate) fn new(field: &'static str, value: String, rule: &'static str) -> Self {
         ConfigError { field, value, rule }
     }
 

@@ -30,6 +30,7 @@ mod config;
 mod eval;
 pub mod lease;
 mod plan;
+pub mod slots;
 
 pub use calendar::{Calendar, CalendarUnit, UnknownZone};
 pub use carry::{Carry, carry_counts, carrying};

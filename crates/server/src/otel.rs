@@ -230,6 +230,15 @@ impl AsyncStore for Timed {
     ) -> BoxFuture<'a, ()> {
         time(self.0.delete_async(name, key, shards))
     }
+    fn slots_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a tollgate::Concurrency,
+        op: &'a tollgate::core::slots::SlotOp,
+    ) -> BoxFuture<'a, tollgate::core::slots::SlotAnswer> {
+        time(self.0.slots_async(name, key, limit, op))
+    }
 }
 
 /// The exporter, when one was started: shut down (what it holds sent) when the server

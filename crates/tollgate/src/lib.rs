@@ -63,6 +63,7 @@
 //! | `tower` | the `tower` module: a rate limit layer for tower, axum and tonic services |
 //! | `axum` | `tower`, and keys from axum's `ConnectInfo` peer address |
 
+mod concurrency;
 mod error;
 mod limiter;
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
@@ -73,6 +74,7 @@ pub mod testing;
 #[cfg(feature = "tower")]
 pub mod tower;
 
+pub use concurrency::{Acquire, Acquired, Held, HeldAsync, SlotsTarget, SlotsValue, Ticket};
 pub use error::{Error, StoreError};
 pub use limiter::{
     Call, Limits, RateLimiter, RateLimiterBuilder, Request, Target, TransactionDecision,
@@ -86,6 +88,7 @@ pub use tollgate_algebra::{
 
 /// The algebra, re-exported: evaluate states yourself, or build a store.
 pub use tollgate_algebra as core;
+pub use tollgate_algebra::slots::Concurrency;
 
 /// The README's examples, compiled and run as doc tests so they stay true.
 #[cfg(doctest)]

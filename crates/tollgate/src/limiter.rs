@@ -13,6 +13,9 @@ use tollgate_algebra::{
     Status, Take, Taken, alignment, carry_counts, carrying, read, splitmix64, unit_interval,
 };
 
+use tollgate_algebra::slots::Concurrency;
+
+use crate::concurrency::SlotsTarget;
 use crate::error::Error;
 use crate::store::{AsyncStore, MemoryStore, OnImmediate, Store};
 
@@ -340,6 +343,8 @@ pub struct RateLimiter<S = MemoryStore> {
 /// What a limiter knows besides its store, shared by [`RateLimiter::on`].
 struct Setup {
     defined: HashMap<Box<str>, Config, RandomState>,
+    /// Concurrency limits defined at run time ([`RateLimiterBuilder::define_concurrency`]).
+    concurrency: HashMap<Box<str>, Concurrency, RandomState>,
     seed: u64,
     draws: Option<AtomicU64>,
     /// Names that are granted when the store fails ([`RateLimiterBuilder::fail_open`]).
@@ -352,6 +357,7 @@ struct Setup {
 pub struct RateLimiterBuilder<S> {
     store: S,
     defined: HashMap<Box<str>, Config, RandomState>,
+    concurrency: HashMap<Box<str>, Concurrency, RandomState>,
     seed: Option<u64>,
     fail_open: Vec<Box<str>>,
 }
@@ -361,6 +367,14 @@ impl<S> RateLimiterBuilder<S> {
     #[must_use]
     pub fn define(mut self, name: impl Into<Box<str>>, config: Config) -> Self {
         self.defined.insert(name.into(), config);
+        self
+    }
+
+    /// Defines a named concurrency limit, to be used by name with
+    /// [`RateLimiter::acquire`] and its kin.
+    #[must_use]
+    pub fn define_concurrency(mut self, name: impl Into<Box<str>>, limit: Concurrency) -> Self {
+        self.concurrency.insert(name.into(), limit);
         self
     }
 
@@ -416,6 +430,7 @@ impl<S> RateLimiterBuilder<S> {
     pub fn build(self) -> RateLimiter<S> {
         let setup = Setup {
             defined: self.defined,
+            concurrency: self.concurrency,
             seed: self.seed.unwrap_or(0),
             draws: self.seed.map(AtomicU64::new),
             fail_open: self.fail_open,
@@ -433,7 +448,13 @@ impl<S> RateLimiter<S> {
 
     /// Options: names defined at run time, a seed.
     pub fn builder(store: S) -> RateLimiterBuilder<S> {
-        RateLimiterBuilder { store, defined: HashMap::default(), seed: None, fail_open: Vec::new() }
+        RateLimiterBuilder {
+            store,
+            defined: HashMap::default(),
+            concurrency: HashMap::default(),
+            seed: None,
+            fail_open: Vec::new(),
+        }
     }
 
     /// The store.
@@ -473,6 +494,24 @@ impl<S> RateLimiter<S> {
     /// The names defined at run time, with their configs.
     pub fn defined(&self) -> impl Iterator<Item = (&str, &Config)> {
         self.setup.defined.iter().map(|(name, config)| (&**name, config))
+    }
+
+    /// The concurrency limits defined at run time.
+    pub fn defined_concurrency(&self) -> impl Iterator<Item = (&str, &Concurrency)> {
+        self.setup.concurrency.iter().map(|(name, limit)| (&**name, limit))
+    }
+
+    /// The limit a concurrency call is about: a defined name's, or the one given.
+    pub(crate) fn concurrency_of(&self, target: SlotsTarget<'_>) -> Result<Concurrency, Error> {
+        match target {
+            SlotsTarget::Inline(_, limit) => Ok(limit),
+            SlotsTarget::Named(name) => self
+                .setup
+                .concurrency
+                .get(name)
+                .copied()
+                .ok_or_else(|| Error::NotDefined { name: name.to_string() }),
+        }
     }
 }
 

@@ -31,16 +31,18 @@ use tollgate_algebra::{
     Adjusted, Config, DAY, Decision, HOUR, MINUTE, ManualClock, Reading, SECOND, State, Taken,
 };
 
+use crate::concurrency::{Acquire, Acquired, SlotsTarget, SlotsValue};
 use crate::error::Error;
 use crate::limiter::{Call, RateLimiter, Request, Target, TransactionDecision, TransactionTaken};
 use crate::store::{AsyncStore, Store};
+use tollgate_algebra::slots::Concurrency;
 
 /// The time every behaviour starts at: the clock handed to the store reads this, in
 /// milliseconds since the Unix epoch.
 pub const T0: f64 = 1_700_000_000_000.0;
 
 /// The behaviours' names, in the order they run.
-pub const BEHAVIOURS: [&str; 20] = [
+pub const BEHAVIOURS: [&str; 22] = [
     "token_bucket_spec_numbers",
     "token_bucket_spec_numbers_reserved",
     "fixed_window_spec_numbers",
@@ -61,6 +63,8 @@ pub const BEHAVIOURS: [&str; 20] = [
     "adjust_settles_after_the_work",
     "calendar_windows_in_a_time_zone",
     "concurrent_exactness",
+    "slots_spec_numbers",
+    "slots_racing_acquirers",
 ];
 
 /// A limiter through the sync API on the store `make` makes (given a runtime, which a sync
@@ -106,7 +110,7 @@ pub fn run_async<S: AsyncStore + 'static>(make: impl Fn(&Runtime, ManualClock) -
 type Behaviour<A> = fn(&dyn Fn() -> (A, ManualClock));
 
 fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
-    let all: [Behaviour<A>; 20] = [
+    let all: [Behaviour<A>; 22] = [
         behaviours::token_bucket_spec_numbers,
         behaviours::token_bucket_spec_numbers_reserved,
         behaviours::fixed_window_spec_numbers,
@@ -127,6 +131,8 @@ fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
         behaviours::adjust_settles_after_the_work,
         behaviours::calendar_windows_in_a_time_zone,
         behaviours::concurrent_exactness,
+        behaviours::slots_spec_numbers,
+        behaviours::slots_racing_acquirers,
     ];
     for (name, behaviour) in BEHAVIOURS.iter().zip(all) {
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| behaviour(setup)));
@@ -174,7 +180,9 @@ macro_rules! conformance_tests {
             carrying_keeps_every_limit,
             adjust_settles_after_the_work,
             calendar_windows_in_a_time_zone,
-            concurrent_exactness);
+            concurrent_exactness,
+            slots_spec_numbers,
+            slots_racing_acquirers);
     };
     (@each $api:ident, $make:expr, $when:expr; $($test:ident),*) => {
         $(
@@ -271,6 +279,48 @@ pub trait Api: Send + Sync + 'static {
     /// for the async one), all started before any calls, each taking one token from `limit`
     /// `calls` times: how many were admitted.
     fn race(&self, limit: Target<'static>, callers: usize, calls: usize) -> usize;
+    /// [`RateLimiter::acquire`].
+    fn acquire<'n, 'k>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        r: impl Into<Acquire<'k>>,
+    ) -> Result<Acquired, Error>;
+    /// [`RateLimiter::release`].
+    fn release<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+    ) -> Result<bool, Error>;
+    /// [`RateLimiter::renew`].
+    fn renew<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+        ttl: Option<f64>,
+    ) -> Result<Option<f64>, Error>;
+    /// [`RateLimiter::check_slots`].
+    fn check_slots<'n, 'k>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        r: impl Into<Acquire<'k>>,
+    ) -> Result<Decision, Error>;
+    /// [`RateLimiter::slots_value`].
+    fn slots_value<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<SlotsValue, Error>;
+    /// [`RateLimiter::reset_slots`].
+    fn reset_slots<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<(), Error>;
+    /// `callers` concurrent callers, all started before any calls, each acquiring one slot
+    /// of `limit` (never released): how many were granted.
+    fn race_slots(&self, limit: (&'static str, Concurrency), callers: usize) -> usize;
 }
 
 /// The sync API.
@@ -350,6 +400,64 @@ impl<S: Store + Send + Sync + 'static> Api for SyncApi<S> {
                 std::thread::spawn(move || {
                     start.wait();
                     (0..calls).filter(|_| l.limit(limit, Request::new()).unwrap().ok).count()
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).sum()
+    }
+    fn acquire<'n, 'k>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        r: impl Into<Acquire<'k>>,
+    ) -> Result<Acquired, Error> {
+        self.0.acquire(t, r)
+    }
+    fn release<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+    ) -> Result<bool, Error> {
+        self.0.release(t, key, ticket)
+    }
+    fn renew<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+        ttl: Option<f64>,
+    ) -> Result<Option<f64>, Error> {
+        self.0.renew(t, key, ticket, ttl)
+    }
+    fn check_slots<'n, 'k>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        r: impl Into<Acquire<'k>>,
+    ) -> Result<Decision, Error> {
+        self.0.check_slots(t, r)
+    }
+    fn slots_value<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<SlotsValue, Error> {
+        self.0.slots_value(t, key)
+    }
+    fn reset_slots<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<(), Error> {
+        self.0.reset_slots(t, key)
+    }
+    fn race_slots(&self, limit: (&'static str, Concurrency), callers: usize) -> usize {
+        let start = Arc::new(std::sync::Barrier::new(callers));
+        let threads: Vec<_> = (0..callers)
+            .map(|_| {
+                let (l, start) = (Arc::clone(&self.0), Arc::clone(&start));
+                std::thread::spawn(move || {
+                    start.wait();
+                    usize::from(l.acquire(limit, Acquire::new()).unwrap().ok())
                 })
             })
             .collect();
@@ -460,6 +568,70 @@ impl<S: AsyncStore + 'static> Api for AsyncApi<S> {
                 admitted += task.await.unwrap();
             }
             admitted
+        })
+    }
+    fn acquire<'n, 'k>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        r: impl Into<Acquire<'k>>,
+    ) -> Result<Acquired, Error> {
+        self.on(self.limiter.acquire_async(t.into(), r.into()))
+    }
+    fn release<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+    ) -> Result<bool, Error> {
+        self.on(self.limiter.release_async(t.into(), key, ticket))
+    }
+    fn renew<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+        ttl: Option<f64>,
+    ) -> Result<Option<f64>, Error> {
+        self.on(self.limiter.renew_async(t.into(), key, ticket, ttl))
+    }
+    fn check_slots<'n, 'k>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        r: impl Into<Acquire<'k>>,
+    ) -> Result<Decision, Error> {
+        self.on(self.limiter.check_slots_async(t.into(), r.into()))
+    }
+    fn slots_value<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<SlotsValue, Error> {
+        self.on(self.limiter.slots_value_async(t.into(), key))
+    }
+    fn reset_slots<'n>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<(), Error> {
+        self.on(self.limiter.reset_slots_async(t.into(), key))
+    }
+    fn race_slots(&self, limit: (&'static str, Concurrency), callers: usize) -> usize {
+        self.on(async {
+            let start = Arc::new(tokio::sync::Barrier::new(callers));
+            let tasks: Vec<_> = (0..callers)
+                .map(|_| {
+                    let (l, start) = (Arc::clone(&self.limiter), Arc::clone(&start));
+                    tokio::spawn(async move {
+                        start.wait().await;
+                        usize::from(l.acquire_async(limit, Acquire::new()).await.unwrap().ok())
+                    })
+                })
+                .collect();
+            let mut granted = 0;
+            for task in tasks {
+                granted += task.await.unwrap();
+            }
+            granted
         })
     }
 }
@@ -943,6 +1115,86 @@ pub mod behaviours {
             let limit =
                 Target::Inline("raceMonthly", Config::fixed_window(30.0, 1.0).with_calendar(month));
             assert_eq!(l.race(limit, 64, 1), 30, "calendar round {round}");
+        }
+    }
+
+    /// SPEC §6f's numbers: acquire, refuse with the wait to the earliest expiry, expire,
+    /// renew (after expiry too), release twice, check, value, reset, counts and errors.
+    pub fn slots_spec_numbers<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+        let (l, clock) = setup();
+        let gpu = ("gpu", Concurrency::new(3).with_ttl(10.0 * SECOND));
+        let k = Some("t1");
+        let granted = |a: Acquired| a.ticket().unwrap_or_else(|| panic!("refused: {a:?}"));
+        let one = l.acquire(gpu, "t1").unwrap();
+        let one = granted(one);
+        assert_eq!(one.expires_at, T0 + 10.0 * SECOND);
+        clock.advance(SECOND);
+        let two = granted(l.acquire(gpu, Acquire::new().key("t1").count(2)).unwrap());
+        assert_eq!(two.expires_at, T0 + 11.0 * SECOND);
+        assert_ne!(one.id, two.id, "tickets are distinct");
+        // Full: refused until the earliest expiry; nothing written.
+        clock.advance(SECOND);
+        assert_eq!(l.acquire(gpu, "t1").unwrap(), Acquired::Refused { retry_after: 8.0 * SECOND });
+        assert_eq!(
+            l.check_slots(gpu, "t1").unwrap(),
+            Decision { ok: false, retry_after: Some(8.0 * SECOND) }
+        );
+        let value = l.slots_value(gpu, k).unwrap();
+        assert_eq!(
+            value,
+            SlotsValue { in_flight: 3, max: 3, holders: 2, earliest: Some(T0 + 10.0 * SECOND) }
+        );
+        // Other keys are independent; throws turns a refusal into an error.
+        assert!(l.acquire(gpu, "t2").unwrap().ok());
+        match l.acquire(gpu, Acquire::new().key("t1").throws()) {
+            Err(Error::RateLimited { name, retry_after }) => {
+                assert_eq!((name.as_str(), retry_after), ("gpu", 8.0 * SECOND));
+            }
+            other => panic!("throws: {other:?}"),
+        }
+        // Renewing the first moves the earliest expiry to the second's.
+        assert_eq!(l.renew(gpu, k, one.id, Some(20.0 * SECOND)).unwrap(), Some(T0 + 22.0 * SECOND));
+        assert_eq!(l.acquire(gpu, "t1").unwrap(), Acquired::Refused { retry_after: 9.0 * SECOND });
+        // The second expires at T0 + 11 s: its slots are free, its renewal and release say so.
+        clock.set(T0 + 11.0 * SECOND);
+        assert_eq!(l.renew(gpu, k, two.id, None).unwrap(), None);
+        assert!(!l.release(gpu, k, two.id).unwrap());
+        assert_eq!(l.slots_value(gpu, k).unwrap().in_flight, 1);
+        assert_eq!(l.check_slots(gpu, Acquire::new().key("t1").count(2)).unwrap().ok, true);
+        let three = granted(l.acquire(gpu, Acquire::new().key("t1").count(2).ttl(500.0)).unwrap());
+        assert_eq!(three.expires_at, T0 + 11.5 * SECOND);
+        // Released twice: true, then false; an unknown ticket: false.
+        assert!(l.release(gpu, k, three.id).unwrap());
+        assert!(!l.release(gpu, k, three.id).unwrap());
+        assert!(!l.release(gpu, k, 987_654_321).unwrap());
+        // Errors consume nothing: a count over max, a count of 0, a bad ttl, no such name.
+        for bad in [Acquire::new().key("t1").count(4), Acquire::new().key("t1").count(0)] {
+            assert!(matches!(l.acquire(gpu, bad), Err(Error::Invalid(_))), "{bad:?}");
+        }
+        let short = Acquire::new().key("t1").ttl(0.0);
+        assert!(matches!(l.acquire(gpu, short), Err(Error::Invalid(_))));
+        assert!(matches!(l.acquire("nope", "t1"), Err(Error::NotDefined { .. })));
+        assert_eq!(l.slots_value(gpu, k).unwrap().in_flight, 1);
+        // Reset frees every slot of the key, not the other key's.
+        l.reset_slots(gpu, k).unwrap();
+        assert_eq!(
+            l.slots_value(gpu, k).unwrap(),
+            SlotsValue { in_flight: 0, max: 3, holders: 0, earliest: None }
+        );
+        assert_eq!(l.slots_value(gpu, Some("t2")).unwrap().holders, 1);
+        assert!(!l.release(gpu, k, one.id).unwrap());
+        // The global (unkeyed) slots are a key of their own.
+        assert!(l.acquire(gpu, Acquire::new().count(3)).unwrap().ok());
+        assert_eq!(l.slots_value(gpu, None).unwrap().in_flight, 3);
+        assert_eq!(l.slots_value(gpu, k).unwrap().in_flight, 0);
+    }
+
+    /// 64 racing acquirers of a limit of 10: exactly 10 granted, 10 times over.
+    pub fn slots_racing_acquirers<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+        for round in 0..10 {
+            let (l, _) = setup();
+            let limit = ("raceSlots", Concurrency::new(10));
+            assert_eq!(l.race_slots(limit, 64), 10, "round {round}");
         }
     }
 }

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::Poll;
 use std::time::Duration;
+use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp};
 
 use parking_lot::Mutex;
 use tollgate_algebra::{OneTake, Outcome, Plan, Slot, State, Taken};
@@ -302,6 +303,19 @@ impl<S: AsyncStore + 'static> AsyncStore for CircuitBreaker<S> {
         Box::pin(async move {
             self.closed()?;
             self.guarded(true, self.shared.store.delete_async(name, key, shards)).await
+        })
+    }
+
+    fn slots_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+    ) -> BoxFuture<'a, SlotAnswer> {
+        Box::pin(async move {
+            self.closed()?;
+            self.guarded(op.writes(), self.shared.store.slots_async(name, key, limit, op)).await
         })
     }
 }

@@ -12,6 +12,8 @@ use tollgate_algebra::{
     Clock, Config, Inline, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
 
+use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp};
+
 use super::seam::Store;
 use crate::error::StoreError;
 
@@ -236,6 +238,8 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     /// Names interned, over every segment.
     names: AtomicUsize,
     max_keys: Option<usize>,
+    /// The holders of concurrency limits.
+    holders: super::holders::Holders,
     /// One more than the second (of the store's clock, as states expire) of the last sweep
     /// of every segment; 0 before the first. See [`MemoryStore::sweep_for_room`].
     swept: AtomicU32,
@@ -302,6 +306,7 @@ impl MemoryStoreBuilder {
             len: AtomicUsize::new(0),
             names: AtomicUsize::new(0),
             max_keys: self.max_keys,
+            holders: super::holders::Holders::default(),
             swept: AtomicU32::new(0),
         }
     }
@@ -1129,6 +1134,16 @@ impl<C: Clock> Store for MemoryStore<C> {
             }
         }
         Ok(())
+    }
+
+    fn slots(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+    ) -> Result<SlotAnswer, StoreError> {
+        self.holders.run(name, key, limit, op, self.clock.now())
     }
 }
 

@@ -54,6 +54,7 @@
 
 #[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
 mod breaker;
+mod holders;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod lease;
 mod memory;

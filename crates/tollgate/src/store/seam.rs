@@ -18,6 +18,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp};
 use tollgate_algebra::{OneTake, Outcome, Plan, Slot, State, Taken};
 
 use crate::error::StoreError;
@@ -129,6 +130,31 @@ pub trait Store {
     ///
     /// A [`StoreError`] if the states cannot be deleted.
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError>;
+
+    /// An operation on (name, key) of a concurrency limit (SPEC §6f), atomically: loads its
+    /// holders, answers with [`tollgate_algebra::slots::decide`] at the store's time, makes
+    /// the new holder's ticket, and writes what it says. The limiter has checked `op`
+    /// against `limit`. The default is an error: a store holds concurrency limits only if it
+    /// says so (every store of this crate does).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if the holders cannot be loaded or saved; nothing is acquired.
+    fn slots(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+    ) -> Result<SlotAnswer, StoreError> {
+        let _ = (name, key, limit, op);
+        Err(no_slots())
+    }
+}
+
+/// What a store that holds no concurrency limits answers.
+pub(crate) fn no_slots() -> StoreError {
+    StoreError::new("this store holds no concurrency limits")
 }
 
 /// Loads and saves limit states atomically per request, awaited: the seam of every store
@@ -229,6 +255,28 @@ pub trait AsyncStore: Send + Sync {
         key: Option<&'a str>,
         shards: u16,
     ) -> BoxFuture<'a, ()>;
+
+    /// An operation on (name, key) of a concurrency limit, atomically (as [`Store::slots`]).
+    /// The default answers through [`AsyncStore::immediate`], or is an error for a store
+    /// that has none.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Store::slots`]; an acquire whose reply timed out may have been granted (its
+    /// slots are free again at its expiry).
+    fn slots_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+    ) -> BoxFuture<'a, SlotAnswer> {
+        let answer = match self.immediate() {
+            Some(store) => store.slots(name, key, limit, op),
+            None => Err(no_slots()),
+        };
+        Box::pin(std::future::ready(answer))
+    }
 }
 
 /// What the limiter runs on an in-process store's sync path (see
@@ -271,6 +319,15 @@ macro_rules! forward_async_store {
                 shards: u16,
             ) -> BoxFuture<'a, ()> {
                 (**self).delete_async(name, key, shards)
+            }
+            fn slots_async<'a>(
+                &'a self,
+                name: &'a str,
+                key: Option<&'a str>,
+                limit: &'a Concurrency,
+                op: &'a SlotOp,
+            ) -> BoxFuture<'a, SlotAnswer> {
+                (**self).slots_async(name, key, limit, op)
             }
         }
     )*};
@@ -320,6 +377,15 @@ macro_rules! immediate_async_store {
             ) -> $crate::store::seam::BoxFuture<'a, ()> {
                 Box::pin(std::future::ready($crate::store::seam::Store::delete(self, name, key, shards)))
             }
+            fn slots_async<'a>(
+                &'a self,
+                name: &'a str,
+                key: Option<&'a str>,
+                limit: &'a tollgate_algebra::slots::Concurrency,
+                op: &'a tollgate_algebra::slots::SlotOp,
+            ) -> $crate::store::seam::BoxFuture<'a, tollgate_algebra::slots::SlotAnswer> {
+                Box::pin(std::future::ready($crate::store::seam::Store::slots(self, name, key, limit, op)))
+            }
         }
     )*};
 }
@@ -354,6 +420,16 @@ macro_rules! forward_store {
             #[inline(always)]
             fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
                 (**self).delete(name, key, shards)
+            }
+            #[inline(always)]
+            fn slots(
+                &self,
+                name: &str,
+                key: Option<&str>,
+                limit: &Concurrency,
+                op: &SlotOp,
+            ) -> Result<SlotAnswer, StoreError> {
+                (**self).slots(name, key, limit, op)
             }
         }
     )*};

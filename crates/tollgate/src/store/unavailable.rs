@@ -42,6 +42,15 @@ impl Store for Unavailable {
     fn delete(&self, _: &str, _: Option<&str>, _: u16) -> Result<(), StoreError> {
         Err(StoreError::new(self.0.clone()))
     }
+    fn slots(
+        &self,
+        _: &str,
+        _: Option<&str>,
+        _: &tollgate_algebra::slots::Concurrency,
+        _: &tollgate_algebra::slots::SlotOp,
+    ) -> Result<tollgate_algebra::slots::SlotAnswer, StoreError> {
+        Err(StoreError::new(self.0.clone()))
+    }
 }
 
 immediate_async_store! {

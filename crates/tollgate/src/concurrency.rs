@@ -1,0 +1,644 @@
+//! Concurrency limits on a [`RateLimiter`] (SPEC §6f): how many units of work run at once,
+//! exact across every process sharing the store. An acquire gets a ticket holding slots
+//! until it is released, renewed, or expires (its holder presumed dead).
+//!
+//! # Examples
+//!
+//! ```
+//! use tollgate::{Acquire, Concurrency, ManualClock, MemoryStore, RateLimiter};
+//!
+//! let limiter = RateLimiter::builder(MemoryStore::with_clock(ManualClock::new(0.0)))
+//!     .define_concurrency("gpu", Concurrency::new(2).with_ttl(30_000.0))
+//!     .build();
+//! let first = limiter.hold("gpu", "tenant-1").unwrap().expect("a slot is free");
+//! let second = limiter.acquire("gpu", "tenant-1").unwrap();
+//! assert!(second.ok());
+//! // Both slots are held: refused until the earliest holder's expiry (or a release).
+//! let third = limiter.acquire("gpu", "tenant-1").unwrap();
+//! assert_eq!(third.retry_after(), Some(30_000.0));
+//! drop(first); // released on drop
+//! assert!(limiter.acquire("gpu", "tenant-1").unwrap().ok());
+//! // Several slots at once, and the slots in flight.
+//! assert!(!limiter.acquire("gpu", Acquire::new().key("tenant-1").count(2)).unwrap().ok());
+//! assert_eq!(limiter.slots_value("gpu", Some("tenant-1")).unwrap().in_flight, 2);
+//! ```
+
+use std::sync::Arc;
+
+use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp};
+use tollgate_algebra::{Decision, validate_name_key};
+
+use crate::error::{Error, StoreError};
+use crate::limiter::RateLimiter;
+use crate::store::{AsyncStore, Store};
+
+/// Which concurrency limit a call is about: a name defined with
+/// [`RateLimiterBuilder::define_concurrency`](crate::RateLimiterBuilder::define_concurrency),
+/// or a name with its limit given at the call.
+#[derive(Clone, Copy, Debug)]
+pub enum SlotsTarget<'a> {
+    /// A defined name; [`Error::NotDefined`] otherwise.
+    Named(&'a str),
+    /// A name and its limit.
+    Inline(&'a str, Concurrency),
+}
+
+impl<'a> From<&'a str> for SlotsTarget<'a> {
+    fn from(name: &'a str) -> Self {
+        SlotsTarget::Named(name)
+    }
+}
+
+impl<'a> From<(&'a str, Concurrency)> for SlotsTarget<'a> {
+    fn from((name, limit): (&'a str, Concurrency)) -> Self {
+        SlotsTarget::Inline(name, limit)
+    }
+}
+
+impl<'a> SlotsTarget<'a> {
+    fn name(&self) -> &'a str {
+        match *self {
+            SlotsTarget::Named(name) | SlotsTarget::Inline(name, _) => name,
+        }
+    }
+}
+
+/// The options of an acquire: key, count, ttl, throws.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Acquire<'a> {
+    key: Option<&'a str>,
+    count: Option<u32>,
+    ttl: Option<f64>,
+    throws: bool,
+}
+
+impl<'a> Acquire<'a> {
+    /// One slot of the global (unkeyed) limit, held for the limit's `ttl`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The slots of `key` (a tenant, a user), independent of other keys.
+    #[must_use]
+    pub fn key(mut self, key: &'a str) -> Self {
+        self.key = Some(key);
+        self
+    }
+
+    /// Takes `count` slots instead of one (at most the limit's `max`, else an error).
+    #[must_use]
+    pub fn count(mut self, count: u32) -> Self {
+        self.count = Some(count);
+        self
+    }
+
+    /// Holds them `ttl` ms unless released or renewed, instead of the limit's `ttl`.
+    #[must_use]
+    pub fn ttl(mut self, ttl: f64) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// Turns a refusal into [`Error::RateLimited`].
+    #[must_use]
+    pub fn throws(mut self) -> Self {
+        self.throws = true;
+        self
+    }
+
+    fn op(&self, limit: &Concurrency) -> SlotOp {
+        SlotOp::Acquire { count: self.count.unwrap_or(1), ttl: self.ttl.unwrap_or(limit.ttl()) }
+    }
+}
+
+impl<'a> From<&'a str> for Acquire<'a> {
+    fn from(key: &'a str) -> Self {
+        Acquire::new().key(key)
+    }
+}
+
+/// A granted acquire: the ticket to release or renew, and when its slots are free again
+/// unless it is renewed (ms on the store's clock).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Ticket {
+    /// The ticket the store made.
+    pub id: u64,
+    /// When its slots are free again, ms since the epoch on the store's clock.
+    pub expires_at: f64,
+}
+
+/// The answer to an acquire.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Acquired {
+    /// Granted.
+    Granted(Ticket),
+    /// Refused; nothing was written. Ms until the earliest holder's expiry (a release may
+    /// free a slot sooner).
+    Refused {
+        /// Ms until the earliest holder's expiry.
+        retry_after: f64,
+    },
+}
+
+impl Acquired {
+    /// Whether it was granted.
+    pub fn ok(&self) -> bool {
+        matches!(self, Acquired::Granted(_))
+    }
+
+    /// The ticket, if granted.
+    pub fn ticket(&self) -> Option<Ticket> {
+        match *self {
+            Acquired::Granted(ticket) => Some(ticket),
+            Acquired::Refused { .. } => None,
+        }
+    }
+
+    /// The wait, if refused.
+    pub fn retry_after(&self) -> Option<f64> {
+        match *self {
+            Acquired::Granted(_) => None,
+            Acquired::Refused { retry_after } => Some(retry_after),
+        }
+    }
+}
+
+/// What a (name, key) of a concurrency limit holds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlotsValue {
+    /// Slots held now by unexpired holders.
+    pub in_flight: u64,
+    /// The limit's slots.
+    pub max: u32,
+    /// Unexpired holders.
+    pub holders: u64,
+    /// The earliest holder's expiry, if any holds slots.
+    pub earliest: Option<f64>,
+}
+
+/// A checked call: the limit, its name, the key, the operation.
+struct SlotCall<'a> {
+    name: &'a str,
+    key: Option<&'a str>,
+    limit: Concurrency,
+    op: SlotOp,
+}
+
+impl<S> RateLimiter<S> {
+    fn slot_call<'a>(
+        &self,
+        target: SlotsTarget<'a>,
+        key: Option<&'a str>,
+        op: impl FnOnce(&Concurrency) -> SlotOp,
+    ) -> Result<SlotCall<'a>, Error> {
+        let limit = self.concurrency_of(target)?;
+        let name = target.name();
+        validate_name_key(name, key)?;
+        let op = op(&limit);
+        op.validate(&limit)?;
+        Ok(SlotCall { name, key, limit, op })
+    }
+}
+
+fn unexpected(answer: SlotAnswer) -> Error {
+    Error::Store(StoreError::new(format!("the store answered {answer:?} out of turn")))
+}
+
+fn acquired(name: &str, throws: bool, answer: SlotAnswer) -> Result<Acquired, Error> {
+    match answer {
+        SlotAnswer::Acquired { ticket, expires_at } => {
+            Ok(Acquired::Granted(Ticket { id: ticket, expires_at }))
+        }
+        SlotAnswer::Refused { retry_after } if throws => {
+            Err(Error::RateLimited { name: name.to_string(), retry_after })
+        }
+        SlotAnswer::Refused { retry_after } => Ok(Acquired::Refused { retry_after }),
+        other => Err(unexpected(other)),
+    }
+}
+
+fn released(answer: SlotAnswer) -> Result<bool, Error> {
+    match answer {
+        SlotAnswer::Released(held) => Ok(held),
+        other => Err(unexpected(other)),
+    }
+}
+
+fn renewed(answer: SlotAnswer) -> Result<Option<f64>, Error> {
+    match answer {
+        SlotAnswer::Renewed(expiry) => Ok(expiry),
+        other => Err(unexpected(other)),
+    }
+}
+
+fn checked(answer: SlotAnswer) -> Result<Decision, Error> {
+    match answer {
+        SlotAnswer::Free => Ok(Decision { ok: true, retry_after: None }),
+        SlotAnswer::Refused { retry_after } => {
+            Ok(Decision { ok: false, retry_after: Some(retry_after) })
+        }
+        other => Err(unexpected(other)),
+    }
+}
+
+fn valued(limit: &Concurrency, answer: SlotAnswer) -> Result<SlotsValue, Error> {
+    match answer {
+        SlotAnswer::Value { in_flight, holders, earliest } => {
+            Ok(SlotsValue { in_flight, max: limit.max(), holders, earliest })
+        }
+        other => Err(unexpected(other)),
+    }
+}
+
+fn was_reset(answer: SlotAnswer) -> Result<(), Error> {
+    match answer {
+        SlotAnswer::Reset => Ok(()),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// Concurrency limits, synchronous: for the memory store, SQLite, and a caller's own SQL
+/// transaction (in an async program use the `*_async` calls).
+impl<S: Store> RateLimiter<S> {
+    fn run_slots(&self, call: &SlotCall<'_>) -> Result<SlotAnswer, Error> {
+        Ok(self.store().slots(call.name, call.key, &call.limit, &call.op)?)
+    }
+
+    /// Takes slots of a concurrency limit: a [`Ticket`] to release (or renew) when the work
+    /// is done, or a refusal with the wait until the earliest holder's expiry.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] (a count of 0 or over the limit's `max`, a bad `ttl`, name or key)
+    /// or [`Error::NotDefined`]; [`Error::Store`] if the store fails; [`Error::RateLimited`]
+    /// for a refusal when the request [`throws`](Acquire::throws). Nothing is held when an
+    /// error is returned.
+    pub fn acquire<'n, 'k>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        request: impl Into<Acquire<'k>>,
+    ) -> Result<Acquired, Error> {
+        let request = request.into();
+        let call = self.slot_call(target.into(), request.key, |l| request.op(l))?;
+        acquired(call.name, request.throws, self.run_slots(&call)?)
+    }
+
+    /// [`RateLimiter::acquire`], answered with a guard that releases the slots when it is
+    /// dropped (`None` when refused).
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::acquire`].
+    pub fn hold<'n, 'k>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        request: impl Into<Acquire<'k>>,
+    ) -> Result<Option<Held<'_, S>>, Error> {
+        let target = target.into();
+        let request = request.into();
+        let Some(ticket) = self.acquire(target, request)?.ticket() else { return Ok(None) };
+        let limit = self.concurrency_of(target)?;
+        Ok(Some(Held {
+            limiter: self,
+            name: target.name().to_string(),
+            key: request.key.map(str::to_string),
+            limit,
+            ticket,
+            released: false,
+        }))
+    }
+
+    /// Frees a ticket's slots: `true`, or `false` for a ticket unknown or expired (never an
+    /// error: a release may race its expiry).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] or [`Error::NotDefined`]; [`Error::Store`] if the store fails.
+    pub fn release<'n>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+    ) -> Result<bool, Error> {
+        let call = self.slot_call(target.into(), key, |_| SlotOp::Release { ticket })?;
+        released(self.run_slots(&call)?)
+    }
+
+    /// Moves a ticket's expiry to now + `ttl` (the limit's `ttl` if `None`), for a long
+    /// task: the new expiry, or `None` when the ticket had expired (its slots may be someone
+    /// else's now: stop the work, or acquire again).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] or [`Error::NotDefined`]; [`Error::Store`] if the store fails.
+    pub fn renew<'n>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+        ttl: Option<f64>,
+    ) -> Result<Option<f64>, Error> {
+        let call = self.slot_call(target.into(), key, |l| SlotOp::Renew {
+            ticket,
+            ttl: ttl.unwrap_or(l.ttl()),
+        })?;
+        renewed(self.run_slots(&call)?)
+    }
+
+    /// Whether an acquire would be granted now; holds nothing.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::acquire`], but a refusal is never an error.
+    pub fn check_slots<'n, 'k>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        request: impl Into<Acquire<'k>>,
+    ) -> Result<Decision, Error> {
+        let request = request.into();
+        let count = request.count.unwrap_or(1);
+        let call = self.slot_call(target.into(), request.key, |_| SlotOp::Check { count })?;
+        checked(self.run_slots(&call)?)
+    }
+
+    /// How many slots are held, and by how many holders.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] or [`Error::NotDefined`]; [`Error::Store`] if the store fails.
+    pub fn slots_value<'n>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<SlotsValue, Error> {
+        let call = self.slot_call(target.into(), key, |_| SlotOp::Value)?;
+        valued(&call.limit, self.run_slots(&call)?)
+    }
+
+    /// Frees every slot of (name, key).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] or [`Error::NotDefined`]; [`Error::Store`] if the store fails.
+    pub fn reset_slots<'n>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<(), Error> {
+        let call = self.slot_call(target.into(), key, |_| SlotOp::Reset)?;
+        was_reset(self.run_slots(&call)?)
+    }
+}
+
+/// Concurrency limits, awaited: every store. The futures are `Send`.
+impl<S: AsyncStore> RateLimiter<S> {
+    async fn run_slots_async(&self, call: &SlotCall<'_>) -> Result<SlotAnswer, Error> {
+        Ok(self.store().slots_async(call.name, call.key, &call.limit, &call.op).await?)
+    }
+
+    /// [`RateLimiter::acquire`], awaited.
+    ///
+    /// A future dropped while the store is answering may leave its slots held, unknown to
+    /// the caller, until their expiry (`ttl`): keep the `ttl` near the work's length.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::acquire`].
+    pub async fn acquire_async<'n, 'k>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        request: impl Into<Acquire<'k>>,
+    ) -> Result<Acquired, Error> {
+        let request = request.into();
+        let call = self.slot_call(target.into(), request.key, |l| request.op(l))?;
+        acquired(call.name, request.throws, self.run_slots_async(&call).await?)
+    }
+
+    /// [`RateLimiter::acquire_async`], answered with a guard that releases the slots when it
+    /// is dropped (`None` when refused): on a task of the current tokio runtime, or at once
+    /// on an in-process store. Prefer [`HeldAsync::release`], which says whether it did.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::acquire`].
+    pub async fn hold_async<'n, 'k>(
+        self: &Arc<Self>,
+        target: impl Into<SlotsTarget<'n>>,
+        request: impl Into<Acquire<'k>>,
+    ) -> Result<Option<HeldAsync<S>>, Error>
+    where
+        S: 'static,
+    {
+        let target = target.into();
+        let request = request.into();
+        let limit = self.concurrency_of(target)?;
+        let Some(ticket) = self.acquire_async(target, request).await?.ticket() else {
+            return Ok(None);
+        };
+        // No await from here: a future cancelled now has the guard, which releases.
+        Ok(Some(HeldAsync {
+            limiter: Some(Arc::clone(self)),
+            name: target.name().into(),
+            key: request.key.map(Into::into),
+            limit,
+            ticket,
+        }))
+    }
+
+    /// [`RateLimiter::release`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::release`].
+    pub async fn release_async<'n>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+    ) -> Result<bool, Error> {
+        let call = self.slot_call(target.into(), key, |_| SlotOp::Release { ticket })?;
+        released(self.run_slots_async(&call).await?)
+    }
+
+    /// [`RateLimiter::renew`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::renew`].
+    pub async fn renew_async<'n>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+        ttl: Option<f64>,
+    ) -> Result<Option<f64>, Error> {
+        let call = self.slot_call(target.into(), key, |l| SlotOp::Renew {
+            ticket,
+            ttl: ttl.unwrap_or(l.ttl()),
+        })?;
+        renewed(self.run_slots_async(&call).await?)
+    }
+
+    /// [`RateLimiter::check_slots`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::check_slots`].
+    pub async fn check_slots_async<'n, 'k>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        request: impl Into<Acquire<'k>>,
+    ) -> Result<Decision, Error> {
+        let request = request.into();
+        let count = request.count.unwrap_or(1);
+        let call = self.slot_call(target.into(), request.key, |_| SlotOp::Check { count })?;
+        checked(self.run_slots_async(&call).await?)
+    }
+
+    /// [`RateLimiter::slots_value`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::slots_value`].
+    pub async fn slots_value_async<'n>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<SlotsValue, Error> {
+        let call = self.slot_call(target.into(), key, |_| SlotOp::Value)?;
+        valued(&call.limit, self.run_slots_async(&call).await?)
+    }
+
+    /// [`RateLimiter::reset_slots`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::reset_slots`].
+    pub async fn reset_slots_async<'n>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+    ) -> Result<(), Error> {
+        let call = self.slot_call(target.into(), key, |_| SlotOp::Reset)?;
+        was_reset(self.run_slots_async(&call).await?)
+    }
+}
+
+/// Slots held, released when dropped ([`RateLimiter::hold`]); a store error on that
+/// release is dropped too (the slots are free at their expiry anyway).
+#[must_use = "the slots are released when this is dropped"]
+pub struct Held<'l, S: Store> {
+    limiter: &'l RateLimiter<S>,
+    name: String,
+    key: Option<String>,
+    limit: Concurrency,
+    ticket: Ticket,
+    released: bool,
+}
+
+impl<S: Store> Held<'_, S> {
+    /// The ticket.
+    pub fn ticket(&self) -> Ticket {
+        self.ticket
+    }
+
+    /// Moves the expiry to now + `ttl` (the limit's `ttl` if `None`); `None` if the ticket
+    /// had expired.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] if the store fails.
+    pub fn renew(&mut self, ttl: Option<f64>) -> Result<Option<f64>, Error> {
+        let target = SlotsTarget::Inline(&self.name, self.limit);
+        let expiry = self.limiter.renew(target, self.key.as_deref(), self.ticket.id, ttl)?;
+        if let Some(expires_at) = expiry {
+            self.ticket.expires_at = expires_at;
+        }
+        Ok(expiry)
+    }
+
+    /// Releases now: whether the ticket still held its slots.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] if the store fails (the slots are free at their expiry anyway).
+    pub fn release(mut self) -> Result<bool, Error> {
+        self.released = true;
+        let target = SlotsTarget::Inline(&self.name, self.limit);
+        self.limiter.release(target, self.key.as_deref(), self.ticket.id)
+    }
+}
+
+impl<S: Store> Drop for Held<'_, S> {
+    fn drop(&mut self) {
+        if !self.released {
+            let target = SlotsTarget::Inline(&self.name, self.limit);
+            let _ = self.limiter.release(target, self.key.as_deref(), self.ticket.id);
+        }
+    }
+}
+
+/// Slots held, released when dropped ([`RateLimiter::hold_async`]).
+#[must_use = "the slots are released when this is dropped"]
+pub struct HeldAsync<S: AsyncStore + 'static> {
+    limiter: Option<Arc<RateLimiter<S>>>,
+    name: Box<str>,
+    key: Option<Box<str>>,
+    limit: Concurrency,
+    ticket: Ticket,
+}
+
+impl<S: AsyncStore + 'static> HeldAsync<S> {
+    /// The ticket.
+    pub fn ticket(&self) -> Ticket {
+        self.ticket
+    }
+
+    /// Moves the expiry to now + `ttl` (the limit's `ttl` if `None`); `None` if the ticket
+    /// had expired.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] if the store fails.
+    pub async fn renew(&mut self, ttl: Option<f64>) -> Result<Option<f64>, Error> {
+        let Some(limiter) = &self.limiter else { return Ok(None) };
+        let target = SlotsTarget::Inline(&self.name, self.limit);
+        let expiry = limiter.renew_async(target, self.key.as_deref(), self.ticket.id, ttl).await?;
+        if let Some(expires_at) = expiry {
+            self.ticket.expires_at = expires_at;
+        }
+        Ok(expiry)
+    }
+
+    /// Releases now: whether the ticket still held its slots.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] if the store fails (the slots are free at their expiry anyway).
+    pub async fn release(mut self) -> Result<bool, Error> {
+        let Some(limiter) = self.limiter.take() else { return Ok(false) };
+        let target = SlotsTarget::Inline(&self.name, self.limit);
+        limiter.release_async(target, self.key.as_deref(), self.ticket.id).await
+    }
+}
+
+impl<S: AsyncStore + 'static> Drop for HeldAsync<S> {
+    fn drop(&mut self) {
+        let Some(limiter) = self.limiter.take() else { return };
+        let (name, key, limit, id) =
+            (self.name.clone(), self.key.clone(), self.limit, self.ticket.id);
+        if let Some(store) = limiter.store().immediate() {
+            let op = SlotOp::Release { ticket: id };
+            let _ = store.slots(&name, key.as_deref(), &limit, &op);
+            return;
+        }
+        #[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let target = SlotsTarget::Inline(&name, limit);
+                let _ = limiter.release_async(target, key.as_deref(), id).await;
+            });
+        }
+        // Else the slots are free at their expiry.
+    }
+}
