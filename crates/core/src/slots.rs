@@ -107,7 +107,7 @@ impl fmt::Display for Concurrency {
 }
 
 fn check_ttl(ttl: f64) -> Result<(), InvalidRequest> {
-    if ttl >= MIN_TTL && ttl <= MAX_AMOUNT {
+    if (MIN_TTL..=MAX_AMOUNT).contains(&ttl) {
         Ok(())
     } else {
         Err(InvalidRequest::new(format!("ttl is {}; it {TTL_RULE}", fmt_number(ttl))))
@@ -425,8 +425,7 @@ mod tests {
             let limit = Concurrency::new(max).with_ttl(200.0);
             let mut holders: Vec<Holder> = Vec::new();
             let mut now = NOW;
-            let mut next = 1;
-            for (kind, count, ticket, ttl, dt) in ops {
+            for (next, (kind, count, ticket, ttl, dt)) in (1..).zip(ops) {
                 now += dt;
                 let op = match kind {
                     0 | 1 => SlotOp::Acquire { count: count.min(max), ttl },
@@ -436,7 +435,6 @@ mod tests {
                 };
                 let before = holders.clone();
                 let (answer, write) = decide(&limit, &holders, now, &op, next).unwrap();
-                next += 1;
                 let held = |hs: &[Holder]| hs.iter().filter(|h| h.expiry > now).map(|h| u64::from(h.count)).sum::<u64>();
                 if let SlotAnswer::Refused { retry_after } = answer {
                     prop_assert_eq!(write, Write::Nothing);

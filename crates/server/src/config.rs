@@ -36,7 +36,10 @@ pub struct FileConfig {
 /// that is granted while the store fails (see `tollgate::RateLimiterBuilder::fail_open`).
 #[derive(Debug)]
 struct LimitTable {
-    config: RawConfig,
+    /// A rate limit's config; none for a concurrency limit.
+    config: Option<RawConfig>,
+    /// `kind = "concurrency"`: slots in flight (SPEC §6f), with `max` and `ttl`.
+    concurrency: Option<tollgate::Concurrency>,
     fail_open: bool,
     /// `lease = true` or `lease = { term, share, floor, hotAfter }`: served from leases on a
     /// Redis or PostgreSQL store.
@@ -66,6 +69,9 @@ impl<'de> Deserialize<'de> for LimitTable {
             }
         };
         let fail_open = flag("failOpen")?;
+        if table.get("kind").and_then(toml::Value::as_str) == Some("concurrency") {
+            return concurrency_table(table, fail_open).map_err(D::Error::custom);
+        }
         let lease = match table.remove("lease") {
             None | Some(toml::Value::Boolean(false)) => None,
             Some(toml::Value::Boolean(true)) => Some(LeaseTable::default()),
@@ -82,8 +88,41 @@ impl<'de> Deserialize<'de> for LimitTable {
         };
         // The rest is the config, with its own errors for unknown or invalid fields.
         let config = toml::Value::Table(table).try_into().map_err(D::Error::custom)?;
-        Ok(LimitTable { config, fail_open, lease })
+        Ok(LimitTable { config: Some(config), concurrency: None, fail_open, lease })
     }
+}
+
+/// A `[limits.<name>]` table of `kind = "concurrency"`: `max` (a whole number) and `ttl`
+/// (ms or a duration, default 60 s), nothing else.
+fn concurrency_table(mut table: toml::Table, fail_open: bool) -> Result<LimitTable, String> {
+    table.remove("kind");
+    if fail_open {
+        // A slot granted while the store is down holds nothing: nobody could release it,
+        // and the bound would mean nothing.
+        return Err("failOpen is not for a concurrency limit (no slot can be held while \
+                    the store is down)"
+            .into());
+    }
+    let max = match table.remove("max") {
+        Some(toml::Value::Integer(n)) => n as f64,
+        Some(toml::Value::Float(n)) => n,
+        Some(other) => return Err(format!("max is {other}; it must be a whole number")),
+        None => return Err("a concurrency limit needs max, the slots it holds".into()),
+    };
+    let ttl = match table.remove("ttl") {
+        None => tollgate::core::slots::DEFAULT_TTL,
+        Some(value) => {
+            let period: Period = value.try_into().map_err(|e| format!("ttl: {e}"))?;
+            period.millis().map_err(|e| format!("ttl: {e}"))?
+        }
+    };
+    if let Some(field) = table.keys().next() {
+        return Err(format!(
+            "unknown field `{field}` for a concurrency limit, expected `kind`, `max` or `ttl`"
+        ));
+    }
+    let concurrency = tollgate::Concurrency::try_new(max, ttl).map_err(|e| e.to_string())?;
+    Ok(LimitTable { config: None, concurrency: Some(concurrency), fail_open, lease: None })
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -233,6 +272,8 @@ pub struct Settings {
     pub public_metrics: bool,
     /// The named limits.
     pub limits: Vec<(String, Config)>,
+    /// The named concurrency limits (`kind = "concurrency"`, SPEC §6f).
+    pub concurrency: Vec<(String, tollgate::Concurrency)>,
     /// The named limits that fail open (`failOpen = true`).
     pub fail_open: Vec<String>,
     /// The named limits served from leases (`lease = true` or a table of its tuning; a
@@ -613,12 +654,25 @@ impl FileConfig {
         }
         self.limits
             .iter()
-            .map(|(name, table)| {
-                let config =
-                    Config::try_from(&table.config).with_context(|| format!("[limits.{name}]"))?;
+            .filter_map(|(name, table)| Some((name, table.config.as_ref()?)))
+            .map(|(name, raw)| {
+                let config = Config::try_from(raw).with_context(|| format!("[limits.{name}]"))?;
                 tollgate::core::validate_name_key(name, None)
                     .with_context(|| format!("[limits.{name}]"))?;
                 Ok((name.clone(), config))
+            })
+            .collect()
+    }
+
+    /// The concurrency limits (`kind = "concurrency"`), their names checked.
+    fn concurrency(&self) -> anyhow::Result<Vec<(String, tollgate::Concurrency)>> {
+        self.limits
+            .iter()
+            .filter_map(|(name, table)| Some((name, table.concurrency?)))
+            .map(|(name, limit)| {
+                tollgate::core::validate_name_key(name, None)
+                    .with_context(|| format!("[limits.{name}]"))?;
+                Ok((name.clone(), limit))
             })
             .collect()
     }
@@ -793,6 +847,7 @@ impl FileConfig {
             allowed_hosts,
             public_metrics: server.public_metrics.unwrap_or(false),
             limits: self.limits(examples)?,
+            concurrency: self.concurrency()?,
             fail_open: self
                 .limits
                 .iter()
@@ -808,7 +863,7 @@ impl FileConfig {
     fn leased(&self, store: &str) -> anyhow::Result<Vec<(String, tollgate::store::LeaseOptions)>> {
         let mut leased = Vec::new();
         for (name, table) in &self.limits {
-            let Some(tuning) = &table.lease else { continue };
+            let (Some(tuning), Some(config)) = (&table.lease, &table.config) else { continue };
             if !store.starts_with("redis") && !store.starts_with("postgres") {
                 bail!(
                     "[limits.{name}] lease = true needs a Redis or PostgreSQL store (redis://, \
@@ -816,10 +871,10 @@ impl FileConfig {
                      is {store:?}"
                 );
             }
-            if table.config.shards.is_some_and(|n| n > 1.0) {
+            if config.shards.is_some_and(|n| n > 1.0) {
                 bail!("[limits.{name}] a leased limit cannot have shards yet");
             }
-            if table.config.calendar.is_some() {
+            if config.calendar.is_some() {
                 bail!("[limits.{name}] a leased limit cannot be a calendar window yet");
             }
             let label = format!("[limits.{name}] lease.term");
@@ -866,6 +921,15 @@ impl FileConfig {
     /// An invalid limit.
     pub fn named_limits(&self) -> anyhow::Result<Vec<(String, Config)>> {
         self.limits(false)
+    }
+
+    /// The concurrency limits of the file (`kind = "concurrency"`), for the simulator.
+    ///
+    /// # Errors
+    ///
+    /// An invalid name.
+    pub fn named_concurrency(&self) -> anyhow::Result<Vec<(String, tollgate::Concurrency)>> {
+        self.concurrency()
     }
 }
 

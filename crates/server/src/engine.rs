@@ -42,6 +42,12 @@ pub enum Op {
     Value,
     /// `POST /v1/adjust`.
     Adjust,
+    /// `POST /v1/acquire`: slots of a concurrency limit (SPEC §6f).
+    Acquire,
+    /// `POST /v1/release`.
+    Release,
+    /// `POST /v1/renew`.
+    Renew,
 }
 
 impl Op {
@@ -54,6 +60,9 @@ impl Op {
             Op::Reset => "reset",
             Op::Value => "value",
             Op::Adjust => "adjust",
+            Op::Acquire => "acquire",
+            Op::Release => "release",
+            Op::Renew => "renew",
         }
     }
 
@@ -66,14 +75,27 @@ impl Op {
             Op::Reset => "POST /v1/reset",
             Op::Value => "POST /v1/value",
             Op::Adjust => "POST /v1/adjust",
+            Op::Acquire => "POST /v1/acquire",
+            Op::Release => "POST /v1/release",
+            Op::Renew => "POST /v1/renew",
         }
     }
 
     /// The operation named `name`.
     pub fn parse(name: &str) -> Option<Op> {
-        [Op::Limit, Op::Check, Op::Transaction, Op::Reset, Op::Value, Op::Adjust]
-            .into_iter()
-            .find(|op| op.name() == name)
+        [
+            Op::Limit,
+            Op::Check,
+            Op::Transaction,
+            Op::Reset,
+            Op::Value,
+            Op::Adjust,
+            Op::Acquire,
+            Op::Release,
+            Op::Renew,
+        ]
+        .into_iter()
+        .find(|op| op.name() == name)
     }
 }
 
@@ -136,6 +158,80 @@ struct ValueBody {
     sample_shards: Option<f64>,
     #[serde(default, deserialize_with = "object_or_null")]
     config: Option<RawConfig>,
+}
+
+/// SPEC §6f's `{ name, key?, count?, ttl?, throws? }` of `POST /v1/acquire`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct AcquireBody {
+    name: String,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    count: Option<f64>,
+    #[serde(default)]
+    ttl: Option<f64>,
+    #[serde(default)]
+    throws: bool,
+}
+
+/// `{ name, key?, ticket }` of `POST /v1/release`, and `{ name, key?, ticket, ttl? }` of
+/// `POST /v1/renew`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct TicketBody {
+    name: String,
+    #[serde(default)]
+    key: Option<String>,
+    ticket: TicketId,
+    #[serde(default)]
+    ttl: Option<f64>,
+}
+
+/// A ticket as a client sends it back: the string an acquire answered, or its number.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum TicketId {
+    Text(String),
+    Number(f64),
+}
+
+impl TicketId {
+    fn id(&self) -> Result<u64, Answer> {
+        let id = match self {
+            TicketId::Text(text) => text.parse::<u64>().ok(),
+            TicketId::Number(n)
+                if n.fract() == 0.0 && (0.0..9.007_199_254_740_992e15).contains(n) =>
+            {
+                Some(*n as u64)
+            }
+            TicketId::Number(_) => None,
+        };
+        id.ok_or_else(|| {
+            Answer::error(
+                StatusCode::BAD_REQUEST,
+                "ticket: it must be the ticket an acquire answered (a string of digits)",
+            )
+        })
+    }
+}
+
+/// A count of slots as a body carries it (a JSON number): a whole number from 1 to the
+/// most a limit may have, or the error that says so.
+fn slot_count(count: Option<f64>) -> Result<Option<u32>, Answer> {
+    match count {
+        None => Ok(None),
+        Some(n)
+            if n.fract() == 0.0
+                && (1.0..=f64::from(tollgate::core::slots::MAX_SLOTS)).contains(&n) =>
+        {
+            Ok(Some(n as u32))
+        }
+        Some(n) => Err(Answer::error(
+            StatusCode::BAD_REQUEST,
+            format!("count is {}; it must be a whole number of at least 1", number(n)),
+        )),
+    }
 }
 
 /// A JSON object read into `T`, and nothing else: serde reads a struct from an array too
@@ -249,6 +345,9 @@ impl Defined {
         }
         for name in &settings.fail_open {
             builder = builder.fail_open(name.as_str());
+        }
+        for (name, limit) in &settings.concurrency {
+            builder = builder.define_concurrency(name.as_str(), *limit);
         }
         let permissions = Permissions {
             inline_config: settings.allow_inline_config,
@@ -483,6 +582,18 @@ impl Engine {
             },
             Op::Adjust => match parse(body) {
                 Ok(b) => d.adjust(b).await,
+                Err(answer) => Err(answer),
+            },
+            Op::Acquire => match parse(body) {
+                Ok(b) => d.acquire(b).await,
+                Err(answer) => Err(answer),
+            },
+            Op::Release => match parse(body) {
+                Ok(b) => d.release(b).await,
+                Err(answer) => Err(answer),
+            },
+            Op::Renew => match parse(body) {
+                Ok(b) => d.renew(b).await,
                 Err(answer) => Err(answer),
             },
         };
@@ -802,6 +913,9 @@ impl Defined {
         stats: &crate::stats::Stats,
     ) -> Result<Answer, Answer> {
         crate::otel::note("tollgate.limits", || body.name.to_string());
+        if let Some(limit) = self.concurrency(&body.name, body.config.is_some())? {
+            return self.check_slots(&body, limit, writes).await;
+        }
         let target = self.target(&body.name, body.config.as_ref())?;
         let request = Self::request(&body);
         let taken = if writes {
@@ -893,8 +1007,166 @@ impl Defined {
                 .map_err(|e| Answer::error(StatusCode::BAD_REQUEST, e.to_string()))?;
         }
         let key = body.key.as_deref();
+        if self.concurrency(&body.name, body.config.is_some())?.is_some() {
+            let name = body.name.as_str();
+            self.limiter.reset_slots_async(name, key).await.map_err(|e| self.error(e))?;
+            return Ok(Answer::ok(json!({})));
+        }
         self.limiter.forget_async(&body.name, key).await.map_err(|e| self.error(e))?;
         Ok(Answer::ok(json!({})))
+    }
+
+    /// The concurrency limit defined as `name`, if it is one (a request with a config of
+    /// its own is about a rate limit, and may not name a concurrency limit).
+    fn concurrency(
+        &self,
+        name: &str,
+        has_config: bool,
+    ) -> Result<Option<tollgate::Concurrency>, Answer> {
+        match self.limiter.concurrency_limit(name) {
+            Some(_) if has_config => Err(Answer::error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{name} is a concurrency limit defined by the server; send no config for it."
+                ),
+            )),
+            found => Ok(found),
+        }
+    }
+
+    /// The concurrency limit a slots request names, or the answer that says why not: a rate
+    /// limit's name, or no limit's.
+    fn concurrency_named(&self, name: &str) -> Result<tollgate::Concurrency, Answer> {
+        if let Some(limit) = self.limiter.concurrency_limit(name) {
+            return Ok(limit);
+        }
+        if self.limiter.defined_config(name).is_some() {
+            return Err(Answer::error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{name} is a rate limit; acquire, release and renew take a concurrency limit (kind = \"concurrency\")"
+                ),
+            ));
+        }
+        Err(Answer::error(
+            StatusCode::NOT_FOUND,
+            format!(
+                "Concurrency limit {name} not defined. Define it in a {} table of the server's \
+                 config file, with kind = \"concurrency\" and max.",
+                crate::names::limits_table(name)
+            ),
+        ))
+    }
+
+    /// `check` of a concurrency limit (`limit` of one is an error: acquire it).
+    async fn check_slots(
+        &self,
+        body: &LimitBody<'_>,
+        limit: tollgate::Concurrency,
+        writes: bool,
+    ) -> Result<Answer, Answer> {
+        let name = &*body.name;
+        if writes {
+            return Err(Answer::error(
+                StatusCode::BAD_REQUEST,
+                format!("{name} is a concurrency limit: take its slots with /v1/acquire"),
+            ));
+        }
+        if body.reserve {
+            return Err(Answer::error(
+                StatusCode::BAD_REQUEST,
+                "a concurrency limit has no reserve",
+            ));
+        }
+        let mut request = tollgate::Acquire::new();
+        if let Some(key) = body.key.as_deref() {
+            request = request.key(key);
+        }
+        if let Some(count) = slot_count(body.count)? {
+            request = request.count(count);
+        }
+        let target = (name, limit);
+        let decision =
+            self.limiter.check_slots_async(target, request).await.map_err(|e| self.error(e))?;
+        let mut answer = Answer {
+            status: StatusCode::OK,
+            body: Body::Decision { ok: decision.ok, retry_after: decision.retry_after },
+            headers: Vec::new(),
+            outcome: "ok",
+        };
+        refused_slots(&mut answer, decision.ok, decision.retry_after);
+        Ok(answer)
+    }
+
+    /// `POST /v1/acquire`: `{ ok: true, ticket, expiresAt }`, or `{ ok: false, retryAfter }`
+    /// (429 with `throws`).
+    async fn acquire(&self, body: AcquireBody) -> Result<Answer, Answer> {
+        crate::otel::note("tollgate.limits", || body.name.clone());
+        let limit = self.concurrency_named(&body.name)?;
+        let mut request = tollgate::Acquire::new();
+        if let Some(key) = body.key.as_deref() {
+            request = request.key(key);
+        }
+        if let Some(count) = slot_count(body.count)? {
+            request = request.count(count);
+        }
+        if let Some(ttl) = body.ttl {
+            request = request.ttl(ttl);
+        }
+        let target = (body.name.as_str(), limit);
+        let acquired =
+            self.limiter.acquire_async(target, request).await.map_err(|e| self.error(e))?;
+        Ok(match acquired {
+            tollgate::Acquired::Granted(ticket) => Answer::ok(json!({
+                "ok": true,
+                "ticket": ticket.id.to_string(),
+                "expiresAt": number(ticket.expires_at),
+            })),
+            tollgate::Acquired::Refused { retry_after } => {
+                let mut answer = if body.throws {
+                    rate_limited(&body.name, retry_after)
+                } else {
+                    Answer::ok(json!({ "ok": false, "retryAfter": number(retry_after) }))
+                };
+                refused_slots(&mut answer, false, Some(retry_after));
+                answer
+            }
+        })
+    }
+
+    /// `POST /v1/release`: `{ released }`, false for a ticket unknown or expired.
+    async fn release(&self, body: TicketBody) -> Result<Answer, Answer> {
+        crate::otel::note("tollgate.limits", || body.name.clone());
+        let limit = self.concurrency_named(&body.name)?;
+        if body.ttl.is_some() {
+            return Err(Answer::error(StatusCode::BAD_REQUEST, "ttl: a release takes none"));
+        }
+        let ticket = body.ticket.id()?;
+        let target = (body.name.as_str(), limit);
+        let released = self
+            .limiter
+            .release_async(target, body.key.as_deref(), ticket)
+            .await
+            .map_err(|e| self.error(e))?;
+        Ok(Answer::ok(json!({ "released": released })))
+    }
+
+    /// `POST /v1/renew`: `{ ok: true, expiresAt }`, or `{ ok: false }` for a ticket that
+    /// had expired (its slots may be someone else's now).
+    async fn renew(&self, body: TicketBody) -> Result<Answer, Answer> {
+        crate::otel::note("tollgate.limits", || body.name.clone());
+        let limit = self.concurrency_named(&body.name)?;
+        let ticket = body.ticket.id()?;
+        let target = (body.name.as_str(), limit);
+        let renewed = self
+            .limiter
+            .renew_async(target, body.key.as_deref(), ticket, body.ttl)
+            .await
+            .map_err(|e| self.error(e))?;
+        Ok(Answer::ok(match renewed {
+            Some(expires_at) => json!({ "ok": true, "expiresAt": number(expires_at) }),
+            None => json!({ "ok": false }),
+        }))
     }
 
     /// Settles a cost known only after the work (SPEC §4): `{ value, retryAfter? }`, never
@@ -918,6 +1190,19 @@ impl Defined {
         leases: Option<&crate::store::Leasing>,
     ) -> Result<Answer, Answer> {
         crate::otel::note("tollgate.limits", || body.name.clone());
+        if let Some(limit) = self.concurrency(&body.name, body.config.is_some())? {
+            let target = (body.name.as_str(), limit);
+            let value = self
+                .limiter
+                .slots_value_async(target, body.key.as_deref())
+                .await
+                .map_err(|e| self.error(e))?;
+            return Ok(Answer::ok(json!({
+                "inFlight": value.in_flight,
+                "max": value.max,
+                "holders": value.holders,
+            })));
+        }
         let target = self.target(&body.name, body.config.as_ref())?;
         let sample = match body.sample_shards {
             None => 1,
@@ -1028,6 +1313,16 @@ fn rate_limited(name: &str, retry_after: f64) -> Answer {
         ),
         headers: Vec::new(),
         outcome: "refused",
+    }
+}
+
+/// A refusal of slots: counted as refused, with `Retry-After` (whole seconds, up).
+fn refused_slots(answer: &mut Answer, ok: bool, retry_after: Option<f64>) {
+    if !ok {
+        answer.outcome = "refused";
+        if let Some(wait) = retry_after {
+            answer.headers.push((RETRY_AFTER, fields::retry_after_seconds(wait).to_string()));
+        }
     }
 }
 

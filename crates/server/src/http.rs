@@ -75,6 +75,9 @@ fn routes(app: Arc<App>) -> Router {
         .route("/v1/reset", post(|s, b| operation(s, Op::Reset, b)))
         .route("/v1/value", post(|s, b| operation(s, Op::Value, b)))
         .route("/v1/adjust", post(|s, b| operation(s, Op::Adjust, b)))
+        .route("/v1/acquire", post(|s, b| operation(s, Op::Acquire, b)))
+        .route("/v1/release", post(|s, b| operation(s, Op::Release, b)))
+        .route("/v1/renew", post(|s, b| operation(s, Op::Renew, b)))
         .route(
             "/v1/time",
             get(|State(app): State<Arc<App>>| async move { app.engine.time().await }),

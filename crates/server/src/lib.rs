@@ -208,11 +208,14 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command.unwrap_or(Command::Serve(ServeArgs::default())) {
         Command::Serve(args) => serve(args),
         Command::Simulate { config, seed, plot } => {
-            let limits = match config {
-                Some(path) => FileConfig::load(&path)?.named_limits()?,
-                None => Vec::new(),
+            let (limits, concurrency) = match config {
+                Some(path) => {
+                    let file = FileConfig::load(&path)?;
+                    (file.named_limits()?, file.named_concurrency()?)
+                }
+                None => (Vec::new(), Vec::new()),
             };
-            let sim = simulate::Simulation::new(&limits, seed);
+            let sim = simulate::Simulation::with_concurrency(&limits, &concurrency, seed);
             let stdin = std::io::stdin();
             if stdin.is_terminal() {
                 eprintln!("tollgate simulate: reading JSON lines from stdin, e.g.");

@@ -27,11 +27,24 @@ pub struct Simulation {
 impl Simulation {
     /// A simulation of `limits`, with random choices fixed by `seed`.
     pub fn new(limits: &[(String, Config)], seed: u64) -> Self {
+        Self::with_concurrency(limits, &[], seed)
+    }
+
+    /// A simulation of `limits` and the concurrency limits `concurrency` (SPEC §6f), with
+    /// random choices fixed by `seed`.
+    pub fn with_concurrency(
+        limits: &[(String, Config)],
+        concurrency: &[(String, tollgate::Concurrency)],
+        seed: u64,
+    ) -> Self {
         let clock = ManualClock::new(0.0);
         let store: DynStore = Arc::new(MemoryStore::with_clock(clock.clone()));
         let mut builder = RateLimiter::builder(store).seed(seed);
         for (name, config) in limits {
             builder = builder.define(name.as_str(), *config);
+        }
+        for (name, limit) in concurrency {
+            builder = builder.define_concurrency(name.as_str(), *limit);
         }
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
@@ -87,7 +100,8 @@ impl Simulation {
             _ => {
                 return error(
                     StatusCode::BAD_REQUEST,
-                    "op: missing; one of limit, check, transaction, reset, value, adjust",
+                    "op: missing; one of limit, check, transaction, reset, value, adjust, \
+                     acquire, release, renew",
                 );
             }
         };
@@ -95,7 +109,8 @@ impl Simulation {
             return error(
                 StatusCode::BAD_REQUEST,
                 &format!(
-                    "op: {op:?} is not one of limit, check, transaction, reset, value, adjust"
+                    "op: {op:?} is not one of limit, check, transaction, reset, value, adjust, \
+                     acquire, release, renew"
                 ),
             );
         };
@@ -128,7 +143,7 @@ impl Simulation {
                     .map(|(l, r)| (l, if refused { Taken::Refused } else { outcome(r) }))
                     .collect()
             }
-            Op::Reset | Op::Value | Op::Adjust => return,
+            Op::Reset | Op::Value | Op::Adjust | Op::Acquire | Op::Release | Op::Renew => return,
         };
         for (request, outcome) in asked {
             let Some(name) = request["name"].as_str() else { continue };

@@ -382,10 +382,56 @@ fn json_of(reply: &R) -> Value {
     }
 }
 
+/// `TG.ACQUIRE`, `TG.RELEASE` and `TG.RENEW` (SPEC §6f), and `TG.CHECK` and `TG.VALUE` of a
+/// concurrency limit: the answers of their HTTP twins, the ticket the string of digits it is
+/// there, and the same errors.
+#[test]
+fn tg_concurrency_commands() {
+    let toml = "[limits.gpu]\nkind = \"concurrency\"\nmax = 2\nttl = \"1m\"\n";
+    let served = Served::start("memory", toml, &[]);
+    let mut c = served.client();
+    let key = unique("slots");
+    let tg = |c: &mut redis::Connection, args: &[&str]| -> Value {
+        let reply: R = redis::cmd(args[0]).arg(&args[1..]).query(c).unwrap();
+        json_of(&reply)
+    };
+    let one = tg(&mut c, &["TG.ACQUIRE", "gpu", "KEY", &key]);
+    assert_eq!(one["ok"], json!(1), "{one}");
+    let ticket = one["ticket"].as_f64().expect("a ticket of digits").to_string();
+    assert!(one["expiresAt"].as_f64().unwrap() > 0.0, "{one}");
+    let refused = tg(&mut c, &["TG.ACQUIRE", "gpu", "KEY", &key, "COUNT", "2"]);
+    assert_eq!(refused["ok"], json!(0), "{refused}");
+    let wait = refused["retryAfter"].as_f64().unwrap();
+    assert!(wait > 59_000.0 && wait <= 60_000.0, "{refused}");
+    let thrown = error(&mut c, "TG.ACQUIRE", &["gpu", "KEY", &key, "COUNT", "2", "THROWS"]);
+    assert!(thrown.starts_with("RATELIMITED"), "{thrown}");
+    assert_eq!(tg(&mut c, &["TG.CHECK", "gpu", "KEY", &key])["ok"], json!(1));
+    let value = tg(&mut c, &["TG.VALUE", "gpu", "KEY", &key]);
+    assert_eq!(value, json!({ "inFlight": 1, "max": 2, "holders": 1 }));
+    let (_, http) = served.post("/v1/value", &json!({ "name": "gpu", "key": key }));
+    assert_eq!(http, value, "the HTTP twin sees the same slots");
+    let renewed = tg(&mut c, &["TG.RENEW", "gpu", "TICKET", &ticket, "KEY", &key, "TTL", "5000"]);
+    assert_eq!(renewed["ok"], json!(1), "{renewed}");
+    let released = tg(&mut c, &["TG.RELEASE", "gpu", "TICKET", &ticket, "KEY", &key]);
+    assert_eq!(released, json!({ "released": 1 }));
+    let again = tg(&mut c, &["TG.RELEASE", "gpu", "TICKET", &ticket, "KEY", &key]);
+    assert_eq!(again, json!({ "released": 0 }));
+    let e = error(&mut c, "TG.ACQUIRE", &["gpu", "COUNT", "3"]);
+    assert!(e.contains("max of 2"), "{e}");
+    let e = error(&mut c, "TG.RELEASE", &["gpu", "TICKET", "abc"]);
+    assert!(e.contains("ticket"), "{e}");
+}
+
 /// Whether an array reads as fields and values: even, with a name at every even place.
 fn is_fields(items: &[R]) -> bool {
-    const FIELDS: [&str; 12] = [
+    const FIELDS: [&str; 18] = [
         "ok",
+        "ticket",
+        "expiresAt",
+        "released",
+        "inFlight",
+        "max",
+        "holders",
         "retryAfter",
         "results",
         "value",

@@ -135,6 +135,7 @@ fn start(store: &str, tokens: &[&str]) -> Server {
         allowed_hosts: Vec::new(),
         public_metrics: false,
         limits: Vec::new(),
+        concurrency: Vec::new(),
         fail_open: Vec::new(),
         lease: Vec::new(),
     };

@@ -129,7 +129,7 @@ fn bad_lines_are_answered_and_the_run_goes_on() {
             r#"{"error":"a line must be a JSON object","status":400}"#,
             r#"{"error":"at: missing (ms since the Unix epoch)","status":400}"#,
             r#"{"error":"at: must be a number (ms since the Unix epoch)","status":400}"#,
-            r#"{"error":"op: \"fly\" is not one of limit, check, transaction, reset, value, adjust","status":400}"#,
+            r#"{"error":"op: \"fly\" is not one of limit, check, transaction, reset, value, adjust, acquire, release, renew","status":400}"#,
             r#"{"error":"Rate limit nope not defined. Define it in a [limits.nope] table of the server's config file, or send a config with the request.","status":404}"#,
             r#"{"error":"Rate limit tb count 11 exceeds 10.","status":400}"#,
             r#"{"ok":true}"#,

@@ -35,6 +35,7 @@ fn settings(store: String) -> Settings {
         allowed_hosts: Vec::new(),
         public_metrics: false,
         limits: vec![("race".into(), Config::token_bucket(100.0, DAY))],
+        concurrency: Vec::new(),
         fail_open: Vec::new(),
         lease: Vec::new(),
     }

@@ -496,6 +496,11 @@ impl<S> RateLimiter<S> {
         self.setup.defined.iter().map(|(name, config)| (&**name, config))
     }
 
+    /// The concurrency limit defined as `name`, if it is.
+    pub fn concurrency_limit(&self, name: &str) -> Option<Concurrency> {
+        self.setup.concurrency.get(name).copied()
+    }
+
     /// The concurrency limits defined at run time.
     pub fn defined_concurrency(&self) -> impl Iterator<Item = (&str, &Concurrency)> {
         self.setup.concurrency.iter().map(|(name, limit)| (&**name, limit))

@@ -112,7 +112,7 @@ impl Transaction {
 const REDIS_VERSION: &str = "7.2.0";
 
 /// The commands `COMMAND` lists: (name, arity as Redis writes it, flags).
-const COMMANDS: [(&str, i64, &[&str]); 25] = [
+const COMMANDS: [(&str, i64, &[&str]); 28] = [
     ("cl.throttle", -5, &["write", "fast"]),
     ("tg.limit", -2, &["write", "fast"]),
     ("tg.check", -2, &["readonly", "fast"]),
@@ -120,6 +120,9 @@ const COMMANDS: [(&str, i64, &[&str]); 25] = [
     ("tg.reset", -2, &["write", "fast"]),
     ("tg.value", -2, &["readonly", "fast"]),
     ("tg.adjust", -4, &["write", "fast"]),
+    ("tg.acquire", -2, &["write", "fast"]),
+    ("tg.release", -4, &["write", "fast"]),
+    ("tg.renew", -4, &["write", "fast"]),
     ("tg.time", 1, &["readonly", "fast"]),
     ("tg.config", 1, &["readonly"]),
     ("auth", -2, &["noscript", "loading", "stale", "fast", "no_auth"]),
@@ -156,6 +159,9 @@ fn writes(command: &str) -> Option<&'static str> {
         "tg.transaction" => Some("transaction"),
         "tg.reset" => Some("reset"),
         "tg.adjust" => Some("adjust"),
+        "tg.acquire" => Some("acquire"),
+        "tg.release" => Some("release"),
+        "tg.renew" => Some("renew"),
         _ => None,
     }
 }

@@ -7,6 +7,9 @@
 //! TG.TRANSACTION LIMIT name [KEY key] [COUNT n] [RESERVE] [THROWS] [CONFIG json] [LIMIT name ...]
 //! TG.RESET name [KEY key] [CONFIG json]
 //! TG.VALUE name [KEY key] [SAMPLESHARDS n] [CONFIG json]
+//! TG.ACQUIRE name [KEY key] [COUNT n] [TTL ms] [THROWS]
+//! TG.RELEASE name TICKET ticket [KEY key]
+//! TG.RENEW name TICKET ticket [KEY key] [TTL ms]
 //! TG.TIME
 //! TG.CONFIG
 //! ```
@@ -59,6 +62,9 @@ fn usage(command: &str) -> &'static str {
         "tg.reset" => "TG.RESET name [KEY key] [CONFIG json]",
         "tg.value" => "TG.VALUE name [KEY key] [SAMPLESHARDS n] [CONFIG json]",
         "tg.adjust" => "TG.ADJUST name COUNT n [KEY key] [CONFIG json]",
+        "tg.acquire" => "TG.ACQUIRE name [KEY key] [COUNT n] [TTL ms] [THROWS]",
+        "tg.release" => "TG.RELEASE name TICKET ticket [KEY key]",
+        "tg.renew" => "TG.RENEW name TICKET ticket [KEY key] [TTL ms]",
         "tg.time" => "TG.TIME",
         _ => "TG.CONFIG",
     }
@@ -78,6 +84,9 @@ pub fn parse(command: &str, args: &[&[u8]]) -> Option<Result<Tg, String>> {
         "tg.reset" => Op::Reset,
         "tg.value" => Op::Value,
         "tg.adjust" => Op::Adjust,
+        "tg.acquire" => Op::Acquire,
+        "tg.release" => Op::Release,
+        "tg.renew" => Op::Renew,
         "tg.time" | "tg.config" => {
             if !args.is_empty() {
                 return Some(Err(format!("wrong number of arguments for '{command}' command")));
@@ -116,12 +125,21 @@ fn one(op: Op, name: &[u8], options: &[&[u8]]) -> Result<Map<String, Value>, Str
         };
         let (field, json) = match (option.as_str(), op) {
             ("KEY", _) => ("key", Value::String(text(value("a key")?, "KEY")?.to_owned())),
-            ("CONFIG", _) => ("config", config(value("a JSON object")?)?),
-            ("COUNT", Op::Limit | Op::Check | Op::Transaction | Op::Adjust) => {
+            ("CONFIG", op) if !matches!(op, Op::Acquire | Op::Release | Op::Renew) => {
+                ("config", config(value("a JSON object")?)?)
+            }
+            ("COUNT", Op::Limit | Op::Check | Op::Transaction | Op::Adjust | Op::Acquire) => {
                 ("count", number(value("a number")?, "COUNT")?)
             }
             ("RESERVE", Op::Limit | Op::Check | Op::Transaction) => ("reserve", Value::Bool(true)),
-            ("THROWS", Op::Limit | Op::Check | Op::Transaction) => ("throws", Value::Bool(true)),
+            ("THROWS", Op::Limit | Op::Check | Op::Transaction | Op::Acquire) => {
+                ("throws", Value::Bool(true))
+            }
+            ("TTL", Op::Acquire | Op::Renew) => ("ttl", number(value("a number of ms")?, "TTL")?),
+            // The ticket as the string an acquire answered (the HTTP body takes it so).
+            ("TICKET", Op::Release | Op::Renew) => {
+                ("ticket", Value::String(text(value("a ticket")?, "TICKET")?.to_owned()))
+            }
             ("SAMPLESHARDS", Op::Value) => {
                 ("sampleShards", number(value("a number")?, "SAMPLESHARDS")?)
             }
@@ -228,6 +246,17 @@ mod tests {
         );
         assert!(matches!(parse("tg.time", &[]), Some(Ok(Tg::Time))));
         assert!(parse("tg.nothing", &[]).is_none());
+        assert_eq!(
+            body("tg.acquire", &["gpu", "KEY", "t1", "COUNT", "2", "TTL", "30000", "THROWS"])
+                .unwrap(),
+            serde_json::json!({ "name": "gpu", "key": "t1", "count": 2.0, "ttl": 30000.0, "throws": true })
+        );
+        assert_eq!(
+            body("tg.renew", &["gpu", "TICKET", "17", "TTL", "5000"]).unwrap(),
+            serde_json::json!({ "name": "gpu", "ticket": "17", "ttl": 5000.0 })
+        );
+        let e = body("tg.release", &["gpu", "TTL", "5"]).unwrap_err();
+        assert!(e.starts_with("syntax error: unknown option \"TTL\""), "{e}");
     }
 
     #[test]
