@@ -6,7 +6,8 @@
 // Starts the given binary on loopback (memory store), then checks in the page that the
 // configured limits are listed, that tokens taken through the API move the charts and the
 // inspector's value, that a refused request shows as refused, that reset refills, that the
-// inspector's value moves between polls without polling every frame, and that with tokens
+// inspector's value moves between polls without polling every frame, that a concurrency limit
+// shows its slots in flight, and that with tokens
 // configured nothing shows until one is given. A screenshot of each state goes to
 // target/dashboard-screenshots/.
 import assert from "node:assert/strict";
@@ -31,6 +32,10 @@ capacity = 3
 kind = "fixed window"
 rate = 100
 period = "1h"
+
+[limits.gpu]
+kind = "concurrency"
+max = 2
 `;
 
 /** Starts the server on the memory store with `CONFIG` (and `extra` lines in [server]). */
@@ -95,6 +100,21 @@ try {
   await page.waitForFunction(() => document.getElementById("inspector-value").textContent === "3.00");
   assert.equal(await text(page, "#inspector-full"), "full");
   await page.screenshot({ path: join(shots, "4-reset.png") });
+
+  // A concurrency limit in the inspector: the slots in flight of its max, and the holders.
+  const acquired = await fetch(open.url + "/v1/acquire", {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ name: "gpu", key: "acme" }),
+  }).then((r) => r.json());
+  assert.equal(acquired.ok, true);
+  await page.fill("#name", "gpu");
+  await page.fill("#key", "acme");
+  await page.click("#watch");
+  await page.waitForFunction(() => document.getElementById("inspector-value").textContent === "1");
+  assert.equal(await text(page, "#inspector-capacity"), "in flight of 2");
+  assert.equal(await text(page, "#inspector-full"), "1 holder");
+  await page.screenshot({ path: join(shots, "4b-in-flight.png") });
   await page.close();
 
   // ---- with tokens: nothing until one is given ----

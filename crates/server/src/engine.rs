@@ -689,7 +689,16 @@ impl Engine {
     /// config they come from (`Tollgate-Config-Version`).
     pub fn config(&self) -> Answer {
         let current = self.current();
-        let limits: BTreeMap<&str, &Config> = current.limiter.defined().collect();
+        let mut limits: BTreeMap<&str, Value> = current
+            .limiter
+            .defined()
+            .map(|(name, config)| (name, serde_json::to_value(config).unwrap_or_default()))
+            .collect();
+        for (name, limit) in current.limiter.defined_concurrency() {
+            let config =
+                json!({ "kind": "concurrency", "max": limit.max(), "ttl": number(limit.ttl()) });
+            limits.insert(name, config);
+        }
         let mut answer = Answer::ok(serde_json::to_value(limits).unwrap_or_default());
         if !current.version.is_empty() {
             answer.headers.push((CONFIG_VERSION, current.version.clone()));

@@ -264,7 +264,10 @@ fn check_config(args: CheckArgs) -> ExitCode {
                 Some(path) => path.display().to_string(),
                 None => "no config file (the example limits)".to_owned(),
             };
-            let names: Vec<&str> = loaded.settings.limits.iter().map(|(n, _)| n.as_str()).collect();
+            let settings = &loaded.settings;
+            let rates = settings.limits.iter().map(|(n, _)| n.as_str());
+            let names: Vec<&str> =
+                rates.chain(settings.concurrency.iter().map(|(n, _)| n.as_str())).collect();
             println!("{file}: ok, version {}", loaded.version);
             println!("  limits: {}", names::names_line(&names));
             if let (Some(path), Some(rls)) = (&loaded.settings.rls_config, &loaded.rls) {
@@ -724,7 +727,9 @@ fn print_banner(
     resp: Option<SocketAddr>,
     tracing: Option<&str>,
 ) {
-    let names: Vec<&str> = settings.limits.iter().map(|(n, _)| n.as_str()).collect();
+    let rates = settings.limits.iter().map(|(n, _)| n.as_str());
+    let names: Vec<&str> =
+        rates.chain(settings.concurrency.iter().map(|(n, _)| n.as_str())).collect();
     println!("tollgate listening on http://{addr}");
     let memory = settings.store == "memory" || settings.store == "memory://";
     let forgets =

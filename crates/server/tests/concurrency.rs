@@ -135,6 +135,16 @@ async fn acquire_release_renew_check_value_reset() {
 }
 
 #[tokio::test]
+async fn the_config_shows_concurrency_limits() {
+    let (app, _) = app(Tokens::default());
+    let response = app.clone().oneshot(Request::get("/v1/config").body(Body::empty()).unwrap());
+    let bytes = response.await.unwrap().into_body().collect().await.unwrap().to_bytes();
+    let config: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(config["gpu"], json!({ "kind": "concurrency", "max": 3, "ttl": 10_000 }));
+    assert_eq!(config["api"]["kind"], json!("token bucket"));
+}
+
+#[tokio::test]
 async fn bad_requests_hold_nothing() {
     let (app, _) = app(Tokens::default());
     for (path, body, status, says) in [

@@ -109,6 +109,8 @@ mod guide {
     struct ConceptsAlgorithms;
     #[doc = include_str!("../../../docs/src/concepts/capacity-and-reservations.md")]
     struct ConceptsCapacityAndReservations;
+    #[doc = include_str!("../../../docs/src/concepts/concurrency.md")]
+    struct ConceptsConcurrency;
     #[doc = include_str!("../../../docs/src/concepts/costs-after-the-work.md")]
     struct ConceptsCostsAfterTheWork;
     #[doc = include_str!("../../../docs/src/concepts/failure.md")]
