@@ -24,6 +24,9 @@
 //! - `throughput`: each server as fast as it can (64 requests in flight, closed loop), on the
 //!   leased global limit and on a memory store of its own, rounds taking turns: what a region
 //!   serves of a saturated global limit against what it serves on its memory store.
+//! - `throughput-serve` (only with `--only throughput-serve`; needs `wrk` and the `tollgate`
+//!   binary, `--tollgate PATH`): the same with `tollgate serve` as each region's servers,
+//!   each driven over HTTP by a wrk of its own.
 //! - `limitador` and `limitador-cut` (with `--limitador PATH`, a limitador-server binary):
 //!   the loads of `saturated` and `cut`, each server a client (Envoy's gRPC protocol) of a
 //!   limitador-server of its own, whose `redis_cached` storage reaches the Redis through the
@@ -386,6 +389,10 @@ fn harness(args: &[String]) {
     }
     if wanted("throughput") {
         throughput(&plan, &proxies, &mut redis, dir.path());
+    }
+    // Opt-in: it needs wrk, and a tollgate binary.
+    if only.as_deref() == Some("throughput-serve") {
+        throughput_serve(&plan, &proxies, &mut redis, dir.path(), args);
     }
     if plan.limitador.is_some() {
         for scenario in [Scenario::Limitador, Scenario::LimitadorCut] {
@@ -820,6 +827,133 @@ fn swing_shares(plan: &Plan, ran: &Ran) {
         shares.join(", "),
         reached.map_or("never".to_string(), |t| (t + 1).to_string())
     );
+}
+
+/// `tollgate serve` in each region, as the issue's topology has it: each server's HTTP API
+/// driven by a wrk of its own (closed loop, `POST /v1/limit` of the one key), every server at
+/// once, rounds taking turns between the leased global limit (Redis through the region's
+/// proxy) and each server's memory store: what a region's servers answer a second. Needs
+/// `wrk` on the PATH and the binary (`--tollgate PATH`, default `tollgate` beside this one).
+fn throughput_serve(
+    plan: &Plan,
+    proxies: &[Proxy],
+    redis: &mut OwnRedis,
+    dir: &Path,
+    args: &[String],
+) {
+    let tollgate: PathBuf = flag::<String>(args, "--tollgate").map_or_else(
+        || std::env::current_exe().unwrap().with_file_name("tollgate"),
+        PathBuf::from,
+    );
+    assert!(tollgate.is_file(), "no tollgate binary at {}", tollgate.display());
+    let secs = if plan.short { 3 } else { 8 };
+    let connections: usize = flag(args, "--connections").unwrap_or(16);
+    let rounds = 3;
+    let lua = dir.join("limit.lua");
+    std::fs::write(
+        &lua,
+        "wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\n\
+         wrk.body = '{\"name\":\"hot\",\"key\":\"global\"}'\n",
+    )
+    .unwrap();
+    let limit = format!(
+        "[limits.hot]\nkind = \"token bucket\"\nrate = {}\nperiod = 1000\ncapacity = {}\n",
+        plan.rate, plan.capacity
+    );
+    let leased = dir.join("leased.toml");
+    std::fs::write(&leased, format!("{limit}lease = {{ term = \"{}ms\" }}\n", plan.term)).unwrap();
+    let memory = dir.join("memory.toml");
+    std::fs::write(&memory, &limit).unwrap();
+    println!(
+        "\nthroughput-serve: each region's {} tollgate serve, each driven by wrk (1 thread, \
+         {connections} connections, {secs} s after 1 s of warm-up), every server at once, \
+         {rounds} rounds each way taking turns (answered a second, per region)",
+        plan.servers
+    );
+    let mut sums = vec![[0.0f64; 2]; plan.trips.len()];
+    for round in 0..rounds {
+        for (way, on_memory) in [(0, false), (1, true)] {
+            redis.empty();
+            let mut servers = Vec::new();
+            for (region, proxy) in proxies.iter().enumerate() {
+                for _ in 0..plan.servers {
+                    let port = std::net::TcpListener::bind("127.0.0.1:0")
+                        .unwrap()
+                        .local_addr()
+                        .unwrap()
+                        .port();
+                    let store =
+                        if on_memory { "memory".to_string() } else { format!("redis://{}", proxy.addr) };
+                    let config = if on_memory { &memory } else { &leased };
+                    let child = Command::new(&tollgate)
+                        .args(["serve", "--store", &store, "--listen", &format!("127.0.0.1:{port}")])
+                        .arg("--config")
+                        .arg(config)
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                        .expect("tollgate serve");
+                    let t0 = Instant::now();
+                    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                        assert!(t0.elapsed() < Duration::from_secs(20), "tollgate did not start");
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    servers.push((region, port, child));
+                }
+            }
+            let wrk = |port: u16, secs: u64| {
+                Command::new("wrk")
+                    .args(["-t1", &format!("-c{connections}"), &format!("-d{secs}s"), "-s"])
+                    .arg(&lua)
+                    .arg(format!("http://127.0.0.1:{port}/v1/limit"))
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("wrk")
+            };
+            // Warm-up: each server's first takes of the key (its round trip measured, its
+            // first lease on its way) are not what a running server serves.
+            for child in servers.iter().map(|(_, port, _)| wrk(*port, 1)).collect::<Vec<_>>() {
+                let _ = child.wait_with_output();
+            }
+            let runs: Vec<(usize, Child)> =
+                servers.iter().map(|(region, port, _)| (*region, wrk(*port, secs))).collect();
+            let mut served = vec![0.0f64; plan.trips.len()];
+            for (region, child) in runs {
+                let out = child.wait_with_output().unwrap();
+                let text = String::from_utf8_lossy(&out.stdout);
+                let rate = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Requests/sec:"))
+                    .and_then(|r| r.trim().parse::<f64>().ok())
+                    .unwrap_or_else(|| panic!("wrk said no rate: {text}"));
+                served[region] += rate;
+            }
+            for (_, _, mut child) in servers {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            let rates: Vec<String> = served.iter().map(|r| format!("{r:.0}")).collect();
+            println!(
+                "  round {} {}: {}",
+                round + 1,
+                if on_memory { "memory" } else { "leased" },
+                rates.join(", ")
+            );
+            for (sum, r) in sums.iter_mut().zip(&served) {
+                sum[way] += r;
+            }
+        }
+    }
+    for (region, [leased, memory]) in sums.iter().enumerate() {
+        println!(
+            "  region {region} ({} ms): leased global limit {:.0}/s, memory {:.0}/s: {:.2}x",
+            plan.trips[region],
+            leased / f64::from(rounds),
+            memory / f64::from(rounds),
+            leased / memory
+        );
+    }
 }
 
 /// Closed loop, rounds taking turns: leased global limit against memory stores.
