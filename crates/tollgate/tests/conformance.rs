@@ -144,7 +144,7 @@ mod on_redis {
 
     /// The commands a tollgate user needs, as the guide's `ACL SETUSER` gives them (shell
     /// quotes included: the guide's Redis chapter is checked to hold this very text).
-    const ACL_COMMANDS: &str = "+evalsha '+script|load' +time +get +mget +set +del";
+    const ACL_COMMANDS: &str = "+evalsha '+script|load' +time +get +mget +set +del +pexpire +zadd +zrem +zscore +zcard +zrange +zrangebyscore +zremrangebyscore +hget +hmget +hset +hdel";
 
     /// What a cluster's user needs besides: the command redis-rs finds the nodes with.
     #[cfg(feature = "redis-cluster")]

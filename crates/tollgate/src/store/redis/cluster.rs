@@ -4,6 +4,7 @@
 
 use tollgate_algebra::{Clock, Outcome, Plan, Split};
 
+use super::keys::hash_tag;
 use super::wire::{kind_code, num, pack_state};
 use super::{Inner, Ran, Writes};
 use crate::error::StoreError;
@@ -76,13 +77,8 @@ impl<C: Clock> Inner<C> {
 /// Redis Cluster's hash slot of a key: CRC16 (XMODEM) of the key, or of the part between its
 /// first `{` and the next `}` if that part is not empty, modulo 16384.
 pub(super) fn hash_slot(key: &[u8]) -> u16 {
-    let tagged = key.iter().position(|&c| c == b'{').and_then(|open| {
-        let rest = &key[open + 1..];
-        let close = rest.iter().position(|&c| c == b'}')?;
-        (close > 0).then(|| &rest[..close])
-    });
     let mut crc: u16 = 0;
-    for &byte in tagged.unwrap_or(key) {
+    for &byte in hash_tag(key).unwrap_or(key) {
         crc ^= u16::from(byte) << 8;
         for _ in 0..8 {
             crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };

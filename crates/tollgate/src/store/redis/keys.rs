@@ -1,6 +1,6 @@
 //! The keys of a name's states on Redis, found with `SCAN` (on a cluster, on each primary):
 //! what [`RateLimiter::carry_async`](crate::RateLimiter::carry_async) walks after a limit's
-//! config changed.
+//! config changed; and the hash tag that places a key on a cluster.
 
 use redis::Value;
 use tollgate_algebra::Clock;
@@ -132,6 +132,15 @@ async fn primaries(
         }
     }
     Ok(nodes)
+}
+
+/// The part of `key` Redis Cluster places it by, if it has one: what lies between its first
+/// `{` and the next `}`, when that is not empty (else the whole key places it).
+pub(super) fn hash_tag(key: &[u8]) -> Option<&[u8]> {
+    let open = key.iter().position(|&c| c == b'{')?;
+    let rest = &key[open + 1..];
+    let close = rest.iter().position(|&c| c == b'}')?;
+    (close > 0).then(|| &rest[..close])
 }
 
 /// `text` with the characters `SCAN`'s patterns treat specially escaped.

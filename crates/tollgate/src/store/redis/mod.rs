@@ -8,6 +8,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use redis::{Script, Value};
 use tokio::sync::mpsc;
+use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp};
 use tollgate_algebra::{Clock, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::seam::{AsyncStore, BoxFuture, OneAnswer};
@@ -23,6 +24,7 @@ mod connection;
 mod group;
 mod keys;
 mod lease;
+mod slots;
 mod url;
 mod wire;
 
@@ -32,7 +34,7 @@ use connection::{AnyConnection, Connection, Server, Source, cluster};
 use group::Grouped;
 #[cfg(feature = "redis-cluster")]
 use script::GIVE_BACK;
-use script::{CAS_READ, CAS_WRITE, SCRIPT, SCRIPT_GROUP, SCRIPT_ONE};
+use script::{CAS_READ, CAS_WRITE, SCRIPT, SCRIPT_GROUP, SCRIPT_ONE, SCRIPT_SLOTS};
 use wire::{
     disagree, garbage, loaded_state, num, one_args, pack_state, parse_num, slot_args, unpack_f64,
     unpack_one, unpack_state, unpack_time,
@@ -234,6 +236,7 @@ impl RedisStoreBuilder {
             lease: Script::new(lease::SCRIPT_LEASE),
             cas_read: Script::new(CAS_READ),
             cas_write: Script::new(CAS_WRITE),
+            slots: Script::new(SCRIPT_SLOTS),
             #[cfg(feature = "redis-cluster")]
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
@@ -285,6 +288,15 @@ impl RedisStoreBuilder {
 /// (the shards of a limit with such a key then share that slot too). A store prefix with a
 /// tag keeps every state in one slot.
 ///
+/// # Concurrency limits
+///
+/// The holders of a concurrency limit's (name, key) (SPEC §6f) are a sorted set of their
+/// tickets by expiry and a hash of their counts, under `<prefix>slots:` and one hash tag
+/// (the key's own if it has one, such as `{user42}`, so that on a cluster they sit beside
+/// that key's rate limits), changed by one script per operation on the store's clock. Their
+/// keys expire with the last holder. Slots are never leased: a store built with leases takes
+/// them directly.
+///
 /// # Examples
 ///
 /// ```no_run
@@ -322,6 +334,8 @@ struct Inner<C> {
     /// [`CAS_READ`] and [`CAS_WRITE`]: calendar windows, decided here.
     cas_read: Script,
     cas_write: Script,
+    /// [`SCRIPT_SLOTS`]: concurrency limits.
+    slots: Script,
     #[cfg(feature = "redis-cluster")]
     give_back: Script,
     prefix: String,
@@ -747,6 +761,16 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
                 })
                 .await
         })
+    }
+
+    fn slots_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+    ) -> BoxFuture<'a, SlotAnswer> {
+        Box::pin(self.slots(name, key, limit, op))
     }
 }
 

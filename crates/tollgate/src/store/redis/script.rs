@@ -477,3 +477,137 @@ for i = 1, #KEYS do
 end
 return 1
 "#;
+
+/// Concurrency limits (SPEC §6f): one operation on the holders of a (name, key), decided as
+/// `tollgate_algebra::slots::decide` decides (the store reads the answer back from what this
+/// answers, see `slots.rs`). One script for the six operations: they share most of it (the
+/// time, the holders expired by now, the slots the others hold, the keys' expiry after a
+/// write), a branch on the operation costs nothing beside its Redis calls, and one script is
+/// one SHA to load again after a `NOSCRIPT`.
+///
+/// KEYS: the tickets by expiry (a sorted set, scores in ms on the store's clock) and the
+/// holders' counts (a hash: ticket -> count, and the fields `held`, the slots its tickets
+/// hold, and `next`, the last ticket made), both under one hash tag. ARGV: now ("" = Redis
+/// `TIME`), the operation (`a` acquire, `r` release, `n` renew, `c` check, `v` value, `x`
+/// reset), the count (acquire, check) or the ticket (release, renew) in decimal, the ttl
+/// (acquire, renew) and the limit's max. Numbers come in as the shortest text that reads
+/// back exactly and go to Redis as Lua numbers (which Redis writes with 17 digits: exact).
+///
+/// A holder holds on `[acquired, expiry)`: those scored at most `now` are expired. Only a
+/// grant, a release and a renewal of a live ticket, and a reset, write; they drop the expired
+/// holders first, so that `held` counts live holders again. Then the keys expire with their
+/// last holder (never in less than `least` ms, see `lua_save`), so idle keys vanish; with no
+/// holder left the set is deleted and the hash keeps only `next`, for a second.
+///
+/// A ticket is the larger of the last one plus 1 and Redis `TIME` in microseconds (about
+/// 1.8e15, below 2^53 until the year 2255): ever larger on one (name, key) while its keys
+/// live, and larger than any made before they vanished (they outlive their last holder's
+/// grant by at least a ms, so `TIME` has moved on by then, unless Redis's clock is stepped
+/// back), so that a ticket released or renewed late never names a later holder.
+///
+/// Answers one string: a byte (1: granted, free, released or renewed; else 0), then as
+/// little-endian doubles the time it used, the slots held and the holders (live, before the
+/// write), the earliest live expiry (NaN: none), the ticket made (0: none) and the expiry
+/// written (NaN: none).
+pub(super) const SCRIPT_SLOTS: &str = concat!(
+    lua_now!(),
+    r#"
+local z, h, op = KEYS[1], KEYS[2], ARGV[2]
+-- HMGET and HDEL take at most this many fields a call: `unpack` has a limit.
+local batch = 1000
+
+local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
+local freed = 0
+for i = 1, #expired, batch do
+  local counts = redis.call('HMGET', h, unpack(expired, i, math.min(i + batch - 1, #expired)))
+  for j = 1, #counts do freed = freed + (tonumber(counts[j]) or 0) end
+end
+local in_flight = tonumber(redis.call('HGET', h, 'held') or '0') - freed
+local holders = redis.call('ZCARD', z) - #expired
+local earliest = 0 / 0
+if holders > 0 then
+  -- By score, the expired come first.
+  earliest = tonumber(redis.call('ZRANGE', z, #expired, #expired, 'WITHSCORES')[2])
+end
+
+local function answer(ok, ticket, expiry)
+  return struct.pack('<Bdddddd', ok and 1 or 0, now, in_flight, holders, earliest, ticket or 0,
+    expiry or 0 / 0)
+end
+
+local function empty()
+  local last = redis.call('HGET', h, 'next')
+  redis.call('DEL', z, h)
+  if last then
+    redis.call('HSET', h, 'next', last)
+    redis.call('PEXPIRE', h, 1000)
+  end
+end
+
+-- Before a write: the expired holders dropped (they hold nothing).
+local function drop_expired()
+  if #expired == 0 then return end
+  for i = 1, #expired, batch do
+    redis.call('HDEL', h, unpack(expired, i, math.min(i + batch - 1, #expired)))
+  end
+  redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
+end
+
+-- After a write: `held` slots held; the keys expire with the last holder.
+local function keep(held)
+  if redis.call('ZCARD', z) == 0 then
+    empty()
+    return
+  end
+  redis.call('HSET', h, 'held', held)
+  local latest = tonumber(redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')[2])
+  local px = string.format('%d', math.min(1e15, math.max(least, math.ceil(latest - now))))
+  redis.call('PEXPIRE', z, px)
+  redis.call('PEXPIRE', h, px)
+end
+
+-- The live holder of ARGV[3], if any: its count.
+local function live()
+  local score = redis.call('ZSCORE', z, ARGV[3])
+  if score and tonumber(score) > now then return tonumber(redis.call('HGET', h, ARGV[3])) end
+end
+
+if op == 'a' then
+  local count, ttl, max = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+  if in_flight + count > max then return answer(false) end
+  local t = redis.call('TIME')
+  local ticket = math.max(tonumber(redis.call('HGET', h, 'next') or '0') + 1,
+    tonumber(t[1]) * 1000000 + tonumber(t[2]))
+  if ticket >= 9007199254740992 then error('tollgate: ' .. h .. ' has made its last ticket') end
+  local id, expiry = string.format('%.0f', ticket), now + ttl
+  drop_expired()
+  redis.call('ZADD', z, expiry, id)
+  redis.call('HSET', h, id, count, 'next', id)
+  keep(in_flight + count)
+  return answer(true, ticket, expiry)
+elseif op == 'r' then
+  local count = live()
+  if not count then return answer(false) end
+  drop_expired()
+  redis.call('ZREM', z, ARGV[3])
+  redis.call('HDEL', h, ARGV[3])
+  keep(in_flight - count)
+  return answer(true)
+elseif op == 'n' then
+  if not live() then return answer(false) end
+  local expiry = now + tonumber(ARGV[4])
+  drop_expired()
+  redis.call('ZADD', z, expiry, ARGV[3])
+  keep(in_flight)
+  return answer(true, 0, expiry)
+elseif op == 'c' then
+  return answer(in_flight + tonumber(ARGV[3]) <= tonumber(ARGV[5]))
+elseif op == 'v' then
+  return answer(false)
+elseif op == 'x' then
+  empty()
+  return answer(true)
+end
+error('tollgate: no such operation on slots: ' .. op)
+"#
+);
