@@ -107,7 +107,7 @@ impl fmt::Display for Concurrency {
 }
 
 fn check_ttl(ttl: f64) -> Result<(), InvalidRequest> {
-    if ttl >= MIN_TTL && ttl <= MAX_AMOUNT {
+    if (MIN_TTL..=MAX_AMOUNT).contains(&ttl) {
         Ok(())
     } else {
         Err(InvalidRequest::new(format!("ttl is {}; it {TTL_RULE}", fmt_number(ttl))))
