@@ -66,10 +66,10 @@ impl<'a> SlotsTarget<'a> {
 /// The options of an acquire: key, count, ttl, throws.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Acquire<'a> {
-    key: Option<&'a str>,
+    pub(crate) key: Option<&'a str>,
     count: Option<u32>,
     ttl: Option<f64>,
-    throws: bool,
+    pub(crate) throws: bool,
 }
 
 impl<'a> Acquire<'a> {
@@ -106,7 +106,7 @@ impl<'a> Acquire<'a> {
         self
     }
 
-    fn op(&self, limit: &Concurrency) -> SlotOp {
+    pub(crate) fn op(&self, limit: &Concurrency) -> SlotOp {
         SlotOp::Acquire { count: self.count.unwrap_or(1), ttl: self.ttl.unwrap_or(limit.ttl()) }
     }
 }
@@ -177,15 +177,15 @@ pub struct SlotsValue {
 }
 
 /// A checked call: the limit, its name, the key, the operation.
-struct SlotCall<'a> {
-    name: &'a str,
-    key: Option<&'a str>,
-    limit: Concurrency,
-    op: SlotOp,
+pub(crate) struct SlotCall<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) key: Option<&'a str>,
+    pub(crate) limit: Concurrency,
+    pub(crate) op: SlotOp,
 }
 
 impl<S> RateLimiter<S> {
-    fn slot_call<'a>(
+    pub(crate) fn slot_call<'a>(
         &self,
         target: SlotsTarget<'a>,
         key: Option<&'a str>,
@@ -204,7 +204,7 @@ fn unexpected(answer: SlotAnswer) -> Error {
     Error::Store(StoreError::new(format!("the store answered {answer:?} out of turn")))
 }
 
-fn acquired(name: &str, throws: bool, answer: SlotAnswer) -> Result<Acquired, Error> {
+pub(crate) fn acquired(name: &str, throws: bool, answer: SlotAnswer) -> Result<Acquired, Error> {
     match answer {
         SlotAnswer::Acquired { ticket, expires_at } => {
             Ok(Acquired::Granted(Ticket { id: ticket, expires_at }))
@@ -217,14 +217,14 @@ fn acquired(name: &str, throws: bool, answer: SlotAnswer) -> Result<Acquired, Er
     }
 }
 
-fn released(answer: SlotAnswer) -> Result<bool, Error> {
+pub(crate) fn released(answer: SlotAnswer) -> Result<bool, Error> {
     match answer {
         SlotAnswer::Released(held) => Ok(held),
         other => Err(unexpected(other)),
     }
 }
 
-fn renewed(answer: SlotAnswer) -> Result<Option<f64>, Error> {
+pub(crate) fn renewed(answer: SlotAnswer) -> Result<Option<f64>, Error> {
     match answer {
         SlotAnswer::Renewed(expiry) => Ok(expiry),
         other => Err(unexpected(other)),

@@ -2,11 +2,14 @@
 //! `sqlx-postgres`, `sqlx-sqlite`): [`RateLimiter::limit_in`], [`RateLimiter::check_in`] and
 //! [`RateLimiter::transaction_in`] take and save the states with the connection of a
 //! transaction you began, so that if you roll back, the tokens are back, and if you commit,
-//! they are spent together with your own writes.
+//! they are spent together with your own writes. Concurrency limits likewise:
+//! [`RateLimiter::acquire_in`], [`RateLimiter::release_in`] and [`RateLimiter::renew_in`]
+//! hold, free or extend slots only if you commit.
 //!
 //! The states live in the table `tollgate_state` of that database, as with [`PgStore`] and
-//! [`SqliteStore`] (the same rows: a limit may be used both ways). Create it once, at
-//! start-up or in your migrations, with [`create_table`].
+//! [`SqliteStore`] (the same rows: a limit may be used both ways), and the holders of
+//! concurrency limits beside it (`tollgate_state_slots` on PostgreSQL, `tollgate_slots` on
+//! SQLite). Create them once, at start-up or in your migrations, with [`create_table`].
 //!
 //! - **PostgreSQL**: transaction-scoped advisory locks on the request's slots, in ascending
 //!   order, then one query for the states and the database's clock; correct under READ
@@ -54,10 +57,12 @@
 use std::future::Future;
 use std::pin::Pin;
 
+use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp, Write};
 use tollgate_algebra::{Decision, Outcome, Plan, State};
 
+use crate::concurrency::{Acquire, Acquired, SlotsTarget, acquired, released, renewed};
 use crate::limiter::{Call, Request, Target, TransactionDecision, TransactionTaken};
-use crate::store::sql::{key_columns, saves};
+use crate::store::sql::{SlotSql, decide_slots, key_columns, saves};
 use crate::{Error, RateLimiter, StoreError};
 
 mod sealed {
@@ -77,12 +82,24 @@ pub trait Connection: sealed::Sealed + Send {
     #[doc(hidden)]
     fn execute_plan<'a, 'p: 'a>(&'a mut self, plan: &'a Plan<'p>) -> Boxed<'a, Outcome>;
 
+    /// An operation on the holders of a concurrency limit's (name, key), within a savepoint
+    /// of the connection's current transaction.
+    #[doc(hidden)]
+    fn slots<'a>(
+        &'a mut self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+    ) -> Boxed<'a, SlotAnswer>;
+
     /// Creates the table if it is missing.
     #[doc(hidden)]
     fn create_table(&mut self) -> Boxed<'_, ()>;
 }
 
-/// Creates tollgate's table (`tollgate_state`) in the database of `conn` if it is missing.
+/// Creates tollgate's tables (`tollgate_state`, and the holders of concurrency limits beside
+/// it) in the database of `conn` if they are missing.
 /// Run it once, outside the transactions that use the limiter (a rolled-back transaction
 /// would take the table with it). Instances that start together may all call it: on
 /// PostgreSQL they take turns (an advisory lock, the one `PgStore` takes to create its
@@ -146,6 +163,68 @@ impl<S: Sync> RateLimiter<S> {
         Ok(taken.decision)
     }
 
+    /// [`RateLimiter::acquire`] inside your transaction on `conn`: the slots are held from
+    /// when you commit (their `ttl` counts from this call), and never were if you roll back.
+    /// Release them with [`RateLimiter::release_in`], or through a `PgStore` or
+    /// `SqliteStore` on the same database (the same rows).
+    ///
+    /// On PostgreSQL the (name, key)'s lock is held until your transaction ends, and every
+    /// other operation on it (in any process) waits for that: keep the transaction short.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::acquire`]; a database error is [`Error::Store`], and leaves your
+    /// transaction as it was before the call.
+    pub async fn acquire_in<'n, 'k>(
+        &self,
+        conn: &mut impl Connection,
+        target: impl Into<SlotsTarget<'n>>,
+        request: impl Into<Acquire<'k>>,
+    ) -> Result<Acquired, Error> {
+        let request = request.into();
+        let call = self.slot_call(target.into(), request.key, |l| request.op(l))?;
+        let answer = conn.slots(call.name, call.key, &call.limit, &call.op).await?;
+        acquired(call.name, request.throws, answer)
+    }
+
+    /// [`RateLimiter::release`] inside your transaction on `conn`: the slots are free once
+    /// you commit.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::acquire_in`].
+    pub async fn release_in<'n>(
+        &self,
+        conn: &mut impl Connection,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+    ) -> Result<bool, Error> {
+        let call = self.slot_call(target.into(), key, |_| SlotOp::Release { ticket })?;
+        released(conn.slots(call.name, call.key, &call.limit, &call.op).await?)
+    }
+
+    /// [`RateLimiter::renew`] inside your transaction on `conn`: the new expiry holds once
+    /// you commit.
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::acquire_in`].
+    pub async fn renew_in<'n>(
+        &self,
+        conn: &mut impl Connection,
+        target: impl Into<SlotsTarget<'n>>,
+        key: Option<&str>,
+        ticket: u64,
+        ttl: Option<f64>,
+    ) -> Result<Option<f64>, Error> {
+        let call = self.slot_call(target.into(), key, |l| SlotOp::Renew {
+            ticket,
+            ttl: ttl.unwrap_or(l.ttl()),
+        })?;
+        renewed(conn.slots(call.name, call.key, &call.limit, &call.op).await?)
+    }
+
     async fn single_in(
         &self,
         conn: &mut impl Connection,
@@ -201,6 +280,32 @@ macro_rules! save {
     };
 }
 
+/// The write a decision on a concurrency limit's holders says, as one statement of `sql`
+/// with its parameters after the (name, has_key, key) that every one takes: a macro, as the
+/// two databases' query types differ.
+macro_rules! save_slots {
+    ($conn:expr, $sql:expr, $write:expr, $name:expr, $has_key:expr, $key:expr) => {{
+        let sql: &'static SlotSql = $sql;
+        // Tickets are at most 2^53 - 1 (made by the database, checked when read back),
+        // counts at most 2^30: exact as the columns' signed integers.
+        let query = |text: &'static str| sqlx::query(text).bind($name).bind($has_key).bind($key);
+        let statement = match $write {
+            Write::Nothing => None,
+            Write::Add(h) => {
+                Some(query(&sql.insert).bind(h.ticket as i64).bind(h.count as i32).bind(h.expiry))
+            }
+            Write::Remove(ticket) => Some(query(&sql.remove).bind(ticket as i64)),
+            Write::Expiry(ticket, expiry) => {
+                Some(query(&sql.expiry).bind(ticket as i64).bind(expiry))
+            }
+            Write::Clear => Some(query(&sql.clear)),
+        };
+        if let Some(statement) = statement {
+            statement.execute(&mut *$conn).await?;
+        }
+    }};
+}
+
 /// Runs `body` inside `SAVEPOINT tollgate`: released when it succeeds, rolled back to when
 /// it fails, so a failed call leaves the caller's transaction as it was.
 macro_rules! in_savepoint {
@@ -231,7 +336,9 @@ mod postgres {
     use sqlx::{PgConnection, Row};
 
     use super::*;
-    use crate::store::sql::{LOCK_CLASS, PG_LOCK, PgSql, lock_ids};
+    use crate::store::sql::{
+        LOCK_CLASS, PG_LOCK, PgSql, SLOTS_LOCK_CLASS, lock_id, lock_ids, pg_loaded,
+    };
 
     /// The statements of the default table, made once (and so `'static`, as sqlx asks of
     /// statement text: their only variable part is the fixed table name).
@@ -251,9 +358,23 @@ mod postgres {
             })
         }
 
+        fn slots<'a>(
+            &'a mut self,
+            name: &'a str,
+            key: Option<&'a str>,
+            limit: &'a Concurrency,
+            op: &'a SlotOp,
+        ) -> Boxed<'a, SlotAnswer> {
+            Box::pin(async move {
+                in_savepoint!(self, slots(self, name, key, limit, op).await).and_then(|a| a)
+            })
+        }
+
         fn create_table(&mut self) -> Boxed<'_, ()> {
             static CREATE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-            let create = CREATE.get_or_init(|| locked_create(&sql().create));
+            let create = CREATE.get_or_init(|| {
+                locked_create(&format!("{}; {}", sql().create, sql().slots.create))
+            });
             Box::pin(async move { create_with(self, create).await })
         }
     }
@@ -310,6 +431,51 @@ mod postgres {
         Ok(outcome)
     }
 
+    /// An operation on the holders of (name, key), as `PgTransaction` runs it (see the
+    /// `PgStore`'s `slots` module for why the advisory lock), on the database's clock: the
+    /// (name, key)'s lock, then the holders left once those expired are deleted, with the
+    /// time and (for an acquire) a new ticket, then the write. The inner error: what was
+    /// read is garbage, or the operation invalid.
+    async fn slots(
+        conn: &mut PgConnection,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+    ) -> Result<Result<SlotAnswer, StoreError>, sqlx::Error> {
+        let sql = &sql().slots;
+        let (has_key, key_text) = key_columns(key);
+        let lock = lock_id(name, key, 0);
+        sqlx::query(PG_LOCK).bind(SLOTS_LOCK_CLASS).bind(lock).execute(&mut *conn).await?;
+        let acquires = matches!(op, SlotOp::Acquire { .. });
+        let rows = sqlx::query(sql.load.as_str())
+            .bind(name)
+            .bind(has_key)
+            .bind(key_text)
+            .bind(None::<f64>)
+            .bind(acquires)
+            .fetch_all(&mut *conn)
+            .await?;
+        let mut read = Vec::with_capacity(rows.len());
+        for row in rows {
+            let holder = match row.try_get::<Option<i64>, _>(2)? {
+                Some(ticket) => {
+                    Some((ticket, i64::from(row.try_get::<i32, _>(3)?), row.try_get(4)?))
+                }
+                None => None,
+            };
+            read.push((row.try_get(0)?, row.try_get(1)?, holder));
+        }
+        let decided = pg_loaded(read, acquires)
+            .and_then(|(now, holders, ticket)| decide_slots(limit, &holders, now, op, ticket));
+        let (answer, write) = match decided {
+            Ok(decided) => decided,
+            Err(e) => return Ok(Err(e)),
+        };
+        save_slots!(conn, sql, write, name, has_key, key_text);
+        Ok(Ok(answer))
+    }
+
     #[cfg(test)]
     mod tests {
         use super::*;
@@ -363,7 +529,7 @@ mod sqlite {
     use super::*;
     use crate::store::sql::{
         SQLITE_ADD_FULL_AT, SQLITE_DELETE, SQLITE_HAS_FULL_AT, SQLITE_SCHEMA, SQLITE_SELECT,
-        SQLITE_UPSERT,
+        SQLITE_UPSERT, holders_of, next_ticket,
     };
 
     impl sealed::Sealed for SqliteConnection {}
@@ -373,12 +539,28 @@ mod sqlite {
             Box::pin(async move { in_savepoint!(self, execute(self, plan).await) })
         }
 
+        fn slots<'a>(
+            &'a mut self,
+            name: &'a str,
+            key: Option<&'a str>,
+            limit: &'a Concurrency,
+            op: &'a SlotOp,
+        ) -> Boxed<'a, SlotAnswer> {
+            Box::pin(async move {
+                in_savepoint!(self, slots(self, name, key, limit, op).await).and_then(|a| a)
+            })
+        }
+
         fn create_table(&mut self) -> Boxed<'_, ()> {
             Box::pin(async move {
                 sqlx::raw_sql(SQLITE_SCHEMA)
                     .execute(&mut *self)
                     .await
                     .map_err(|e| sqlx_error("cannot create the table", e))?;
+                sqlx::raw_sql(SlotSql::sqlite().create.as_str())
+                    .execute(&mut *self)
+                    .await
+                    .map_err(|e| sqlx_error("cannot create the table of holders", e))?;
                 // A table of an earlier version gets the column that sweeps use.
                 let has_full_at = sqlx::query(SQLITE_HAS_FULL_AT)
                     .fetch_optional(&mut *self)
@@ -417,5 +599,52 @@ mod sqlite {
         let outcome = plan.decide(now, &mut states);
         save!(conn, plan, states, outcome, now, SQLITE_UPSERT, SQLITE_DELETE, true);
         Ok(outcome)
+    }
+
+    /// An operation on the holders of (name, key), as `SqliteTransaction` runs it, on the
+    /// process's clock: the holders expired by then deleted, the others loaded, the last
+    /// ticket made read for an acquire, the decision written (with the new last ticket).
+    /// SQLite's one writer at a time makes it atomic. The inner error: what was read is
+    /// garbage, or the operation invalid.
+    async fn slots(
+        conn: &mut SqliteConnection,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+    ) -> Result<Result<SlotAnswer, StoreError>, sqlx::Error> {
+        let sql = SlotSql::sqlite();
+        let (has_key, key_text) = key_columns(key);
+        let now = SystemClock.now();
+        let this = |text: &'static str| sqlx::query(text).bind(name).bind(has_key).bind(key_text);
+        this(sql.expire.as_str()).bind(now).execute(&mut *conn).await?;
+        let rows = this(sql.load.as_str()).fetch_all(&mut *conn).await?;
+        let read = rows
+            .iter()
+            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
+            .collect::<Result<Vec<(i64, i64, f64)>, sqlx::Error>>()?;
+        // Only an acquire makes a ticket (the others pass decide one it does not use).
+        let last: Option<Option<i64>> = match op {
+            SlotOp::Acquire { .. } => {
+                let row = sqlx::query(sql.last_ticket.as_str()).fetch_optional(&mut *conn).await?;
+                Some(row.map(|row| row.try_get(0)).transpose()?)
+            }
+            _ => None,
+        };
+        let decided = holders_of(read).and_then(|holders| {
+            let ticket = last.map_or(Ok(0), next_ticket)?;
+            decide_slots(limit, &holders, now, op, ticket)
+        });
+        let (answer, write) = match decided {
+            Ok(decided) => decided,
+            Err(e) => return Ok(Err(e)),
+        };
+        save_slots!(conn, sql, write, name, has_key, key_text);
+        if let Write::Add(h) = write {
+            // Tickets are at most 2^53 - 1: exact as the column's signed integer.
+            let ticket = h.ticket as i64;
+            sqlx::query(sql.save_ticket.as_str()).bind(ticket).execute(&mut *conn).await?;
+        }
+        Ok(Ok(answer))
     }
 }

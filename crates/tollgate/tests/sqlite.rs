@@ -1,5 +1,6 @@
 //! What the SQLite store adds to the conformance suite: several connections on one file,
-//! states that outlive the process's store, and the caller's own transactions.
+//! states that outlive the process's store, the caller's own transactions, and concurrency
+//! limits' holders in those and swept at expiry.
 
 #![cfg(feature = "sqlite")]
 
@@ -7,7 +8,9 @@ use std::sync::Arc;
 
 use rusqlite::{Connection, TransactionBehavior};
 use tollgate::store::{SqliteStore, SqliteTransaction, create_schema};
-use tollgate::{Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, Target};
+use tollgate::{
+    Acquire, Concurrency, Config, MINUTE, ManualClock, MemoryStore, RateLimiter, Request, Target,
+};
 
 const DAY: f64 = 24.0 * 3_600_000.0;
 
@@ -100,4 +103,46 @@ fn keys_of_and_a_carried_state_outliving_its_old_full_at() {
     assert_eq!(limiter.store().keys_of("a").unwrap(), [(Some("k".to_owned()), 0)]);
     clock.advance(101.0 * tollgate::SECOND);
     assert_eq!(limiter.store().sweep_full().unwrap(), 1);
+}
+
+/// Concurrency limits in a caller's transaction: an acquire rolled back holds nothing, one
+/// committed holds its slot. A ticket is never made twice, not even once the newest holder
+/// is gone (a late release of an expired ticket must not free another's slots); and
+/// `sweep_full` deletes the holders past their expiry that nobody touches again.
+#[test]
+fn slots_in_a_transaction_fresh_tickets_and_the_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("slots.db");
+    let clock = ManualClock::new(1_700_000_000_000.0);
+    let store = SqliteStore::builder().open_with_clock(&path, clock.clone()).unwrap();
+    let limiter = RateLimiter::new(store);
+    let gpu = ("gpu", Concurrency::new(2).with_ttl(MINUTE));
+    let mut conn = Connection::open(&path).unwrap();
+
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).unwrap();
+    let in_tx = limiter.on(SqliteTransaction::with_clock(&tx, clock.clone()));
+    assert!(in_tx.acquire(gpu, Acquire::new().key("u").count(2)).unwrap().ok());
+    assert_eq!(in_tx.slots_value(gpu, Some("u")).unwrap().in_flight, 2, "held inside");
+    drop(in_tx);
+    tx.rollback().unwrap();
+    assert_eq!(limiter.slots_value(gpu, Some("u")).unwrap().in_flight, 0, "rolled back");
+
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).unwrap();
+    let in_tx = limiter.on(SqliteTransaction::with_clock(&tx, clock.clone()));
+    let first = in_tx.acquire(gpu, "u").unwrap().ticket().expect("a slot is free");
+    drop(in_tx);
+    tx.commit().unwrap();
+    assert_eq!(limiter.slots_value(gpu, Some("u")).unwrap().in_flight, 1, "committed");
+    assert!(limiter.release(gpu, Some("u"), first.id).unwrap());
+    let second = limiter.acquire(gpu, "u").unwrap().ticket().expect("a slot is free");
+    assert_ne!(second.id, first.id, "a fresh ticket");
+    assert!(!limiter.release(gpu, Some("u"), first.id).unwrap(), "the old one frees nothing");
+
+    // Another key's holder, never touched again; both expire a minute on.
+    assert!(limiter.acquire(gpu, "v").unwrap().ok());
+    clock.advance(MINUTE);
+    assert_eq!(limiter.store().sweep_full().unwrap(), 2);
+    assert_eq!(limiter.store().sweep_full().unwrap(), 0);
+    let third = limiter.acquire(gpu, "v").unwrap().ticket().expect("expired: free");
+    assert!(third.id > second.id, "tickets go on from the last one made");
 }

@@ -1,13 +1,15 @@
 //! The limiter inside the caller's own sqlx transaction: rolled back, the tokens are back;
 //! committed, they are spent with the caller's writes; on PostgreSQL, exact under concurrent
-//! transactions.
+//! transactions. Concurrency limits' slots likewise: held only once committed.
 
 #![cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 
 use std::sync::Arc;
 
 use sqlx::Row;
-use tollgate::{Config, Decision, Error, MINUTE, MemoryStore, RateLimiter, Request, Target};
+use tollgate::{
+    Concurrency, Config, Decision, Error, MINUTE, MemoryStore, RateLimiter, Request, Target,
+};
 
 mod common;
 
@@ -194,4 +196,60 @@ async fn a_missing_table_is_an_error_that_says_what_to_do() {
     assert!(err.to_string().contains("tollgate::sqlx::create_table"), "{err}");
     sqlx::query("CREATE TABLE t (x INTEGER)").execute(&mut *tx).await.unwrap();
     tx.commit().await.unwrap();
+}
+
+/// On `pool`, each transaction begun with `begin`: an acquire rolled back holds nothing, one
+/// committed holds its slot (refused from another transaction) until a release in a later
+/// transaction commits; a renewal there answers the new expiry.
+async fn slots_are_held_only_once_committed<DB>(
+    pool: &sqlx::Pool<DB>,
+    begin: &'static str,
+    name: &'static str,
+) where
+    DB: sqlx::Database,
+    DB::Connection: tollgate::sqlx::Connection,
+{
+    let limiter = RateLimiter::new(MemoryStore::new());
+    let one = (name, Concurrency::new(1).with_ttl(MINUTE));
+    let mut tx = pool.begin_with(begin).await.unwrap();
+    assert!(limiter.acquire_in(&mut *tx, one, "u").await.unwrap().ok());
+    assert!(!limiter.acquire_in(&mut *tx, one, "u").await.unwrap().ok(), "held inside");
+    tx.rollback().await.unwrap();
+
+    let mut tx = pool.begin_with(begin).await.unwrap();
+    let acquired = limiter.acquire_in(&mut *tx, one, "u").await.unwrap();
+    let ticket = acquired.ticket().expect("rolled back: free");
+    tx.commit().await.unwrap();
+
+    let mut tx = pool.begin_with(begin).await.unwrap();
+    let refused = limiter.acquire_in(&mut *tx, one, "u").await.unwrap();
+    assert!(refused.retry_after().is_some(), "committed: held ({refused:?})");
+    let renewed = limiter.renew_in(&mut *tx, one, Some("u"), ticket.id, None).await.unwrap();
+    assert!(renewed.is_some_and(|at| at >= ticket.expires_at), "{renewed:?}");
+    assert!(limiter.release_in(&mut *tx, one, Some("u"), ticket.id).await.unwrap());
+    tx.commit().await.unwrap();
+
+    let mut tx = pool.begin_with(begin).await.unwrap();
+    let again = limiter.acquire_in(&mut *tx, one, "u").await.unwrap();
+    let again = again.ticket().expect("released: free");
+    assert_ne!(again.id, ticket.id, "a fresh ticket");
+    assert!(limiter.release_in(&mut *tx, one, Some("u"), again.id).await.unwrap());
+    tx.commit().await.unwrap();
+}
+
+#[tokio::test]
+async fn sqlite_slots_are_held_only_once_committed() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.path().join("app.db").display());
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    tollgate::sqlx::create_table(&mut *pool.acquire().await.unwrap()).await.unwrap();
+    slots_are_held_only_once_committed(&pool, "BEGIN IMMEDIATE", "gpu").await;
+}
+
+#[tokio::test]
+async fn postgres_slots_are_held_only_once_committed() {
+    let Some(url) = postgres_url() else { return };
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    tollgate::sqlx::create_table(&mut *pool.acquire().await.unwrap()).await.unwrap();
+    slots_are_held_only_once_committed(&pool, "BEGIN", name("sqlx-gpu")).await;
 }

@@ -10,7 +10,10 @@
     allow(dead_code)
 )]
 
+use tollgate_algebra::slots::{Concurrency, Holder, SlotAnswer, SlotOp, Write, decide};
 use tollgate_algebra::{Outcome, Plan, Slot, State, full_at};
+
+use crate::error::StoreError;
 
 /// SQLite's table, created if missing. Two numbers per (name, key, shard), and when the state
 /// is full again (`full_at`, ms), so that a sweep can drop the states that carry no
@@ -78,11 +81,231 @@ pub(crate) fn saves<'s, 'p>(
     )
 }
 
+/// The largest ticket of a concurrency limit's holder: tickets travel as JSON numbers (the
+/// server's answers, the packages' values), exact as doubles only up to 2^53.
+pub(crate) const MAX_TICKET: u64 = (1 << 53) - 1;
+
+/// The statements on the holders of concurrency limits (SPEC §6f), a row per holder in a
+/// table beside the states': (name, key as the states' table keeps it, ticket), its slots
+/// (`count`) and its `expiry` (ms on the store's clock). Every statement takes the (name,
+/// key) as its first three parameters (name, has_key, key).
+pub(crate) struct SlotSql {
+    /// Creates the table of holders (and on SQLite the tickets' counter) if it is missing.
+    pub(crate) create: String,
+    /// SQLite: deletes the holders of (name, key) expired by ?4. (PostgreSQL's `load` does.)
+    pub(crate) expire: String,
+    /// Loads the holders of (name, key): ticket, count, expiry per row. PostgreSQL's first
+    /// deletes those expired by the time it uses, and answers that time and (when $5) a new
+    /// ticket in the first two columns of every row, with one row of NULL holder columns
+    /// when there is none: see [`SlotSql::postgres`].
+    pub(crate) load: String,
+    /// Adds a holder: ticket, count, expiry as the fourth to sixth parameters.
+    pub(crate) insert: String,
+    /// Deletes the holder of the ticket (fourth parameter).
+    pub(crate) remove: String,
+    /// Sets the expiry (fifth parameter) of the holder of the ticket (fourth).
+    pub(crate) expiry: String,
+    /// Deletes every holder of (name, key).
+    pub(crate) clear: String,
+    /// SQLite: the last ticket made (no row: none yet).
+    pub(crate) last_ticket: String,
+    /// SQLite: saves the last ticket made (?1).
+    pub(crate) save_ticket: String,
+    /// Deletes every holder expired by the first parameter, whatever its (name, key).
+    pub(crate) sweep: String,
+}
+
+impl SlotSql {
+    /// The statements that are the same text on both databases but for the placeholders
+    /// (`?1` on SQLite, `$1` on PostgreSQL) and the table.
+    fn common(table: &str, p: &str) -> [String; 5] {
+        let this = format!("name = {p}1 AND has_key = {p}2 AND key = {p}3");
+        [
+            format!(
+                "INSERT INTO {table} (name, has_key, key, ticket, count, expiry) \
+                 VALUES ({p}1, {p}2, {p}3, {p}4, {p}5, {p}6)"
+            ),
+            format!("DELETE FROM {table} WHERE {this} AND ticket = {p}4"),
+            format!("UPDATE {table} SET expiry = {p}5 WHERE {this} AND ticket = {p}4"),
+            format!("DELETE FROM {table} WHERE {this}"),
+            format!("DELETE FROM {table} WHERE expiry <= {p}1"),
+        ]
+    }
+
+    /// SQLite's, on `tollgate_slots` beside `tollgate_state`, made once.
+    ///
+    /// A ticket is the last one made plus one, kept in a one-row table (`tollgate_tickets`)
+    /// and saved in the same transaction as the holder it names. SQLite runs one write
+    /// transaction at a time, so no two transactions make the same ticket; and the counter
+    /// never goes back (as a `max(ticket) + 1` over the holders would once the newest
+    /// holder is gone), so a late release of a holder that expired never frees another's
+    /// slots. (A ticket of a transaction that was rolled back may be made again: it was
+    /// never held, and must not be released.)
+    pub(crate) fn sqlite() -> &'static SlotSql {
+        static SQL: std::sync::OnceLock<SlotSql> = std::sync::OnceLock::new();
+        SQL.get_or_init(|| {
+            let [insert, remove, expiry, clear, sweep] = SlotSql::common("tollgate_slots", "?");
+            SlotSql {
+                create: "CREATE TABLE IF NOT EXISTS tollgate_slots (
+                    name    TEXT    NOT NULL,
+                    has_key INTEGER NOT NULL,
+                    key     TEXT    NOT NULL,
+                    ticket  INTEGER NOT NULL,
+                    count   INTEGER NOT NULL,
+                    expiry  REAL    NOT NULL,
+                    PRIMARY KEY (name, has_key, key, ticket)
+                ) WITHOUT ROWID;
+                CREATE TABLE IF NOT EXISTS tollgate_tickets (
+                    id   INTEGER PRIMARY KEY CHECK (id = 0),
+                    last INTEGER NOT NULL
+                );"
+                .into(),
+                expire: "DELETE FROM tollgate_slots \
+                    WHERE name = ?1 AND has_key = ?2 AND key = ?3 AND expiry <= ?4"
+                    .into(),
+                load: "SELECT ticket, count, expiry FROM tollgate_slots \
+                    WHERE name = ?1 AND has_key = ?2 AND key = ?3"
+                    .into(),
+                insert,
+                remove,
+                expiry,
+                clear,
+                last_ticket: "SELECT last FROM tollgate_tickets WHERE id = 0".into(),
+                save_ticket: "INSERT INTO tollgate_tickets (id, last) VALUES (0, ?1) \
+                    ON CONFLICT (id) DO UPDATE SET last = excluded.last"
+                    .into(),
+                sweep,
+            }
+        })
+    }
+
+    /// PostgreSQL's, on `{table}_slots` beside the states' `table`.
+    ///
+    /// A ticket comes from the sequence of the table's identity column (`nextval`, taken
+    /// only for an acquire): unique in the table whatever the (name, key), never made again
+    /// (a sequence does not go back, not even when the transaction that took a number rolls
+    /// back), and never waited for (a sequence is not locked by a transaction). It stops at
+    /// 2^53 - 1 ([`MAX_TICKET`]; an error after that): 285 years of a million acquires a
+    /// second.
+    ///
+    /// `load` ($1 name, $2 has_key, $3 key, $4 the store's time or NULL for the database's,
+    /// $5 whether to make a ticket) is one statement: it reads the time once (after the
+    /// caller took the (name, key)'s lock, in an earlier statement: this one's snapshot
+    /// sees every commit before the lock was granted), deletes the holders expired by then,
+    /// and answers the time and the ticket (NULL when $5 is false) with each holder left,
+    /// or with NULLs in one row when none is.
+    pub(crate) fn postgres(table: &str) -> SlotSql {
+        let slots = format!("{table}_slots");
+        let [insert, remove, expiry, clear, sweep] = SlotSql::common(&slots, "$");
+        SlotSql {
+            create: format!(
+                "CREATE TABLE IF NOT EXISTS {slots} (
+                    name text COLLATE \"C\" NOT NULL, has_key boolean NOT NULL,
+                    key text COLLATE \"C\" NOT NULL,
+                    ticket bigint GENERATED BY DEFAULT AS IDENTITY (MAXVALUE {MAX_TICKET}),
+                    count integer NOT NULL, expiry double precision NOT NULL,
+                    PRIMARY KEY (name, has_key, key, ticket))"
+            ),
+            expire: String::new(),
+            load: format!(
+                "WITH t AS (
+                   SELECT coalesce($4::float8,
+                            (extract(epoch FROM clock_timestamp()) * 1000)::float8) AS now,
+                          CASE WHEN $5::bool
+                            THEN nextval(pg_get_serial_sequence('{slots}', 'ticket')) END AS next),
+                 gone AS (
+                   DELETE FROM {slots} s USING t
+                   WHERE s.name = $1 AND s.has_key = $2 AND s.key = $3 AND s.expiry <= t.now)
+                 SELECT t.now, t.next, s.ticket, s.count, s.expiry
+                 FROM t LEFT JOIN {slots} s
+                   ON s.name = $1 AND s.has_key = $2 AND s.key = $3 AND s.expiry > t.now"
+            ),
+            insert,
+            remove,
+            expiry,
+            clear,
+            last_ticket: String::new(),
+            save_ticket: String::new(),
+            sweep,
+        }
+    }
+}
+
+/// [`decide`] on the holders a SQL store loaded, at `now`, `ticket` the one a granted acquire
+/// gets. An invalid operation (which the limiter checks before it calls a store) is a
+/// [`StoreError`]: nothing is written.
+pub(crate) fn decide_slots(
+    limit: &Concurrency,
+    holders: &[Holder],
+    now: f64,
+    op: &SlotOp,
+    ticket: u64,
+) -> Result<(SlotAnswer, Write), StoreError> {
+    decide(limit, holders, now, op, ticket).map_err(|e| StoreError::new(e.message()))
+}
+
+/// The holders of the rows a SQL store read (ticket, count, expiry each).
+pub(crate) fn holders_of(
+    rows: impl IntoIterator<Item = (i64, i64, f64)>,
+) -> Result<Vec<Holder>, StoreError> {
+    rows.into_iter()
+        .map(|(ticket, count, expiry)| {
+            Ok(Holder { ticket: ticket_of(ticket)?, count: count_of(count)?, expiry })
+        })
+        .collect()
+}
+
+/// PostgreSQL: a row the holders' `load` answered (see [`SlotSql::postgres`]): the time,
+/// the new ticket, and a holder (ticket, count, expiry) or none.
+pub(crate) type PgHolderRow = (f64, Option<i64>, Option<(i64, i64, f64)>);
+
+/// PostgreSQL: what the holders' `load` answered, as the time, the holders and the ticket
+/// to decide with (0 when the operation, not an acquire, made none).
+pub(crate) fn pg_loaded(
+    rows: Vec<PgHolderRow>,
+    acquires: bool,
+) -> Result<(f64, Vec<Holder>, u64), StoreError> {
+    let &(now, next, _) = rows.first().ok_or_else(|| StoreError::new("postgres: no answer"))?;
+    let ticket = match (acquires, next) {
+        (true, Some(next)) => ticket_of(next)?,
+        (true, None) => return Err(StoreError::new("postgres: no ticket was made")),
+        (false, _) => 0,
+    };
+    Ok((now, holders_of(rows.into_iter().filter_map(|(_, _, holder)| holder))?, ticket))
+}
+
+/// SQLite: the ticket after the last one made (`None`: none yet).
+pub(crate) fn next_ticket(last: Option<i64>) -> Result<u64, StoreError> {
+    match last.map_or(Ok(0), ticket_of)? {
+        last if last < MAX_TICKET => Ok(last + 1),
+        _ => Err(StoreError::new("sqlite: every ticket up to 2^53 - 1 was made")),
+    }
+}
+
+/// A ticket read back from a database: an error unless from 1 to [`MAX_TICKET`] (the
+/// stores make no other).
+pub(crate) fn ticket_of(stored: i64) -> Result<u64, StoreError> {
+    u64::try_from(stored).ok().filter(|t| (1..=MAX_TICKET).contains(t)).ok_or_else(|| {
+        StoreError::new(format!("a holder's ticket in the database is {stored}: garbage"))
+    })
+}
+
+/// A holder's `count` read back from a database (its column is a signed integer).
+fn count_of(stored: i64) -> Result<u32, StoreError> {
+    u32::try_from(stored).ok().filter(|c| *c >= 1).ok_or_else(|| {
+        StoreError::new(format!("a holder's count in the database is {stored}: garbage"))
+    })
+}
+
 /// PostgreSQL: a transaction-scoped advisory lock on (class, id).
 pub(crate) const PG_LOCK: &str = "SELECT pg_advisory_xact_lock($1, $2)";
 
 /// The class of tollgate's advisory locks (`'toll'`), so they never meet an app's own.
 pub(crate) const LOCK_CLASS: i32 = 0x746f_6c6c;
+
+/// The class of the advisory locks of concurrency limits' (name, key)s (`'tols'`), so that
+/// a concurrency limit never waits for a rate limit of the same name.
+pub(crate) const SLOTS_LOCK_CLASS: i32 = 0x746f_6c73;
 
 /// A stable 32-bit id of a slot for its advisory lock: FNV-1a, the same in every process and
 /// build (std's hashers promise neither). A collision only makes two slots wait for each other.
@@ -115,8 +338,8 @@ pub(crate) fn lock_ids(slots: &[Slot<'_>]) -> Vec<i32> {
 }
 
 /// The longest table name: PostgreSQL keeps 63 bytes of a name, and the store names
-/// functions after the table with `_take`, `_takes` and `_lease` added, and a table with
-/// `_lconf`.
+/// functions after the table with `_take`, `_takes` and `_lease` added, and tables with
+/// `_lconf` and `_slots`.
 pub(crate) const MAX_TABLE: usize = 57;
 
 /// Whether `table` is a name that may go into a statement as it is: letters, digits and `_`,
@@ -199,6 +422,8 @@ pub(crate) struct PgSql {
     pub(crate) create_lease: String,
     /// A step on a leased shard: see [`PgSql::new`].
     pub(crate) lease: String,
+    /// The statements on the holders of concurrency limits, in `{table}_slots`.
+    pub(crate) slots: SlotSql,
     /// The common request in one statement: see [`PgSql::new`].
     pub(crate) take: String,
     /// Several common requests in one statement, one transaction: see [`PgSql::new`].
@@ -353,6 +578,7 @@ impl PgSql {
                  RETURNING (SELECT said FROM old)"
             ),
             create_lease: pg_lease_functions(table),
+            slots: SlotSql::postgres(table),
             lease: format!("SELECT {table}_lease($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"),
             take: format!("SELECT {table}_take({args})", args = take_args(false)),
             takes: format!("SELECT a FROM {table}_takes({args}) a", args = take_args(false)),

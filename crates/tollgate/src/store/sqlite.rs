@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
+use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp, Write};
 use tollgate_algebra::{
     Clock, Config, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
@@ -13,9 +14,10 @@ use tollgate_algebra::{
 use super::seam::{AsyncStore, BoxFuture, Store};
 use super::sql::{
     SQLITE_ADD_FULL_AT, SQLITE_DELETE, SQLITE_DELETE_ALL, SQLITE_HAS_FULL_AT, SQLITE_SCHEMA,
-    SQLITE_SELECT, SQLITE_SWEEP, SQLITE_UPSERT, key_columns, saves,
+    SQLITE_SELECT, SQLITE_SWEEP, SQLITE_UPSERT, SlotSql, decide_slots, holders_of, key_columns,
+    next_ticket, saves,
 };
-use super::ticket::{OwnedOne, OwnedPlan, OwnedSlots, Ticket, ticket};
+use super::ticket::{OwnedOne, OwnedPlan, OwnedSlotOp, OwnedSlots, Ticket, ticket};
 use crate::error::StoreError;
 
 /// How SQLite makes a commit durable; see [`SqliteStoreBuilder::synchronous`].
@@ -196,7 +198,8 @@ impl OpenedFile {
     }
 }
 
-/// Creates tollgate's table in `conn` if it is missing, and brings a table of an earlier
+/// Creates tollgate's tables in `conn` if they are missing (the states', and the holders of
+/// concurrency limits with their tickets' counter), and brings a table of an earlier
 /// version up to date (it adds the `full_at` column that sweeps use); for apps that join the
 /// limiter to their own transactions ([`SqliteTransaction`]): run it once at start.
 /// [`SqliteStore`] does it by itself.
@@ -206,6 +209,8 @@ impl OpenedFile {
 /// The statement fails.
 pub fn create_schema(conn: &Connection) -> Result<(), StoreError> {
     conn.execute_batch(SQLITE_SCHEMA).map_err(|e| sql_error("cannot create the table", e))?;
+    conn.execute_batch(&SlotSql::sqlite().create)
+        .map_err(|e| sql_error("cannot create the table of holders", e))?;
     let has_full_at = conn
         .query_row(SQLITE_HAS_FULL_AT, [], |_| Ok(()))
         .optional()
@@ -308,11 +313,14 @@ impl<C: Clock> SqliteStore<C> {
     }
 
     /// Deletes every state that is full again at the store's time, whatever its name and
-    /// config: it carries no information. Returns how many. The file does not shrink, but
-    /// the pages are reused, so under a flood of new keys it stops growing once states are
-    /// swept as fast as they come. A server runs this now and then (the `tollgate` server
-    /// every minute). It reads the whole table (no index on `full_at`, which would cost every
-    /// write) and holds the write lock meanwhile: about 0.1 s a million states.
+    /// config: it carries no information; and every holder of a concurrency limit expired
+    /// by then (a (name, key) drops its own when it is next used; these are the ones of
+    /// (name, key)s nobody used since). Returns how many rows, of both. The file does not
+    /// shrink, but the pages are reused, so under a flood of new keys it stops growing once
+    /// states are swept as fast as they come. A server runs this now and then (the
+    /// `tollgate` server every minute). It reads the whole tables (no index on `full_at` or
+    /// `expiry`, which would cost every write) and holds the write lock meanwhile: about
+    /// 0.1 s a million states.
     ///
     /// Runs on the calling thread and waits for the disk.
     ///
@@ -322,7 +330,10 @@ impl<C: Clock> SqliteStore<C> {
     pub fn sweep_full(&self) -> Result<usize, StoreError> {
         let now = self.shared.clock.now();
         let conn = self.shared.conn.lock();
-        conn.execute(SQLITE_SWEEP, params![now]).map_err(|e| sql_error("sweep failed", e))
+        let sweep = |sql: &str| conn.execute(sql, params![now]);
+        let states = sweep(SQLITE_SWEEP).map_err(|e| sql_error("sweep failed", e))?;
+        let holders = sweep(&SlotSql::sqlite().sweep).map_err(|e| sql_error("sweep failed", e))?;
+        Ok(states + holders)
     }
 
     /// The key and shard of every state stored for `name` (for
@@ -455,6 +466,7 @@ enum Job {
     Plan(Box<OwnedPlan>, Ticket<Outcome>),
     Read(OwnedSlots, Ticket<(f64, Vec<Option<State>>)>),
     Delete(Box<str>, Option<Box<str>>, u16, Ticket<()>),
+    Slots(Box<OwnedSlotOp>, Ticket<SlotAnswer>),
 }
 
 /// The most requests the writer runs in one transaction.
@@ -467,6 +479,7 @@ impl Job {
             Job::Plan(_, t) => t.take(),
             Job::Read(_, t) => t.take(),
             Job::Delete(_, _, _, t) => t.take(),
+            Job::Slots(_, t) => t.take(),
         }
     }
 
@@ -483,6 +496,14 @@ impl Job {
                 delete_all(conn, name, key.as_deref(), *shards)?;
                 Answer::Delete
             }
+            Job::Slots(call, _) => Answer::Slots(slots_on(
+                conn,
+                &call.name,
+                call.key.as_deref(),
+                &call.limit,
+                &call.op,
+                now,
+            )?),
         })
     }
 
@@ -493,6 +514,7 @@ impl Job {
             (Job::Plan(_, t), Ok(Answer::Plan(a))) => t.answer(Ok(a)),
             (Job::Read(_, t), Ok(Answer::Read(now, states))) => t.answer(Ok((now, states))),
             (Job::Delete(_, _, _, t), Ok(Answer::Delete)) => t.answer(Ok(())),
+            (Job::Slots(_, t), Ok(Answer::Slots(a))) => t.answer(a),
             (job, answer) => {
                 let e = match answer {
                     Err(e) => e,
@@ -505,6 +527,7 @@ impl Job {
                     Job::Plan(_, t) => t.answer(Err(e)),
                     Job::Read(_, t) => t.answer(Err(e)),
                     Job::Delete(_, _, _, t) => t.answer(Err(e)),
+                    Job::Slots(_, t) => t.answer(Err(e)),
                 }
             }
         }
@@ -517,6 +540,9 @@ enum Answer {
     Plan(Outcome),
     Read(f64, Vec<Option<State>>),
     Delete,
+    /// What a concurrency limit's operation answered, or its own error (an invalid
+    /// operation, which wrote nothing: the others in its transaction stand).
+    Slots(Result<SlotAnswer, StoreError>),
 }
 
 /// The writer thread: takes the requests that wait (up to [`MOST_PER_COMMIT`]), runs them
@@ -576,6 +602,19 @@ impl<C: Clock> Store for SqliteStore<C> {
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
         self.immediate(|conn, _| delete_all(conn, name, key, shards))
     }
+
+    /// In a `BEGIN IMMEDIATE` transaction of its own: SQLite's write lock serializes it with
+    /// every other writer of the file (threads and processes), so no two acquires read the
+    /// same free slots.
+    fn slots(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+    ) -> Result<SlotAnswer, StoreError> {
+        self.immediate(|conn, now| slots_on(conn, name, key, limit, op, now))?
+    }
 }
 
 impl<C: Clock> AsyncStore for SqliteStore<C> {
@@ -609,6 +648,21 @@ impl<C: Clock> AsyncStore for SqliteStore<C> {
         Box::pin(async move {
             let (name, key) = (name.into(), key.map(Into::into));
             self.submit(|ticket| Job::Delete(name, key, shards, ticket)).await
+        })
+    }
+
+    /// On the writer thread, as [`Store::slots`] (within the transaction of the requests
+    /// that wait with it).
+    fn slots_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+    ) -> BoxFuture<'a, SlotAnswer> {
+        Box::pin(async move {
+            let call = Box::new(OwnedSlotOp::new(name, key, limit, op));
+            self.submit(|ticket| Job::Slots(call, ticket)).await
         })
     }
 }
@@ -680,6 +734,20 @@ impl<C: Clock> Store for SqliteTransaction<'_, C> {
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
         delete_all(self.conn, name, key, shards).map_err(|e| sql_error("delete failed", e))
     }
+
+    /// Within your transaction: the holder is there if you commit, and gone (never held) if
+    /// you roll back; a release or renewal likewise. The ticket of an acquire rolled back is
+    /// made again by a later one: do not release it.
+    fn slots(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+    ) -> Result<SlotAnswer, StoreError> {
+        slots_on(self.conn, name, key, limit, op, self.clock.now())
+            .map_err(|e| sql_error("request failed", e))?
+    }
 }
 
 fn load(conn: &Connection, slots: &[Slot<'_>]) -> rusqlite::Result<Vec<Option<State>>> {
@@ -719,6 +787,71 @@ fn execute_on(conn: &Connection, plan: &Plan<'_>, now: f64) -> rusqlite::Result<
         }
     }
     Ok(outcome)
+}
+
+/// An operation on the holders of a concurrency limit's (name, key) (SPEC §6f), within a
+/// transaction already begun, at `now`: deletes the holders expired by then, loads the
+/// others, decides, and writes what the decision says (a new holder and the last ticket
+/// made, a holder gone, a new expiry, or every holder gone). The outer error is the
+/// database's; the inner one says the operation was invalid or a row garbled, and nothing
+/// but the expired holders was deleted.
+fn slots_on(
+    conn: &Connection,
+    name: &str,
+    key: Option<&str>,
+    limit: &Concurrency,
+    op: &SlotOp,
+    now: f64,
+) -> rusqlite::Result<Result<SlotAnswer, StoreError>> {
+    let sql = SlotSql::sqlite();
+    let (has_key, key) = key_columns(key);
+    conn.prepare_cached(&sql.expire)?.execute(params![name, has_key, key, now])?;
+    let rows: Vec<(i64, i64, f64)> = conn
+        .prepare_cached(&sql.load)?
+        .query_map(params![name, has_key, key], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    // Only an acquire makes a ticket (the others pass decide one it does not use).
+    let last: Option<Option<i64>> = match op {
+        SlotOp::Acquire { .. } => Some(
+            conn.prepare_cached(&sql.last_ticket)?.query_row([], |row| row.get(0)).optional()?,
+        ),
+        _ => None,
+    };
+    let decided = holders_of(rows).and_then(|holders| {
+        let ticket = last.map_or(Ok(0), next_ticket)?;
+        decide_slots(limit, &holders, now, op, ticket)
+    });
+    let (answer, write) = match decided {
+        Ok(decided) => decided,
+        Err(e) => return Ok(Err(e)),
+    };
+    // Tickets are at most 2^53 - 1 (made here, checked when read back): exact as i64.
+    let column = |ticket: u64| ticket as i64;
+    match write {
+        Write::Nothing => {}
+        Write::Add(h) => {
+            let t = column(h.ticket);
+            conn.prepare_cached(&sql.insert)?
+                .execute(params![name, has_key, key, t, h.count, h.expiry])?;
+            conn.prepare_cached(&sql.save_ticket)?.execute(params![t])?;
+        }
+        Write::Remove(t) => {
+            conn.prepare_cached(&sql.remove)?.execute(params![name, has_key, key, column(t)])?;
+        }
+        Write::Expiry(t, expiry) => {
+            conn.prepare_cached(&sql.expiry)?.execute(params![
+                name,
+                has_key,
+                key,
+                column(t),
+                expiry
+            ])?;
+        }
+        Write::Clear => {
+            conn.prepare_cached(&sql.clear)?.execute(params![name, has_key, key])?;
+        }
+    }
+    Ok(Ok(answer))
 }
 
 fn delete_all(

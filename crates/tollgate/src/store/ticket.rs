@@ -11,6 +11,8 @@ use tokio::sync::oneshot;
 #[cfg(feature = "sqlite")]
 use tollgate_algebra::OneTake;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
+use tollgate_algebra::slots::{Concurrency, SlotOp};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 use tollgate_algebra::{Plan, Slot};
 
 use crate::error::StoreError;
@@ -148,6 +150,23 @@ impl OwnedSlots {
         let mut text = self.text.iter();
         let mut next = |_: &str| text.next().map_or("", |s| &**s);
         self.shape.iter().map(|slot| slot.with_text(&mut next)).collect()
+    }
+}
+
+/// An operation on the holders of a concurrency limit's (name, key), with copies of the name
+/// and key.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) struct OwnedSlotOp {
+    pub(crate) name: Box<str>,
+    pub(crate) key: Option<Box<str>>,
+    pub(crate) limit: Concurrency,
+    pub(crate) op: SlotOp,
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+impl OwnedSlotOp {
+    pub(crate) fn new(name: &str, key: Option<&str>, limit: &Concurrency, op: &SlotOp) -> Self {
+        OwnedSlotOp { name: name.into(), key: key.map(Into::into), limit: *limit, op: *op }
     }
 }
 

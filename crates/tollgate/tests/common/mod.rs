@@ -4,6 +4,7 @@
 //! uses some of it.
 #![allow(dead_code)]
 
+use tollgate::core::slots::{Concurrency, SlotAnswer, SlotOp};
 use tollgate::core::{OneTake, Outcome, Plan, Slot, State, Taken};
 use tollgate::store::BoxFuture;
 use tollgate::{AsyncStore, Store, StoreError};
@@ -66,6 +67,15 @@ impl<S: Store, R> Store for Owned<S, R> {
     fn delete(&self, name: &str, key: Option<&str>, shards: u16) -> Result<(), StoreError> {
         self.store.delete(name, key, shards)
     }
+    fn slots(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+    ) -> Result<SlotAnswer, StoreError> {
+        self.store.slots(name, key, limit, op)
+    }
 }
 
 impl<S: AsyncStore, R: Send + Sync> AsyncStore for Owned<S, R> {
@@ -88,6 +98,15 @@ impl<S: AsyncStore, R: Send + Sync> AsyncStore for Owned<S, R> {
         shards: u16,
     ) -> BoxFuture<'a, ()> {
         self.store.delete_async(name, key, shards)
+    }
+    fn slots_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+    ) -> BoxFuture<'a, SlotAnswer> {
+        self.store.slots_async(name, key, limit, op)
     }
 }
 
@@ -129,12 +148,13 @@ impl DropTable {
 #[cfg(feature = "postgres")]
 impl Drop for DropTable {
     fn drop(&mut self) {
-        // The store made functions beside its table, for its one-statement requests.
+        // The store made functions beside its table, for its one-statement requests, and
+        // the table of concurrency limits' holders.
         let _ = pg_batch(
             &self.url,
             &format!(
                 "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
-                 DROP FUNCTION IF EXISTS {0}_take",
+                 DROP FUNCTION IF EXISTS {0}_take; DROP TABLE IF EXISTS {0}_slots",
                 self.table
             ),
         );

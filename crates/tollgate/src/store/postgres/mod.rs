@@ -8,18 +8,20 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
+use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp};
 use tollgate_algebra::{Clock, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::lease::{LeaseOptions, Leases};
 use super::seam::{AsyncStore, BoxFuture};
 use super::sql::{MAX_TABLE, PgSql, valid_table};
-use super::ticket::{Claim, OwnedPlan, OwnedSlots, Ticket, ticket};
+use super::ticket::{Claim, OwnedPlan, OwnedSlotOp, OwnedSlots, Ticket, ticket};
 use crate::error::StoreError;
 
 mod lease;
 mod plan;
 mod schema;
 mod single;
+mod slots;
 mod transaction;
 mod worker;
 
@@ -433,6 +435,22 @@ impl<C: Clock> AsyncStore for PgStore<C> {
             self.submit(|ticket| Job::Delete(name, key, shards, ticket)).await
         })
     }
+
+    /// In a transaction of its own on a worker's connection (see the `slots` module for
+    /// how it is serialized), on the store's clock; directly whatever the store leases
+    /// (leases are of rate limits).
+    fn slots_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+    ) -> BoxFuture<'a, SlotAnswer> {
+        Box::pin(async move {
+            let (call, now) = (Box::new(OwnedSlotOp::new(name, key, limit, op)), self.now());
+            self.submit(|ticket| Job::Slots(call, now, ticket)).await
+        })
+    }
 }
 
 #[cfg(test)]
@@ -511,7 +529,7 @@ mod group_tests {
                     "DROP TABLE IF EXISTS {0}; DROP FUNCTION IF EXISTS {0}_takes; \
                      DROP FUNCTION IF EXISTS {0}_take; DROP FUNCTION IF EXISTS {0}_lease; \
                      DROP FUNCTION IF EXISTS {0}_lfill; DROP FUNCTION IF EXISTS {0}_lsum; \
-                     DROP FUNCTION IF EXISTS {0}_lheld",
+                     DROP FUNCTION IF EXISTS {0}_lheld; DROP TABLE IF EXISTS {0}_slots",
                     self.table
                 ),
             );

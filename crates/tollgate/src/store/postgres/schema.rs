@@ -29,8 +29,9 @@ pub(super) async fn create_table<C>(shared: &Shared<C>) -> Result<(), StoreError
         client
             .batch_execute(&format!(
                 "BEGIN; SELECT pg_advisory_xact_lock({LOCK_CLASS}, 0); {}; {}; {}; {}; {}; {}; {}; \
-                 COMMIT",
+                 {}; COMMIT",
                 sql.create,
+                sql.slots.create,
                 sql.add_leases,
                 sql.create_lease_config,
                 sql.drop_old,
@@ -107,6 +108,16 @@ pub(super) struct Stmts<'a> {
     pub(super) upsert_leases: Stmt<'a>,
     pub(super) delete: Stmt<'a>,
     pub(super) delete_all: Stmt<'a>,
+    pub(super) slots: SlotStmts<'a>,
+}
+
+/// The statements on the holders of concurrency limits (see `SlotSql`).
+pub(super) struct SlotStmts<'a> {
+    pub(super) load: Stmt<'a>,
+    pub(super) insert: Stmt<'a>,
+    pub(super) remove: Stmt<'a>,
+    pub(super) expiry: Stmt<'a>,
+    pub(super) clear: Stmt<'a>,
 }
 
 /// The parameter types of `take` (see `take_params`), of the lock, of `load`, of `upsert`
@@ -134,6 +145,13 @@ const LOAD_TYPES: [Type; 4] =
 const UPSERT_TYPES: [Type; 6] =
     [Type::TEXT, Type::BOOL, Type::TEXT, Type::INT4, Type::FLOAT8, Type::FLOAT8];
 const DELETE_TYPES: [Type; 4] = [Type::TEXT, Type::BOOL, Type::TEXT, Type::INT4];
+const SLOTS_LOAD_TYPES: [Type; 5] = [Type::TEXT, Type::BOOL, Type::TEXT, Type::FLOAT8, Type::BOOL];
+const SLOTS_INSERT_TYPES: [Type; 6] =
+    [Type::TEXT, Type::BOOL, Type::TEXT, Type::INT8, Type::INT4, Type::FLOAT8];
+const SLOTS_REMOVE_TYPES: [Type; 4] = [Type::TEXT, Type::BOOL, Type::TEXT, Type::INT8];
+const SLOTS_EXPIRY_TYPES: [Type; 5] =
+    [Type::TEXT, Type::BOOL, Type::TEXT, Type::INT8, Type::FLOAT8];
+const SLOTS_CLEAR_TYPES: [Type; 3] = [Type::TEXT, Type::BOOL, Type::TEXT];
 const UPSERT_LEASES_TYPES: [Type; 7] = [
     Type::TEXT,
     Type::BOOL,
@@ -155,6 +173,13 @@ pub(super) fn text(sql: &PgSql) -> Stmts<'_> {
         upsert_leases: Stmt::Text(&sql.upsert_leases, &UPSERT_LEASES_TYPES),
         delete: Stmt::Text(&sql.delete, &DELETE_TYPES),
         delete_all: Stmt::Text(&sql.delete_all, &DELETE_TYPES),
+        slots: SlotStmts {
+            load: Stmt::Text(&sql.slots.load, &SLOTS_LOAD_TYPES),
+            insert: Stmt::Text(&sql.slots.insert, &SLOTS_INSERT_TYPES),
+            remove: Stmt::Text(&sql.slots.remove, &SLOTS_REMOVE_TYPES),
+            expiry: Stmt::Text(&sql.slots.expiry, &SLOTS_EXPIRY_TYPES),
+            clear: Stmt::Text(&sql.slots.clear, &SLOTS_CLEAR_TYPES),
+        },
     }
 }
 
@@ -164,6 +189,8 @@ pub(super) struct Conn {
     pub(super) takes: Statement,
     pub(super) lease: Statement,
     pub(super) prepared: [Statement; 7],
+    /// The statements on holders (in [`SlotStmts`]'s order).
+    pub(super) slots: [Statement; 5],
 }
 
 impl Conn {
@@ -193,7 +220,14 @@ impl Conn {
             ];
             let takes = client.prepare(&sql.takes).await?;
             let lease = client.prepare(&sql.lease).await?;
-            Ok::<_, tokio_postgres::Error>(Conn { client, takes, lease, prepared })
+            let slots = [
+                client.prepare_typed(&sql.slots.load, &SLOTS_LOAD_TYPES).await?,
+                client.prepare_typed(&sql.slots.insert, &SLOTS_INSERT_TYPES).await?,
+                client.prepare_typed(&sql.slots.remove, &SLOTS_REMOVE_TYPES).await?,
+                client.prepare_typed(&sql.slots.expiry, &SLOTS_EXPIRY_TYPES).await?,
+                client.prepare_typed(&sql.slots.clear, &SLOTS_CLEAR_TYPES).await?,
+            ];
+            Ok::<_, tokio_postgres::Error>(Conn { client, takes, lease, prepared, slots })
         };
         match tokio::time::timeout(shared.timeout * 2, connect).await {
             Ok(Ok(conn)) => Ok(conn),
@@ -208,6 +242,7 @@ impl Conn {
 
     pub(super) fn stmts(&self) -> Stmts<'_> {
         let [take, lock, load, upsert, upsert_leases, delete, delete_all] = &self.prepared;
+        let [slots_load, insert, remove, expiry, clear] = &self.slots;
         let p = Stmt::Prepared;
         Stmts {
             take: p(take),
@@ -218,6 +253,13 @@ impl Conn {
             upsert_leases: p(upsert_leases),
             delete: p(delete),
             delete_all: p(delete_all),
+            slots: SlotStmts {
+                load: p(slots_load),
+                insert: p(insert),
+                remove: p(remove),
+                expiry: p(expiry),
+                clear: p(clear),
+            },
         }
     }
 }

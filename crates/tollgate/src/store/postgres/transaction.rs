@@ -2,11 +2,13 @@
 //! statements sent as text on the caller's client, on the table a store made.
 
 use tokio_postgres::GenericClient;
+use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp};
 use tollgate_algebra::{Clock, OneTake, Outcome, Plan, Slot, State, Taken};
 
 use super::plan::{delete_all, execute_in, load};
 use super::schema::{pg_error, query, text};
 use super::single::{OneRow, answer, decided};
+use super::slots::{SlotCall, slots_in};
 use crate::error::StoreError;
 use crate::store::seam::{AsyncStore, BoxFuture};
 use crate::store::sql::{MAX_TABLE, PgSql, valid_table};
@@ -118,6 +120,24 @@ impl<T: GenericClient + Sync, C: Clock> AsyncStore for PgTransaction<'_, T, C> {
             delete_all(self.client, &text(&self.sql), name, key, shards)
                 .await
                 .map_err(|e| pg_error("delete failed", e))
+        })
+    }
+
+    /// Within your transaction: the holder is there if you commit, and gone (never held) if
+    /// you roll back; a release or renewal likewise. The (name, key)'s lock is held until
+    /// your transaction ends, so every other operation on it waits for that.
+    fn slots_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+    ) -> BoxFuture<'a, SlotAnswer> {
+        Box::pin(async move {
+            let call = SlotCall { name, key, limit, op };
+            slots_in(self.client, &text(&self.sql), call, self.now())
+                .await
+                .map_err(super::slots::Failed::into_store_error)
         })
     }
 }

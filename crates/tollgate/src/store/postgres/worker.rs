@@ -10,15 +10,17 @@ use std::time::Duration;
 use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
 use tollgate_algebra::lease::Leased;
+use tollgate_algebra::slots::SlotAnswer;
 use tollgate_algebra::{Clock, Outcome, State};
 
 use super::Shared;
 use super::plan::{delete_all, in_own_transaction, load};
 use super::schema::{Conn, Stmt, bounded, pg_error, query};
 use super::single::{LeaseRow, OneRow, lease_answer, send_ones};
+use super::slots::{SlotCall, slots_in_own_transaction, split};
 use crate::error::StoreError;
 use crate::store::seam::OneAnswer;
-use crate::store::ticket::{OwnedPlan, OwnedSlots, Ticket};
+use crate::store::ticket::{OwnedPlan, OwnedSlotOp, OwnedSlots, Ticket};
 
 /// A request for a worker.
 pub(super) enum Job {
@@ -32,6 +34,9 @@ pub(super) enum Job {
     /// A leased name's config said (see `LeaseStore::announce`): the statement's text, the
     /// name, what is said, for how many ms.
     Announce(Box<(String, String, String, f64)>, Ticket<Option<String>>),
+    /// An operation on a concurrency limit's holders, at the store's time (`None`: the
+    /// database's).
+    Slots(Box<OwnedSlotOp>, Option<f64>, Ticket<SlotAnswer>),
 }
 
 impl Job {
@@ -45,6 +50,7 @@ impl Job {
             Job::Keys(_, _, t) => t.take(),
             Job::Announce(_, t) => t.take(),
             Job::Lease(_, t) => t.take(),
+            Job::Slots(_, _, t) => t.take(),
         }
     }
 }
@@ -134,6 +140,7 @@ impl Batch {
             Batch::Other(Job::Lease(_, t)) => t.answer(Err(e())),
             Batch::Other(Job::Keys(_, _, t)) => t.answer(Err(e())),
             Batch::Other(Job::Announce(_, t)) => t.answer(Err(e())),
+            Batch::Other(Job::Slots(_, _, t)) => t.answer(Err(e())),
         }
     }
 
@@ -209,6 +216,20 @@ impl Batch {
                     }
                 };
                 ticket.answer(result.and_then(before));
+                healthy
+            }
+            Batch::Other(Job::Slots(call, now, ticket)) => {
+                let call = SlotCall {
+                    name: &call.name,
+                    key: call.key.as_deref(),
+                    limit: &call.limit,
+                    op: &call.op,
+                };
+                let request = async {
+                    split(slots_in_own_transaction(&conn.client, &stmts, call, now).await)
+                };
+                let (result, healthy) = bounded(timeout, call.op.writes(), request).await;
+                ticket.answer(result.and_then(|answer| answer));
                 healthy
             }
             Batch::Other(Job::Lease(row, ticket)) => {
