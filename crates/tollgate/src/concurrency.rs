@@ -627,18 +627,42 @@ impl<S: AsyncStore + 'static> Drop for HeldAsync<S> {
         let Some(limiter) = self.limiter.take() else { return };
         let (name, key, limit, id) =
             (self.name.clone(), self.key.clone(), self.limit, self.ticket.id);
-        if let Some(store) = limiter.store().immediate() {
-            let op = SlotOp::Release { ticket: id };
-            let _ = store.slots(&name, key.as_deref(), &limit, &op);
-            return;
+        match limiter.store().immediate() {
+            Some(store) => {
+                let op = SlotOp::Release { ticket: id };
+                let _ = store.slots(&name, key.as_deref(), &limit, &op);
+            }
+            None => release_later(limiter, name, key, limit, id),
         }
-        #[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let target = SlotsTarget::Inline(&name, limit);
-                let _ = limiter.release_async(target, key.as_deref(), id).await;
-            });
-        }
-        // Else the slots are free at their expiry.
     }
+}
+
+/// Releases a dropped guard's ticket on a task of the current tokio runtime, if there is
+/// one; else its slots are free at their expiry.
+#[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
+fn release_later<S: AsyncStore + 'static>(
+    limiter: Arc<RateLimiter<S>>,
+    name: Box<str>,
+    key: Option<Box<str>>,
+    limit: Concurrency,
+    id: u64,
+) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            let target = SlotsTarget::Inline(&name, limit);
+            let _ = limiter.release_async(target, key.as_deref(), id).await;
+        });
+    }
+}
+
+/// Without tokio (no networked store is built in), a dropped guard of a store that waits
+/// leaves its slots to their expiry.
+#[cfg(not(any(feature = "redis", feature = "postgres", feature = "sqlite")))]
+fn release_later<S: AsyncStore + 'static>(
+    _: Arc<RateLimiter<S>>,
+    _: Box<str>,
+    _: Option<Box<str>>,
+    _: Concurrency,
+    _: u64,
+) {
 }

@@ -841,10 +841,8 @@ fn throughput_serve(
     dir: &Path,
     args: &[String],
 ) {
-    let tollgate: PathBuf = flag::<String>(args, "--tollgate").map_or_else(
-        || std::env::current_exe().unwrap().with_file_name("tollgate"),
-        PathBuf::from,
-    );
+    let tollgate: PathBuf = flag::<String>(args, "--tollgate")
+        .map_or_else(|| std::env::current_exe().unwrap().with_file_name("tollgate"), PathBuf::from);
     assert!(tollgate.is_file(), "no tollgate binary at {}", tollgate.display());
     let secs = if plan.short { 3 } else { 8 };
     let connections: usize = flag(args, "--connections").unwrap_or(16);
@@ -882,11 +880,20 @@ fn throughput_serve(
                         .local_addr()
                         .unwrap()
                         .port();
-                    let store =
-                        if on_memory { "memory".to_string() } else { format!("redis://{}", proxy.addr) };
+                    let store = if on_memory {
+                        "memory".to_string()
+                    } else {
+                        format!("redis://{}", proxy.addr)
+                    };
                     let config = if on_memory { &memory } else { &leased };
                     let child = Command::new(&tollgate)
-                        .args(["serve", "--store", &store, "--listen", &format!("127.0.0.1:{port}")])
+                        .args([
+                            "serve",
+                            "--store",
+                            &store,
+                            "--listen",
+                            &format!("127.0.0.1:{port}"),
+                        ])
                         .arg("--config")
                         .arg(config)
                         .stdout(Stdio::null())
