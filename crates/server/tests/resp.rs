@@ -968,6 +968,39 @@ fn atomic_pipelines_take_once_on_redis() {
     atomic_pipelines_take_once(&url);
 }
 
+/// Pipelined slot commands on a networked store run together (distinct keys at once), and
+/// still answer as one after the other: 20 keys of a limit of 1 acquired twice in turn are
+/// granted once each, refused the second time; a release pipelined after its key's acquire
+/// frees it for the acquire after it.
+#[test]
+fn pipelined_slot_commands_keep_their_order() {
+    let Some(url) = backend("TOLLGATE_REDIS_URL") else { return };
+    let toml = "[limits.one]\nkind = \"concurrency\"\nmax = 1\n";
+    let served = Served::start(&url, toml, &[]);
+    let mut c = served.client();
+    let base = unique("piped");
+    let keys: Vec<String> = (0..20).map(|i| format!("{base}-{i}")).collect();
+    let mut pipe = redis::pipe();
+    for _ in 0..2 {
+        for key in &keys {
+            pipe.cmd("TG.ACQUIRE").arg("one").arg("KEY").arg(key);
+        }
+    }
+    let replies: Vec<R> = pipe.query(&mut c).unwrap();
+    let ok: Vec<Value> = replies.iter().map(|r| json_of(r)["ok"].clone()).collect();
+    assert_eq!(ok[..20], vec![json!(1); 20], "{replies:?}");
+    assert_eq!(ok[20..], vec![json!(0); 20], "{replies:?}");
+    let ticket = json_of(&replies[0])["ticket"].as_f64().unwrap().to_string();
+    let mut pipe = redis::pipe();
+    pipe.cmd("TG.RELEASE").arg("one").arg("TICKET").arg(&ticket).arg("KEY").arg(&keys[0]);
+    pipe.cmd("TG.ACQUIRE").arg("one").arg("KEY").arg(&keys[0]);
+    pipe.cmd("TG.ACQUIRE").arg("one").arg("KEY").arg(&keys[1]);
+    let replies: Vec<R> = pipe.query(&mut c).unwrap();
+    assert_eq!(json_of(&replies[0]), json!({ "released": 1 }));
+    assert_eq!(json_of(&replies[1])["ok"], json!(1), "released, then acquired again");
+    assert_eq!(json_of(&replies[2])["ok"], json!(0), "still held");
+}
+
 /// A transaction holds a bounded amount: past 64 KiB of queued commands (what one command
 /// may take), the command is refused and `EXEC` aborts; nothing is taken.
 #[test]

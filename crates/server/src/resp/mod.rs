@@ -117,31 +117,63 @@ pub async fn serve(
     served
 }
 
-/// The most pipelined `CL.THROTTLE` one connection runs at once on a networked store.
+/// The most pipelined `CL.THROTTLE` (or `TG.ACQUIRE`, `TG.RELEASE`, `TG.RENEW`) one
+/// connection runs at once on a networked store.
 pub const AT_ONCE: usize = 64;
 
-/// Pipelined `CL.THROTTLE` commands of distinct keys, waiting to run together: on a store
+/// Pipelined commands of distinct keys, waiting to run together: `CL.THROTTLE`, and the slot
+/// commands `TG.ACQUIRE`, `TG.RELEASE` and `TG.RENEW` (a connection that clients share, as
+/// Redis clients share theirs, carries many callers' acquires and releases). On a store
 /// across the network each would otherwise wait for the round trips of those before it.
 /// Commands on different keys commute, so running them at once changes no answer; a key
 /// seen again, or any other command, first runs what waits, so every key's commands (and
 /// everything around them) keep their order. Replies are written in the order sent.
 #[derive(Default)]
 struct Together {
-    /// Each command's arguments after its name.
-    commands: Vec<Vec<Vec<u8>>>,
+    /// Each command's arguments, its name first, and the key it is about.
+    commands: Vec<(Vec<Vec<u8>>, Vec<u8>)>,
+}
+
+/// What a command that may join is about: `CL.THROTTLE`'s key, or a slot command's name
+/// and `KEY` (a NUL between them, which neither may hold); `None` for any other command,
+/// or one too big to copy (a name of over 256 bytes, a key of over 1024, other arguments
+/// of over 20).
+fn joined_key(argv: &[&[u8]]) -> Option<Vec<u8>> {
+    let command = argv[0];
+    if command.eq_ignore_ascii_case(b"cl.throttle") {
+        let fits = (2..=6).contains(&argv.len())
+            && argv[1].len() <= 1024
+            && argv[2..].iter().all(|a| a.len() <= 20);
+        return fits.then(|| argv[1].to_vec());
+    }
+    let slots = [&b"tg.acquire"[..], b"tg.release", b"tg.renew"];
+    if !slots.iter().any(|c| command.eq_ignore_ascii_case(c)) || !(2..=10).contains(&argv.len()) {
+        return None;
+    }
+    let name = argv[1];
+    let mut key: &[u8] = b"";
+    let mut rest = argv[2..].iter();
+    while let Some(option) = rest.next() {
+        if option.eq_ignore_ascii_case(b"KEY") {
+            key = rest.next()?;
+        } else if option.len() > 20 {
+            return None;
+        }
+    }
+    if name.len() > 256 || key.len() > 1024 {
+        return None;
+    }
+    let mut joined = Vec::with_capacity(name.len() + 1 + key.len());
+    joined.extend_from_slice(name);
+    joined.push(0);
+    joined.extend_from_slice(key);
+    Some(joined)
 }
 
 impl Together {
-    /// Whether `argv` may join: a `CL.THROTTLE` with a key not already waiting, of a size
-    /// that can be valid (a key of at most 1024 bytes, numbers of at most 20), so that what
-    /// waits stays within 64 small copies.
-    fn joins(&self, argv: &[&[u8]]) -> bool {
-        (2..=6).contains(&argv.len())
-            && argv[1].len() <= 1024
-            && argv[2..].iter().all(|a| a.len() <= 20)
-            && argv[0].eq_ignore_ascii_case(b"cl.throttle")
-            && self.commands.len() < AT_ONCE
-            && !self.commands.iter().any(|c| c[0] == argv[1])
+    /// Whether a command about `key` may join (room, and no command of that key waiting).
+    fn joins(&self, key: &[u8]) -> bool {
+        self.commands.len() < AT_ONCE && !self.commands.iter().any(|(_, k)| k == key)
     }
 
     /// Runs what waits, at once, and writes the replies in order.
@@ -149,16 +181,16 @@ impl Together {
         if self.commands.is_empty() {
             return;
         }
-        if let [one] = &self.commands[..] {
+        if let [(one, _)] = &self.commands[..] {
             // The common case of a hot key: one at a time, nothing to join.
-            let reply = session::throttle_now(resp, protocol, one).await;
+            let reply = session::joined_now(resp, protocol, one).await;
             out.buf.extend_from_slice(&reply);
             self.commands.clear();
             return;
         }
         let commands = std::mem::take(&mut self.commands);
         let replies = futures_util::future::join_all(
-            commands.iter().map(|argv| session::throttle_now(resp, protocol, argv)),
+            commands.iter().map(|(argv, _)| session::joined_now(resp, protocol, argv)),
         )
         .await;
         for reply in replies {
@@ -195,11 +227,16 @@ async fn connection(resp: Arc<Resp>, mut tcp: TcpStream, mut stopping: Stopping)
                         let argv: Vec<&[u8]> = args.iter().map(|r| &input[r.clone()]).collect();
                         // A key just run again (a hot key) runs as it comes: nothing to
                         // run beside it, and nothing to copy.
-                        let again = argv.get(1).is_some_and(|k| *k == last_key.as_slice());
-                        if networked && !again && session.may_take_now() && together.joins(&argv) {
-                            last_key.clear();
-                            last_key.extend_from_slice(argv[1]);
-                            together.commands.push(argv[1..].iter().map(|a| a.to_vec()).collect());
+                        let key = if networked && session.may_take_now() {
+                            joined_key(&argv)
+                        } else {
+                            None
+                        };
+                        let key = key.filter(|k| *k != last_key && together.joins(k));
+                        if let Some(key) = key {
+                            last_key.clone_from(&key);
+                            let argv = argv.iter().map(|a| a.to_vec()).collect();
+                            together.commands.push((argv, key));
                         } else {
                             together.run(&resp, session.protocol(), &mut out).await;
                             let mut writer = Writer { tcp: &mut tcp, timeout: resp.idle_timeout };

@@ -602,31 +602,50 @@ impl Session {
             self.read_only(resp, &command, tg.name(), start, out);
             return "invalid";
         }
-        let answer = match &tg {
-            Tg::Run(op, body) => resp.engine.run(*op, body).await,
-            Tg::Time => resp.engine.time().await,
-            Tg::Config => resp.engine.config(),
-        };
-        if answer.status.is_success() {
-            match &answer.body {
-                Body::Decision { ok, retry_after } => {
-                    out.map(1 + usize::from(retry_after.is_some()));
-                    out.bulk(b"ok");
-                    out.boolean(*ok);
-                    if let Some(wait) = retry_after {
-                        out.bulk(b"retryAfter");
-                        out.number(*wait);
-                    }
-                }
-                Body::Json(value) => out.json(value),
-            }
-        } else {
-            error_reply(resp, tg.name(), &answer, out);
-        }
-        resp.metrics.record(Via::Resp, tg.name(), answer.outcome, start.elapsed());
-        answer.outcome
+        answer_tg(resp, &tg, start, out).await
     }
+}
 
+/// Runs a parsed `TG.*` command that may run (a joined one may: its connection was checked
+/// before it joined); how it went, for metrics and spans.
+async fn run_tg(resp: &Resp, parsed: Result<Tg, String>, out: &mut Out) -> &'static str {
+    match parsed {
+        Ok(tg) => answer_tg(resp, &tg, Instant::now(), out).await,
+        Err(message) => {
+            out.error(&message);
+            "invalid"
+        }
+    }
+}
+
+/// Runs `tg` and writes its answer; how it went.
+async fn answer_tg(resp: &Resp, tg: &Tg, start: Instant, out: &mut Out) -> &'static str {
+    let answer = match tg {
+        Tg::Run(op, body) => resp.engine.run(*op, body).await,
+        Tg::Time => resp.engine.time().await,
+        Tg::Config => resp.engine.config(),
+    };
+    if answer.status.is_success() {
+        match &answer.body {
+            Body::Decision { ok, retry_after } => {
+                out.map(1 + usize::from(retry_after.is_some()));
+                out.bulk(b"ok");
+                out.boolean(*ok);
+                if let Some(wait) = retry_after {
+                    out.bulk(b"retryAfter");
+                    out.number(*wait);
+                }
+            }
+            Body::Json(value) => out.json(value),
+        }
+    } else {
+        error_reply(resp, tg.name(), &answer, out);
+    }
+    resp.metrics.record(Via::Resp, tg.name(), answer.outcome, start.elapsed());
+    answer.outcome
+}
+
+impl Session {
     fn read_only(
         &self,
         resp: &Resp,
@@ -708,6 +727,26 @@ pub async fn throttle_now(resp: &Resp, protocol: Protocol, argv: &[Vec<u8>]) -> 
     out.buf
 }
 
+/// A command run beside others (see `Together` in the module above), its name first:
+/// `CL.THROTTLE`, or a slot command of a connection that may take (authenticated with a full
+/// token, outside `MULTI`): its reply.
+pub async fn joined_now(resp: &Resp, protocol: Protocol, argv: &[Vec<u8>]) -> Vec<u8> {
+    if argv[0].eq_ignore_ascii_case(b"cl.throttle") {
+        return throttle_now(resp, protocol, &argv[1..]).await;
+    }
+    let mut out = Out { buf: Vec::with_capacity(64), protocol };
+    let command = String::from_utf8_lossy(&argv[0]).to_ascii_lowercase();
+    let args: Vec<&[u8]> = argv[1..].iter().map(Vec::as_slice).collect();
+    match tg::parse(&command, &args) {
+        Some(parsed) => {
+            let op = parsed.as_ref().map_or("invalid", Tg::name);
+            traced(span_name(&command), op, run_tg(resp, parsed, &mut out)).await;
+        }
+        None => unknown(&mut out, &argv.iter().map(Vec::as_slice).collect::<Vec<_>>()),
+    }
+    out.buf
+}
+
 /// No header fields: a Redis command carries no trace context.
 static NO_HEADERS: std::sync::LazyLock<axum::http::HeaderMap> =
     std::sync::LazyLock::new(axum::http::HeaderMap::new);
@@ -721,6 +760,9 @@ fn span_name(command: &str) -> &'static str {
         "tg.reset" => "RESP TG.RESET",
         "tg.value" => "RESP TG.VALUE",
         "tg.adjust" => "RESP TG.ADJUST",
+        "tg.acquire" => "RESP TG.ACQUIRE",
+        "tg.release" => "RESP TG.RELEASE",
+        "tg.renew" => "RESP TG.RENEW",
         "tg.time" => "RESP TG.TIME",
         _ => "RESP TG.CONFIG",
     }
