@@ -12,6 +12,7 @@ import {
   plainTake,
   type Args,
   type ClientOptions,
+  type ConcurrencyConfig,
   type Door,
   type Duration,
   type LimitOptions,
@@ -75,8 +76,27 @@ function table<V>(): Record<string, V> {
   return Object.create(null) as Record<string, V>;
 }
 
+/** The limits of an in-process limiter, by name: rate limits and concurrency limits. */
+export type LimitsOf = Record<string, RateLimitConfig | ConcurrencyConfig>;
+
+/** The rate limits among `Limits`: the names `limit`, `check`, `transaction` and the
+ *  middleware take (a concurrency limit's slots are taken with `acquire` and `hold`). */
+export type RateLimitsOf<Limits> = {
+  [Name in keyof Limits as Limits[Name] extends ConcurrencyConfig ? never : Name]: Extract<Limits[Name], RateLimitConfig>;
+};
+
+/** The rate limits of `limits`, for a server's limiter (which sends them with its calls). */
+function rateLimitsOf<Limits extends LimitsOf>(limits: Limits | undefined): RateLimitsOf<Limits> | undefined {
+  if (limits === undefined) return undefined;
+  const rates = table<RateLimitConfig>();
+  for (const [name, config] of Object.entries(limits)) {
+    if ((config as { kind?: unknown }).kind !== "concurrency") rates[name] = config as RateLimitConfig;
+  }
+  return rates as RateLimitsOf<Limits>;
+}
+
 /** A limiter's settings as a config file's: `{ server, limits }` as JSON. */
-function configJson(options: StoreOptions, limits: Record<string, RateLimitConfig> | undefined): string {
+function configJson(options: StoreOptions, limits: LimitsOf | undefined): string {
   const store = own(options, "store");
   if (typeof store !== "string") {
     throw new TypeError(`store must be a store URL such as "memory"; got ${String(store)}`);
@@ -133,6 +153,9 @@ const OPS: Record<string, string> = {
   "/v1/reset": "reset",
   "/v1/value": "value",
   "/v1/adjust": "adjust",
+  "/v1/acquire": "acquire",
+  "/v1/release": "release",
+  "/v1/renew": "renew",
 };
 
 type Reply = { status: number; text: string; fields?: Record<string, string> };
@@ -412,23 +435,27 @@ function limitsTaking(
 /**
  * A rate limiter: in this process on a store (`{ store: "redis://127.0.0.1:6379" }`, or the
  * URL alone), or a tollgate server's (`{ url: "http://127.0.0.1:8787" }`). `limits` names
- * configs, checked by the compiler at every call.
+ * configs, checked by the compiler at every call: rate limits, and concurrency limits
+ * (`{ kind: "concurrency", max, ttl? }`, whose slots `acquire` and `hold` take).
  *
  * ```ts
  * const limiter = new RateLimiter({ store: "memory" }, {
  *   sendMessage: { kind: "token bucket", rate: 10, period: MINUTE, capacity: 3 },
+ *   exports: { kind: "concurrency", max: 4, ttl: "2m" },
  * });
  * const { ok, retryAfter } = await limiter.limit("sendMessage", { key: userId });
+ * await using slot = await limiter.hold("exports", { key: userId });
  * ```
  *
  * A bad store URL or limit throws a `TypeError` here; a store that cannot be reached fails
  * each call with a `TollgateError` (`mayHaveTaken: false`) until it can, and is used from then
  * on (one that failed to open is opened again, once a second at most).
  */
-export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> extends Client<Limits> {
+export class RateLimiter<Limits extends LimitsOf = {}> extends Client<RateLimitsOf<Limits>> {
   constructor(options: string | StoreOptions | ClientOptions, limits?: Limits) {
     if (typeof options === "object" && options !== null && "url" in options) {
-      super(options, limits);
+      // A server defines its concurrency limits: a call never carries one's config.
+      super(options, rateLimitsOf(limits));
       return;
     }
     const store = typeof options === "string" ? { store: options } : options;
@@ -443,9 +470,15 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
   // Callers see the signatures the compiler checks (a rest parameter of the names' options);
   // the implementations take the options as a plain parameter: a rest array, destructured,
   // was made at every call.
-  override limit<Name extends string>(name: Name, ...options: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult>;
+  override limit<Name extends string>(
+    name: Name,
+    ...options: Args<RateLimitsOf<Limits>, Name, LimitOptions>
+  ): Promise<RateLimitResult>;
   override limit(name: string, options?: LimitOptions): Promise<RateLimitResult> {
-    return take(engines.get(this), name, options, true) ?? super.limit(name, ...([options] as Args<Limits, string, LimitOptions>));
+    return (
+      take(engines.get(this), name, options, true) ??
+      super.limit(name, ...([options] as Args<RateLimitsOf<Limits>, string, LimitOptions>))
+    );
   }
 
   /** A middleware's way to take its limits in this process (ts/middleware.ts), without
@@ -462,9 +495,15 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> ex
     return limitsTaking(engine, limits, general);
   }
 
-  override check<Name extends string>(name: Name, ...options: Args<Limits, Name, LimitOptions>): Promise<RateLimitResult>;
+  override check<Name extends string>(
+    name: Name,
+    ...options: Args<RateLimitsOf<Limits>, Name, LimitOptions>
+  ): Promise<RateLimitResult>;
   override check(name: string, options?: LimitOptions): Promise<RateLimitResult> {
-    return take(engines.get(this), name, options, false) ?? super.check(name, ...([options] as Args<Limits, string, LimitOptions>));
+    return (
+      take(engines.get(this), name, options, false) ??
+      super.check(name, ...([options] as Args<RateLimitsOf<Limits>, string, LimitOptions>))
+    );
   }
 
   /** Closes the limiter: every call made after this rejects with a `TollgateError` (nothing

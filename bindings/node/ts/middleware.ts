@@ -31,7 +31,7 @@ import {
   sfString,
   type StandardHeaders,
 } from "./headers.js";
-import type { RateLimiter } from "./index.js";
+import type { RateLimiter, RateLimitsOf } from "./index.js";
 import { ipKey, ipv6SubnetOf } from "./ip.js";
 
 export { ipKey } from "./ip.js";
@@ -103,10 +103,10 @@ export interface Transacting {
   adjust(name: string, options: { key?: string; count: number }): Promise<unknown>;
 }
 
-/** The names a middleware of `limiter` may take: those its type knows (its `limits`, and a
- *  server's from `tollgate types`), or any name if its type knows none. */
+/** The names a middleware of `limiter` may take: those its type knows (its rate limits, and
+ *  a server's from `tollgate types`), or any name if its type knows none. */
 export type NameOf<Limiter> = Limiter extends RateLimiter<infer Limits>
-  ? NamesIn<Limits>
+  ? NamesIn<RateLimitsOf<Limits>>
   : Limiter extends Client<infer Limits>
     ? NamesIn<Limits>
     : string;

@@ -122,7 +122,7 @@ const UNITS: Record<string, number> = { ms: 1, s: 1_000, m: 60_000, h: 3_600_000
 
 /** The milliseconds of `text` by the server's grammar (tollgate-algebra's parse_duration):
  *  a decimal number, then one of the units, spaces around either; undefined otherwise. */
-function parseDuration(text: string): number | undefined {
+export function parseDuration(text: string): number | undefined {
   const trimmed = text.trim();
   const split = trimmed.search(/[A-Za-z]/);
   if (split < 0) return undefined;

@@ -6,8 +6,21 @@
 // means (a negative count, a name not defined, a bad config) is the engine's to say, in the
 // same words through every door: a TollgateError with status 400 or 404.
 
+import { parseDuration } from "./algebra.js";
+
 /** The calls whose arguments are checked here, as their messages name them. */
-export type Call = "limit" | "check" | "transaction" | "adjust" | "reset" | "getValue";
+export type Call =
+  | "limit"
+  | "check"
+  | "transaction"
+  | "adjust"
+  | "reset"
+  | "getValue"
+  | "acquire"
+  | "hold"
+  | "release"
+  | "renew"
+  | "getSlotsValue";
 
 const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
 
@@ -45,7 +58,15 @@ export function checkCount(call: Call, count: unknown): void {
   }
 }
 
-function checkFlag(call: Call, what: string, value: unknown): void {
+/** A ticket: the string an acquire answered (its digits are the engine's to judge). */
+export function checkTicket(call: Call, ticket: unknown): void {
+  if (typeof ticket !== "string") {
+    throw new TypeError(`${call}: ticket must be the string an acquire answered; got ${shown(ticket)}`);
+  }
+}
+
+/** A flag (`reserve`, `throws`): absent, or a boolean. */
+export function checkFlag(call: Call, what: string, value: unknown): void {
   if (value !== undefined && typeof value !== "boolean") {
     throw new TypeError(`${call}: ${what} must be true or false; got ${shown(value)}`);
   }
@@ -55,6 +76,18 @@ function checkConfig(call: Call, config: unknown): void {
   if (config !== undefined && (typeof config !== "object" || config === null || Array.isArray(config))) {
     throw new TypeError(`${call}: config must be a limit's config object; got ${shown(config)}`);
   }
+}
+
+/** A ttl: absent, or milliseconds (a finite number) or a duration such as `"2m"`; in ms. */
+export function ttlOf(call: Call, ttl: unknown): number | undefined {
+  if (ttl === undefined) return undefined;
+  const ms = typeof ttl === "string" ? parseDuration(ttl) : ttl;
+  if (typeof ms !== "number" || !Number.isFinite(ms)) {
+    throw new TypeError(
+      `${call}: ttl must be milliseconds (a finite number) or a duration such as "30s" or "2m", or left out for the limit's; got ${shown(ttl)}`,
+    );
+  }
+  return ms;
 }
 
 /** An options argument: absent, or an object (`limit("api", userId)` is a mistake: the key

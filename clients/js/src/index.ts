@@ -1,8 +1,22 @@
 // tollgate-client: the API of tollgate's server (SPEC §4 and §6) for TypeScript and
 // JavaScript, on the platform's fetch (Node >= 20, browsers), with no runtime dependency.
 
+// `Held` is disposable (`await using`): the type of `Symbol.asyncDispose` comes with the
+// declarations, for a project whose `lib` does not name it (TypeScript 5.2 and later).
+/// <reference lib="esnext.disposable" preserve="true" />
+
 import { durationMs, type Duration, type RateLimitConfig } from "./algebra.js";
-import { checkCount, checkKey, checkName, checkOptions, checkTake, checkTransaction } from "./check.js";
+import {
+  checkCount,
+  checkFlag,
+  checkKey,
+  checkName,
+  checkOptions,
+  checkTake,
+  checkTicket,
+  checkTransaction,
+  ttlOf,
+} from "./check.js";
 import { NoAnswer, type Reply, type Send, fetchSend, nodeSend, onNode } from "./transport.js";
 
 /** The checks of `limit`'s and `check`'s arguments (a TypeError for a value of the wrong type),
@@ -108,6 +122,80 @@ export interface AdjustResult {
   retryAfter?: number;
 }
 
+/**
+ * A concurrency limit's config (SPEC §6f): `max` slots held at once, each until it is
+ * released or for `ttl`. A server defines these in its config file (`kind = "concurrency"`),
+ * the `tollgate` package among its limits; a call never carries one.
+ */
+export interface ConcurrencyConfig {
+  kind: "concurrency";
+  /** The slots that may be held at once: a whole number, at least 1. */
+  max: number;
+  /** How long an acquire holds its slots unless released or renewed: milliseconds, or a
+   *  duration such as `"2m"`; default 60,000 (ms). */
+  ttl?: Duration;
+}
+
+/** The options of `acquire` and `hold`. */
+export interface AcquireOptions {
+  /** The key (a tenant, a user); none: one shared set of slots for the name. */
+  key?: string;
+  /** Slots to take, a whole number; default 1. More than the limit's `max` is an error. */
+  count?: number;
+  /** How long the slots are held unless released or renewed: milliseconds, or a duration
+   *  such as `"30s"`; default the limit's `ttl`. */
+  ttl?: Duration;
+  /** Reject with a `RateLimitError` instead of answering `{ ok: false }` (`null` for
+   *  `hold`). */
+  throws?: boolean;
+}
+
+/** The answer of `acquire`: a ticket holding the slots, or the wait before trying again. */
+export type AcquireResult =
+  | {
+      ok: true;
+      /** Holds the slots: give it to `release` and `renew` as it came (a string of digits). */
+      ticket: string;
+      /** When the slots are free again unless renewed: ms since the Unix epoch, on the
+       *  store's clock. */
+      expiresAt: number;
+    }
+  | {
+      ok: false;
+      /** Milliseconds until the earliest holder's expiry (a release may free a slot
+       *  sooner). */
+      retryAfter: number;
+    };
+
+/** The options of `release`. */
+export interface ReleaseOptions {
+  /** The key the ticket was acquired with. */
+  key?: string;
+}
+
+/** The options of `renew`. */
+export interface RenewOptions {
+  /** The key the ticket was acquired with. */
+  key?: string;
+  /** The new expiry is now plus this: milliseconds, or a duration such as `"30s"`; default
+   *  the limit's `ttl`. */
+  ttl?: Duration;
+}
+
+/** The answer of `renew`: the new expiry, or `ok: false` when the ticket had expired (its
+ *  slots may be someone else's by then: stop the work, or acquire again). */
+export type RenewResult = { ok: true; expiresAt: number } | { ok: false };
+
+/** A concurrency limit's slots for a key (SPEC §6f's `value`). */
+export interface SlotsValue {
+  /** The slots held by unexpired tickets. */
+  inFlight: number;
+  /** The limit's `max`. */
+  max: number;
+  /** The unexpired tickets. */
+  holders: number;
+}
+
 /** The options of `getValue`. */
 export interface ValueOptions {
   key?: string;
@@ -201,13 +289,15 @@ export class TollgateError extends Error {
   /** The HTTP status; undefined when no answer came (timeout, connection failed). */
   readonly status: number | undefined;
   /**
-   * Whether tokens may have been taken all the same. True when the server says so
+   * Whether tokens (or slots) may have been taken all the same. True when the server says so
    * (`mayHaveTaken: true` in its error answer, on a 503: its store failed after the write may
-   * have happened), and for a write (`limit`, `transaction`, `reset`) sent and left without an
-   * answer that could be read (a timeout, a connection lost, an answer cut short, too large
-   * or not the API's, unless its status is 4xx). False for a read (`check`, `getValue`,
-   * `getServerTime`, `getServerLimits`), and for a request never sent (connection refused, no
-   * such host, the timeout passed before a connection was made).
+   * have happened), and for a write (`limit`, `transaction`, `adjust`, `reset`, `acquire`,
+   * `hold`, `release`, `renew`) sent and left without an answer that could be read (a
+   * timeout, a connection lost, an answer cut short, too large or not the API's, unless its
+   * status is 4xx). False for a read (`check`, `getValue`, `getSlotsValue`, `getServerTime`,
+   * `getServerLimits`), and for a request never sent (connection refused, no such host, the
+   * timeout passed before a connection was made). An acquire that may have been granted
+   * unseen holds its slots until its expiry, no longer.
    */
   readonly mayHaveTaken: boolean;
   /** The answer's body, if it was JSON. */
@@ -218,6 +308,89 @@ export class TollgateError extends Error {
     this.status = status;
     this.mayHaveTaken = mayHaveTaken;
     this.body = body;
+  }
+}
+
+/** What a `Held` calls to let its slots go or keep them: its limiter's. */
+interface Holder {
+  release(name: string, ticket: string, options?: ReleaseOptions): Promise<boolean>;
+  renew(name: string, ticket: string, options?: RenewOptions): Promise<RenewResult>;
+}
+
+/**
+ * Slots of a concurrency limit held by `hold`, until `release()`, or until the end of the
+ * block that declared it with `await using`, however the block ends (a return, a throw):
+ *
+ * ```ts
+ * await using slot = await limiter.hold("exports", { key: tenant });
+ * if (slot === null) return tooBusy();
+ * await runExport(); // the slot is released after this, even if it throws
+ * ```
+ *
+ * A release at the block's end that fails (the store down) is not thrown: it would hide
+ * what the block did, and the slots are free at `expiresAt` anyway. Call `release()` to
+ * know.
+ */
+export class Held {
+  /** The concurrency limit's name. */
+  readonly name: string;
+  /** The key the slots were acquired with. */
+  readonly key: string | undefined;
+  /** The ticket that holds them (see `acquire`). */
+  readonly ticket: string;
+  readonly #holder: Holder;
+  #expiresAt: number;
+  #released = false;
+
+  /** Made by `hold`, from an acquire's answer. */
+  constructor(holder: Holder, name: string, key: string | undefined, ticket: string, expiresAt: number) {
+    this.#holder = holder;
+    this.name = name;
+    this.key = key;
+    this.ticket = ticket;
+    this.#expiresAt = expiresAt;
+  }
+
+  /** When the slots are free again unless renewed: ms since the Unix epoch, on the store's
+   *  clock (moved by each `renew`). */
+  get expiresAt(): number {
+    return this.#expiresAt;
+  }
+
+  /** Whether `release()` has let the slots go (or found them expired already). */
+  get released(): boolean {
+    return this.#released;
+  }
+
+  /**
+   * Holds the slots for `ttl` more from now (default the limit's): true, or false when the
+   * ticket had expired or was released (its slots may be someone else's by then: stop the
+   * work, or acquire again).
+   */
+  async renew(options?: { ttl?: Duration }): Promise<boolean> {
+    if (this.#released) return false;
+    checkOptions("renew", options);
+    const renewed = await this.#holder.renew(this.name, this.ticket, { key: this.key, ttl: options?.ttl });
+    if (renewed.ok) this.#expiresAt = renewed.expiresAt;
+    return renewed.ok;
+  }
+
+  /**
+   * Lets the slots go: true, or false when they had expired already, or were released by
+   * an earlier call (which then sends nothing). Rejects with a `TollgateError` when the
+   * store cannot say; the slots are then free at `expiresAt`.
+   */
+  async release(): Promise<boolean> {
+    if (this.#released) return false;
+    const released = await this.#holder.release(this.name, this.ticket, { key: this.key });
+    this.#released = true;
+    return released;
+  }
+
+  /** `release()` at the end of an `await using` block; a failure is not thrown (see
+   *  above). */
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.release().catch(() => false);
   }
 }
 
@@ -371,6 +544,85 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       config: options?.config ?? this.#limits[name],
     };
     return this.#post("/v1/value", body, false, valueOf);
+  }
+
+  /**
+   * Takes `count` slots (default 1) of the concurrency limit `name` for `key` (SPEC §6f),
+   * which the server defines (`kind = "concurrency"`). Granted: a `ticket` that holds them
+   * until `release`, or until `expiresAt` (now + `ttl`, on the store's clock), which `renew`
+   * moves. Refused (nothing taken): the wait until the earliest holder's expiry. A `count`
+   * above the limit's `max` is a `TollgateError` (400): it could never be granted.
+   *
+   * ```ts
+   * const slot = await limiter.acquire("exports", { key: tenant });
+   * if (!slot.ok) return retryIn(slot.retryAfter);
+   * try {
+   *   await runExport();
+   * } finally {
+   *   await limiter.release("exports", slot.ticket, { key: tenant });
+   * }
+   * ```
+   */
+  async acquire(name: string, options?: AcquireOptions): Promise<AcquireResult> {
+    const body = acquireBody("acquire", name, options);
+    return this.#post("/v1/acquire", body, true, acquiredOf);
+  }
+
+  /**
+   * `acquire`, as slots held by a `Held` that `await using` releases at the end of its block
+   * (however the block ends); `null` when refused (with `throws`, a `RateLimitError`).
+   *
+   * ```ts
+   * await using slot = await limiter.hold("exports", { key: tenant });
+   * if (slot === null) return tooBusy();
+   * await runExport();
+   * ```
+   */
+  async hold(name: string, options?: AcquireOptions): Promise<Held | null> {
+    const body = acquireBody("hold", name, options);
+    const acquired = await this.#post("/v1/acquire", body, true, acquiredOf);
+    if (!acquired.ok) return null;
+    return new Held(this, name, body.key, acquired.ticket, acquired.expiresAt);
+  }
+
+  /**
+   * Lets a ticket's slots go: true, or false for a ticket unknown, released already or
+   * expired (never an error: a release may race its expiry). `key`: the one it was acquired
+   * with.
+   */
+  async release(name: string, ticket: string, options?: ReleaseOptions): Promise<boolean> {
+    checkName("release", name);
+    checkTicket("release", ticket);
+    checkOptions("release", options);
+    checkKey("release", options?.key);
+    const body = { name, key: options?.key, ticket };
+    return this.#post("/v1/release", body, true, (answer) => {
+      if (!isObject(answer) || typeof answer.released !== "boolean") throw new WrongShape("not a release's answer");
+      return answer.released;
+    });
+  }
+
+  /**
+   * Holds a ticket's slots for `ttl` more from now (default the limit's), for a long task:
+   * the new expiry, or `ok: false` when the ticket had expired (its slots may be someone
+   * else's by then: stop the work, or acquire again).
+   */
+  async renew(name: string, ticket: string, options?: RenewOptions): Promise<RenewResult> {
+    checkName("renew", name);
+    checkTicket("renew", ticket);
+    checkOptions("renew", options);
+    checkKey("renew", options?.key);
+    const body = { name, key: options?.key, ticket, ttl: ttlOf("renew", options?.ttl) };
+    return this.#post("/v1/renew", body, true, renewedOf);
+  }
+
+  /** A concurrency limit's slots for `key`: those held, its `max`, and the tickets holding
+   *  them. (`check` says whether an acquire would be granted, `reset` frees every slot.) */
+  async getSlotsValue(name: string, options?: { key?: string }): Promise<SlotsValue> {
+    checkName("getSlotsValue", name);
+    checkOptions("getSlotsValue", options);
+    checkKey("getSlotsValue", options?.key);
+    return this.#post("/v1/value", { name, key: options?.key }, false, slotsValueOf);
   }
 
   /** The server's clock, in ms since the Unix epoch. */
@@ -572,3 +824,51 @@ function valueOf(answer: unknown): RateLimitValue {
   return { value, ts, shard: shard as number, config: config as unknown as RateLimitValue["config"] };
 }
 
+/** The body of an acquire (`call`: `acquire` or `hold`), its arguments checked. */
+function acquireBody(call: "acquire" | "hold", name: string, options: AcquireOptions | undefined) {
+  checkName(call, name);
+  checkOptions(call, options);
+  checkKey(call, options?.key);
+  checkCount(call, options?.count);
+  checkFlag(call, "throws", options?.throws);
+  return { name, key: options?.key, count: options?.count, ttl: ttlOf(call, options?.ttl), throws: options?.throws };
+}
+
+/** A time on the store's clock: ms since the Unix epoch, never negative. */
+function isTime(x: unknown): x is number {
+  return isNumber(x) && x >= 0;
+}
+
+/** A count of slots or holders: a whole number, never negative. */
+function isTally(x: unknown): x is number {
+  return Number.isSafeInteger(x) && (x as number) >= 0;
+}
+
+function acquiredOf(answer: unknown): AcquireResult {
+  if (!isObject(answer) || typeof answer.ok !== "boolean") throw new WrongShape("not an acquire's answer");
+  if (answer.ok) {
+    const { ticket, expiresAt } = answer;
+    if (typeof ticket !== "string" || !/^\d+$/.test(ticket) || !isTime(expiresAt)) {
+      throw new WrongShape("not an acquire's answer: no ticket and expiry");
+    }
+    return { ok: true, ticket, expiresAt };
+  }
+  if (!isWait(answer.retryAfter)) throw new WrongShape("not an acquire's answer: retryAfter is not a wait");
+  return { ok: false, retryAfter: answer.retryAfter };
+}
+
+function renewedOf(answer: unknown): RenewResult {
+  if (!isObject(answer) || typeof answer.ok !== "boolean") throw new WrongShape("not a renew's answer");
+  if (!answer.ok) return { ok: false };
+  if (!isTime(answer.expiresAt)) throw new WrongShape("not a renew's answer: no expiry");
+  return { ok: true, expiresAt: answer.expiresAt };
+}
+
+function slotsValueOf(answer: unknown): SlotsValue {
+  if (!isObject(answer)) throw new WrongShape("not a concurrency limit's value");
+  const { inFlight, max, holders } = answer;
+  if (!isTally(inFlight) || !isTally(max) || !isTally(holders)) {
+    throw new WrongShape("not a concurrency limit's value (a rate limit's? read it with getValue)");
+  }
+  return { inFlight, max, holders };
+}

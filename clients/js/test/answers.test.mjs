@@ -227,6 +227,11 @@ test("an answer of the wrong shape is a TollgateError, for every operation", asy
     getValue: () => client.getValue("a"),
     getServerTime: () => client.getServerTime(),
     getServerLimits: () => client.getServerLimits(),
+    acquire: () => client.acquire("slots"),
+    hold: () => client.hold("slots").then((held) => held && { ticket: held.ticket, expiresAt: held.expiresAt }),
+    release: () => client.release("slots", "7"),
+    renew: () => client.renew("slots", "7"),
+    getSlotsValue: () => client.getSlotsValue("slots"),
   };
   const value = { value: 1, ts: 2, shard: 0, config: WINDOW };
   const wrong = {
@@ -265,8 +270,30 @@ test("an answer of the wrong shape is a TollgateError, for every operation", asy
     ],
     getServerTime: [{ now: "5" }, { now: null }, {}, [5], '{"now":-1e999}'],
     getServerLimits: [[], null, { a: 1 }, { a: [] }, "[".repeat(100_000)],
+    acquire: [
+      { ok: "true", ticket: "1", expiresAt: 5 },
+      { ok: true, expiresAt: 5 },
+      { ok: true, ticket: 1, expiresAt: 5 },
+      { ok: true, ticket: "1a", expiresAt: 5 },
+      { ok: true, ticket: "", expiresAt: 5 },
+      { ok: true, ticket: "1" },
+      { ok: true, ticket: "1", expiresAt: -5 },
+      { ok: false },
+      { ok: false, retryAfter: -1 },
+      '{"ok":true,"ticket":"1","expiresAt":1e999}',
+    ],
+    release: [{}, { released: "true" }, { released: 1 }, [true], true],
+    renew: [{ ok: true }, { ok: true, expiresAt: "5" }, { ok: 1, expiresAt: 5 }, {}, null],
+    getSlotsValue: [
+      { inFlight: 1, max: 2 },
+      { inFlight: 1.5, max: 2, holders: 1 },
+      { inFlight: -1, max: 2, holders: 1 },
+      { inFlight: "1", max: 2, holders: 1 },
+      { value: 1, ts: 2, shard: 0, config: WINDOW },
+    ],
   };
   wrong.check = wrong.limit;
+  wrong.hold = wrong.acquire;
   const right = {
     limit: [
       [{ ok: true }, { ok: true }],
@@ -283,6 +310,17 @@ test("an answer of the wrong shape is a TollgateError, for every operation", asy
     getValue: [[value, value], [{ ...value, value: -2.5 }, { ...value, value: -2.5 }]],
     getServerTime: [[{ now: 1_700_000_000_000 }, 1_700_000_000_000]],
     getServerLimits: [[{ a: WINDOW }, { a: WINDOW }], [{}, {}]],
+    acquire: [
+      [{ ok: true, ticket: "12", expiresAt: 5.5, later: 1 }, { ok: true, ticket: "12", expiresAt: 5.5 }],
+      [{ ok: false, retryAfter: 250 }, { ok: false, retryAfter: 250 }],
+    ],
+    hold: [
+      [{ ok: true, ticket: "12", expiresAt: 5.5 }, { ticket: "12", expiresAt: 5.5 }],
+      [{ ok: false, retryAfter: 250 }, null],
+    ],
+    release: [[{ released: true }, true], [{ released: false }, false]],
+    renew: [[{ ok: true, expiresAt: 9 }, { ok: true, expiresAt: 9 }], [{ ok: false, expiresAt: "x" }, { ok: false }]],
+    getSlotsValue: [[{ inFlight: 1, max: 2, holders: 1 }, { inFlight: 1, max: 2, holders: 1 }]],
   };
   right.check = right.limit;
   try {
@@ -356,10 +394,14 @@ for (const [transport, options] of Object.entries(TRANSPORTS)) {
       limit: () => client.limit("a"),
       transaction: () => client.transaction([{ name: "a" }]),
       reset: () => client.reset("a"),
+      acquire: () => client.acquire("slots"),
+      release: () => client.release("slots", "7"),
+      renew: () => client.renew("slots", "7"),
     };
     const reads = {
       check: () => client.check("a"),
       getValue: () => client.getValue("a"),
+      getSlotsValue: () => client.getSlotsValue("slots"),
       getServerTime: () => client.getServerTime(),
       getServerLimits: () => client.getServerLimits(),
     };

@@ -29,6 +29,11 @@ capacity = 3
 kind = "fixed window"
 rate = 5
 period = "1d"
+
+[limits.exports]
+kind = "concurrency"
+max = 2
+ttl = "1m"
 """
 
 FULL_TOKEN = "full-token"

@@ -21,10 +21,13 @@ from servers import (
 )
 
 from tollgate_client import (
+    Acquired,
     AsyncRateLimiter,
     Decision,
     RateLimiter,
     RateLimitError,
+    Renewed,
+    SlotsValue,
     TollgateError,
     TransactionResult,
     ValueReading,
@@ -201,6 +204,30 @@ WRONG: Dict[str, List[str]] = {
     ],
     "get_server_time": ['{"now":"5"}', '{"now":null}', "{}", "[5]", '{"now":-Infinity}'],
     "get_config": ["[]", "null", '{"a":1}', '{"a":[]}', "[" * 100_000],
+    "acquire": [
+        '{"ok":"true","ticket":"1","expiresAt":5}',
+        '{"ok":true,"expiresAt":5}',
+        '{"ok":true,"ticket":1,"expiresAt":5}',
+        '{"ok":true,"ticket":"1a","expiresAt":5}',
+        '{"ok":true,"ticket":"","expiresAt":5}',
+        '{"ok":true,"ticket":"\u0661","expiresAt":5}',
+        '{"ok":true,"ticket":"1"}',
+        '{"ok":true,"ticket":"1","expiresAt":-5}',
+        '{"ok":true,"ticket":"1","expiresAt":NaN}',
+        '{"ok":false}',
+        '{"ok":false,"retryAfter":-1}',
+        "null",
+    ],
+    "release": ["{}", '{"released":"true"}', '{"released":1}', "[true]", "true"],
+    "renew": ['{"ok":true}', '{"ok":true,"expiresAt":"5"}', '{"ok":1,"expiresAt":5}', "{}", "null"],
+    "get_slots_value": [
+        '{"inFlight":1,"max":2}',
+        '{"inFlight":1.5,"max":2,"holders":1}',
+        '{"inFlight":-1,"max":2,"holders":1}',
+        '{"inFlight":"1","max":2,"holders":1}',
+        '{"inFlight":true,"max":2,"holders":1}',
+        json.dumps(VALUE),
+    ],
 }
 WRONG["check"] = WRONG["limit"]
 
@@ -224,6 +251,16 @@ RIGHT: Dict[str, List[Tuple[str, Any]]] = {
     ],
     "get_server_time": [('{"now":1700000000000}', 1_700_000_000_000)],
     "get_config": [(json.dumps({"a": WINDOW}), {"a": WINDOW}), ("{}", {})],
+    "acquire": [
+        ('{"ok":true,"ticket":"12","expiresAt":5.5,"later":1}', Acquired(True, "12", 5.5)),
+        ('{"ok":false,"retryAfter":250}', Acquired(False, retry_after=250)),
+    ],
+    "release": [('{"released":true}', True), ('{"released":false}', False)],
+    "renew": [
+        ('{"ok":true,"expiresAt":9}', Renewed(True, 9)),
+        ('{"ok":false,"expiresAt":"x"}', Renewed(False)),
+    ],
+    "get_slots_value": [('{"inFlight":1,"max":2.0,"holders":1}', SlotsValue(1, 2, 1))],
 }
 RIGHT["check"] = RIGHT["limit"]
 
@@ -248,6 +285,10 @@ def operations(c: Any) -> Dict[str, Callable[[], Awaitable[Any]]]:
         "get_value": lambda: c.get_value("a"),
         "get_server_time": lambda: c.get_server_time(),
         "get_config": lambda: c.get_config(),
+        "acquire": lambda: c.acquire("slots"),
+        "release": lambda: c.release("slots", ticket="7"),
+        "renew": lambda: c.renew("slots", ticket="7"),
+        "get_slots_value": lambda: c.get_slots_value("slots"),
     }
 
 
@@ -304,10 +345,11 @@ async def test_a_429_is_a_rate_limit_error_only_when_it_is_tollgates(flavour: st
 async def test_may_have_taken_for_a_write_sent_and_left_unanswered_never_for_a_read(
     flavour: str,
 ) -> None:
-    """True for a write (limit, transaction, reset) that was sent and got no answer that
-    could be read (timed out, connection lost, an answer not the API's unless a 4xx); false
-    for a read (check, get_value, get_server_time, get_config), and for a request never
-    sent (refused, or timed out while connecting)."""
+    """True for a write (limit, transaction, reset, acquire, release, renew) that was sent
+    and got no answer that could be read (timed out, connection lost, an answer not the
+    API's unless a 4xx); false for a read (check, get_value, get_slots_value,
+    get_server_time, get_config), and for a request never sent (refused, or timed out while
+    connecting)."""
     behaviour = ""
 
     def script(conn: socket.socket, stop: threading.Event) -> None:
@@ -322,7 +364,7 @@ async def test_may_have_taken_for_a_write_sent_and_left_unanswered_never_for_a_r
             conn.sendall(answers[behaviour])
         # "silent": never answers
 
-    writes = ("limit", "transaction", "reset")
+    writes = ("limit", "transaction", "reset", "acquire", "release", "renew")
     with scripted_server(script) as url:
         async with open_client(flavour, url, timeout=0.3, limits={"a": WINDOW}) as c:
             for behaviour in ("silent", "drop", "502", "garbage", "400"):

@@ -41,6 +41,38 @@ hono.get("/", (c) => c.text(String(c.get("rateLimit").remaining)));
 // @ts-expect-error: "perIP" is not among the limiter's limits.
 hono.use(rateLimiter({ limiter, limits: "perIP" }));
 
+// A limiter with a concurrency limit: its slots are acquired, held and released by name; a
+// rate limit's calls and the middleware do not take its name.
+const mixed = new RateLimiter("memory", {
+  perIp: { kind: "token bucket", rate: 10, period: MINUTE, capacity: 3 },
+  exports: { kind: "concurrency", max: 4, ttl: "2m" },
+});
+await mixed.limit("perIp");
+// @ts-expect-error: "exports" is a concurrency limit: acquire its slots.
+await mixed.limit("exports");
+{
+  await using slot = await mixed.hold("exports", { key: "acme", ttl: 30_000 });
+  if (slot !== null) {
+    const renewed: boolean = await slot.renew({ ttl: "1m" });
+    const expiresAt: number = slot.expiresAt;
+    void [renewed, expiresAt];
+  }
+}
+const acquired = await mixed.acquire("exports", { key: "acme", count: 2 });
+if (acquired.ok) {
+  const renewed = await mixed.renew("exports", acquired.ticket, { key: "acme" });
+  if (renewed.ok) void renewed.expiresAt;
+  const released: boolean = await mixed.release("exports", acquired.ticket, { key: "acme" });
+  void released;
+} else {
+  void acquired.retryAfter;
+}
+app.use(rateLimit({ limiter: mixed, limits: "perIp" }));
+// @ts-expect-error: nor does the middleware (it takes rate limits).
+app.use(rateLimit({ limiter: mixed, limits: "exports" }));
+// @ts-expect-error: a concurrency limit's max is a number.
+new RateLimiter("memory", { exports: { kind: "concurrency", max: "4" } });
+
 // A server's limiter whose type knows no names takes any.
 const remote = new RateLimiter({ url: "http://127.0.0.1:8787" });
 app.use(rateLimit({ limiter: remote, limits: "anything" }));

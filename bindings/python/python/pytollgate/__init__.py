@@ -8,7 +8,9 @@
 [True, True, True, False]
 
 ``RateLimiter`` blocks (with the GIL released while it waits for a store);
-``AsyncRateLimiter`` is the same for asyncio. Their methods, answers and errors are
+``AsyncRateLimiter`` is the same for asyncio. A concurrency limit (``{"kind": "concurrency",
+"max": 4, "ttl": "2m"}``) bounds work in flight: ``acquire``/``release``/``renew`` its slots,
+or hold them for a block (``with limiter.hold("exports", key=tenant) as slot:``). Their methods, answers and errors are
 ``tollgate_client``'s: moving to a tollgate server is a change of class.
 """
 
@@ -17,11 +19,18 @@ from tollgate_client import (
     HOUR,
     MINUTE,
     SECOND,
+    Acquired,
     Adjusted,
+    AsyncHeld,
+    AsyncHold,
     Decision,
+    Held,
+    Hold,
     LimitCall,
     LimitConfig,
     RateLimitError,
+    Renewed,
+    SlotsValue,
     TollgateError,
     TransactionResult,
     ValueReading,
@@ -39,14 +48,21 @@ __all__ = [
     "HOUR",
     "MINUTE",
     "SECOND",
+    "Acquired",
     "Adjusted",
+    "AsyncHeld",
+    "AsyncHold",
     "AsyncRateLimiter",
     "Decision",
+    "Held",
+    "Hold",
     "LimitCall",
     "LimitConfig",
     "RateLimit",
     "RateLimitError",
     "RateLimiter",
+    "Renewed",
+    "SlotsValue",
     "TollgateError",
     "TransactionResult",
     "ValueReading",

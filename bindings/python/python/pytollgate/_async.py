@@ -141,7 +141,13 @@ class AsyncRateLimiter(Opening, AsyncLimiter, Generic[Name]):
                     # A refusal or an error answered at once: see _at_once. A grant is not
                     # held back (a loop of grants ends when the limit is spent).
                     await _at_once()
-                return _common.decision(taken, "limit" if writes else "check", name, throws)
+                try:
+                    return _common.decision(taken, "limit" if writes else "check", name, throws)
+                except TollgateError:
+                    # The direct take knows rate limits only: a concurrency limit's check (and the
+                    # error of a limit of one) is the JSON path's.
+                    if name not in self._concurrency:
+                        raise
         return await super()._take(writes, name, key, count, reserve, throws, config)
 
     async def aclose(self) -> None:

@@ -5,11 +5,12 @@ call's path is one attribute read; everything else happens when that is ``None``
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 import weakref
-from typing import List, Optional
+from typing import FrozenSet, List, Optional
 
 from tollgate_client import TollgateError
 
@@ -26,6 +27,9 @@ class Opening:
     """The engine of a limiter, and what it knows of opening it."""
 
     _config: str
+    #: The names of the concurrency limits (``kind: "concurrency"``), whose ``check`` the
+    #: engine's direct take does not answer (it knows rate limits): the JSON path does.
+    _concurrency: FrozenSet[str]
     #: The engine, once open; None before, after a failed open, in a child after fork (for
     #: a networked or SQLite store) and after close.
     _engine: Optional[_native.Engine]
@@ -38,6 +42,10 @@ class Opening:
 
     def _start(self, config: str) -> None:
         self._config = config
+        limits = json.loads(config)["limits"]
+        self._concurrency = frozenset(
+            name for name, table in limits.items() if table.get("kind") == "concurrency"
+        )
         self._engine = None
         self._closed = False
         self._failure = ""

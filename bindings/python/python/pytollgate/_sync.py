@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Iterable, Mapping, Optional
 
-from tollgate_client import Decision, Seconds, _core
+from tollgate_client import Decision, Seconds, TollgateError, _core
 from tollgate_client._sync import Limiter
 
 from . import _common, _native
@@ -21,7 +21,9 @@ class RateLimiter(Opening, Limiter, Generic[Name]):
     ``rediss…`` over TLS) or ``postgres://USER@HOST/DB``. ``limits``: name -> config (SPEC §1,
     snake_case or camelCase keys; ``period`` in milliseconds, or a string with its unit such
     as ``"1m"``), or a rate string as slowapi and django-ratelimit write them (``"5/minute"``,
-    ``"5/m"``: a fixed window, see ``pytollgate.parse_rate``), defined for every call.
+    ``"5/m"``: a fixed window, see ``pytollgate.parse_rate``), defined for every call; or a
+    concurrency limit, ``{"kind": "concurrency", "max": 4, "ttl": "2m"}`` (SPEC §6f), whose
+    slots ``acquire`` and ``hold`` take.
 
     ``store_deadline``: the most a call waits for Redis or PostgreSQL (or SQLite's write
     lock), in seconds or a string with its unit (``"250ms"``), default 0.25; ``max_keys``:
@@ -109,7 +111,13 @@ class RateLimiter(Opening, Limiter, Generic[Name]):
             except (TypeError, UnicodeEncodeError, OverflowError):
                 pass  # an argument of another type or range: the JSON path says what is wrong
             else:
-                return _common.decision(taken, "limit" if writes else "check", name, throws)
+                try:
+                    return _common.decision(taken, "limit" if writes else "check", name, throws)
+                except TollgateError:
+                    # The direct take knows rate limits only: a concurrency limit's check (and the
+                    # error of a limit of one) is the JSON path's.
+                    if name not in self._concurrency:
+                        raise
         return super()._take(writes, name, key, count, reserve, throws, config)
 
     def close(self) -> None:

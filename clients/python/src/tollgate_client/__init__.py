@@ -5,23 +5,31 @@
 ...     if not limiter.limit("sendMessage", key="alice").ok:
 ...         ...
 
-``RateLimiter`` blocks; ``AsyncRateLimiter`` is the same for asyncio. Errors:
-``RateLimitError`` (a refusal asked for with ``throws=True``) and ``TollgateError``
-(everything else); neither is a subclass of the other.
+``RateLimiter`` blocks; ``AsyncRateLimiter`` is the same for asyncio. Concurrency limits'
+slots are taken with ``acquire`` (``release``, ``renew``), or held for a ``with`` block:
+
+>>> with limiter.hold("exports", key="acme") as slot:          # doctest: +SKIP
+...     run_export()
+
+Errors: ``RateLimitError`` (a refusal asked for with ``throws=True``, or of a ``hold``) and
+``TollgateError`` (everything else); neither is a subclass of the other.
 """
 
 from ._algebra import Calculation, calculate_rate_limit
-from ._async import AsyncRateLimiter
-from ._sync import RateLimiter
+from ._async import AsyncHeld, AsyncHold, AsyncRateLimiter
+from ._sync import Held, Hold, RateLimiter
 from ._types import (
     DAY,
     HOUR,
     MINUTE,
     SECOND,
+    Acquired,
     Adjusted,
     Decision,
     LimitCall,
     LimitConfig,
+    Renewed,
+    SlotsValue,
     TransactionResult,
     ValueReading,
 )
@@ -34,16 +42,23 @@ __all__ = [
     "HOUR",
     "MINUTE",
     "SECOND",
+    "Acquired",
     "Adjusted",
+    "AsyncHeld",
+    "AsyncHold",
     "AsyncRateLimiter",
     "Calculation",
     "Decision",
+    "Held",
+    "Hold",
     "LimitCall",
     "LimitConfig",
     "Milliseconds",
     "RateLimitError",
     "RateLimiter",
+    "Renewed",
     "Seconds",
+    "SlotsValue",
     "TollgateError",
     "TransactionResult",
     "ValueReading",

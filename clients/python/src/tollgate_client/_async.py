@@ -11,10 +11,19 @@ import httpx
 
 from . import _core, _deadline
 from ._core import Limits, TransactionCall
-from ._types import Adjusted, Decision, TransactionResult, ValueReading
-from ._units import Seconds, seconds
+from ._types import (
+    Acquired,
+    Adjusted,
+    Decision,
+    Renewed,
+    SlotsValue,
+    TransactionResult,
+    ValueReading,
+)
+from ._units import Milliseconds, Seconds, seconds
+from .errors import TollgateError
 
-__all__ = ["AsyncRateLimiter"]
+__all__ = ["AsyncRateLimiter", "AsyncHold", "AsyncHeld"]
 
 
 _Self = TypeVar("_Self", bound="AsyncLimiter")
@@ -112,6 +121,62 @@ class AsyncLimiter:
         """The stored state of ``name`` for ``key``, and its config with every default."""
         body = self._bodies.value(name, key, sample_shards, config)
         return _core.value_reading(await self._send("value", body))
+
+    async def acquire(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        count: Optional[int] = None,
+        ttl: Optional[Milliseconds] = None,
+        throws: bool = False,
+    ) -> Acquired:
+        """Takes ``count`` slots (default 1) of the concurrency limit ``name`` for ``key``
+        (SPEC §6f): a ``ticket`` and its ``expires_at``, or ``retry_after`` when refused
+        (see the blocking ``RateLimiter.acquire``)."""
+        body = self._bodies.acquire(name, key, count, ttl, throws)
+        return _core.acquired(await self._send("acquire", body))
+
+    def hold(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        count: Optional[int] = None,
+        ttl: Optional[Milliseconds] = None,
+    ) -> "AsyncHold":
+        """Slots of ``name`` held for an ``async with`` block, released when it ends,
+        however it ends (an exception, a cancellation)::
+
+            async with limiter.hold("exports", key=tenant) as slot:
+                await run_export()
+
+        Acquired as the block is entered; a refusal raises :class:`RateLimitError` there,
+        and the block does not run."""
+        return AsyncHold(self, name, key, self._bodies.acquire(name, key, count, ttl, False))
+
+    async def release(self, name: str, key: Optional[str] = None, *, ticket: str) -> bool:
+        """Frees the slots of ``ticket`` (acquired with ``key``): ``True``, or ``False`` for
+        a ticket unknown, released already or expired."""
+        body = self._bodies.ticket(name, key, ticket)
+        return _core.released(await self._send("release", body))
+
+    async def renew(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        *,
+        ticket: str,
+        ttl: Optional[Milliseconds] = None,
+    ) -> Renewed:
+        """Holds the slots of ``ticket`` for ``ttl`` more from now (default the limit's):
+        ``ok`` with the new ``expires_at``, or not ``ok`` when the ticket had expired."""
+        body = self._bodies.ticket(name, key, ticket, ttl)
+        return _core.renewed(await self._send("renew", body))
+
+    async def get_slots_value(self, name: str, key: Optional[str] = None) -> SlotsValue:
+        """A concurrency limit's slots for ``key``: those in flight, its ``max``, and the
+        tickets holding them."""
+        body = self._bodies.value(name, key, None, None)
+        return _core.slots_value(await self._send("value", body))
 
     async def get_server_time(self) -> float:
         """The store's clock (a server's store), in ms since the Unix epoch."""
@@ -227,3 +292,73 @@ class AsyncRateLimiter(AsyncLimiter):
 
     def __repr__(self) -> str:
         return f"AsyncRateLimiter({self._core.base!r})"
+
+
+class AsyncHeld(_core.Slot):
+    """Slots of a concurrency limit held in an ``async with limiter.hold(...) as slot:``
+    block: as the blocking ``Held``, its ``renew`` and ``release`` awaited."""
+
+    __slots__ = ("_limiter",)
+
+    def __init__(
+        self,
+        limiter: AsyncLimiter,
+        name: str,
+        key: Optional[str],
+        ticket: str,
+        expires_at: float,
+    ) -> None:
+        super().__init__(name, key, ticket, expires_at)
+        self._limiter = limiter
+
+    async def renew(self, ttl: Optional[Milliseconds] = None) -> bool:
+        """Holds the slots for ``ttl`` more from now (default the limit's): ``True``, or
+        ``False`` when the ticket had expired or was released."""
+        if self._released:
+            return False
+        renewed = await self._limiter.renew(self.name, self.key, ticket=self.ticket, ttl=ttl)
+        return self._renewed(renewed)
+
+    async def release(self) -> bool:
+        """Lets the slots go now: ``True``, or ``False`` when they had expired already or
+        were released by an earlier call (which then sends nothing). Raises
+        :class:`TollgateError` when the store cannot say."""
+        if self._released:
+            return False
+        freed = await self._limiter.release(self.name, self.key, ticket=self.ticket)
+        self._released = True
+        return freed
+
+
+class AsyncHold:
+    """What :meth:`AsyncLimiter.hold` answers: an async context manager that acquires as
+    its block is entered (raising :class:`RateLimitError` when refused) and releases when
+    the block ends, however it ends (a cancellation included). A release that fails then is
+    not raised (see the blocking ``Hold``)."""
+
+    __slots__ = ("_limiter", "_name", "_key", "_body", "_held")
+
+    def __init__(self, limiter: AsyncLimiter, name: str, key: Optional[str], body: bytes) -> None:
+        self._limiter, self._name, self._key, self._body = limiter, name, key, body
+        self._held: Optional[AsyncHeld] = None
+
+    async def __aenter__(self) -> AsyncHeld:
+        if self._held is not None:
+            raise RuntimeError("this hold's block is running already; call hold() for another")
+        reply = await self._limiter._send("acquire", self._body)
+        ticket, expires_at = _core.held(self._name, reply)
+        self._held = AsyncHeld(self._limiter, self._name, self._key, ticket, expires_at)
+        return self._held
+
+    async def __aexit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            try:
+                await held.release()
+            except TollgateError:
+                pass  # the slots are free at their expiry

@@ -14,8 +14,17 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 
 import httpx
 
-from ._types import Adjusted, Decision, LimitCall, TransactionResult, ValueReading
-from ._units import check_period
+from ._types import (
+    Acquired,
+    Adjusted,
+    Decision,
+    LimitCall,
+    Renewed,
+    SlotsValue,
+    TransactionResult,
+    ValueReading,
+)
+from ._units import Milliseconds, check_period, milliseconds
 from ._version import __version__
 from .errors import RateLimitError, TollgateError
 
@@ -296,6 +305,111 @@ def adjusted(reply: Reply) -> Adjusted:
     raise _unexpected(reply, "not an adjust's answer")
 
 
+def _time(x: object) -> Optional[float]:
+    """`x` as a float if it is a time on the store's clock: finite, not negative."""
+    number = _number(x)
+    return number if number is not None and number >= 0 else None
+
+
+def _tally(x: object) -> Optional[int]:
+    """`x` as an int if it is a count of slots or holders: a whole number, not negative."""
+    number = _number(x)
+    return int(number) if number is not None and number.is_integer() and number >= 0 else None
+
+
+def acquired(reply: Reply) -> Acquired:
+    """An acquire's answer: a ticket (a string of digits) and its expiry, or a wait."""
+    body = answer(reply)
+    ok = body.get("ok")
+    if ok is True:
+        ticket, expires_at = body.get("ticket"), _time(body.get("expiresAt"))
+        if isinstance(ticket, str) and ticket.isascii() and ticket.isdigit():
+            if expires_at is not None:
+                return Acquired(True, ticket, expires_at)
+    elif ok is False:
+        wait = _wait(body.get("retryAfter"))
+        if wait is not None:
+            return Acquired(False, retry_after=wait)
+    raise _unexpected(reply, "not an acquire's answer")
+
+
+def released(reply: Reply) -> bool:
+    """A release's answer: whether the ticket's slots were freed by it."""
+    body = answer(reply)
+    if isinstance(body.get("released"), bool):
+        return bool(body["released"])
+    raise _unexpected(reply, "not a release's answer")
+
+
+def renewed(reply: Reply) -> Renewed:
+    """A renew's answer: the new expiry, or not ok."""
+    body = answer(reply)
+    ok = body.get("ok")
+    if ok is False:
+        return Renewed(False)
+    expires_at = _time(body.get("expiresAt"))
+    if ok is True and expires_at is not None:
+        return Renewed(True, expires_at)
+    raise _unexpected(reply, "not a renew's answer")
+
+
+def slots_value(reply: Reply) -> SlotsValue:
+    """A concurrency limit's value: ``inFlight``, ``max`` and ``holders``."""
+    body = answer(reply)
+    in_flight, most, holders = (_tally(body.get(k)) for k in ("inFlight", "max", "holders"))
+    if in_flight is not None and most is not None and holders is not None:
+        return SlotsValue(in_flight, most, holders)
+    raise _unexpected(
+        reply, "not a concurrency limit's value (a rate limit's? read it with get_value)"
+    )
+
+
+def held(name: str, reply: Reply) -> Tuple[str, float]:
+    """The ticket and expiry of a hold's acquire, as its block is entered; a refusal raises
+    :class:`RateLimitError` (the block must not run without its slots)."""
+    granted = acquired(reply)
+    if granted.ticket is None or granted.expires_at is None:
+        raise RateLimitError(name, granted.retry_after or 0.0, "RateLimited")
+    return granted.ticket, granted.expires_at
+
+
+class Slot:
+    """A ticket's slots as a hold knows them, whichever limiter holds them: the concurrency
+    limit's ``name``, the ``key`` and ``ticket`` they were acquired with, ``expires_at`` and
+    ``released``. The blocking ``Held`` and the asyncio ``AsyncHeld`` add ``renew`` and
+    ``release``."""
+
+    __slots__ = ("name", "key", "ticket", "_expires_at", "_released")
+
+    def __init__(self, name: str, key: Optional[str], ticket: str, expires_at: float) -> None:
+        self.name = name
+        self.key = key
+        self.ticket = ticket
+        self._expires_at = expires_at
+        self._released = False
+
+    @property
+    def expires_at(self) -> float:
+        """When the slots are free again unless renewed: ms since the Unix epoch, on the
+        store's clock."""
+        return self._expires_at
+
+    @property
+    def released(self) -> bool:
+        """Whether ``release()`` has let the slots go (or found them expired already)."""
+        return self._released
+
+    def _renewed(self, renewed: Renewed) -> bool:
+        """A renew's answer, its new expiry kept."""
+        if renewed.ok and renewed.expires_at is not None:
+            self._expires_at = renewed.expires_at
+        return renewed.ok
+
+    def __repr__(self) -> str:
+        kind = type(self).__name__
+        return f"{kind}(name={self.name!r}, key={self.key!r}, ticket={self.ticket!r})"
+
+
 def server_time(reply: Reply) -> float:
     now = _number(answer(reply).get("now"))
     if now is not None:
@@ -443,8 +557,43 @@ class Bodies:
             body["config"] = inline
         return encode(body)
 
+    def acquire(
+        self,
+        name: str,
+        key: Optional[str],
+        count: Optional[int],
+        ttl: Optional[Milliseconds],
+        throws: bool,
+    ) -> bytes:
+        """The body of ``acquire`` (and ``hold``): a concurrency limit's name, never a
+        config (the server, or the in-process limiter, defines it)."""
+        body: Dict[str, Any] = {"name": name}
+        if key is not None:
+            body["key"] = key
+        if count is not None:
+            body["count"] = count
+        if ttl is not None:
+            body["ttl"] = milliseconds(ttl, "ttl")
+        if throws:
+            body["throws"] = True
+        return encode(body)
 
-#: Each operation of the API: its method, its path, and whether it may take tokens.
+    def ticket(
+        self, name: str, key: Optional[str], ticket: str, ttl: Optional[Milliseconds] = None
+    ) -> bytes:
+        """The body of ``release`` and ``renew`` (with its ``ttl``)."""
+        if not isinstance(ticket, str):
+            raise TypeError(f"ticket is the string an acquire answered, not {ticket!r}")
+        body: Dict[str, Any] = {"name": name, "ticket": ticket}
+        if key is not None:
+            body["key"] = key
+        if ttl is not None:
+            body["ttl"] = milliseconds(ttl, "ttl")
+        return encode(body)
+
+
+#: Each operation of the API: its method, its path, and whether it may take tokens (or
+#: slots).
 ROUTES: Dict[str, Tuple[str, str, bool]] = {
     "limit": ("POST", "/v1/limit", True),
     "check": ("POST", "/v1/check", False),
@@ -452,6 +601,9 @@ ROUTES: Dict[str, Tuple[str, str, bool]] = {
     "reset": ("POST", "/v1/reset", True),
     "value": ("POST", "/v1/value", False),
     "adjust": ("POST", "/v1/adjust", True),
+    "acquire": ("POST", "/v1/acquire", True),
+    "release": ("POST", "/v1/release", True),
+    "renew": ("POST", "/v1/renew", True),
     "time": ("GET", "/v1/time", False),
     "config": ("GET", "/v1/config", False),
 }

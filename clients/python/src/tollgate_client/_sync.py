@@ -9,10 +9,19 @@ import httpx
 
 from . import _core, _deadline
 from ._core import Limits, TransactionCall
-from ._types import Adjusted, Decision, TransactionResult, ValueReading
-from ._units import Seconds, seconds
+from ._types import (
+    Acquired,
+    Adjusted,
+    Decision,
+    Renewed,
+    SlotsValue,
+    TransactionResult,
+    ValueReading,
+)
+from ._units import Milliseconds, Seconds, seconds
+from .errors import TollgateError
 
-__all__ = ["RateLimiter"]
+__all__ = ["RateLimiter", "Hold", "Held"]
 
 
 _Self = TypeVar("_Self", bound="Limiter")
@@ -112,6 +121,69 @@ class Limiter:
         """The stored state of ``name`` for ``key``, and its config with every default."""
         body = self._bodies.value(name, key, sample_shards, config)
         return _core.value_reading(self._send("value", body))
+
+    def acquire(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        count: Optional[int] = None,
+        ttl: Optional[Milliseconds] = None,
+        throws: bool = False,
+    ) -> Acquired:
+        """Takes ``count`` slots (default 1) of the concurrency limit ``name`` for ``key``
+        (SPEC §6f). Granted: a ``ticket`` that holds them until :meth:`release`, or until
+        ``expires_at`` (now + ``ttl``, default the limit's, on the store's clock), which
+        :meth:`renew` moves. Refused, nothing taken: ``retry_after``, the ms until the
+        earliest holder's expiry. ``ttl``: milliseconds, or a string with its unit
+        (``"2m"``). A ``count`` above the limit's ``max`` raises :class:`TollgateError`
+        (400): it could never be granted. ``throws``: a refusal raises
+        :class:`RateLimitError`."""
+        body = self._bodies.acquire(name, key, count, ttl, throws)
+        return _core.acquired(self._send("acquire", body))
+
+    def hold(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        count: Optional[int] = None,
+        ttl: Optional[Milliseconds] = None,
+    ) -> "Hold":
+        """Slots of ``name`` held for a ``with`` block, released when it ends, however it
+        ends::
+
+            with limiter.hold("exports", key=tenant) as slot:
+                run_export()  # slot.ticket, slot.renew() for a long one
+
+        Acquired as the block is entered (the arguments are ``acquire``'s); a refusal raises
+        :class:`RateLimitError` there (``retry_after`` in it), and the block does not run."""
+        return Hold(self, name, key, self._bodies.acquire(name, key, count, ttl, False))
+
+    def release(self, name: str, key: Optional[str] = None, *, ticket: str) -> bool:
+        """Frees the slots of ``ticket`` (acquired with ``key``): ``True``, or ``False`` for
+        a ticket unknown, released already or expired (never an error: a release may race
+        its expiry)."""
+        return _core.released(self._send("release", self._bodies.ticket(name, key, ticket)))
+
+    def renew(
+        self,
+        name: str,
+        key: Optional[str] = None,
+        *,
+        ticket: str,
+        ttl: Optional[Milliseconds] = None,
+    ) -> Renewed:
+        """Holds the slots of ``ticket`` (acquired with ``key``) for ``ttl`` more from now
+        (default the limit's), for a long task: ``ok`` with the new ``expires_at``, or not
+        ``ok`` when the ticket had expired (its slots may be someone else's by then)."""
+        body = self._bodies.ticket(name, key, ticket, ttl)
+        return _core.renewed(self._send("renew", body))
+
+    def get_slots_value(self, name: str, key: Optional[str] = None) -> SlotsValue:
+        """A concurrency limit's slots for ``key``: those in flight, its ``max``, and the
+        tickets holding them. (``check`` says whether an acquire would be granted,
+        ``reset`` frees every slot.)"""
+        body = self._bodies.value(name, key, None, None)
+        return _core.slots_value(self._send("value", body))
 
     def get_server_time(self) -> float:
         """The store's clock (a server's store), in ms since the Unix epoch."""
@@ -217,3 +289,69 @@ class RateLimiter(Limiter):
 
     def __repr__(self) -> str:
         return f"RateLimiter({self._core.base!r})"
+
+
+class Held(_core.Slot):
+    """Slots of a concurrency limit held in a ``with limiter.hold(...) as slot:`` block:
+    its ``name``, ``key`` and ``ticket``, and ``expires_at``, moved by :meth:`renew`."""
+
+    __slots__ = ("_limiter",)
+
+    def __init__(
+        self, limiter: Limiter, name: str, key: Optional[str], ticket: str, expires_at: float
+    ) -> None:
+        super().__init__(name, key, ticket, expires_at)
+        self._limiter = limiter
+
+    def renew(self, ttl: Optional[Milliseconds] = None) -> bool:
+        """Holds the slots for ``ttl`` more from now (default the limit's): ``True``, or
+        ``False`` when the ticket had expired or was released (its slots may be someone
+        else's by then: stop the work)."""
+        if self._released:
+            return False
+        return self._renewed(self._limiter.renew(self.name, self.key, ticket=self.ticket, ttl=ttl))
+
+    def release(self) -> bool:
+        """Lets the slots go now: ``True``, or ``False`` when they had expired already or
+        were released by an earlier call (which then sends nothing). Raises
+        :class:`TollgateError` when the store cannot say; the slots are then free at
+        ``expires_at``."""
+        if self._released:
+            return False
+        freed = self._limiter.release(self.name, self.key, ticket=self.ticket)
+        self._released = True
+        return freed
+
+
+class Hold:
+    """What :meth:`Limiter.hold` answers: a context manager that acquires as its block is
+    entered (raising :class:`RateLimitError` when refused) and releases when the block
+    ends, however it ends. A release that fails then (the store down) is not raised, so
+    that it cannot hide how the block ended; the slots are free at their expiry. Call
+    ``slot.release()`` inside the block to know."""
+
+    __slots__ = ("_limiter", "_name", "_key", "_body", "_held")
+
+    def __init__(self, limiter: Limiter, name: str, key: Optional[str], body: bytes) -> None:
+        self._limiter, self._name, self._key, self._body = limiter, name, key, body
+        self._held: Optional[Held] = None
+
+    def __enter__(self) -> Held:
+        if self._held is not None:
+            raise RuntimeError("this hold's block is running already; call hold() for another")
+        ticket, expires_at = _core.held(self._name, self._limiter._send("acquire", self._body))
+        self._held = Held(self._limiter, self._name, self._key, ticket, expires_at)
+        return self._held
+
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            try:
+                held.release()
+            except TollgateError:
+                pass  # the slots are free at their expiry (see above)

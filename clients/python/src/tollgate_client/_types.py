@@ -18,6 +18,9 @@ __all__ = [
     "Adjusted",
     "TransactionResult",
     "ValueReading",
+    "Acquired",
+    "Renewed",
+    "SlotsValue",
 ]
 
 #: One second in milliseconds (every period and wait of the API is in ms).
@@ -106,3 +109,37 @@ class LimitCall:
     count: Optional[float] = None
     reserve: bool = False
     config: Optional[Mapping[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """The answer to ``acquire`` (a concurrency limit's slots, SPEC §6f): granted (``ok``)
+    with the ``ticket`` that holds the slots, a string of digits to give back as it came, and
+    ``expires_at``, when they are free again unless released or renewed (ms since the Unix
+    epoch, on the store's clock); or refused, nothing taken, with ``retry_after``: the ms
+    until the earliest holder's expiry (a release may free a slot sooner)."""
+
+    ok: bool
+    ticket: Optional[str] = None
+    expires_at: Optional[float] = None
+    retry_after: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Renewed:
+    """The answer to ``renew``: ``ok`` with the new ``expires_at``, or not ``ok`` when the
+    ticket had expired (its slots may be someone else's by then: stop the work, or acquire
+    again)."""
+
+    ok: bool
+    expires_at: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class SlotsValue:
+    """A concurrency limit's slots for a key (``get_slots_value``): ``in_flight`` held by
+    unexpired tickets, the limit's ``max``, and how many tickets (``holders``) hold them."""
+
+    in_flight: int
+    max: int
+    holders: int
