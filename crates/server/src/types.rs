@@ -42,7 +42,11 @@ pub fn run(args: &TypesArgs) -> anyhow::Result<()> {
         }
         (None, Some(url)) => {
             let shown = tollgate::store::redacted_url(url);
-            (fetch(url, args.token.as_deref())?, format!("--url {shown}"))
+            let mut limits = fetch(url, args.token.as_deref())?;
+            // The declaration names rate limits (what `limit` and `check` take); a server's
+            // concurrency limits are left out, as a config file's are.
+            limits.retain(|_, config| config["kind"] != "concurrency");
+            (limits, format!("--url {shown}"))
         }
         (None, None) => bail!("give --config FILE or --url URL"),
     };

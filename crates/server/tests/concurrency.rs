@@ -371,3 +371,26 @@ fn exact_across_processes_on_postgres() {
         exact_across_processes(&url);
     }
 }
+
+/// `tollgate types --url` declares the server's rate limits only, as `--config` does: a
+/// concurrency limit is not a name `limit` takes.
+#[test]
+fn types_from_a_server_leave_concurrency_limits_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tollgate.toml");
+    let text = "[limits.api]\nkind = \"token bucket\"\nrate = 10\nperiod = \"1m\"\n\
+                [limits.gpu]\nkind = \"concurrency\"\nmax = 2\n";
+    std::fs::write(&config, text).unwrap();
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    command.args(["serve", "--listen", "127.0.0.1:0", "--store", "memory", "--config"]);
+    command.arg(&config);
+    let served = common::Served::start(command, false);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["types", "--url", &format!("http://{}", served.http)])
+        .output()
+        .unwrap();
+    let declaration = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(declaration.contains("\"api\""), "{declaration}");
+    assert!(!declaration.contains("\"gpu\""), "{declaration}");
+}
