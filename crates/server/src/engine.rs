@@ -234,6 +234,19 @@ fn slot_count(count: Option<f64>) -> Result<Option<u32>, Answer> {
     }
 }
 
+/// An acquire (or its check) of `count` slots (one if none) of `key`, or the answer that
+/// says the count is not one.
+fn acquire_request(key: Option<&str>, count: Option<f64>) -> Result<tollgate::Acquire<'_>, Answer> {
+    let mut request = tollgate::Acquire::new();
+    if let Some(key) = key {
+        request = request.key(key);
+    }
+    if let Some(count) = slot_count(count)? {
+        request = request.count(count);
+    }
+    Ok(request)
+}
+
 /// A JSON object read into `T`, and nothing else: serde reads a struct from an array too
 /// (its fields in order), which the API does not take (`["api"]` is not a request for
 /// the limit `api`).
@@ -1087,13 +1100,7 @@ impl Defined {
                 "a concurrency limit has no reserve",
             ));
         }
-        let mut request = tollgate::Acquire::new();
-        if let Some(key) = body.key.as_deref() {
-            request = request.key(key);
-        }
-        if let Some(count) = slot_count(body.count)? {
-            request = request.count(count);
-        }
+        let request = acquire_request(body.key.as_deref(), body.count)?;
         let target = (name, limit);
         let decision =
             self.limiter.check_slots_async(target, request).await.map_err(|e| self.error(e))?;
@@ -1112,13 +1119,7 @@ impl Defined {
     async fn acquire(&self, body: AcquireBody) -> Result<Answer, Answer> {
         crate::otel::note("tollgate.limits", || body.name.clone());
         let limit = self.concurrency_named(&body.name)?;
-        let mut request = tollgate::Acquire::new();
-        if let Some(key) = body.key.as_deref() {
-            request = request.key(key);
-        }
-        if let Some(count) = slot_count(body.count)? {
-            request = request.count(count);
-        }
+        let mut request = acquire_request(body.key.as_deref(), body.count)?;
         if let Some(ttl) = body.ttl {
             request = request.ttl(ttl);
         }

@@ -185,6 +185,16 @@ pub(crate) struct SlotCall<'a> {
 }
 
 impl<S> RateLimiter<S> {
+    /// The limit a concurrency call is about: a defined name's, or the one given.
+    pub(crate) fn concurrency_of(&self, target: SlotsTarget<'_>) -> Result<Concurrency, Error> {
+        match target {
+            SlotsTarget::Inline(_, limit) => Ok(limit),
+            SlotsTarget::Named(name) => self
+                .concurrency_limit(name)
+                .ok_or_else(|| Error::NotDefined { name: name.to_string() }),
+        }
+    }
+
     pub(crate) fn slot_call<'a>(
         &self,
         target: SlotsTarget<'a>,
@@ -198,6 +208,11 @@ impl<S> RateLimiter<S> {
         op.validate(&limit)?;
         Ok(SlotCall { name, key, limit, op })
     }
+}
+
+/// A renewal of `ticket` for `ttl` ms, the limit's `ttl` if `None`.
+pub(crate) fn renewing(ticket: u64, ttl: Option<f64>) -> impl FnOnce(&Concurrency) -> SlotOp {
+    move |limit| SlotOp::Renew { ticket, ttl: ttl.unwrap_or(limit.ttl()) }
 }
 
 fn unexpected(answer: SlotAnswer) -> Error {
@@ -338,10 +353,7 @@ impl<S: Store> RateLimiter<S> {
         ticket: u64,
         ttl: Option<f64>,
     ) -> Result<Option<f64>, Error> {
-        let call = self.slot_call(target.into(), key, |l| SlotOp::Renew {
-            ticket,
-            ttl: ttl.unwrap_or(l.ttl()),
-        })?;
+        let call = self.slot_call(target.into(), key, renewing(ticket, ttl))?;
         renewed(self.run_slots(&call)?)
     }
 
@@ -472,10 +484,7 @@ impl<S: AsyncStore> RateLimiter<S> {
         ticket: u64,
         ttl: Option<f64>,
     ) -> Result<Option<f64>, Error> {
-        let call = self.slot_call(target.into(), key, |l| SlotOp::Renew {
-            ticket,
-            ttl: ttl.unwrap_or(l.ttl()),
-        })?;
+        let call = self.slot_call(target.into(), key, renewing(ticket, ttl))?;
         renewed(self.run_slots_async(&call).await?)
     }
 

@@ -15,7 +15,6 @@ use tollgate_algebra::{
 
 use tollgate_algebra::slots::Concurrency;
 
-use crate::concurrency::SlotsTarget;
 use crate::error::Error;
 use crate::store::{AsyncStore, MemoryStore, OnImmediate, Store};
 
@@ -504,19 +503,6 @@ impl<S> RateLimiter<S> {
     /// The concurrency limits defined at run time.
     pub fn defined_concurrency(&self) -> impl Iterator<Item = (&str, &Concurrency)> {
         self.setup.concurrency.iter().map(|(name, limit)| (&**name, limit))
-    }
-
-    /// The limit a concurrency call is about: a defined name's, or the one given.
-    pub(crate) fn concurrency_of(&self, target: SlotsTarget<'_>) -> Result<Concurrency, Error> {
-        match target {
-            SlotsTarget::Inline(_, limit) => Ok(limit),
-            SlotsTarget::Named(name) => self
-                .setup
-                .concurrency
-                .get(name)
-                .copied()
-                .ok_or_else(|| Error::NotDefined { name: name.to_string() }),
-        }
     }
 }
 

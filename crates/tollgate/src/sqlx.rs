@@ -60,7 +60,7 @@ use std::pin::Pin;
 use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp, Write};
 use tollgate_algebra::{Decision, Outcome, Plan, State};
 
-use crate::concurrency::{Acquire, Acquired, SlotsTarget, acquired, released, renewed};
+use crate::concurrency::{Acquire, Acquired, SlotsTarget, acquired, released, renewed, renewing};
 use crate::limiter::{Call, Request, Target, TransactionDecision, TransactionTaken};
 use crate::store::sql::{SlotSql, decide_slots, key_columns, saves};
 use crate::{Error, RateLimiter, StoreError};
@@ -218,10 +218,7 @@ impl<S: Sync> RateLimiter<S> {
         ticket: u64,
         ttl: Option<f64>,
     ) -> Result<Option<f64>, Error> {
-        let call = self.slot_call(target.into(), key, |l| SlotOp::Renew {
-            ticket,
-            ttl: ttl.unwrap_or(l.ttl()),
-        })?;
+        let call = self.slot_call(target.into(), key, renewing(ticket, ttl))?;
         renewed(conn.slots(call.name, call.key, &call.limit, &call.op).await?)
     }
 

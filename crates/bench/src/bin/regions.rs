@@ -635,8 +635,7 @@ fn run(
 /// with the limit as a fixed window of `rate` a second, one counter for the namespace;
 /// returns it once its gRPC port answers.
 fn limitador(plan: &Plan, dir: &Path, url: &str) -> (Child, u16) {
-    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (rls, http) = (free(), free());
+    let (rls, http) = (free_port(), free_port());
     let limits = dir.join("limitador.yaml");
     let yaml = format!(
         "- namespace: regions\n  max_value: {}\n  seconds: 1\n  conditions: []\n  variables: []\n",
@@ -652,12 +651,22 @@ fn limitador(plan: &Plan, dir: &Path, url: &str) -> (Child, u16) {
         .stderr(Stdio::null())
         .spawn()
         .expect("limitador-server");
-    let t0 = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", rls)).is_err() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "limitador-server did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_port(rls, "limitador-server");
     (child, rls)
+}
+
+/// A loopback port free now (a child is told to listen on it).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Waits (at most 20 s) until something listens on loopback `port`: `what`, started.
+fn wait_for_port(port: u16, what: &str) {
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "{what} did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// A limitador run's figures. Its limit is a fixed window of `M = rate` a second (limitador
@@ -875,11 +884,7 @@ fn throughput_serve(
             let mut servers = Vec::new();
             for (region, proxy) in proxies.iter().enumerate() {
                 for _ in 0..plan.servers {
-                    let port = std::net::TcpListener::bind("127.0.0.1:0")
-                        .unwrap()
-                        .local_addr()
-                        .unwrap()
-                        .port();
+                    let port = free_port();
                     let store = if on_memory {
                         "memory".to_string()
                     } else {
@@ -900,11 +905,7 @@ fn throughput_serve(
                         .stderr(Stdio::null())
                         .spawn()
                         .expect("tollgate serve");
-                    let t0 = Instant::now();
-                    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-                        assert!(t0.elapsed() < Duration::from_secs(20), "tollgate did not start");
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
+                    wait_for_port(port, "tollgate serve");
                     servers.push((region, port, child));
                 }
             }
