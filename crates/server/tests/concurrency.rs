@@ -267,7 +267,9 @@ fn the_simulator_acquires_and_releases() {
 
 /// SPEC §6f's bound across processes, as the issue asks it: four `tollgate serve` processes
 /// on one store, 64 acquirers each (threads) on one (name, key) with `max = 10`, each
-/// holding its slot a random 20-60 ms, then releasing. Each hold is logged from when its
+/// holding its slot a random 100-200 ms (long beside a store's answer under CI's load: with
+/// 20-60 ms, PostgreSQL answering slowly in a full test run left the logged holds short of
+/// overlapping, 5 at most), then releasing. Each hold is logged from when its
 /// grant was answered to when its release was sent: inside the time the store held it, so
 /// a count of overlapping holds over 10 is a certain violation. At no instant are more than
 /// 10 held, and the holds did pile up to the bound (else the test would prove nothing).
@@ -316,7 +318,7 @@ fn exact_across_processes(store: &str) {
                         seed = seed
                             .wrapping_mul(6364136223846793005)
                             .wrapping_add(1442695040888963407);
-                        let hold = 20 + (seed >> 33) % 41;
+                        let hold = 100 + (seed >> 33) % 101;
                         std::thread::sleep(std::time::Duration::from_millis(hold));
                         let released = start.elapsed().as_secs_f64();
                         let body = json!({ "name": "gpu", "key": key, "ticket": answer["ticket"] });
