@@ -342,6 +342,13 @@ impl<'a> Plan<'a> {
         }
     }
 
+    /// The same plan as a check: decided alike, nothing saved. A store answers with it for
+    /// the rate limits beside an acquire that was refused (SPEC §6f), which must not be taken.
+    #[must_use]
+    pub fn checking(&self) -> Plan<'a> {
+        Plan { writes: false, ..self.clone() }
+    }
+
     /// Whether deciding this plan may change states.
     pub fn writes(&self) -> bool {
         self.writes

@@ -239,6 +239,16 @@ impl AsyncStore for Timed {
     ) -> BoxFuture<'a, tollgate::core::slots::SlotAnswer> {
         time(self.0.slots_async(name, key, limit, op))
     }
+    fn slots_with_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a tollgate::Concurrency,
+        op: &'a tollgate::core::slots::SlotOp,
+        plan: &'a tollgate::core::Plan<'_>,
+    ) -> BoxFuture<'a, (tollgate::core::slots::SlotAnswer, tollgate::core::Outcome)> {
+        time(self.0.slots_with_async(name, key, limit, op, plan))
+    }
 }
 
 /// The exporter, when one was started: shut down (what it holds sent) when the server

@@ -26,10 +26,10 @@
 use std::sync::Arc;
 
 use tollgate_algebra::slots::{Concurrency, SlotAnswer, SlotOp};
-use tollgate_algebra::{Decision, validate_name_key};
+use tollgate_algebra::{Decision, Outcome, validate_name_key};
 
 use crate::error::{Error, StoreError};
-use crate::limiter::RateLimiter;
+use crate::limiter::{Call, RateLimiter, TransactionTaken};
 use crate::store::{AsyncStore, Store};
 
 /// Which concurrency limit a call is about: a name defined with
@@ -163,6 +163,24 @@ impl Acquired {
     }
 }
 
+/// The answer to an acquire taken together with rate limits
+/// ([`RateLimiter::acquire_with`]): the slot and every token, or nothing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AcquiredWith {
+    /// Whether the slot and every rate limit were granted (and so all were taken).
+    pub ok: bool,
+    /// The ticket to release (or renew) when the work is done, when `ok`.
+    pub ticket: Option<Ticket>,
+    /// The wait before trying again, when refused: the largest of the refusals' (the
+    /// slots' is until the earliest holder's expiry; a release may come sooner).
+    pub retry_after: Option<f64>,
+    /// The slot's own answer: granted if one was free, whether taken or not.
+    pub slot: Decision,
+    /// The rate limits' answers, one per call in order, with what each has left (decided
+    /// as a check, nothing taken, when the slots were full).
+    pub limits: TransactionTaken,
+}
+
 /// What a (name, key) of a concurrency limit holds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SlotsValue {
@@ -207,6 +225,41 @@ impl<S> RateLimiter<S> {
         let op = op(&limit);
         op.validate(&limit)?;
         Ok(SlotCall { name, key, limit, op })
+    }
+
+    /// The answer to an acquire with rate limits `calls`, from what the store answered;
+    /// an error as a transaction's if a call throws or can never be granted.
+    fn acquired_with(
+        &self,
+        call: &SlotCall<'_>,
+        throws: bool,
+        calls: &[Call<'_>],
+        (answer, outcome): (SlotAnswer, Outcome),
+    ) -> Result<AcquiredWith, Error> {
+        let limits = TransactionTaken::from(outcome);
+        self.check_refused(calls, limits.decision.ok, &limits.decision.results)?;
+        let (ticket, slot) = match answer {
+            SlotAnswer::Acquired { ticket, expires_at } => {
+                (Some(Ticket { id: ticket, expires_at }), Decision::ADMIT)
+            }
+            SlotAnswer::Free => (None, Decision::ADMIT),
+            SlotAnswer::Refused { retry_after } => {
+                (None, Decision { ok: false, retry_after: Some(retry_after) })
+            }
+            other => return Err(unexpected(other)),
+        };
+        let ok = slot.ok && limits.decision.ok;
+        if ok != ticket.is_some() {
+            let said = format!("the store answered a slot {slot:?} with rate limits {limits:?}");
+            return Err(Error::Store(StoreError::new(said)));
+        }
+        let retry_after =
+            tollgate_algebra::max_option(slot.retry_after, limits.decision.retry_after);
+        if !ok && throws {
+            let name = call.name.to_string();
+            return Err(Error::RateLimited { name, retry_after: retry_after.unwrap_or(0.0) });
+        }
+        Ok(AcquiredWith { ok, ticket, retry_after, slot, limits })
     }
 }
 
@@ -296,6 +349,48 @@ impl<S: Store> RateLimiter<S> {
         let request = request.into();
         let call = self.slot_call(target.into(), request.key, |l| request.op(l))?;
         acquired(call.name, request.throws, self.run_slots(&call)?)
+    }
+
+    /// Takes slots of a concurrency limit and tokens of rate limits together, all or
+    /// nothing (SPEC §6f): the work gets its slot and every token, or holds none of them,
+    /// not even for a moment. `calls` are as a [`transaction`](RateLimiter::transaction)'s.
+    /// When the slots are full, the rate limits are decided as a check (nothing taken), so
+    /// the answer still says what each would have answered.
+    ///
+    /// ```
+    /// use tollgate::{Acquire, Call, Concurrency, Config, ManualClock, MemoryStore, RateLimiter, Request, MINUTE};
+    ///
+    /// let limiter = RateLimiter::builder(MemoryStore::with_clock(ManualClock::new(0.0)))
+    ///     .define_concurrency("llmInFlight", Concurrency::new(4))
+    ///     .define("llmTokens", Config::token_bucket(10_000.0, MINUTE))
+    ///     .build();
+    /// let budget = [Call::new("llmTokens", Request::new().key("acme").count(8_000.0))];
+    /// let first = limiter.acquire_with("llmInFlight", "acme", &budget).unwrap();
+    /// assert!(first.ok);
+    /// // The tokens are refused: no slot is held for it.
+    /// let second = limiter.acquire_with("llmInFlight", "acme", &budget).unwrap();
+    /// assert!(!second.ok && second.slot.ok && second.ticket.is_none());
+    /// assert_eq!(limiter.slots_value("llmInFlight", Some("acme")).unwrap().in_flight, 1);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::acquire`] and [`RateLimiter::transaction`] (a call invalid or
+    /// never granted, a name not defined); [`Error::Store`] also for a store that cannot
+    /// take them together (every store of this crate can, but Redis). Nothing is taken
+    /// when an error is returned. [`Error::RateLimited`] for a refusal when the acquire
+    /// [`throws`](Acquire::throws), naming the concurrency limit.
+    pub fn acquire_with<'n, 'k>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        request: impl Into<Acquire<'k>>,
+        calls: &[Call<'_>],
+    ) -> Result<AcquiredWith, Error> {
+        let request = request.into();
+        let call = self.slot_call(target.into(), request.key, |l| request.op(l))?;
+        let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
+        let answered = self.store().slots_with(call.name, call.key, &call.limit, &call.op, &plan);
+        self.acquired_with(&call, request.throws, calls, answered?)
     }
 
     /// [`RateLimiter::acquire`], answered with a guard that releases the slots when it is
@@ -424,6 +519,28 @@ impl<S: AsyncStore> RateLimiter<S> {
         let request = request.into();
         let call = self.slot_call(target.into(), request.key, |l| request.op(l))?;
         acquired(call.name, request.throws, self.run_slots_async(&call).await?)
+    }
+
+    /// [`RateLimiter::acquire_with`], awaited.
+    ///
+    /// A future dropped while the store is answering may leave its slot held and its
+    /// tokens taken, unknown to the caller (the slot until its expiry).
+    ///
+    /// # Errors
+    ///
+    /// As for [`RateLimiter::acquire_with`].
+    pub async fn acquire_with_async<'n, 'k>(
+        &self,
+        target: impl Into<SlotsTarget<'n>>,
+        request: impl Into<Acquire<'k>>,
+        calls: &[Call<'_>],
+    ) -> Result<AcquiredWith, Error> {
+        let request = request.into();
+        let call = self.slot_call(target.into(), request.key, |l| request.op(l))?;
+        let plan = self.plan(true, calls.iter().map(|c| (c.target, c.request)))?;
+        let store = self.store();
+        let answered = store.slots_with_async(call.name, call.key, &call.limit, &call.op, &plan);
+        self.acquired_with(&call, request.throws, calls, answered.await?)
     }
 
     /// [`RateLimiter::acquire_async`], answered with a guard that releases the slots when it

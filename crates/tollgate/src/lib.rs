@@ -74,7 +74,9 @@ pub mod testing;
 #[cfg(feature = "tower")]
 pub mod tower;
 
-pub use concurrency::{Acquire, Acquired, Held, HeldAsync, SlotsTarget, SlotsValue, Ticket};
+pub use concurrency::{
+    Acquire, Acquired, AcquiredWith, Held, HeldAsync, SlotsTarget, SlotsValue, Ticket,
+};
 pub use error::{Error, StoreError};
 pub use limiter::{
     Call, Limits, RateLimiter, RateLimiterBuilder, Request, Target, TransactionDecision,

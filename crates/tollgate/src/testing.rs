@@ -31,7 +31,7 @@ use tollgate_algebra::{
     Adjusted, Config, DAY, Decision, HOUR, MINUTE, ManualClock, Reading, SECOND, State, Taken,
 };
 
-use crate::concurrency::{Acquire, Acquired, SlotsTarget, SlotsValue};
+use crate::concurrency::{Acquire, Acquired, AcquiredWith, SlotsTarget, SlotsValue};
 use crate::error::Error;
 use crate::limiter::{Call, RateLimiter, Request, Target, TransactionDecision, TransactionTaken};
 use crate::store::{AsyncStore, Store};
@@ -42,7 +42,7 @@ use tollgate_algebra::slots::Concurrency;
 pub const T0: f64 = 1_700_000_000_000.0;
 
 /// The behaviours' names, in the order they run.
-pub const BEHAVIOURS: [&str; 22] = [
+pub const BEHAVIOURS: [&str; 23] = [
     "token_bucket_spec_numbers",
     "token_bucket_spec_numbers_reserved",
     "fixed_window_spec_numbers",
@@ -65,6 +65,7 @@ pub const BEHAVIOURS: [&str; 22] = [
     "concurrent_exactness",
     "slots_spec_numbers",
     "slots_racing_acquirers",
+    "slots_with_rate_limits",
 ];
 
 /// A limiter through the sync API on the store `make` makes (given a runtime, which a sync
@@ -110,7 +111,7 @@ pub fn run_async<S: AsyncStore + 'static>(make: impl Fn(&Runtime, ManualClock) -
 type Behaviour<A> = fn(&dyn Fn() -> (A, ManualClock));
 
 fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
-    let all: [Behaviour<A>; 22] = [
+    let all: [Behaviour<A>; 23] = [
         behaviours::token_bucket_spec_numbers,
         behaviours::token_bucket_spec_numbers_reserved,
         behaviours::fixed_window_spec_numbers,
@@ -133,6 +134,7 @@ fn run_all<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
         behaviours::concurrent_exactness,
         behaviours::slots_spec_numbers,
         behaviours::slots_racing_acquirers,
+        behaviours::slots_with_rate_limits,
     ];
     for (name, behaviour) in BEHAVIOURS.iter().zip(all) {
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| behaviour(setup)));
@@ -182,7 +184,8 @@ macro_rules! conformance_tests {
             calendar_windows_in_a_time_zone,
             concurrent_exactness,
             slots_spec_numbers,
-            slots_racing_acquirers);
+            slots_racing_acquirers,
+            slots_with_rate_limits);
     };
     (@each $api:ident, $make:expr, $when:expr; $($test:ident),*) => {
         $(
@@ -285,6 +288,13 @@ pub trait Api: Send + Sync + 'static {
         t: impl Into<SlotsTarget<'n>>,
         r: impl Into<Acquire<'k>>,
     ) -> Result<Acquired, Error>;
+    /// [`RateLimiter::acquire_with`].
+    fn acquire_with<'n, 'k>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        r: impl Into<Acquire<'k>>,
+        calls: &[Call<'_>],
+    ) -> Result<AcquiredWith, Error>;
     /// [`RateLimiter::release`].
     fn release<'n>(
         &self,
@@ -411,6 +421,14 @@ impl<S: Store + Send + Sync + 'static> Api for SyncApi<S> {
         r: impl Into<Acquire<'k>>,
     ) -> Result<Acquired, Error> {
         self.0.acquire(t, r)
+    }
+    fn acquire_with<'n, 'k>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        r: impl Into<Acquire<'k>>,
+        calls: &[Call<'_>],
+    ) -> Result<AcquiredWith, Error> {
+        self.0.acquire_with(t, r, calls)
     }
     fn release<'n>(
         &self,
@@ -576,6 +594,14 @@ impl<S: AsyncStore + 'static> Api for AsyncApi<S> {
         r: impl Into<Acquire<'k>>,
     ) -> Result<Acquired, Error> {
         self.on(self.limiter.acquire_async(t.into(), r.into()))
+    }
+    fn acquire_with<'n, 'k>(
+        &self,
+        t: impl Into<SlotsTarget<'n>>,
+        r: impl Into<Acquire<'k>>,
+        calls: &[Call<'_>],
+    ) -> Result<AcquiredWith, Error> {
+        self.on(self.limiter.acquire_with_async(t.into(), r.into(), calls))
     }
     fn release<'n>(
         &self,
@@ -1187,6 +1213,61 @@ pub mod behaviours {
         assert!(l.acquire(gpu, Acquire::new().count(3)).unwrap().ok());
         assert_eq!(l.slots_value(gpu, None).unwrap().in_flight, 3);
         assert_eq!(l.slots_value(gpu, k).unwrap().in_flight, 0);
+    }
+
+    /// SPEC §6f: an acquire taken with rate limits, all or nothing: the slot and the tokens
+    /// both, or neither; with the slots full the rate limits are decided as a check.
+    pub fn slots_with_rate_limits<A: Api>(setup: &dyn Fn() -> (A, ManualClock)) {
+        let (l, clock) = setup();
+        // One tenant's limits: on Redis Cluster the hash tag keeps them in one hash slot.
+        let (tenant, k) = ("{t1}", Some("{t1}"));
+        let gpu = ("gpuWith", Concurrency::new(2).with_ttl(10.0 * SECOND));
+        let tokens = Target::Inline("tokensWith", Config::token_bucket(10.0, MINUTE));
+        let spend = |count: f64| [tokens.with(Request::new().key(tenant).count(count))];
+        let both = l.acquire_with(gpu, tenant, &spend(6.0)).unwrap();
+        assert!(both.ok && both.slot.ok && both.limits.decision.ok, "{both:?}");
+        assert_eq!(both.ticket.unwrap().expires_at, T0 + 10.0 * SECOND);
+        assert_eq!(both.retry_after, None);
+        assert_eq!(state(&l, tokens, k).value, 4.0);
+        assert_eq!(l.slots_value(gpu, k).unwrap().in_flight, 1);
+        // The tokens are refused (2 short: 12 s at 10 a minute): no slot is held for it.
+        clock.advance(SECOND);
+        let short = l.acquire_with(gpu, tenant, &spend(6.0)).unwrap();
+        assert_eq!((short.ok, short.ticket, short.slot), (false, None, Decision::ADMIT));
+        assert_eq!(short.limits.decision.results[..], [refused(11_000.0)]);
+        assert_eq!(short.retry_after, Some(11_000.0));
+        assert_eq!(l.slots_value(gpu, k).unwrap().in_flight, 1);
+        // The slots full: refused until the earliest expiry; the tokens decided, not taken.
+        let plain = l.acquire(gpu, tenant).unwrap();
+        assert!(plain.ok());
+        let left = state(&l, tokens, k);
+        let full = l.acquire_with(gpu, tenant, &spend(1.0)).unwrap();
+        assert_eq!((full.ok, full.ticket), (false, None));
+        assert_eq!(full.slot, refused(9.0 * SECOND));
+        assert!(full.limits.decision.ok);
+        assert_eq!(full.retry_after, Some(9.0 * SECOND));
+        assert_eq!(state(&l, tokens, k), left, "nothing taken while the slots were full");
+        let left = left.value;
+        // throws names the concurrency limit; an invalid call is an error; neither holds.
+        match l.acquire_with(gpu, Acquire::new().key(tenant).throws(), &spend(1.0)) {
+            Err(Error::RateLimited { name, retry_after }) => {
+                assert_eq!((name.as_str(), retry_after), ("gpuWith", 9.0 * SECOND));
+            }
+            other => panic!("throws: {other:?}"),
+        }
+        assert!(l.release(gpu, k, plain.ticket().unwrap().id).unwrap());
+        assert!(matches!(l.acquire_with(gpu, tenant, &spend(11.0)), Err(Error::Invalid(_))));
+        let over = Acquire::new().key(tenant).count(3);
+        assert!(matches!(l.acquire_with(gpu, over, &spend(1.0)), Err(Error::Invalid(_))));
+        assert_eq!(l.slots_value(gpu, k).unwrap().in_flight, 1);
+        assert_eq!(state(&l, tokens, k).value, left);
+        // Granted again: both taken; without calls it is a plain acquire.
+        let again = l.acquire_with(gpu, tenant, &spend(1.0)).unwrap();
+        assert!(again.ok);
+        assert_eq!(state(&l, tokens, k).value, left + 10_000.0 / 60_000.0 - 1.0);
+        assert!(l.release(gpu, k, again.ticket.unwrap().id).unwrap());
+        assert!(l.acquire_with(gpu, tenant, &[]).unwrap().ok);
+        assert_eq!(l.slots_value(gpu, k).unwrap().in_flight, 2);
     }
 
     /// 64 racing acquirers of a limit of 10: exactly 10 granted, 10 times over.

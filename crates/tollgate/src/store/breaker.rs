@@ -318,6 +318,21 @@ impl<S: AsyncStore + 'static> AsyncStore for CircuitBreaker<S> {
             self.guarded(op.writes(), self.shared.store.slots_async(name, key, limit, op)).await
         })
     }
+
+    fn slots_with_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+        plan: &'a Plan<'_>,
+    ) -> BoxFuture<'a, (SlotAnswer, Outcome)> {
+        Box::pin(async move {
+            self.closed()?;
+            let answer = self.shared.store.slots_with_async(name, key, limit, op, plan);
+            self.guarded(true, answer).await
+        })
+    }
 }
 
 #[cfg(test)]

@@ -1145,6 +1145,21 @@ impl<C: Clock> Store for MemoryStore<C> {
     ) -> Result<SlotAnswer, StoreError> {
         self.holders.run(name, key, limit, op, self.clock.now())
     }
+
+    /// Under the holders' lock, the plan is run as any plan is (a check if the slots are
+    /// full), and the holder added only if both are granted.
+    fn slots_with(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+        plan: &Plan<'_>,
+    ) -> Result<(SlotAnswer, Outcome), StoreError> {
+        self.holders.run_with(name, key, limit, op, self.clock.now(), |granted| {
+            if granted { self.execute(plan) } else { self.execute(&plan.checking()) }
+        })
+    }
 }
 
 #[cfg(test)]

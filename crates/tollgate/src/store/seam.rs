@@ -150,11 +150,51 @@ pub trait Store {
         let _ = (name, key, limit, op);
         Err(no_slots())
     }
+
+    /// An acquire of (name, key) of a concurrency limit and the takes of `plan`, all or
+    /// nothing (SPEC §6f): the holder is added and the plan's states written only if both
+    /// are granted, atomically with every other operation on them. Answers the plan's
+    /// outcome and what the acquire answered:
+    /// - [`SlotAnswer::Acquired`]: both granted, both written;
+    /// - [`SlotAnswer::Refused`]: the slots are full; the plan was decided as a check
+    ///   ([`Plan::checking`](tollgate_algebra::Plan::checking)), nothing written;
+    /// - [`SlotAnswer::Free`]: a slot was free but the plan was refused; nothing written.
+    ///
+    /// `op` is an acquire the limiter has checked against `limit`. The default is an error.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] if anything cannot be loaded or saved; nothing is written.
+    fn slots_with(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+        plan: &Plan<'_>,
+    ) -> Result<(SlotAnswer, Outcome), StoreError> {
+        let _ = (name, key, limit, op, plan);
+        Err(no_slots_with())
+    }
 }
 
 /// What a store that holds no concurrency limits answers.
 pub(crate) fn no_slots() -> StoreError {
     StoreError::new("this store holds no concurrency limits")
+}
+
+/// What a store that cannot take a slot and rate limits together answers.
+pub(crate) fn no_slots_with() -> StoreError {
+    StoreError::new("this store cannot take a concurrency slot and rate limits in one transaction")
+}
+
+/// An answer of [`Store::slots_with`] from a holder's decision and the plan's outcome:
+/// [`SlotAnswer::Acquired`] stands only if the plan was granted too (else `Free`).
+pub(crate) fn slots_with_answer(answer: SlotAnswer, outcome: &Outcome) -> SlotAnswer {
+    match answer {
+        SlotAnswer::Acquired { .. } if !outcome.ok => SlotAnswer::Free,
+        answer => answer,
+    }
 }
 
 /// Loads and saves limit states atomically per request, awaited: the seam of every store
@@ -277,6 +317,29 @@ pub trait AsyncStore: Send + Sync {
         };
         Box::pin(std::future::ready(answer))
     }
+
+    /// An acquire and the takes of `plan`, all or nothing (as [`Store::slots_with`]). The
+    /// default answers through [`AsyncStore::immediate`], or is an error for a store that
+    /// has none.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Store::slots_with`]; one whose reply timed out may have been granted (the
+    /// slots are free again at their expiry, the tokens are spent).
+    fn slots_with_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+        plan: &'a Plan<'_>,
+    ) -> BoxFuture<'a, (SlotAnswer, Outcome)> {
+        let answer = match self.immediate() {
+            Some(store) => store.slots_with(name, key, limit, op, plan),
+            None => Err(no_slots_with()),
+        };
+        Box::pin(std::future::ready(answer))
+    }
 }
 
 /// What the limiter runs on an in-process store's sync path (see
@@ -328,6 +391,16 @@ macro_rules! forward_async_store {
                 op: &'a SlotOp,
             ) -> BoxFuture<'a, SlotAnswer> {
                 (**self).slots_async(name, key, limit, op)
+            }
+            fn slots_with_async<'a>(
+                &'a self,
+                name: &'a str,
+                key: Option<&'a str>,
+                limit: &'a Concurrency,
+                op: &'a SlotOp,
+                plan: &'a Plan<'_>,
+            ) -> BoxFuture<'a, (SlotAnswer, Outcome)> {
+                (**self).slots_with_async(name, key, limit, op, plan)
             }
         }
     )*};
@@ -386,6 +459,16 @@ macro_rules! immediate_async_store {
             ) -> $crate::store::seam::BoxFuture<'a, tollgate_algebra::slots::SlotAnswer> {
                 Box::pin(std::future::ready($crate::store::seam::Store::slots(self, name, key, limit, op)))
             }
+            fn slots_with_async<'a>(
+                &'a self,
+                name: &'a str,
+                key: Option<&'a str>,
+                limit: &'a tollgate_algebra::slots::Concurrency,
+                op: &'a tollgate_algebra::slots::SlotOp,
+                plan: &'a tollgate_algebra::Plan<'_>,
+            ) -> $crate::store::seam::BoxFuture<'a, (tollgate_algebra::slots::SlotAnswer, tollgate_algebra::Outcome)> {
+                Box::pin(std::future::ready($crate::store::seam::Store::slots_with(self, name, key, limit, op, plan)))
+            }
         }
     )*};
 }
@@ -430,6 +513,17 @@ macro_rules! forward_store {
                 op: &SlotOp,
             ) -> Result<SlotAnswer, StoreError> {
                 (**self).slots(name, key, limit, op)
+            }
+            #[inline(always)]
+            fn slots_with(
+                &self,
+                name: &str,
+                key: Option<&str>,
+                limit: &Concurrency,
+                op: &SlotOp,
+                plan: &Plan<'_>,
+            ) -> Result<(SlotAnswer, Outcome), StoreError> {
+                (**self).slots_with(name, key, limit, op, plan)
             }
         }
     )*};

@@ -11,7 +11,7 @@ use tollgate_algebra::{
     Clock, Config, Kind, OneTake, Outcome, Plan, Slot, State, SystemClock, Taken, full_at,
 };
 
-use super::seam::{AsyncStore, BoxFuture, Store};
+use super::seam::{AsyncStore, BoxFuture, Store, slots_with_answer};
 use super::sql::{
     SQLITE_ADD_FULL_AT, SQLITE_DELETE, SQLITE_DELETE_ALL, SQLITE_HAS_FULL_AT, SQLITE_SCHEMA,
     SQLITE_SELECT, SQLITE_SWEEP, SQLITE_UPSERT, SlotSql, decide_slots, holders_of, key_columns,
@@ -467,6 +467,7 @@ enum Job {
     Read(OwnedSlots, Ticket<(f64, Vec<Option<State>>)>),
     Delete(Box<str>, Option<Box<str>>, u16, Ticket<()>),
     Slots(Box<OwnedSlotOp>, Ticket<SlotAnswer>),
+    SlotsWith(Box<OwnedSlotOp>, Box<OwnedPlan>, Ticket<(SlotAnswer, Outcome)>),
 }
 
 /// The most requests the writer runs in one transaction.
@@ -480,6 +481,7 @@ impl Job {
             Job::Read(_, t) => t.take(),
             Job::Delete(_, _, _, t) => t.take(),
             Job::Slots(_, t) => t.take(),
+            Job::SlotsWith(_, _, t) => t.take(),
         }
     }
 
@@ -504,6 +506,10 @@ impl Job {
                 &call.op,
                 now,
             )?),
+            Job::SlotsWith(call, plan, _) => {
+                let call_parts = (&*call.name, call.key.as_deref(), &call.limit, &call.op);
+                Answer::SlotsWith(slots_with_on(conn, call_parts, &plan.plan(), now)?)
+            }
         })
     }
 
@@ -515,6 +521,7 @@ impl Job {
             (Job::Read(_, t), Ok(Answer::Read(now, states))) => t.answer(Ok((now, states))),
             (Job::Delete(_, _, _, t), Ok(Answer::Delete)) => t.answer(Ok(())),
             (Job::Slots(_, t), Ok(Answer::Slots(a))) => t.answer(a),
+            (Job::SlotsWith(_, _, t), Ok(Answer::SlotsWith(a))) => t.answer(a),
             (job, answer) => {
                 let e = match answer {
                     Err(e) => e,
@@ -528,6 +535,7 @@ impl Job {
                     Job::Read(_, t) => t.answer(Err(e)),
                     Job::Delete(_, _, _, t) => t.answer(Err(e)),
                     Job::Slots(_, t) => t.answer(Err(e)),
+                    Job::SlotsWith(_, _, t) => t.answer(Err(e)),
                 }
             }
         }
@@ -543,6 +551,8 @@ enum Answer {
     /// What a concurrency limit's operation answered, or its own error (an invalid
     /// operation, which wrote nothing: the others in its transaction stand).
     Slots(Result<SlotAnswer, StoreError>),
+    /// What an acquire with rate limits answered, or its own error (as `Slots`).
+    SlotsWith(Result<(SlotAnswer, Outcome), StoreError>),
 }
 
 /// The writer thread: takes the requests that wait (up to [`MOST_PER_COMMIT`]), runs them
@@ -615,6 +625,18 @@ impl<C: Clock> Store for SqliteStore<C> {
     ) -> Result<SlotAnswer, StoreError> {
         self.immediate(|conn, now| slots_on(conn, name, key, limit, op, now))?
     }
+
+    /// In one `BEGIN IMMEDIATE` transaction of its own, as [`Store::slots`].
+    fn slots_with(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+        plan: &Plan<'_>,
+    ) -> Result<(SlotAnswer, Outcome), StoreError> {
+        self.immediate(|conn, now| slots_with_on(conn, (name, key, limit, op), plan, now))?
+    }
 }
 
 impl<C: Clock> AsyncStore for SqliteStore<C> {
@@ -663,6 +685,22 @@ impl<C: Clock> AsyncStore for SqliteStore<C> {
         Box::pin(async move {
             let call = Box::new(OwnedSlotOp::new(name, key, limit, op));
             self.submit(|ticket| Job::Slots(call, ticket)).await
+        })
+    }
+
+    /// On the writer thread, as [`Store::slots_with`].
+    fn slots_with_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+        plan: &'a Plan<'_>,
+    ) -> BoxFuture<'a, (SlotAnswer, Outcome)> {
+        Box::pin(async move {
+            let call = Box::new(OwnedSlotOp::new(name, key, limit, op));
+            let plan = Box::new(OwnedPlan::new(plan));
+            self.submit(|ticket| Job::SlotsWith(call, plan, ticket)).await
         })
     }
 }
@@ -748,6 +786,20 @@ impl<C: Clock> Store for SqliteTransaction<'_, C> {
         slots_on(self.conn, name, key, limit, op, self.clock.now())
             .map_err(|e| sql_error("request failed", e))?
     }
+
+    /// Within your transaction, as [`SqliteTransaction::slots`]: the holder and the tokens
+    /// are there if you commit, both gone if you roll back.
+    fn slots_with(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+        plan: &Plan<'_>,
+    ) -> Result<(SlotAnswer, Outcome), StoreError> {
+        slots_with_on(self.conn, (name, key, limit, op), plan, self.clock.now())
+            .map_err(|e| sql_error("request failed", e))?
+    }
 }
 
 fn load(conn: &Connection, slots: &[Slot<'_>]) -> rusqlite::Result<Vec<Option<State>>> {
@@ -791,10 +843,9 @@ fn execute_on(conn: &Connection, plan: &Plan<'_>, now: f64) -> rusqlite::Result<
 
 /// An operation on the holders of a concurrency limit's (name, key) (SPEC §6f), within a
 /// transaction already begun, at `now`: deletes the holders expired by then, loads the
-/// others, decides, and writes what the decision says (a new holder and the last ticket
-/// made, a holder gone, a new expiry, or every holder gone). The outer error is the
-/// database's; the inner one says the operation was invalid or a row garbled, and nothing
-/// but the expired holders was deleted.
+/// others, decides, and writes what the decision says. The outer error is the database's;
+/// the inner one says the operation was invalid or a row garbled, and nothing but the
+/// expired holders was deleted.
 fn slots_on(
     conn: &Connection,
     name: &str,
@@ -803,6 +854,26 @@ fn slots_on(
     op: &SlotOp,
     now: f64,
 ) -> rusqlite::Result<Result<SlotAnswer, StoreError>> {
+    Ok(match decide_slots_on(conn, name, key, limit, op, now)? {
+        Ok((answer, write)) => {
+            save_slots(conn, name, key, write)?;
+            Ok(answer)
+        }
+        Err(e) => Err(e),
+    })
+}
+
+/// What an operation on the holders of (name, key) answers at `now`, and what it would
+/// write: deletes the holders expired by then, loads the others (and, for an acquire, the
+/// last ticket made), decides. Errors as [`slots_on`]'s.
+fn decide_slots_on(
+    conn: &Connection,
+    name: &str,
+    key: Option<&str>,
+    limit: &Concurrency,
+    op: &SlotOp,
+    now: f64,
+) -> rusqlite::Result<Result<(SlotAnswer, Write), StoreError>> {
     let sql = SlotSql::sqlite();
     let (has_key, key) = key_columns(key);
     conn.prepare_cached(&sql.expire)?.execute(params![name, has_key, key, now])?;
@@ -817,14 +888,22 @@ fn slots_on(
         ),
         _ => None,
     };
-    let decided = holders_of(rows).and_then(|holders| {
+    Ok(holders_of(rows).and_then(|holders| {
         let ticket = last.map_or(Ok(0), next_ticket)?;
         decide_slots(limit, &holders, now, op, ticket)
-    });
-    let (answer, write) = match decided {
-        Ok(decided) => decided,
-        Err(e) => return Ok(Err(e)),
-    };
+    }))
+}
+
+/// Writes what a decision on the holders of (name, key) said (a new holder and the last
+/// ticket made, a holder gone, a new expiry, or every holder gone).
+fn save_slots(
+    conn: &Connection,
+    name: &str,
+    key: Option<&str>,
+    write: Write,
+) -> rusqlite::Result<()> {
+    let sql = SlotSql::sqlite();
+    let (has_key, key) = key_columns(key);
     // Tickets are at most 2^53 - 1 (made here, checked when read back): exact as i64.
     let column = |ticket: u64| ticket as i64;
     match write {
@@ -851,7 +930,32 @@ fn slots_on(
             conn.prepare_cached(&sql.clear)?.execute(params![name, has_key, key])?;
         }
     }
-    Ok(Ok(answer))
+    Ok(())
+}
+
+/// An acquire with the takes of `plan`, all or nothing, within a transaction already
+/// begun, at `now` (see [`Store::slots_with`]): the plan is run as any plan is (as a check
+/// if the slots are full), and the holder written only if both are granted.
+fn slots_with_on(
+    conn: &Connection,
+    (name, key, limit, op): (&str, Option<&str>, &Concurrency, &SlotOp),
+    plan: &Plan<'_>,
+    now: f64,
+) -> rusqlite::Result<Result<(SlotAnswer, Outcome), StoreError>> {
+    let (answer, write) = match decide_slots_on(conn, name, key, limit, op, now)? {
+        Ok(decided) => decided,
+        Err(e) => return Ok(Err(e)),
+    };
+    let granted = matches!(answer, SlotAnswer::Acquired { .. });
+    let outcome = if granted {
+        execute_on(conn, plan, now)?
+    } else {
+        execute_on(conn, &plan.checking(), now)?
+    };
+    if granted && outcome.ok {
+        save_slots(conn, name, key, write)?;
+    }
+    Ok(Ok((slots_with_answer(answer, &outcome), outcome)))
 }
 
 fn delete_all(

@@ -51,6 +51,16 @@ impl Store for Unavailable {
     ) -> Result<tollgate_algebra::slots::SlotAnswer, StoreError> {
         Err(StoreError::new(self.0.clone()))
     }
+    fn slots_with(
+        &self,
+        _: &str,
+        _: Option<&str>,
+        _: &tollgate_algebra::slots::Concurrency,
+        _: &tollgate_algebra::slots::SlotOp,
+        _: &Plan<'_>,
+    ) -> Result<(tollgate_algebra::slots::SlotAnswer, Outcome), StoreError> {
+        Err(StoreError::new(self.0.clone()))
+    }
 }
 
 immediate_async_store! {

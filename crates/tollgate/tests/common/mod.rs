@@ -76,6 +76,16 @@ impl<S: Store, R> Store for Owned<S, R> {
     ) -> Result<SlotAnswer, StoreError> {
         self.store.slots(name, key, limit, op)
     }
+    fn slots_with(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+        plan: &Plan<'_>,
+    ) -> Result<(SlotAnswer, Outcome), StoreError> {
+        self.store.slots_with(name, key, limit, op, plan)
+    }
 }
 
 impl<S: AsyncStore, R: Send + Sync> AsyncStore for Owned<S, R> {
@@ -107,6 +117,16 @@ impl<S: AsyncStore, R: Send + Sync> AsyncStore for Owned<S, R> {
         op: &'a SlotOp,
     ) -> BoxFuture<'a, SlotAnswer> {
         self.store.slots_async(name, key, limit, op)
+    }
+    fn slots_with_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+        plan: &'a Plan<'_>,
+    ) -> BoxFuture<'a, (SlotAnswer, Outcome)> {
+        self.store.slots_with_async(name, key, limit, op, plan)
     }
 }
 

@@ -451,6 +451,23 @@ impl<C: Clock> AsyncStore for PgStore<C> {
             self.submit(|ticket| Job::Slots(call, now, ticket)).await
         })
     }
+
+    /// In a transaction of its own on a worker's connection, as `slots_async`, the
+    /// (name, key)'s lock taken before the plan's.
+    fn slots_with_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+        plan: &'a Plan<'_>,
+    ) -> BoxFuture<'a, (SlotAnswer, Outcome)> {
+        Box::pin(async move {
+            let with = Box::new((OwnedSlotOp::new(name, key, limit, op), OwnedPlan::new(plan)));
+            let now = self.now();
+            self.submit(|ticket| Job::SlotsWith(with, now, ticket)).await
+        })
+    }
 }
 
 #[cfg(test)]

@@ -65,13 +65,13 @@ pub(super) async fn load<G: GenericClient + Sync>(
 
 /// What [`load`] read: the database's time, each slot's state, and each slot's lease records
 /// (holder, tokens, expiry each; `None` when its row has none, or the statement refuses them).
-type Loaded = (f64, Vec<Option<State>>, Vec<Option<Vec<f64>>>);
+pub(super) type Loaded = (f64, Vec<Option<State>>, Vec<Option<Vec<f64>>>);
 
 /// Decides `plan` on what [`load`] read. A state with lease records is first refilled under
 /// `capacity - outstanding` to `now` (`Leased::advance`), so a transaction takes a leased
 /// limit directly, never past what its leases leave (nor does an adjust give back past
 /// it); answers the records each keeps.
-fn decide(plan: &Plan<'_>, (now, mut states, records): Loaded) -> Decided {
+pub(super) fn decide(plan: &Plan<'_>, (now, mut states, records): Loaded) -> Decided {
     // What an adjust may raise each state to: a leased one's cap (see `Plan::decide_under`).
     let mut caps = vec![f64::INFINITY; plan.slots().len()];
     let kept: Vec<Option<Vec<f64>>> = plan
@@ -95,18 +95,18 @@ fn decide(plan: &Plan<'_>, (now, mut states, records): Loaded) -> Decided {
 }
 
 /// A decided plan, with what it writes.
-struct Decided {
+pub(super) struct Decided {
     now: f64,
     states: Vec<Option<State>>,
     /// Per slot, the lease records it keeps (`None`: its row had none).
     kept: Vec<Option<Vec<f64>>>,
-    outcome: Outcome,
+    pub(super) outcome: Outcome,
 }
 
 /// Writes what `decided` changed: each state, or a delete when it is full again and holds no
 /// lease record; a state that had records is written with those it keeps (NULL: none), and
 /// is never deleted while it keeps any.
-async fn save<G: GenericClient + Sync>(
+pub(super) async fn save<G: GenericClient + Sync>(
     client: &G,
     stmts: &Stmts<'_>,
     plan: &Plan<'_>,

@@ -14,9 +14,12 @@ use futures_util::future::join;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, GenericClient};
 use tollgate_algebra::slots::{Concurrency, Holder, SlotAnswer, SlotOp, Write};
+use tollgate_algebra::{Outcome, Plan};
 
+use super::plan;
 use super::schema::{Stmts, pg_error, query};
 use crate::error::StoreError;
+use crate::store::seam::slots_with_answer;
 use crate::store::sql::{SLOTS_LOCK_CLASS, decide_slots, key_columns, lock_id, pg_loaded};
 
 /// An operation on the holders of (name, key) of a concurrency limit.
@@ -59,9 +62,9 @@ impl Failed {
 
 /// `result` as the store's workers bound a request (`schema::bounded`): the database's
 /// error outside, what it read inside.
-pub(super) fn split(
-    result: Result<SlotAnswer, Failed>,
-) -> Result<Result<SlotAnswer, StoreError>, tokio_postgres::Error> {
+pub(super) fn split<T>(
+    result: Result<T, Failed>,
+) -> Result<Result<T, StoreError>, tokio_postgres::Error> {
     match result {
         Ok(answer) => Ok(Ok(answer)),
         Err(Failed::Store(e)) => Ok(Err(e)),
@@ -177,6 +180,102 @@ pub(super) async fn slots_in_own_transaction(
         written?;
         committed?;
         Ok(answer)
+    }
+    .await;
+    if result.is_err() && !client.is_closed() {
+        let _ = client.batch_execute("ROLLBACK").await;
+    }
+    result
+}
+
+/// What an acquire with rate limits decided: the answers, and what to write (only when
+/// both are granted).
+struct DecidedWith {
+    answer: SlotAnswer,
+    outcome: Outcome,
+    writes: Option<(Write, plan::Decided)>,
+}
+
+/// An acquire with the takes of `plan`, all or nothing (`Store::slots_with`): the
+/// (name, key)'s lock and its holders, then the plan's locks and states, in one round trip
+/// (the slots' lock first: every operation that takes both takes them in this order); the
+/// plan decided as a check if the slots are full.
+async fn decide_with<G: GenericClient + Sync>(
+    client: &G,
+    stmts: &Stmts<'_>,
+    call: SlotCall<'_>,
+    taken: &Plan<'_>,
+    now: Option<f64>,
+) -> Result<DecidedWith, Failed> {
+    let (holders, states) =
+        join(load(client, stmts, call, now), plan::load(client, stmts, taken.slots(), now, true))
+            .await;
+    let (holders, states) = (holders?, states?);
+    let (answer, write) =
+        decide_slots(call.limit, &holders.holders, holders.now, call.op, holders.ticket)?;
+    let granted = matches!(answer, SlotAnswer::Acquired { .. });
+    let decided =
+        if granted { plan::decide(taken, states) } else { plan::decide(&taken.checking(), states) };
+    let outcome = decided.outcome.clone();
+    let writes = (granted && outcome.ok).then_some((write, decided));
+    Ok(DecidedWith { answer: slots_with_answer(answer, &outcome), outcome, writes })
+}
+
+/// Writes what [`decide_with`] decided, if anything.
+async fn save_with<G: GenericClient + Sync>(
+    client: &G,
+    stmts: &Stmts<'_>,
+    call: SlotCall<'_>,
+    taken: &Plan<'_>,
+    writes: Option<(Write, plan::Decided)>,
+) -> Result<(), tokio_postgres::Error> {
+    if let Some((write, decided)) = writes {
+        let (holder, states) =
+            join(save(client, stmts, call, write), plan::save(client, stmts, taken, &decided))
+                .await;
+        holder?;
+        states?;
+    }
+    Ok(())
+}
+
+/// An acquire with the takes of `plan`, all or nothing, within a transaction already begun
+/// (the caller's). Two round trips (one when nothing is written).
+pub(super) async fn slots_with_in<G: GenericClient + Sync>(
+    client: &G,
+    stmts: &Stmts<'_>,
+    call: SlotCall<'_>,
+    taken: &Plan<'_>,
+    now: Option<f64>,
+) -> Result<(SlotAnswer, Outcome), Failed> {
+    let decided = decide_with(client, stmts, call, taken, now).await?;
+    save_with(client, stmts, call, taken, decided.writes).await?;
+    Ok((decided.answer, decided.outcome))
+}
+
+/// The same in a transaction of its own on a store connection: `BEGIN` goes with the locks
+/// and loads, `COMMIT` with the writes. Anything that fails rolls it all back.
+pub(super) async fn slots_with_in_own_transaction(
+    client: &Client,
+    stmts: &Stmts<'_>,
+    call: SlotCall<'_>,
+    taken: &Plan<'_>,
+    now: Option<f64>,
+) -> Result<(SlotAnswer, Outcome), Failed> {
+    let (begun, decided) =
+        join(client.batch_execute("BEGIN"), decide_with(client, stmts, call, taken, now)).await;
+    let result = async {
+        begun?;
+        let decided = decided?;
+        let (written, committed) = join(
+            save_with(client, stmts, call, taken, decided.writes),
+            client.batch_execute("COMMIT"),
+        )
+        .await;
+        // A write that failed aborted the transaction, which COMMIT then rolled back.
+        written?;
+        committed?;
+        Ok((decided.answer, decided.outcome))
     }
     .await;
     if result.is_err() && !client.is_closed() {

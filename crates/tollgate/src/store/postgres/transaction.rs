@@ -8,7 +8,7 @@ use tollgate_algebra::{Clock, OneTake, Outcome, Plan, Slot, State, Taken};
 use super::plan::{delete_all, execute_in, load};
 use super::schema::{pg_error, query, text};
 use super::single::{OneRow, answer, decided};
-use super::slots::{SlotCall, slots_in};
+use super::slots::{SlotCall, slots_in, slots_with_in};
 use crate::error::StoreError;
 use crate::store::seam::{AsyncStore, BoxFuture};
 use crate::store::sql::{MAX_TABLE, PgSql, valid_table};
@@ -136,6 +136,24 @@ impl<T: GenericClient + Sync, C: Clock> AsyncStore for PgTransaction<'_, T, C> {
         Box::pin(async move {
             let call = SlotCall { name, key, limit, op };
             slots_in(self.client, &text(&self.sql), call, self.now())
+                .await
+                .map_err(super::slots::Failed::into_store_error)
+        })
+    }
+
+    /// Within your transaction, as `slots_async`: the holder and the tokens are there if
+    /// you commit, both gone if you roll back.
+    fn slots_with_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+        plan: &'a Plan<'_>,
+    ) -> BoxFuture<'a, (SlotAnswer, Outcome)> {
+        Box::pin(async move {
+            let call = SlotCall { name, key, limit, op };
+            slots_with_in(self.client, &text(&self.sql), call, plan, self.now())
                 .await
                 .map_err(super::slots::Failed::into_store_error)
         })

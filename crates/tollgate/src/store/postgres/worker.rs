@@ -17,7 +17,7 @@ use super::Shared;
 use super::plan::{delete_all, in_own_transaction, load};
 use super::schema::{Conn, Stmt, bounded, pg_error, query};
 use super::single::{LeaseRow, OneRow, lease_answer, send_ones};
-use super::slots::{SlotCall, slots_in_own_transaction, split};
+use super::slots::{SlotCall, slots_in_own_transaction, slots_with_in_own_transaction, split};
 use crate::error::StoreError;
 use crate::store::seam::OneAnswer;
 use crate::store::ticket::{OwnedPlan, OwnedSlotOp, OwnedSlots, Ticket};
@@ -37,6 +37,8 @@ pub(super) enum Job {
     /// An operation on a concurrency limit's holders, at the store's time (`None`: the
     /// database's).
     Slots(Box<OwnedSlotOp>, Option<f64>, Ticket<SlotAnswer>),
+    /// An acquire with the takes of a plan, all or nothing, at the store's time.
+    SlotsWith(Box<(OwnedSlotOp, OwnedPlan)>, Option<f64>, Ticket<(SlotAnswer, Outcome)>),
 }
 
 impl Job {
@@ -51,6 +53,7 @@ impl Job {
             Job::Announce(_, t) => t.take(),
             Job::Lease(_, t) => t.take(),
             Job::Slots(_, _, t) => t.take(),
+            Job::SlotsWith(_, _, t) => t.take(),
         }
     }
 }
@@ -141,6 +144,7 @@ impl Batch {
             Batch::Other(Job::Keys(_, _, t)) => t.answer(Err(e())),
             Batch::Other(Job::Announce(_, t)) => t.answer(Err(e())),
             Batch::Other(Job::Slots(_, _, t)) => t.answer(Err(e())),
+            Batch::Other(Job::SlotsWith(_, _, t)) => t.answer(Err(e())),
         }
     }
 
@@ -229,6 +233,24 @@ impl Batch {
                     split(slots_in_own_transaction(&conn.client, &stmts, call, now).await)
                 };
                 let (result, healthy) = bounded(timeout, call.op.writes(), request).await;
+                ticket.answer(result.and_then(|answer| answer));
+                healthy
+            }
+            Batch::Other(Job::SlotsWith(with, now, ticket)) => {
+                let (call, taken) = &*with;
+                let call = SlotCall {
+                    name: &call.name,
+                    key: call.key.as_deref(),
+                    limit: &call.limit,
+                    op: &call.op,
+                };
+                let taken = taken.plan();
+                let request = async {
+                    let answer =
+                        slots_with_in_own_transaction(&conn.client, &stmts, call, &taken, now);
+                    split(answer.await)
+                };
+                let (result, healthy) = bounded(timeout, true, request).await;
                 ticket.answer(result.and_then(|answer| answer));
                 healthy
             }
