@@ -984,6 +984,18 @@ impl Defined {
         crate::otel::note("tollgate.limits", || {
             body.limits.iter().map(|l| &*l.name).collect::<Vec<_>>().join(",")
         });
+        let mut slots = body.limits.iter().enumerate().filter(|(_, l)| {
+            l.config.is_none() && self.limiter.concurrency_limit(&l.name).is_some()
+        });
+        if let Some((at, _)) = slots.next() {
+            if let Some((_, second)) = slots.next() {
+                return Err(Answer::error(
+                    StatusCode::BAD_REQUEST,
+                    format!("{}: a transaction takes at most one concurrency limit", second.name),
+                ));
+            }
+            return self.transaction_with_slot(&body, at, stats).await;
+        }
         let targets = body
             .limits
             .iter()
@@ -1016,6 +1028,66 @@ impl Defined {
             Answer::ok(body)
         };
         self.rate_limit_headers(&mut answer, &targets, &taken.statuses, t.retry_after, t.ok);
+        Ok(answer)
+    }
+
+    /// A transaction with a concurrency limit at `at` (SPEC §6f): its slot and the rate
+    /// limits' tokens taken all or nothing. Its result carries the ticket (`ticket`,
+    /// `expiresAt`) when every limit granted; it is held for the limit's `ttl`.
+    async fn transaction_with_slot(
+        &self,
+        body: &TransactionBody<'_>,
+        at: usize,
+        stats: &crate::stats::Stats,
+    ) -> Result<Answer, Answer> {
+        let slot = &body.limits[at];
+        let limit = self.concurrency_named(&slot.name)?;
+        if slot.reserve {
+            let said = format!("{}: a concurrency limit takes no reserve", slot.name);
+            return Err(Answer::error(StatusCode::BAD_REQUEST, said));
+        }
+        let request = acquire_request(slot.key.as_deref(), slot.count)?;
+        let rates: Vec<&LimitBody<'_>> =
+            body.limits.iter().enumerate().filter(|(i, _)| *i != at).map(|(_, l)| l).collect();
+        let targets = rates
+            .iter()
+            .map(|l| Ok((&*l.name, self.target(&l.name, l.config.as_ref())?)))
+            .collect::<Result<Vec<_>, Answer>>()?;
+        let calls: Vec<Call<'_>> =
+            rates.iter().zip(&targets).map(|(l, (_, t))| t.with(Self::request(l))).collect();
+        let taken = self
+            .limiter
+            .acquire_with_async((&*slot.name, limit), request, &calls)
+            .await
+            .map_err(|e| self.error(e))?;
+        let now = now_ms();
+        let limits = &taken.limits.decision;
+        for (l, result) in rates.iter().zip(&limits.results) {
+            // Taken only if all were: only the limits that refused count otherwise.
+            if taken.ok || !result.ok {
+                let counted = crate::stats::Taken::of(result.ok && taken.ok, result.retry_after);
+                stats.record(&l.name, counted, now);
+            }
+        }
+        // The results in the body's order, the slot's at its place.
+        let mut results: Vec<tollgate::Decision> = limits.results.to_vec();
+        results.insert(at, taken.slot);
+        let mut answer = if !taken.ok && body.limits.iter().any(|l| l.throws) {
+            let i = tollgate::core::longest_refusal(&results).unwrap_or(at);
+            rate_limited(&body.limits[i].name, results[i].retry_after.unwrap_or(0.0))
+        } else {
+            let mut json: Vec<Value> =
+                results.iter().map(|d| decision_json(d.ok, d.retry_after)).collect();
+            if let Some(ticket) = taken.ticket {
+                json[at]["ticket"] = Value::String(ticket.id.to_string());
+                json[at]["expiresAt"] = number(ticket.expires_at);
+            }
+            let mut answer = decision_json(taken.ok, taken.retry_after);
+            answer["results"] = Value::Array(json);
+            Answer::ok(answer)
+        };
+        let statuses = &taken.limits.statuses;
+        self.rate_limit_headers(&mut answer, &targets, statuses, taken.retry_after, taken.ok);
         Ok(answer)
     }
 

@@ -137,6 +137,65 @@ async fn acquire_release_renew_check_value_reset() {
 }
 
 #[tokio::test]
+async fn a_transaction_takes_a_slot_and_tokens_all_or_nothing() {
+    let (app, clock) = app(Tokens::default());
+    let transaction =
+        |limits: Value| post(&app, "/v1/transaction", json!({ "limits": limits }), None);
+    let value = |name: &str| post(&app, "/v1/value", json!({ "name": name, "key": "t" }), None);
+    // Both granted: the slot's result carries its ticket, at its place in the body.
+    let both = transaction(json!([
+        { "name": "api", "key": "t", "count": 6 },
+        { "name": "gpu", "key": "t" },
+    ]))
+    .await;
+    assert_eq!(both.status, StatusCode::OK);
+    assert_eq!(both.body["ok"], json!(true));
+    assert_eq!(both.body["results"][0], json!({ "ok": true }));
+    assert_eq!(both.body["results"][1]["expiresAt"], at(10_000.0));
+    assert!(both.body["results"][1]["ticket"].is_string());
+    assert_eq!(value("gpu").await.body["inFlight"], json!(1));
+    assert_eq!(value("api").await.body["value"], json!(4));
+    // The tokens refused (2 short: 12 s at 10 a minute): no slot held, 429 fields.
+    let short = transaction(json!([
+        { "name": "gpu", "key": "t" },
+        { "name": "api", "key": "t", "count": 6 },
+    ]))
+    .await;
+    assert_eq!(
+        short.body,
+        json!({ "ok": false, "retryAfter": 12000, "results": [
+            { "ok": true }, { "ok": false, "retryAfter": 12000 }
+        ] })
+    );
+    assert_eq!(short.retry_after.as_deref(), Some("12"));
+    assert_eq!(value("gpu").await.body["inFlight"], json!(1));
+    // The slots full: refused to their earliest expiry; no token taken.
+    clock.advance(1_000.0);
+    let fill = json!({ "name": "gpu", "key": "t", "count": 2 });
+    assert_eq!(post(&app, "/v1/acquire", fill, None).await.body["ok"], json!(true));
+    let full = transaction(json!([
+        { "name": "gpu", "key": "t" },
+        { "name": "api", "key": "t", "count": 1, "throws": true },
+    ]))
+    .await;
+    assert_eq!(full.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(full.body, json!({ "kind": "RateLimited", "name": "gpu", "retryAfter": 9000 }));
+    assert_eq!(value("api").await.body["value"], json!(4));
+    // Two concurrency limits, a reserve, a config for one: 400, nothing taken.
+    for bad in [
+        json!([{ "name": "gpu", "key": "t" }, { "name": "gpu", "key": "u" }]),
+        json!([{ "name": "gpu", "key": "u", "reserve": true }]),
+        json!([{ "name": "gpu", "key": "u", "count": 0 }, { "name": "api", "key": "t" }]),
+    ] {
+        let reply = transaction(bad.clone()).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad}: {}", reply.body);
+    }
+    let u = post(&app, "/v1/value", json!({ "name": "gpu", "key": "u" }), None).await;
+    assert_eq!(u.body["inFlight"], json!(0));
+    assert_eq!(value("api").await.body["value"], json!(4));
+}
+
+#[tokio::test]
 async fn the_config_shows_concurrency_limits() {
     let (app, _) = app(Tokens::default());
     let response = app.clone().oneshot(Request::get("/v1/config").body(Body::empty()).unwrap());
