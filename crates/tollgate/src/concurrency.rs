@@ -377,7 +377,9 @@ impl<S: Store> RateLimiter<S> {
     ///
     /// As for [`RateLimiter::acquire`] and [`RateLimiter::transaction`] (a call invalid or
     /// never granted, a name not defined); [`Error::Store`] also for a store that cannot
-    /// take them together (every store of this crate can, but Redis). Nothing is taken
+    /// take them together (every store of this crate can; on Redis Cluster the slots and
+    /// the rate limits' states must share a hash slot: give the key a hash tag, such as
+    /// `{user42}`; on Redis a calendar window is not taken with a slot). Nothing is taken
     /// when an error is returned. [`Error::RateLimited`] for a refusal when the acquire
     /// [`throws`](Acquire::throws), naming the concurrency limit.
     pub fn acquire_with<'n, 'k>(

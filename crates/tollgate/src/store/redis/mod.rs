@@ -34,7 +34,9 @@ use connection::{AnyConnection, Connection, Server, Source, cluster};
 use group::Grouped;
 #[cfg(feature = "redis-cluster")]
 use script::GIVE_BACK;
-use script::{CAS_READ, CAS_WRITE, SCRIPT, SCRIPT_GROUP, SCRIPT_ONE, SCRIPT_SLOTS};
+use script::{
+    CAS_READ, CAS_WRITE, SCRIPT, SCRIPT_GROUP, SCRIPT_ONE, SCRIPT_SLOTS, SCRIPT_SLOTS_WITH,
+};
 use wire::{
     disagree, garbage, loaded_state, num, one_args, pack_state, parse_num, slot_args, unpack_f64,
     unpack_one, unpack_state, unpack_time,
@@ -237,6 +239,7 @@ impl RedisStoreBuilder {
             cas_read: Script::new(CAS_READ),
             cas_write: Script::new(CAS_WRITE),
             slots: Script::new(SCRIPT_SLOTS),
+            slots_with: Script::new(SCRIPT_SLOTS_WITH),
             #[cfg(feature = "redis-cluster")]
             give_back: Script::new(GIVE_BACK),
             prefix: self.prefix,
@@ -336,6 +339,8 @@ struct Inner<C> {
     cas_write: Script,
     /// [`SCRIPT_SLOTS`]: concurrency limits.
     slots: Script,
+    /// [`SCRIPT_SLOTS_WITH`]: an acquire with rate limits.
+    slots_with: Script,
     #[cfg(feature = "redis-cluster")]
     give_back: Script,
     prefix: String,
@@ -460,8 +465,41 @@ impl<C: Clock> Inner<C> {
         if plan.slots().iter().any(|s| s.config.calendar().is_some()) {
             return self.run_decided_here(plan, keys).await;
         }
+        let invocation = self.plan_invocation(&self.script, plan, keys);
+        let writes = if plan.writes() { Writes::Yes } else { Writes::No };
+        let reply: Vec<Value> =
+            self.on_connection(writes, |mut conn| async move {
+                invocation.invoke_async(&mut conn).await
+            })
+            .await?;
+        plan_ran(plan, reply)
+    }
+
+    /// An error for a plan with shards of a leased limit. A transaction takes a leased limit
+    /// directly (the script refills it under the cap its leases set); its shards are not
+    /// leased.
+    fn no_leased_shards(&self, plan: &Plan<'_>) -> Result<(), StoreError> {
+        if let Some(leases) = &self.leases
+            && let Some(take) =
+                plan.takes().find(|t| t.shards > 1 && leases.is_leased(plan.slots()[t.a].name))
+        {
+            return Err(StoreError::new(format!(
+                "redis: {:?} is leased, and a leased limit does not take shards; nothing was taken",
+                plan.slots()[take.a].name
+            )));
+        }
+        Ok(())
+    }
+
+    /// The invocation of `script` ([`SCRIPT`], or one around its body) for `plan` on `keys`.
+    fn plan_invocation<'s>(
+        &self,
+        script: &'s Script,
+        plan: &Plan<'_>,
+        keys: &[String],
+    ) -> redis::ScriptInvocation<'s> {
         let slots = plan.slots();
-        let mut invocation = self.script.prepare_invoke();
+        let mut invocation = script.prepare_invoke();
         for key in keys {
             invocation.key(key);
         }
@@ -483,40 +521,7 @@ impl<C: Clock> Inner<C> {
                 .arg(t.a + 1)
                 .arg(t.b.map_or(0, |b| b + 1));
         }
-        let writes = if plan.writes() { Writes::Yes } else { Writes::No };
-        let reply: Vec<Value> =
-            self.on_connection(writes, |mut conn| async move {
-                invocation.invoke_async(&mut conn).await
-            })
-            .await?;
-        if reply.len() != 2 + slots.len() {
-            return Err(garbage(&format!("{} values for {} slots", reply.len(), slots.len())));
-        }
-        let now = unpack_time(&reply[0])?;
-        let committed = matches!(&reply[1], Value::BulkString(b) if b.as_slice() == b"1");
-        // The answer comes from tollgate-algebra, on exactly what the script loaded and the
-        // time it used (a leased state refilled under its cap as the script did); the
-        // script only mirrored the decision to write.
-        let (mut states, caps): (Vec<_>, Vec<_>) = slots
-            .iter()
-            .zip(&reply[2..])
-            .map(|(slot, loaded)| loaded_state(slot, loaded, now))
-            .collect::<Result<Vec<_>, _>>()?
-            .into_iter()
-            .unzip();
-        let outcome = plan.decide_under(now, &mut states, &caps);
-        if committed != (outcome.ok && plan.writes()) {
-            return Err(disagree());
-        }
-        let loaded = reply
-            .into_iter()
-            .skip(2)
-            .map(|v| match v {
-                Value::BulkString(bytes) => bytes,
-                _ => Vec::new(),
-            })
-            .collect();
-        Ok(Ran { outcome, loaded, states })
+        invocation
     }
 
     /// Runs `plan` by reading its states ([`CAS_READ`]), deciding here, and writing what
@@ -633,6 +638,41 @@ impl<C: Clock> Inner<C> {
     }
 }
 
+/// What a run of [`SCRIPT`]'s body answered for `plan` (`reply`: its values): the outcome
+/// from tollgate-algebra on exactly what the script loaded, at the time it used; an error if
+/// the script wrote otherwise.
+fn plan_ran(plan: &Plan<'_>, reply: Vec<Value>) -> Result<Ran, StoreError> {
+    let slots = plan.slots();
+    if reply.len() != 2 + slots.len() {
+        return Err(garbage(&format!("{} values for {} slots", reply.len(), slots.len())));
+    }
+    let now = unpack_time(&reply[0])?;
+    let committed = matches!(&reply[1], Value::BulkString(b) if b.as_slice() == b"1");
+    // The answer comes from tollgate-algebra, on exactly what the script loaded and the
+    // time it used (a leased state refilled under its cap as the script did); the
+    // script only mirrored the decision to write.
+    let (mut states, caps): (Vec<_>, Vec<_>) = slots
+        .iter()
+        .zip(&reply[2..])
+        .map(|(slot, loaded)| loaded_state(slot, loaded, now))
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .unzip();
+    let outcome = plan.decide_under(now, &mut states, &caps);
+    if committed != (outcome.ok && plan.writes()) {
+        return Err(disagree());
+    }
+    let loaded = reply
+        .into_iter()
+        .skip(2)
+        .map(|v| match v {
+            Value::BulkString(bytes) => bytes,
+            _ => Vec::new(),
+        })
+        .collect();
+    Ok(Ran { outcome, loaded, states })
+}
+
 impl<C: Clock> RedisStore<C> {
     /// One take by the one-take script (a calendar window's, by the plan script).
     async fn take_one(&self, take: &OneTake<'_>) -> Result<Taken, StoreError> {
@@ -665,18 +705,7 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
     fn execute_async<'a>(&'a self, plan: &'a Plan<'_>) -> BoxFuture<'a, Outcome> {
         Box::pin(async move {
             let inner = &self.inner;
-            // A transaction takes a leased limit directly (the script refills it under the cap
-            // its leases set); its shards are not leased.
-            if let Some(leases) = &inner.leases
-                && let Some(take) =
-                    plan.takes().find(|t| t.shards > 1 && leases.is_leased(plan.slots()[t.a].name))
-            {
-                return Err(StoreError::new(format!(
-                    "redis: {:?} is leased, and a leased limit does not take shards; nothing was \
-                 taken",
-                    plan.slots()[take.a].name
-                )));
-            }
+            inner.no_leased_shards(plan)?;
             let keys: Vec<String> =
                 plan.slots().iter().map(|s| inner.key(s.name, s.key, s.shard)).collect();
             #[cfg(feature = "redis-cluster")]
@@ -771,6 +800,17 @@ impl<C: Clock> AsyncStore for RedisStore<C> {
         op: &'a SlotOp,
     ) -> BoxFuture<'a, SlotAnswer> {
         Box::pin(self.slots(name, key, limit, op))
+    }
+
+    fn slots_with_async<'a>(
+        &'a self,
+        name: &'a str,
+        key: Option<&'a str>,
+        limit: &'a Concurrency,
+        op: &'a SlotOp,
+        plan: &'a Plan<'_>,
+    ) -> BoxFuture<'a, (SlotAnswer, Outcome)> {
+        Box::pin(self.slots_with(name, key, limit, op, plan))
     }
 }
 

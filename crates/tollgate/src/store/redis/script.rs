@@ -158,26 +158,16 @@ end
     };
 }
 
-/// The algebra of SPEC §2 and §3 in Lua, kept equal to `tollgate-algebra`'s by the conformance
-/// and differential tests. It loads every slot, decides all takes, and writes only if every
-/// take is granted (and the request writes); it answers with the time it used and the states
-/// it loaded, from which `tollgate-algebra` computes the answer itself.
-///
-/// KEYS: one per slot. ARGV: now ("" = Redis `TIME`), writes (0/1), slot count, then per
-/// slot kind (0 token bucket, 1 fixed window), rate, period, capacity, maxReserved ("" =
-/// unbounded), alignment; then take count, then per take count, reserve (0/1; 2 for an
-/// adjust, SPEC §4: settled on the fuller of A and B when positive, the emptier otherwise,
-/// under the capacity or a leased state's `capacity - outstanding`, never refused), shards,
-/// slot of A (1-based), slot of B (0 = none). Numbers come in as the shortest text that
-/// reads back exactly; a state is stored, and times and states are answered, as
-/// little-endian doubles packed with `struct` (16 bytes a state): exact, where Lua's
-/// `tostring` keeps 14 digits and an integer reply would truncate, and far cheaper than
-/// formatting text in the script.
-pub(super) const SCRIPT: &str = concat!(
-    lua_now!(),
-    lua_lease!(),
-    r#"
-local writes = ARGV[2] == '1'
+/// Lua: [`SCRIPT`]'s body, given `now`, `least` and the lease functions, and `gate`: false
+/// decides the plan as a check whatever `ARGV[2]` says (nothing written). Reads the plan's
+/// states from the first `ARGV[3]` keys (others may follow, for the script around it);
+/// leaves the answer in `reply`, and in `p` the index of the first argument after the
+/// plan's.
+macro_rules! lua_plan {
+    () => {
+        concat!(
+            r#"
+local writes = ARGV[2] == '1' and gate
 local nslots = tonumber(ARGV[3])
 local slot = {}
 local p = 4
@@ -186,7 +176,8 @@ for i = 1, nslots do
               cap = tonumber(ARGV[p + 3]), maxr = tonumber(ARGV[p + 4]), align = tonumber(ARGV[p + 5]) }
   p = p + 6
 end
-local raw = redis.call('MGET', unpack(KEYS))
+local raw = {}
+if nslots > 0 then raw = redis.call('MGET', unpack(KEYS, 1, nslots)) end
 -- A leased state (with records) is refilled under its cap first, as the lease script
 -- does, and taken from directly: never past what its leases leave.
 local work, changed, recs = {}, {}, {}
@@ -291,8 +282,8 @@ if all_ok and writes then
       local key, v, ts = KEYS[i], work[i][1], work[i][2]
       local token_bucket, rate, period, cap = slot[i].kind == 0, slot[i].rate, slot[i].period, slot[i].cap
 "#,
-    lua_save!(),
-    r#"
+            lua_save!(),
+            r#"
     end
   end
 end
@@ -301,6 +292,81 @@ local reply = { struct.pack('<d', now), (all_ok and writes) and '1' or '0' }
 for i = 1, nslots do
   reply[i + 2] = raw[i] or ''
 end
+"#
+        )
+    };
+}
+
+/// The algebra of SPEC §2 and §3 in Lua, kept equal to `tollgate-algebra`'s by the conformance
+/// and differential tests. It loads every slot, decides all takes, and writes only if every
+/// take is granted (and the request writes); it answers with the time it used and the states
+/// it loaded, from which `tollgate-algebra` computes the answer itself.
+///
+/// KEYS: one per slot. ARGV: now ("" = Redis `TIME`), writes (0/1), slot count, then per
+/// slot kind (0 token bucket, 1 fixed window), rate, period, capacity, maxReserved ("" =
+/// unbounded), alignment; then take count, then per take count, reserve (0/1; 2 for an
+/// adjust, SPEC §4: settled on the fuller of A and B when positive, the emptier otherwise,
+/// under the capacity or a leased state's `capacity - outstanding`, never refused), shards,
+/// slot of A (1-based), slot of B (0 = none). Numbers come in as the shortest text that
+/// reads back exactly; a state is stored, and times and states are answered, as
+/// little-endian doubles packed with `struct` (16 bytes a state): exact, where Lua's
+/// `tostring` keeps 14 digits and an integer reply would truncate, and far cheaper than
+/// formatting text in the script.
+pub(super) const SCRIPT: &str =
+    concat!(lua_now!(), lua_lease!(), "local gate = true\n", lua_plan!(), "return reply\n");
+
+/// An acquire of a concurrency limit's slots and a plan, all or nothing (SPEC §6f;
+/// `Store::slots_with`): the slots decided first, as [`SCRIPT_SLOTS`] decides an acquire; the
+/// plan then run as [`SCRIPT`] runs it, as a check if the slots are full; the holder added
+/// only if the plan wrote too.
+///
+/// KEYS: the plan's states, then the holders' two keys (as [`SCRIPT_SLOTS`]'s). ARGV: the
+/// plan's (as [`SCRIPT`]'s), then the slots' count, ttl and max. Answers [`SCRIPT`]'s values,
+/// then one more string as [`SCRIPT_SLOTS`] answers an acquire: the byte is 1 if the slots
+/// would be granted (whether taken or not), and a ticket is made only if they were taken.
+pub(super) const SCRIPT_SLOTS_WITH: &str = concat!(
+    lua_now!(),
+    lua_lease!(),
+    r#"
+local z, h = KEYS[#KEYS - 1], KEYS[#KEYS]
+local count, ttl, max = tonumber(ARGV[#ARGV - 2]), tonumber(ARGV[#ARGV - 1]), tonumber(ARGV[#ARGV])
+local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
+local freed = 0
+for i = 1, #expired, 1000 do
+  local counts = redis.call('HMGET', h, unpack(expired, i, math.min(i + 999, #expired)))
+  for j = 1, #counts do freed = freed + (tonumber(counts[j]) or 0) end
+end
+local in_flight = tonumber(redis.call('HGET', h, 'held') or '0') - freed
+local holders = redis.call('ZCARD', z) - #expired
+local earliest = 0 / 0
+if holders > 0 then
+  earliest = tonumber(redis.call('ZRANGE', z, #expired, #expired, 'WITHSCORES')[2])
+end
+local gate = in_flight + count <= max
+"#,
+    lua_plan!(),
+    r#"
+local ticket, expiry = 0, 0 / 0
+if all_ok and writes then
+  local t = redis.call('TIME')
+  ticket = math.max(tonumber(redis.call('HGET', h, 'next') or '0') + 1,
+    tonumber(t[1]) * 1000000 + tonumber(t[2]))
+  if ticket >= 9007199254740992 then error('tollgate: ' .. h .. ' has made its last ticket') end
+  local id = string.format('%.0f', ticket)
+  expiry = now + ttl
+  for i = 1, #expired, 1000 do
+    redis.call('HDEL', h, unpack(expired, i, math.min(i + 999, #expired)))
+  end
+  if #expired > 0 then redis.call('ZREMRANGEBYSCORE', z, '-inf', now) end
+  redis.call('ZADD', z, expiry, id)
+  redis.call('HSET', h, id, count, 'next', id, 'held', in_flight + count)
+  local latest = tonumber(redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')[2])
+  local px = string.format('%d', math.min(1e15, math.max(least, math.ceil(latest - now))))
+  redis.call('PEXPIRE', z, px)
+  redis.call('PEXPIRE', h, px)
+end
+reply[#reply + 1] = struct.pack('<Bdddddd', gate and 1 or 0, now, in_flight, holders, earliest,
+  ticket, expiry)
 return reply
 "#
 );

@@ -10,13 +10,16 @@
 use std::fmt::Write as _;
 
 use redis::Value;
-use tollgate_algebra::Clock;
 use tollgate_algebra::slots::{Concurrency, Holder, SlotAnswer, SlotOp, Write, decide};
+use tollgate_algebra::{Clock, Outcome, Plan};
 
+#[cfg(feature = "redis-cluster")]
+use super::cluster::hash_slot;
 use super::keys::hash_tag;
 use super::wire::{disagree, garbage, num, unpack_f64};
-use super::{Inner, RedisStore, Writes};
+use super::{Inner, RedisStore, Writes, plan_ran};
 use crate::error::StoreError;
+use crate::store::seam::slots_with_answer;
 
 /// Tickets are below 2^53, so that a double (Lua's numbers, JavaScript's) holds each exactly.
 const TICKETS_END: u64 = 1 << 53;
@@ -80,6 +83,75 @@ impl<C: Clock> RedisStore<C> {
             )
             .await?;
         Seen::unpack(&reply)?.answer(limit, op)
+    }
+
+    /// Runs an acquire of (name, key)'s slots with `plan`, all or nothing, in one round trip
+    /// (see [`SCRIPT_SLOTS_WITH`](super::script::SCRIPT_SLOTS_WITH)). On a cluster the
+    /// plan's states and the slots must share a hash slot: give the key a hash tag (such as
+    /// `{user42}`), which places the slots beside that key's rate limits. Calendar windows
+    /// are not taken with slots here (their starts are decided outside the script).
+    pub(super) async fn slots_with(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        limit: &Concurrency,
+        op: &SlotOp,
+        plan: &Plan<'_>,
+    ) -> Result<(SlotAnswer, Outcome), StoreError> {
+        op.validate(limit).map_err(|e| StoreError::new(e.message()))?;
+        let SlotOp::Acquire { count, ttl } = *op else {
+            return Err(StoreError::new("redis: only an acquire is taken with rate limits"));
+        };
+        let inner = &self.inner;
+        if plan.slots().iter().any(|s| s.config.calendar().is_some()) {
+            return Err(StoreError::new(
+                "redis: a calendar window is not taken with a concurrency slot; nothing was taken",
+            ));
+        }
+        inner.no_leased_shards(plan)?;
+        let keys: Vec<String> =
+            plan.slots().iter().map(|s| inner.key(s.name, s.key, s.shard)).collect();
+        let [tickets, counts] = inner.slot_keys(name, key);
+        #[cfg(feature = "redis-cluster")]
+        if inner.is_cluster() {
+            let first = hash_slot(tickets.as_bytes());
+            if keys.iter().any(|k| hash_slot(k.as_bytes()) != first) {
+                return Err(StoreError::new(
+                    "redis: on a cluster, a slot taken with rate limits must share their hash \
+                     slot: give the key a hash tag, such as {user42}; nothing was taken",
+                ));
+            }
+        }
+        let mut invocation = inner.plan_invocation(&inner.slots_with, plan, &keys);
+        invocation.key(&tickets).key(&counts).arg(count).arg(num(ttl)).arg(limit.max());
+        let mut reply: Vec<Value> = inner
+            .on_connection(Writes::Yes, |mut conn| async move {
+                invocation.invoke_async(&mut conn).await
+            })
+            .await?;
+        let seen = Seen::unpack(&reply.pop().ok_or_else(|| garbage("no answer for slots"))?)?;
+        // The slots' answer is decide's on what the script saw; the plan is then decided as
+        // the script ran it, a check unless the slots were granted.
+        let holders = seen.holders_for(op)?;
+        let (answer, _) = decide(limit, &holders, seen.now, op, seen.ticket.max(1))
+            .map_err(|e| StoreError::new(e.message()))?;
+        let granted = matches!(answer, SlotAnswer::Acquired { .. });
+        let checking;
+        let ran = plan_ran(
+            if granted {
+                plan
+            } else {
+                checking = plan.checking();
+                &checking
+            },
+            reply,
+        )?;
+        let wrote = granted && ran.outcome.ok;
+        let made = (1..TICKETS_END).contains(&seen.ticket) && seen.expiry == seen.now + ttl;
+        if granted != seen.ok || wrote != (seen.ticket != 0) || (wrote && !made) {
+            return Err(disagree());
+        }
+        Ok((slots_with_answer(answer, &ran.outcome), ran.outcome))
     }
 }
 
