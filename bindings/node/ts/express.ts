@@ -8,6 +8,7 @@ import {
   decisionOf,
   middleware,
   refusalBody,
+  releaseWhenOver,
   settleWhenOver,
   socketPath,
   type MiddlewareOptions,
@@ -17,7 +18,7 @@ import {
 } from "./middleware.js";
 
 export { ipKey } from "./middleware.js";
-export type { Decision, KeySource, LimitRef, LimitStatus, MiddlewareOptions, RateLimitInfo, StandardHeaders } from "./middleware.js";
+export type { ConcurrencyRef, Decision, KeySource, LimitRef, LimitStatus, MiddlewareOptions, RateLimitInfo, StandardHeaders } from "./middleware.js";
 
 declare global {
   // eslint-disable-next-line @typescript-eslint/no-namespace
@@ -48,8 +49,8 @@ type Next = (error?: unknown) => void;
 /** The options of Express's middleware: every middleware's, and a handler of refusals. */
 export interface ExpressOptions<Req, Limiter extends Transacting = Transacting, Res = ExpressResponse>
   extends MiddlewareOptions<Req, Limiter, Res> {
-  /** Answers a refusal instead of the middleware (`message` and `statusCode` are not used):
-   *  as express-rate-limit's, with the decision as its fourth argument. */
+  /** Answers a refusal by the limits instead of the middleware (`message` and `statusCode`
+   *  are not used): as express-rate-limit's, with the decision as its fourth argument. */
   handler?: (request: Req, response: Res, next: Next, info: RateLimitInfo) => unknown;
 }
 
@@ -58,7 +59,8 @@ export interface ExpressOptions<Req, Limiter extends Transacting = Transacting, 
  * `req.ip`: set Express's `trust proxy` behind a proxy). Passed requests carry
  * `RateLimit-Policy` and `RateLimit` (or the fields `standardHeaders` and `legacyHeaders` ask
  * for) and `req.rateLimit`; refused ones get 429 with `Retry-After`, or what `handler`,
- * `message` and `statusCode` say.
+ * `message` and `statusCode` say. With `concurrency`, a request holds a slot of it from before
+ * the limits are taken until its response finishes or closes.
  *
  * With the `"ip"` key it warns once, as express-rate-limit does, when a request carries
  * `X-Forwarded-For` while `trust proxy` is off (behind a proxy every client would share its
@@ -67,6 +69,7 @@ export interface ExpressOptions<Req, Limiter extends Transacting = Transacting, 
  * ```ts
  * app.use(rateLimit({ limiter, limits: "perIp" }));
  * app.post("/send", rateLimit({ limiter, limits: ["perUser", "global"], key: { header: "x-user" } }), handler);
+ * app.post("/export", rateLimit({ limiter, limits: "perUser", concurrency: "exports", key: { header: "x-user" } }), handler);
  * ```
  */
 export function rateLimit<
@@ -94,6 +97,8 @@ export function rateLimit<
     };
     decide(m, request, response, view)
       .then(async (verdict) => {
+        // First, so that nothing after (a throw included) can leave the slot held.
+        if (verdict.release !== undefined) releaseWhenOver(verdict.release, response);
         // The response went out while the limits were taken (a timeout middleware answered
         // first): the decision stands, taken as it was, and nothing more is written or run.
         if (response.headersSent) return;
@@ -103,7 +108,7 @@ export function rateLimit<
           settleWhenOver(verdict, response, request, response, options.requestWasSuccessful);
           return next();
         }
-        if (verdict.limited && handler !== undefined) return handler(request, response, next, verdict.info!);
+        if (verdict.limited && !verdict.busy && handler !== undefined) return handler(request, response, next, verdict.info!);
         const { body, type } = await refusalBody(m, request, verdict);
         if (!response.headersSent) response.status(verdict.status).type(type).send(body);
       })

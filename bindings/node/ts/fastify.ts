@@ -8,6 +8,7 @@ import {
   decide,
   middleware,
   refusalBody,
+  releaseWhenOver,
   settleWhenOver,
   type MiddlewareOptions,
   type NodeResponse,
@@ -16,7 +17,7 @@ import {
 } from "./middleware.js";
 
 export { ipKey } from "./middleware.js";
-export type { Decision, KeySource, LimitRef, LimitStatus, MiddlewareOptions, RateLimitInfo, StandardHeaders } from "./middleware.js";
+export type { ConcurrencyRef, Decision, KeySource, LimitRef, LimitStatus, MiddlewareOptions, RateLimitInfo, StandardHeaders } from "./middleware.js";
 
 /** The parts of Fastify's request and reply the hook uses. */
 interface FastifyRequest {
@@ -40,18 +41,21 @@ export interface FastifyOptions<Req, Limiter extends Transacting = Transacting, 
   /** Requests that pass untouched, as @fastify/rate-limit's `allowList`: their keys (such as
    *  IP addresses, as the `key` option makes them), or a function of the request and its key. */
   allowList?: string[] | ((request: Req, key: string | undefined) => boolean | Promise<boolean>);
-  /** Answers a refusal instead of the hook (`message` and `statusCode` are not used): it
-   *  sends the reply. */
+  /** Answers a refusal by the limits instead of the hook (`message` and `statusCode` are not
+   *  used): it sends the reply. */
   handler?: (request: Req, reply: Reply, info: RateLimitInfo) => unknown;
 }
 
 /**
  * An `onRequest` hook that takes `limits` for each request, keyed as `key` says (default:
  * `request.ip`; set Fastify's `trustProxy` behind a proxy). The decision is on
- * `request.rateLimit` (`requestPropertyName`).
+ * `request.rateLimit` (`requestPropertyName`). With `concurrency`, a request holds a slot of
+ * it from before the limits are taken until its reply finishes or its connection closes
+ * (`reply.raw`'s `finish` or `close`: after the handler's error is answered too).
  *
  * ```ts
  * app.addHook("onRequest", rateLimitHook({ limiter, limits: "perIp" }));
+ * app.addHook("onRequest", rateLimitHook({ limiter, concurrency: "renders" }));
  * ```
  */
 export function rateLimitHook<
@@ -76,6 +80,12 @@ export function rateLimitHook<
     // Without trustProxy (then request.ips is undefined), request.ip is the connection's own.
     const socket = request.ips === undefined ? request.socket : undefined;
     const verdict = await decide(m, request, reply, { ip: request.ip, header, socket });
+    if (verdict.release !== undefined) {
+      // Fastify's reply always has its Node response; a reply without one cannot say when
+      // it is over, and a slot held to its ttl would refuse requests for nothing.
+      if (reply.raw !== undefined) releaseWhenOver(verdict.release, reply.raw);
+      else verdict.release();
+    }
     // Answered while the limits were taken (a timeout hook): the decision stands, nothing more
     // is written, and the reply returned ends the hooks.
     if (reply.sent) return reply;
@@ -85,7 +95,7 @@ export function rateLimitHook<
       if (reply.raw !== undefined) settleWhenOver(verdict, reply.raw, request, reply, options.requestWasSuccessful);
       return undefined;
     }
-    if (verdict.limited && handler !== undefined) {
+    if (verdict.limited && !verdict.busy && handler !== undefined) {
       await handler(request, reply, verdict.info!);
       return reply;
     }

@@ -3,10 +3,10 @@
 // Hono's own types, for `c.get("rateLimit")` (the augmentation below).
 import type {} from "hono";
 
-import { decide, middleware, refusalBody, type MiddlewareOptions, type RateLimitInfo, type Transacting } from "./middleware.js";
+import { decide, middleware, refusalBody, type MiddlewareOptions, type RateLimitInfo, type Transacting, type Verdict } from "./middleware.js";
 
 export { ipKey } from "./middleware.js";
-export type { Decision, KeySource, LimitRef, LimitStatus, MiddlewareOptions, RateLimitInfo, StandardHeaders } from "./middleware.js";
+export type { ConcurrencyRef, Decision, KeySource, LimitRef, LimitStatus, MiddlewareOptions, RateLimitInfo, StandardHeaders } from "./middleware.js";
 
 declare module "hono" {
   interface ContextVariableMap {
@@ -40,8 +40,8 @@ export interface HonoOptions<C, Limiter extends Transacting = Transacting> exten
    * connection's address, whatever the header says (which any client can write).
    */
   trustProxy?: number | false;
-  /** Answers a refusal instead of the middleware (`message` and `statusCode` are not used):
-   *  returns the response. */
+  /** Answers a refusal by the limits instead of the middleware (`message` and `statusCode`
+   *  are not used): returns the response. */
   handler?: (c: C, next: () => Promise<void>, info: RateLimitInfo) => Response | Promise<Response>;
 }
 
@@ -64,9 +64,13 @@ export function forwardedFor(header: string | undefined, hops: number, peer: str
  * address, which Hono gives per runtime: on @hono/node-server it is read here; elsewhere pass
  * `ip`, such as `(c) => getConnInfo(c).remote.address`; behind proxies, `trustProxy`). The
  * decision is the context's variable `rateLimit` (`c.get("rateLimit")`, `requestPropertyName`).
+ * With `concurrency`, a request holds a slot of it from before the limits are taken until
+ * `next()` returns or throws: the handlers are done (on every runtime: Hono has no event of
+ * its own for a response written; a body streamed after that is not counted).
  *
  * ```ts
  * app.use("/api/*", rateLimiter({ limiter, limits: "perIp" }));
+ * app.post("/api/render", rateLimiter({ limiter, concurrency: "renders" }), render);
  * ```
  */
 export function rateLimiter<C extends HonoContext = HonoContext, Limiter extends Transacting = Transacting>(
@@ -94,12 +98,24 @@ export function rateLimiter<C extends HonoContext = HonoContext, Limiter extends
     const peer = ipOf ? ipOf(c) : socket?.remoteAddress;
     const ip = hops === false ? peer : forwardedFor(c.req.header("x-forwarded-for"), hops, peer);
     const verdict = await decide(m, c, undefined, { ip, header: (name) => c.req.header(name), socket: hops === false ? socket : undefined });
+    if (verdict.release === undefined) return answer(c, next, verdict);
+    // The slot of `concurrency` (a pass's) is released however this ends: after the
+    // handlers, or at once if they are not run.
+    try {
+      return await answer(c, next, verdict);
+    } finally {
+      verdict.release?.();
+    }
+  };
+
+  /** What the middleware answers for `verdict`, the handlers run if it passes. */
+  async function answer(c: C, next: () => Promise<void>, verdict: Verdict): Promise<Response | undefined> {
     // Answered while the limits were taken (hono/timeout answered first): the decision
     // stands, and nothing more is written or run (a header set now throws).
     if (c.finalized) return undefined;
     if (verdict.info !== undefined) (c as unknown as { set(key: string, value: unknown): void }).set(property, verdict.info);
     if (!verdict.pass) {
-      if (verdict.limited && handler !== undefined) {
+      if (verdict.limited && !verdict.busy && handler !== undefined) {
         for (const [name, value] of Object.entries(verdict.headers)) c.header(name, value);
         return handler(c, next, verdict.info!);
       }
@@ -129,5 +145,5 @@ export function rateLimiter<C extends HonoContext = HonoContext, Limiter extends
       }
     }
     return undefined;
-  };
+  }
 }

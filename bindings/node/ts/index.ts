@@ -21,7 +21,7 @@ import {
   type TransactionResult,
 } from "tollgate-client";
 
-import { type Decision, type LimitStatus, type Taking, decisionOfAnswer, policyOf, taking } from "./middleware.js";
+import { type Decision, type LimitStatus, type Taking, concurrencyOf, decisionOfAnswer, policyOf, taking } from "./middleware.js";
 import { addon, type NativeLimiter, type NativeTake, type NativeTakeAll } from "./native.js";
 
 export * from "tollgate-client";
@@ -83,6 +83,12 @@ export type LimitsOf = Record<string, RateLimitConfig | ConcurrencyConfig>;
  *  middleware take (a concurrency limit's slots are taken with `acquire` and `hold`). */
 export type RateLimitsOf<Limits> = {
   [Name in keyof Limits as Limits[Name] extends ConcurrencyConfig ? never : Name]: Extract<Limits[Name], RateLimitConfig>;
+};
+
+/** The concurrency limits among `Limits`: the names `acquire`, `hold` and the middleware's
+ *  `concurrency` take. */
+export type ConcurrencyLimitsOf<Limits> = {
+  [Name in keyof Limits as Limits[Name] extends ConcurrencyConfig ? Name : never]: Limits[Name];
 };
 
 /** The rate limits of `limits`, for a server's limiter (which sends them with its calls). */
@@ -493,6 +499,22 @@ export class RateLimiter<Limits extends LimitsOf = {}> extends Client<RateLimits
         { fields: true },
       );
     return limitsTaking(engine, limits, general);
+  }
+
+  /** The `max` of the concurrency limit `name`, for a middleware's `concurrency` (checked
+   *  when it is made); undefined for a server's limiter, whose middleware checks it when the
+   *  server's limits are read. Throws a TypeError when this limiter has no concurrency limit
+   *  of that name. */
+  [concurrencyOf](name: string): { max: number } | undefined {
+    const engine = engines.get(this);
+    if (engine === undefined) return undefined;
+    const limits = (JSON.parse(engine.config) as { limits: Record<string, { kind?: unknown; max?: unknown }> }).limits;
+    const config = Object.hasOwn(limits, name) ? limits[name] : undefined;
+    if (config?.kind === "concurrency") return { max: config.max as number };
+    const names = Object.keys(limits).filter((n) => limits[n]!.kind === "concurrency");
+    throw new TypeError(
+      `concurrency: ${JSON.stringify(name)} is ${config === undefined ? "not a limit of the limiter" : "a rate limit (give it in limits)"}; its concurrency limits are ${names.length === 0 ? "none" : names.map((n) => JSON.stringify(n)).join(", ")} (defined by new RateLimiter(store, { name: { kind: "concurrency", max } }))`,
+    );
   }
 
   override check<Name extends string>(

@@ -10,10 +10,13 @@
 // resolved once, when the middleware is made (`middleware`), its limits included: an
 // in-process limiter takes them through a function of the addon made for the middleware (no
 // JSON), a server's through its transaction. A request pays for its key, the take and the
-// answer's fields.
+// answer's fields. A concurrency limit (`concurrency`) is acquired before the limits are
+// taken, and released once, when the response is over however it ends (`slotted`).
 
 import {
   TollgateError,
+  ttlOf,
+  type Duration,
   type LimitName,
   type RateLimiter as Client,
   type RateLimitConfig,
@@ -31,7 +34,7 @@ import {
   sfString,
   type StandardHeaders,
 } from "./headers.js";
-import type { RateLimiter, RateLimitsOf } from "./index.js";
+import type { ConcurrencyLimitsOf, RateLimiter, RateLimitsOf } from "./index.js";
 import { ipKey, ipv6SubnetOf } from "./ip.js";
 
 export { ipKey } from "./ip.js";
@@ -93,6 +96,10 @@ export interface Taking {
  *  its limits, or throws a TypeError naming a limit it does not define. */
 export const taking: unique symbol = Symbol("tollgate.taking");
 
+/** The method of an in-process limiter (ts/index.ts) that answers its concurrency limit
+ *  `name`'s `max`, or throws a TypeError when it has no concurrency limit of that name. */
+export const concurrencyOf: unique symbol = Symbol("tollgate.concurrencyOf");
+
 /** What the middleware needs of a limiter: in-process (`{ store }`) or a server's (`{ url }`). */
 export interface Transacting {
   transaction(requests: ReadonlyArray<TransactionRequest<string>>, options?: TransactionOptions): Promise<TransactionResult>;
@@ -101,6 +108,13 @@ export interface Transacting {
   [taking]?(limits: ReadonlyArray<{ name: string; count?: number }>): Taking | undefined;
   /** Gives tokens back (a negative count), for `skipFailedRequests` and `skipSuccessfulRequests`. */
   adjust(name: string, options: { key?: string; count: number }): Promise<unknown>;
+  /** Takes a concurrency limit's slots, for `concurrency`. */
+  acquire?(name: string, options: { key?: string; count?: number; ttl?: Duration }): Promise<
+    { ok: true; ticket: string } | { ok: false; retryAfter: number }
+  >;
+  /** Lets a ticket's slots go, for `concurrency`. */
+  release?(name: string, ticket: string, options?: { key?: string }): Promise<boolean>;
+  [concurrencyOf]?(name: string): { max: number } | undefined;
 }
 
 /** The names a middleware of `limiter` may take: those its type knows (its rate limits, and
@@ -113,6 +127,22 @@ export type NameOf<Limiter> = Limiter extends RateLimiter<infer Limits>
 
 /** The names of `Limits` (with a server's), or any name if there are none. */
 type NamesIn<Limits> = [LimitName<Limits>] extends [never] ? string : LimitName<Limits>;
+
+/** The names a middleware of `limiter` may acquire slots of: an in-process limiter's
+ *  concurrency limits (none if its type knows only rate limits), or any name if its type
+ *  knows no limits (a server's concurrency limits are not in its type). */
+export type ConcurrencyNameOf<Limiter> = Limiter extends RateLimiter<infer Limits>
+  ? [keyof Limits] extends [never]
+    ? string
+    : keyof ConcurrencyLimitsOf<Limits> & string
+  : string;
+
+/**
+ * The concurrency limit a request holds a slot of while it is answered: its name, or its name
+ * and what an acquire takes: `count` slots (default 1) for `ttl` (default the limit's), after
+ * which a slot of a request still running is free again (set it above the longest response).
+ */
+export type ConcurrencyRef<Name extends string = string> = Name | { name: Name; count?: number; ttl?: Duration };
 
 /** One limit a request takes from: its name, or its name and how many tokens. */
 export type LimitRef<Name extends string = string> = Name | { name: Name; count?: number };
@@ -162,8 +192,34 @@ export interface MiddlewareOptions<Req, Limiter extends Transacting = Transactin
   /** The limiter the limits are taken from. */
   limiter: Limiter;
   /** One limit or several, taken all or nothing: if one refuses, none is taken. A name the
-   *  limiter's type does not know does not compile. */
-  limits: LimitRef<NameOf<Limiter>> | Array<LimitRef<NameOf<Limiter>>>;
+   *  limiter's type does not know does not compile. May be left out when `concurrency` is
+   *  given (then no RateLimit field is written and no `rateLimit` is set on the request). */
+  limits?: LimitRef<NameOf<Limiter>> | Array<LimitRef<NameOf<Limiter>>>;
+  /**
+   * A concurrency limit (`kind: "concurrency"`): a slot of it is acquired for the request's
+   * key (the `key` of the limits) before its handler runs, and released once when its
+   * response is over, however it ends: sent, the handler's error answered, an answer sent
+   * early or by a timeout, the client gone first. In Express and Fastify that is Node's
+   * `finish` or `close` of the response (work a handler does after its client left is not
+   * counted); in Hono, when the handlers' `next()` returns or throws (a body streamed after
+   * that is not counted). Refused, the request is answered `concurrencyStatusCode` with
+   * `Retry-After` and tollgate's body (`{"kind": "RateLimited", "name", "retryAfter"}`, or
+   * `message`'s; a framework's `handler` answers the limits' refusals only, whose numbers it
+   * is given), and nothing is taken of the limits. Granted, the limits are taken after; if
+   * they refuse (or their store fails), the slot is released before the answer is written.
+   * A store that fails the acquire is answered as for the limits (503, or `passOnStoreError`:
+   * the request passes untouched, limits included).
+   *
+   * One limit, named as the limits are (a name the limiter's type does not know does not
+   * compile): the name alone, or `{ name, count, ttl }` as `acquire` takes them. One, not a
+   * list: slots of several limits are not yet acquired all or nothing; stack a middleware
+   * per limit. The option is named for the limits' `kind`, as `limits` is for theirs.
+   */
+  concurrency?: ConcurrencyRef<ConcurrencyNameOf<Limiter>>;
+  /** The status of a refusal by `concurrency`; default 429 (too many of this client's
+   *  requests at once, as the server's acquire refuses), or 503 where being busy is the
+   *  service's state rather than the client's doing. */
+  concurrencyStatusCode?: number;
   /** Where the key comes from; default `"ip"`. */
   key?: KeySource<Req>;
   /**
@@ -176,7 +232,8 @@ export interface MiddlewareOptions<Req, Limiter extends Transacting = Transactin
   ipv6Subnet?: number | false;
   /**
    * Told each failure of the store that made a request's answer a 503 (or, with
-   * `passOnStoreError`, let it pass), with the request: the store's own message (which may
+   * `passOnStoreError`, let it pass), and each release of a `concurrency` slot that failed
+   * (the slot is free at its ttl), with the request: the store's own message (which may
    * name its host, user or database) goes here, never into the answer's body. Default:
    * `console.warn`, at most one line per 10 seconds for all the middleware of the process
    * (the line counts those left out), so an outage never floods the log. Give your logger's
@@ -238,6 +295,12 @@ export interface Verdict {
   /** With `skipFailedRequests` or `skipSuccessfulRequests`, on a pass: to be called once the
    *  response is over, with whether it succeeded. */
   settle?: (successful: boolean) => void;
+  /** With `concurrency`, on a pass: lets the request's slot go, to be called once the
+   *  response is over (`releaseWhenOver`), or at once if the framework will not answer it.
+   *  A second call does nothing. */
+  release?: () => void;
+  /** Whether it is a refusal by `concurrency` (a framework's `handler` does not answer it). */
+  busy?: boolean;
 }
 
 /** The view of a request each framework gives: its peer address, a header by name, and, when
@@ -268,6 +331,11 @@ const GLOBAL = Symbol("global");
 export interface Middleware<Req, Res = never> {
   limiter: Transacting;
   limits: Array<{ name: string; count?: number }>;
+  /** What the errors of the middleware name it by: its first limit, `Rate limit NAME`, or
+   *  its concurrency limit, `Concurrency limit NAME`. */
+  label: string;
+  /** The concurrency limit a request holds a slot of, if any (`concurrency`). */
+  slots?: Slots;
   /** Takes the limits for a key. */
   take: Take;
   /** The limits' policies, by name, for the IETF fields. */
@@ -299,6 +367,19 @@ export interface Middleware<Req, Res = never> {
   undefinedName(name: string): void;
 }
 
+/** A middleware's `concurrency`, checked: what each request acquires, and how a refusal is
+ *  answered. */
+export interface Slots {
+  name: string;
+  count: number | undefined;
+  /** In ms; undefined for the limit's own. */
+  ttl: number | undefined;
+  /** `concurrencyStatusCode`. */
+  status: number;
+  /** Whether a refusal carries `Retry-After` (unless no header set is written). */
+  retryAfter: boolean;
+}
+
 /** The options `middleware` reads; a name not among them (or a framework's own) is refused. */
 const OPTIONS = [
   "limiter",
@@ -317,6 +398,8 @@ const OPTIONS = [
   "skipFailedRequests",
   "skipSuccessfulRequests",
   "requestWasSuccessful",
+  "concurrency",
+  "concurrencyStatusCode",
 ];
 
 /** The fix for an option of the middleware tollgate's replaces, given to tollgate's. */
@@ -351,10 +434,15 @@ export function middleware<Req, Res = never>(
   if (typeof limiter?.transaction !== "function") {
     throw new TypeError("limiter must be a RateLimiter (new RateLimiter({ store: \"memory\" }, limits), or { url } for a server)");
   }
-  const limits = limitsOf(options.limits);
-  const first = limits[0]!.name;
+  const given = slotsOf(options);
+  // Left out only beside `concurrency` (slotsOf says so otherwise).
+  const limits = options.limits === undefined ? [] : limitsOf(options.limits);
+  const label = limits.length === 0 ? `Concurrency limit ${given!.name}` : `Rate limit ${limits[0]!.name}`;
   // In-process: the limiter checks the names now (a TypeError), and takes without JSON.
-  const { take, policies } = options.limiter[taking]?.(limits) ?? transactionTaking(options.limiter, limits);
+  const { take, policies } =
+    limits.length === 0
+      ? { take: nothingToTake, policies: new Map<string, Policy>() }
+      : (options.limiter[taking]?.(limits) ?? transactionTaking(options.limiter, limits));
   const source = options.key ?? "ip";
   const subnet = ipv6SubnetOf(options.ipv6Subnet);
   let key: Middleware<Req>["key"];
@@ -372,20 +460,17 @@ export function middleware<Req, Res = never>(
     throw new TypeError(`key must be "ip", "global", { header: NAME } or a function of the request; got ${String(source)}`);
   }
   const what = source === "ip" ? "no peer address" : "no key in the request";
-  const noKey = json({ error: `Rate limit ${first}: ${what}.` });
+  const noKey = json({ error: `${label}: ${what}.` });
   const onStoreError = options.onStoreError ?? warn;
   if (typeof onStoreError !== "function") {
     throw new TypeError(`onStoreError must be a function of (error, request); got ${String(onStoreError)}`);
   }
-  const unixSocket = source === "ip" ? unixSocketOf(first, framework) : undefined;
-  const undefinedName = undefinedNameOf(options.limiter, limits);
+  const unixSocket = source === "ip" ? unixSocketOf(label, framework) : undefined;
+  const undefinedName = undefinedNameOf(options.limiter, limits, given);
   const skip = optionalFunction<Middleware<Req, Res>["skip"]>(options, "skip", "(request) => boolean, true for a request that passes untouched");
   const allow = allowOf((options as { allowList?: unknown }).allowList);
   optionalFunction(options, "requestWasSuccessful", "(request, response) => boolean");
-  const statusCode = options.statusCode ?? 429;
-  if (!Number.isInteger(statusCode) || statusCode < 100 || statusCode > 599) {
-    throw new TypeError(`statusCode must be an HTTP status (an integer from 100 to 599), such as 429; got ${String(statusCode)}`);
-  }
+  const statusCode = statusOf(options, "statusCode");
   const givenMessage = options.message;
   const message =
     givenMessage === undefined
@@ -400,9 +485,15 @@ export function middleware<Req, Res = never>(
   const passOnStoreError = flag(options, "passOnStoreError");
   const failed = flag(options, "skipFailedRequests");
   const successful = flag(options, "skipSuccessfulRequests");
+  const headers = headersOf(options, limits, policies);
+  // A refusal of the slot writes Retry-After as a refusal of the limits does: unless no
+  // header set is written.
+  const slots = given && { ...given, retryAfter: headers !== writesNone };
   return {
     limiter: options.limiter,
     limits,
+    label,
+    slots,
     take,
     policies,
     countOf: countsOf(limits),
@@ -415,7 +506,7 @@ export function middleware<Req, Res = never>(
     statusCode,
     message,
     requestPropertyName,
-    headers: headersOf(options, limits, policies),
+    headers,
     passOnStoreError,
     giveBack: failed || successful ? { failed, successful } : undefined,
     undefinedName,
@@ -426,10 +517,26 @@ export function middleware<Req, Res = never>(
  * A limit name the limiter does not define, as the app's misconfiguration rather than the
  * client's: said once in the log (`console.error`) with the names it defines and the fix, as
  * soon as the limiter's limits can be read (an in-process limiter's at once, a server's when
- * it answers), or at the first request that names it; such a request is answered 500.
+ * it answers), or at the first request that names it; such a request is answered 500. The
+ * same for its concurrency limit (`slots`), with what else is wrong with it: a rate limit's
+ * name, a `count` above its `max` (in process, both are refused when the middleware is made).
  */
-function undefinedNameOf(limiter: Transacting, limits: ReadonlyArray<{ name: string }>): (name?: string) => void {
+function undefinedNameOf(
+  limiter: Transacting,
+  limits: ReadonlyArray<{ name: string }>,
+  slots: Pick<Slots, "name" | "count"> | undefined,
+): (name?: string) => void {
   let said = false;
+  let saidSlots = false;
+  const saySlots = (problem: string) => {
+    if (saidSlots) return;
+    saidSlots = true;
+    console.error(
+      `tollgate: the middleware's concurrency limit ${JSON.stringify(slots!.name)} ${problem}, so every request it handles fails. ` +
+        `Define it with kind "concurrency" in the limiter's limits (new RateLimiter(store, { NAME: { kind: "concurrency", max } })) ` +
+        `or the server's config file, or fix concurrency.`,
+    );
+  };
   const say = (missing: string[], defined: string[] | undefined) => {
     if (said || missing.length === 0) return;
     said = true;
@@ -442,12 +549,32 @@ function undefinedNameOf(limiter: Transacting, limits: ReadonlyArray<{ name: str
   const read = (limiter as { getServerLimits?: () => Promise<Record<string, unknown>> }).getServerLimits;
   if (typeof read === "function") {
     read.call(limiter).then(
-      (defined) => say(limits.map((l) => l.name).filter((n) => !Object.hasOwn(defined, n)), Object.keys(defined)),
+      (defined) => {
+        say(limits.map((l) => l.name).filter((n) => !Object.hasOwn(defined, n)), Object.keys(defined));
+        const problem = slots === undefined ? undefined : slotsProblem(slots, defined);
+        if (problem !== undefined) saySlots(problem);
+      },
       // Not readable now (a server not up yet, a store not open): the first request says it.
       () => {},
     );
   }
-  return (name) => say(name === undefined ? [] : [name], undefined);
+  return (name) => {
+    if (name !== undefined && name === slots?.name) saySlots("is not defined by the limiter");
+    else say(name === undefined ? [] : [name], undefined);
+  };
+}
+
+/** What is wrong with `slots` by a limiter's limits (`GET /v1/config`), if anything. */
+function slotsProblem(slots: Pick<Slots, "name" | "count">, defined: Record<string, unknown>): string | undefined {
+  const config = Object.hasOwn(defined, slots.name) ? (defined[slots.name] as { kind?: unknown; max?: unknown }) : undefined;
+  if (config?.kind === "concurrency") {
+    return typeof config.max === "number" && (slots.count ?? 1) > config.max
+      ? `takes ${String(slots.count)} slots, more than its max (${config.max})`
+      : undefined;
+  }
+  const names = Object.keys(defined).filter((n) => (defined[n] as { kind?: unknown }).kind === "concurrency");
+  const known = `its concurrency limits: ${names.length === 0 ? "none" : names.map((n) => JSON.stringify(n)).join(", ")}`;
+  return `is ${config === undefined ? "not defined by the limiter" : "a rate limit, not a concurrency limit"} (${known})`;
 }
 
 /** Fastify's `allowList` (keys, or a function of the request and its key) as a function. */
@@ -459,6 +586,63 @@ function allowOf<Req>(allowList: unknown): Middleware<Req>["allow"] {
   }
   const allowed = new Set<string>(allowList);
   return (_request, key) => key !== undefined && allowed.has(key);
+}
+
+/** A status option (`statusCode`, `concurrencyStatusCode`), 429 if not given. */
+function statusOf(options: object, name: string): number {
+  const status = (options as Record<string, unknown>)[name] ?? 429;
+  if (!Number.isInteger(status) || (status as number) < 100 || (status as number) > 599) {
+    throw new TypeError(`${name} must be an HTTP status (an integer from 100 to 599), such as 429; got ${String(status)}`);
+  }
+  return status as number;
+}
+
+/**
+ * `concurrency` checked, or undefined if not given: its name, and the count and ttl of its
+ * acquires. An in-process limiter checks now that it defines the limit, and that its `max`
+ * admits `count`; a server's, when its limits are read (`undefinedNameOf`).
+ */
+function slotsOf<Req, Res>(options: MiddlewareOptions<Req, Transacting, Res>): Omit<Slots, "retryAfter"> | undefined {
+  const given = options.concurrency;
+  if (given === undefined) {
+    if (options.concurrencyStatusCode !== undefined) {
+      throw new TypeError("concurrencyStatusCode is the status of a refusal by concurrency: give concurrency too");
+    }
+    if (options.limits === undefined) {
+      throw new TypeError("give limits (rate limits' names), concurrency (a concurrency limit's name), or both");
+    }
+    return undefined;
+  }
+  const { name, count, ttl }: Partial<Exclude<ConcurrencyRef, string>> = typeof given === "string" ? { name: given } : (given ?? {});
+  if (typeof name !== "string" || name === "") {
+    throw new TypeError(`concurrency must be a concurrency limit's name, or { name, count?, ttl? }; got ${String(given)}`);
+  }
+  if (count !== undefined && !(Number.isSafeInteger(count) && count >= 1)) {
+    throw new TypeError(`concurrency: ${name}'s count must be a whole number of slots, at least 1; got ${String(count)}`);
+  }
+  let ms: number | undefined;
+  try {
+    ms = ttlOf("acquire", ttl);
+  } catch (e) {
+    throw new TypeError(`concurrency: ${name}'s ${(e as Error).message.replace(/^acquire: /, "")}`);
+  }
+  if (ms !== undefined && !(ms > 0)) throw new TypeError(`concurrency: ${name}'s ttl must be more than 0 ms; got ${String(ttl)}`);
+  const limiter = options.limiter;
+  if (typeof limiter.acquire !== "function" || typeof limiter.release !== "function") {
+    throw new TypeError(
+      "concurrency: the limiter has no acquire and release (a tollgate-client or tollgate package older than its concurrency limits)",
+    );
+  }
+  const max = limiter[concurrencyOf]?.(name)?.max;
+  if (max !== undefined && (count ?? 1) > max) {
+    throw new TypeError(`concurrency: ${name}'s count is ${String(count)}, more than its max (${max}): no request could ever be admitted`);
+  }
+  return { name, count, ttl: ms, status: statusOf(options, "concurrencyStatusCode") };
+}
+
+/** The take of a middleware of no limits (`concurrency` alone): a pass, with no numbers. */
+function nothingToTake(): Decision {
+  return { ok: true, retryAfter: 0, limits: [], at: Date.now() };
 }
 
 /** A boolean option, false if not given. */
@@ -505,7 +689,7 @@ function headersOf<Req>(
     throw new TypeError(`identifier names the limits in draft 8's fields: give it with standardHeaders: "draft-8"`);
   }
   if (standard === "ietf" && !legacy && limits.length === 1) return ietfOfOne(limits[0]!.name, policies);
-  if (standard === false && !legacy) return () => ({});
+  if (standard === false && !legacy) return writesNone;
   // One identifier for several limits: the second is `id-2`, and so on.
   const named = (id: string) => limits.map((_, i) => sfString(i === 0 ? id : `${id}-${i + 1}`));
   const identifiers = typeof identifier === "string" ? named(identifier) : names;
@@ -527,6 +711,10 @@ function headersOf<Req>(
     return out;
   };
 }
+
+/** The header writer of a middleware that writes no header set (`standardHeaders: false`
+ *  without `legacyHeaders`): a refusal has no `Retry-After` either. */
+const writesNone: Middleware<unknown>["headers"] = () => ({});
 
 /** The IETF fields of a middleware of one limit, `name` (`ietfFields`' answer for one limit,
  *  with `Retry-After` on a refusal). Its policy is found once: in process it is known when the
@@ -593,16 +781,16 @@ export function socketPath(socket: unknown): string | undefined {
  * answered 500. (Falling back to one key for all, as slowapi's 127.0.0.1 does, would make a
  * per-client limit one limit for everyone without a word.)
  */
-function unixSocketOf(name: string, framework: Framework): (socket: unknown) => Verdict | undefined {
+function unixSocketOf(label: string, framework: Framework): (socket: unknown) => Verdict | undefined {
   let said = false;
-  const body = json({ error: `Rate limit ${name}: no peer address on a unix socket; the server's log says how to key it.` });
+  const body = json({ error: `${label}: no peer address on a unix socket; the server's log says how to key it.` });
   return (socket) => {
     const path = socketPath(socket);
     if (path === undefined) return undefined;
     if (!said) {
       said = true;
       console.error(
-        `tollgate: rate limit ${name} is keyed by the client's IP address ("ip", the default), but this server listens on ` +
+        `tollgate: ${label[0]!.toLowerCase()}${label.slice(1)} is keyed by the client's IP address ("ip", the default), but this server listens on ` +
           `a unix socket (${path}), where requests have no peer address: each is answered 500. Behind a proxy that sets ` +
           `X-Forwarded-For, let the framework read it (${framework.trustProxy}), or give the middleware a key of its own ` +
           `(key: { header: "x-forwarded-for" } or a function of the request).`,
@@ -702,15 +890,85 @@ function keyed<Req, Res>(m: Middleware<Req, Res>, request: Req, view: RequestVie
     return Promise.resolve((m.unixSocket && view.ip === undefined && m.unixSocket(view.socket)) || { pass: false, status: 400, headers: {}, body: m.noKey });
   }
   if (key !== GLOBAL && typeof key !== "string") {
-    return Promise.reject(new TypeError(`Rate limit ${m.limits[0]!.name}: the key function returned ${String(key)}, not a string`));
+    return Promise.reject(new TypeError(`${m.label}: the key function returned ${String(key)}, not a string`));
   }
   const given = key === GLOBAL ? undefined : (key as string);
   if (m.allow !== undefined) {
     const allowed = m.allow(request, given);
-    if (isThenable(allowed)) return Promise.resolve(allowed).then((a) => (a ? UNTOUCHED : taken(m, request, given)));
+    if (isThenable(allowed)) return Promise.resolve(allowed).then((a) => (a ? UNTOUCHED : admitted(m, request, given)));
     if (allowed) return Promise.resolve(UNTOUCHED);
   }
-  return taken(m, request, given);
+  return admitted(m, request, given);
+}
+
+/** `decide` once the request is to be taken: a slot of its concurrency limit, if any, then
+ *  its limits. */
+function admitted<Req, Res>(m: Middleware<Req, Res>, request: Req, given: string | undefined): Promise<Verdict> {
+  return m.slots === undefined ? taken(m, request, given) : slotted(m, m.slots, request, given);
+}
+
+/**
+ * `decide` with a concurrency limit: its slot acquired first, so that a request it refuses
+ * takes nothing of the limits; then the limits taken, and the slot released at once unless
+ * the request passes (refused by the limits, their store failed, an error), so that no
+ * answer but a pass leaves it held. A pass carries the `release` its framework calls when
+ * the response is over. (Taking both in one transaction, all or nothing, waits for the
+ * transactions of acquires: issue 60.)
+ */
+async function slotted<Req, Res>(m: Middleware<Req, Res>, slots: Slots, request: Req, given: string | undefined): Promise<Verdict> {
+  let acquired: { ok: true; ticket: string } | { ok: false; retryAfter: number };
+  try {
+    acquired = await m.limiter.acquire!(slots.name, { key: given, count: slots.count, ttl: slots.ttl });
+  } catch (e) {
+    if (e instanceof TollgateError && e.status === 404) {
+      m.undefinedName(slots.name);
+      return { pass: false, status: 500, headers: {}, body: json({ error: `Concurrency limit ${slots.name} is not defined.` }) };
+    }
+    return failed(m, request, e);
+  }
+  if (!acquired.ok) return busy(slots, acquired.retryAfter);
+  const release = releaser(m, slots.name, acquired.ticket, given, request);
+  let verdict: Verdict;
+  try {
+    verdict = await taken(m, request, given);
+  } catch (e) {
+    release();
+    throw e;
+  }
+  if (!verdict.pass) {
+    release();
+    return verdict;
+  }
+  // UNTOUCHED is shared (a store that failed, with passOnStoreError): a verdict of its own.
+  return verdict === UNTOUCHED ? { pass: true, status: 200, headers: {}, release } : Object.assign(verdict, { release });
+}
+
+/** The answer to a request its concurrency limit refused: `concurrencyStatusCode`, with
+ *  `Retry-After` (whole seconds, up) and tollgate's refusal body. */
+function busy(slots: Slots, retryAfter: number): Verdict {
+  return {
+    pass: false,
+    status: slots.status,
+    headers: slots.retryAfter ? { "Retry-After": String(seconds(retryAfter)) } : {},
+    body: json({ kind: "RateLimited", name: slots.name, retryAfter }),
+    limited: true,
+    busy: true,
+  };
+}
+
+/** Lets the slots of `ticket` go, at the first call only; a release that fails is told to
+ *  `onStoreError` (the slots are free at their ttl). */
+function releaser<Req, Res>(m: Middleware<Req, Res>, name: string, ticket: string, key: string | undefined, request: Req): () => void {
+  let held = true;
+  return () => {
+    if (!held) return;
+    held = false;
+    try {
+      m.limiter.release!(name, ticket, key === undefined ? undefined : { key }).catch((e: unknown) => tell(m, e, request));
+    } catch (e) {
+      tell(m, e, request);
+    }
+  };
 }
 
 /** `decide` once the request is to be taken: its limits taken for `given`. */
@@ -900,7 +1158,21 @@ export async function refusalBody<Req>(
 export interface NodeResponse {
   readonly statusCode: number;
   readonly writableEnded: boolean;
+  readonly writableFinished: boolean;
+  readonly destroyed: boolean;
   once(event: "finish" | "close", listener: () => void): unknown;
+}
+
+/**
+ * Calls `release` once `response` is over: at its `finish` (written whole: sent by the
+ * handler, early or late, by an error handler or a timeout) or its `close` (the connection
+ * gone first, a client that left), whichever comes first; at once if it is over already (the
+ * client left while the slot was being acquired: neither event would come again).
+ */
+export function releaseWhenOver(release: () => void, response: NodeResponse): void {
+  if (response.writableFinished || response.destroyed) return release();
+  response.once("finish", release);
+  response.once("close", release);
 }
 
 /**

@@ -20,8 +20,9 @@ import {
 import { NoAnswer, type Reply, type Send, fetchSend, nodeSend, onNode } from "./transport.js";
 
 /** The checks of `limit`'s and `check`'s arguments (a TypeError for a value of the wrong type),
- *  exported for the `tollgate` package, whose direct path makes the same. */
-export { checkName, checkTake, plainTake } from "./check.js";
+ *  exported for the `tollgate` package, whose direct path makes the same, and of a ttl (its
+ *  middleware checks a concurrency limit's when it is made). */
+export { checkName, checkTake, plainTake, ttlOf } from "./check.js";
 export {
   calculateRateLimit,
   nextUp,

@@ -73,6 +73,21 @@ app.use(rateLimit({ limiter: mixed, limits: "exports" }));
 // @ts-expect-error: a concurrency limit's max is a number.
 new RateLimiter("memory", { exports: { kind: "concurrency", max: "4" } });
 
+// The middleware's `concurrency` takes a concurrency limit's name, with its rate limits or
+// alone, in each framework.
+app.use(rateLimit({ limiter: mixed, limits: "perIp", concurrency: "exports" }));
+app.use(rateLimit({ limiter: mixed, concurrency: { name: "exports", count: 2, ttl: "30s" }, concurrencyStatusCode: 503 }));
+fastify.addHook("onRequest", rateLimitHook({ limiter: mixed, concurrency: "exports" }));
+fastify.get("/export", { config: { rateLimit: { concurrency: "exports" } } }, async () => "ok");
+hono.use(rateLimiter({ limiter: mixed, limits: "perIp", concurrency: { name: "exports" } }));
+// @ts-expect-error: "perIp" is a rate limit, not a concurrency limit.
+app.use(rateLimit({ limiter: mixed, concurrency: "perIp" }));
+// @ts-expect-error: a limiter of rate limits alone has no concurrency limit.
+app.use(rateLimit({ limiter, limits: "perIp", concurrency: "exports" }));
+// @ts-expect-error: a ttl is milliseconds or a duration's string.
+app.use(rateLimit({ limiter: mixed, concurrency: { name: "exports", ttl: true } }));
+
 // A server's limiter whose type knows no names takes any.
 const remote = new RateLimiter({ url: "http://127.0.0.1:8787" });
 app.use(rateLimit({ limiter: remote, limits: "anything" }));
+app.use(rateLimit({ limiter: remote, limits: "anything", concurrency: "slots" }));
