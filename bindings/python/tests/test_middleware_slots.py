@@ -427,3 +427,33 @@ def test_django_view_decorator_holds_a_slot(django_gates: Gates) -> None:
     django_gates.go.set()
     thread.join(10)
     assert limiter.get_slots_value(name).in_flight == 0
+
+
+def test_the_chapters_middleware_block_serves_what_it_says(asgi_server: Callable[..., str]) -> None:
+    """The Python block of "In the middleware" (docs/src/concepts/concurrency.md), served:
+    2 exports of a user at once, a third refused."""
+    from test_guide import ROOT, blocks
+
+    page = ROOT / "docs" / "src" / "concepts" / "concurrency.md"
+    (line, text), = [(line, text) for line, text in blocks(page) if "RateLimitMiddleware" in text]
+    scope: Dict[str, Any] = {"__name__": "guide"}
+    exec(compile(text, f"{page.relative_to(ROOT)}:{line}", "exec"), scope)
+    app, gates = scope["app"], Gates()
+
+    @app.get("/exports")
+    async def export() -> str:
+        await gates.wait_async()
+        return "done"
+
+    url = asgi_server(app) + "/exports"
+    held = [in_background(url) for _ in range(2)]
+    deadline = time.monotonic() + 10
+    while in_flight(scope["limiter"], "exportsInFlight") < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    status, headers, _ = get(url, USER)
+    assert (status, headers["retry-after"]) == (429, "300")
+    gates.go.set()
+    for thread, answers in held:
+        thread.join(10)
+        assert answers[0][0] == 200

@@ -41,6 +41,14 @@
 //! (this layer's requests pass when the store fails). A limit name the limiter does not
 //! define fails when the layer is made ([`RateLimitLayer::try_new`]).
 //!
+//! # Concurrency limits
+//!
+//! [`RateLimitLayer::with_concurrency`] (or [`RateLimitLayer::concurrency`], for a layer of
+//! slots alone) holds a slot of a concurrency limit ([`ConcurrencySpec`]) while each request
+//! is answered: acquired before the rate limits, released when the response body ends (or
+//! is dropped: a client gone), or when the service fails or its future is dropped. A refusal
+//! is `429` (or the spec's status) with `Retry-After`, and takes no rate limit's token.
+//!
 //! # The header fields
 //!
 //! For each limit, named by its name: `RateLimit-Policy: "name";q=<rate>;w=<period in s>`
@@ -186,8 +194,11 @@ impl LimitSpec {
 /// A refusal is `429` (or [`status`](ConcurrencySpec::status), such as `503` for a server
 /// that says it is busy) with `Retry-After` (the wait until the earliest holder's expiry,
 /// in whole seconds rounded up; a release may free a slot sooner) and the layer's JSON body,
-/// `{"kind": "RateLimited", "name", "retryAfter": <ms>}`; a request refused so takes no
-/// rate limit's token, and one the rate limits refuse gives its slot back at once.
+/// `{"kind": "RateLimited", "name", "retryAfter": <ms>}` ([`on_refused`](RateLimitLayer::on_refused)
+/// answers the rate limits' refusals only); a request refused so takes no rate limit's
+/// token, and one the rate limits refuse gives its slot back at once. When the store fails,
+/// the answer is the rate limits' `503`, or the request passes without a slot if the layer
+/// [fails open](RateLimitLayer::fail_open).
 ///
 /// # Examples
 ///
@@ -286,7 +297,8 @@ impl ConcurrencySpec {
 /// [`insert_info`](RateLimitLayer::insert_info),
 /// [`legacy_headers`](RateLimitLayer::legacy_headers),
 /// [`fail_open`](RateLimitLayer::fail_open)) are builder methods, resolved when the layer is
-/// made.
+/// made. With a [`ConcurrencySpec`] ([`RateLimitLayer::with_concurrency`]) it also holds a
+/// slot of a concurrency limit for each request, until its response ends.
 pub struct RateLimitLayer<S> {
     limiter: Arc<RateLimiter<S>>,
     setup: Arc<Setup>,
@@ -1206,7 +1218,8 @@ type Deciding<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B
 pin_project_lite::pin_project! {
     /// The body of a [`RateLimit`] response: the inner service's, or the layer's own answer
     /// (a JSON body for HTTP, an empty one for gRPC). Any body the service's own would do
-    /// for axum, hyper or tonic does.
+    /// for axum, hyper or tonic does. With a [`ConcurrencySpec`], the service's body holds
+    /// the request's slot until its last frame, an error, or its drop.
     pub struct ResponseBody<B> {
         #[pin]
         kind: BodyKind<B>,
