@@ -19,6 +19,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import pytest
 from conftest import fresh
+from test_guide import ROOT, blocks  # before test_middleware, which puts the client's tests first on the path
 from test_middleware import django_settings, get
 
 from pytollgate import MINUTE, AsyncRateLimiter, RateLimiter
@@ -432,8 +433,6 @@ def test_django_view_decorator_holds_a_slot(django_gates: Gates) -> None:
 def test_the_chapters_middleware_block_serves_what_it_says(asgi_server: Callable[..., str]) -> None:
     """The Python block of "In the middleware" (docs/src/concepts/concurrency.md), served:
     2 exports of a user at once, a third refused."""
-    from test_guide import ROOT, blocks
-
     page = ROOT / "docs" / "src" / "concepts" / "concurrency.md"
     (line, text), = [(line, text) for line, text in blocks(page) if "RateLimitMiddleware" in text]
     scope: Dict[str, Any] = {"__name__": "guide"}
@@ -457,3 +456,68 @@ def test_the_chapters_middleware_block_serves_what_it_says(asgi_server: Callable
     for thread, answers in held:
         thread.join(10)
         assert answers[0][0] == 200
+
+
+def test_under_gunicorn_with_uvicorn_workers_on_redis() -> None:
+    """As deployed: gunicorn, 2 uvicorn worker processes, one concurrency limit of 2 on Redis.
+    6 requests at once, each held 1 s: exactly 2 answered, 4 refused, whichever worker took
+    them; then none in flight. A client that leaves mid-stream frees its slot in its worker."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import networked
+    from network import free_port
+
+    url = networked("TOLLGATE_REDIS_URL")
+    if url is None:
+        pytest.skip("no TOLLGATE_REDIS_URL")
+    name, port = fresh("gunicorn"), free_port()
+    env = {**os.environ, "SLOTS_STORE": url, "SLOTS_NAME": name, "SLOTS_HOLD": "1"}
+    command = [
+        sys.executable, "-m", "gunicorn", "--workers", "2", "--worker-class", "uvicorn.workers.UvicornWorker",
+        "--bind", f"127.0.0.1:{port}", "--timeout", "20", "--chdir", str(Path(__file__).resolve().parent),
+        "--log-level", "warning", "slots_app:app",
+    ]
+    server = subprocess.Popen(command, env=env, start_new_session=True)
+    limiter = RateLimiter(url, limits={name: {"kind": "concurrency", "max": 2, "ttl": "30s"}})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while get_or_none(base + "/slow") is None:
+            assert time.monotonic() < deadline and server.poll() is None, "gunicorn did not start"
+            time.sleep(0.1)
+        while limiter.get_slots_value(name).in_flight:  # the probe's slot
+            time.sleep(0.05)
+        answers: List[Any] = []
+        threads = [threading.Thread(target=lambda: answers.append(get(base + "/slow"))) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        statuses = sorted(status for status, _, _ in answers)
+        assert statuses == [200] * 2 + [429] * 4, statuses
+        assert all(headers["retry-after"] == "30" for status, headers, _ in answers if status == 429)
+        assert limiter.get_slots_value(name).in_flight == 0
+        for _ in range(2):  # whichever worker takes it
+            hang_up_mid_stream(base + "/stream")
+        deadline = time.monotonic() + 5
+        while limiter.get_slots_value(name).in_flight:
+            assert time.monotonic() < deadline, "a slot was never let go"
+            time.sleep(0.02)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)
+
+
+def get_or_none(url: str) -> Any:
+    try:
+        return get(url)
+    except OSError:
+        return None
