@@ -521,3 +521,24 @@ def get_or_none(url: str) -> Any:
         return get(url)
     except OSError:
         return None
+
+
+def test_django_a_stream_dropped_unread_frees_its_slot() -> None:
+    """A streaming response that no server iterates nor closes (Django's ASGI handler, when
+    a disconnect cancels the request as it sends a chunk) frees its slot when it is dropped."""
+    import gc
+
+    from django.test import RequestFactory
+
+    from pytollgate.django import rate_limit
+
+    django_settings()
+    name = fresh("slots")
+    limiter = RateLimiter("memory", limits={name: SLOT})
+    view = rate_limit(limiter, concurrency=name, key="global")(django_stream)
+    response = view(RequestFactory().get("/"))
+    assert limiter.get_slots_value(name).in_flight == 1
+    assert next(iter(response)) == b"chunk 0\n"
+    del response
+    gc.collect()
+    assert limiter.get_slots_value(name).in_flight == 0

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union, overload
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
@@ -238,7 +239,9 @@ def _with(response: Any, fields: list[tuple[str, str]]) -> Any:
 def _stream_holding(content: Any, held: _middleware.Held) -> Any:
     """A streaming response's content that lets ``held`` go when it ends: its last chunk,
     an error, or the server's ``close()`` of the response (a client gone, a stream never
-    started)."""
+    started); failing those, when the content is dropped (Django's ASGI handler neither
+    closes the response nor ends its stream when a disconnect cancels the request while it
+    sends a chunk)."""
     if hasattr(content, "__aiter__"):
         return _AsyncStreamHolding(content, held)
     return _StreamHolding(content, held)
@@ -247,6 +250,7 @@ def _stream_holding(content: Any, held: _middleware.Held) -> Any:
 class _StreamHolding:
     def __init__(self, content: Any, held: _middleware.Held) -> None:
         self._content, self._held = iter(content), held
+        weakref.finalize(self, held.release_soon)
 
     def __iter__(self) -> "_StreamHolding":
         return self
@@ -265,6 +269,7 @@ class _StreamHolding:
 class _AsyncStreamHolding:
     def __init__(self, content: Any, held: _middleware.Held) -> None:
         self._content, self._held = aiter(content), held
+        weakref.finalize(self, held.release_soon)
 
     def __aiter__(self) -> "_AsyncStreamHolding":
         return self
