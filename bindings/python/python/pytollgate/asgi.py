@@ -69,6 +69,14 @@ class RateLimitMiddleware:
       as slowapi writes them. ``Retry-After`` on every refusal.
     - ``fail_open`` (default False): while the store fails, requests pass (without header
       fields) instead of 503; each failure is still logged.
+    - ``concurrency``: a concurrency limit's name (or ``{"name", "count", "ttl"}``), keyed
+      by ``key``: each request holds a slot of it from before the rate limits and the app
+      until its response ends, however it ends; released once, as the last of the body goes
+      out (a streaming response holds it to its last chunk), when the app raises, or when
+      the request is cancelled. A refusal is ``concurrency_status_code`` (default 429; 503
+      says the server is busy) with ``Retry-After`` and ``message``'s body (``handler``
+      answers the rate limits' refusals only), and takes no rate limit's token; a request
+      the rate limits refuse gives its slot back at once. ``limits`` may be left out then.
 
     The decision is ``request.state.rate_limit`` (``scope["state"]["rate_limit"]``) for the
     app. ``ipv6_subnet``: the ``"ip"`` key of an IPv6 client is its /56 network (default 56),

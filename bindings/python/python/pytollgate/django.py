@@ -10,6 +10,7 @@
         "key": "ip",                 # or {"header": "x-api-key"}, "global", a function of the request
         "ipv6_subnet": 56,           # the "ip" key of an IPv6 client: its /56 (False: whole addresses)
         "exempt": ["/healthz"],      # and the other options of rate_limit below
+        # "concurrency": "exports",  # a concurrency limit's slot held while a request is answered
     }
     MIDDLEWARE = ["pytollgate.django.RateLimitMiddleware", ...]
 
@@ -386,7 +387,14 @@ def rate_limit(
     ``handler(request, rate_limit)`` returns; with ``block=False`` the view is called anyway
     and reads ``request.rate_limit.ok`` (django-ratelimit's ``request.limited``). The
     decision is ``request.rate_limit``; ``standard_headers``, ``legacy_headers`` and
-    ``fail_open`` as for the ASGI middleware."""
+    ``fail_open`` as for the ASGI middleware.
+
+    ``concurrency`` (a concurrency limit's name, or ``{"name", "count", "ttl"}``) holds a
+    slot of it per request, from before the rate limits and the view until the response is
+    made, or, for a ``StreamingHttpResponse``, until its stream ends or the server closes it
+    (a client gone); refused, ``concurrency_status_code`` (429, or 503) with
+    ``Retry-After``. ``limits`` may be left out then. The middleware takes both in
+    ``settings.TOLLGATE``."""
 
     def decorate(view: View) -> View:
         asynchronous = iscoroutinefunction(view)
