@@ -625,7 +625,9 @@ class Slots:
             raise ValueError(f"concurrency: {name!r} has no option {', '.join(sorted(unknown))} (count, ttl)")
         count = entry.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"concurrency: the count of {name!r} is a whole number of slots, at least 1; not {count!r}")
+            raise ValueError(
+                f"concurrency: the count of {name!r} is a whole number of slots, at least 1; not {count!r}"
+            )
         ttl = entry.get("ttl")
         if ttl is not None:
             ttl = milliseconds(ttl, f"concurrency: the ttl of {name!r}")
@@ -714,7 +716,9 @@ class Held:
 
     __slots__ = ("slots", "key", "_ticket", "_loop", "_lock")
 
-    def __init__(self, slots: Slots, key: Optional[str], ticket: str, loop: Optional[asyncio.AbstractEventLoop]) -> None:
+    def __init__(
+        self, slots: Slots, key: Optional[str], ticket: str, loop: Optional[asyncio.AbstractEventLoop]
+    ) -> None:
         self.slots, self.key = slots, key
         self._ticket: Optional[str] = ticket
         #: The event loop of an async limiter's acquire, where its release is made.
@@ -746,7 +750,8 @@ class Held:
         if ticket is None:
             return
         if self._loop is None:  # a blocking limiter
-            if self.slots.in_process and self.slots.limiter._engine is not None and self.slots.limiter._engine.immediate:
+            engine = self.slots.limiter._engine if self.slots.in_process else None
+            if engine is not None and engine.immediate:
                 self._release(ticket)
             else:
                 await asyncio.get_running_loop().run_in_executor(None, self._release, ticket)
