@@ -717,6 +717,24 @@ pub struct HeldAsync<S: AsyncStore + 'static> {
 }
 
 impl<S: AsyncStore + 'static> HeldAsync<S> {
+    /// The guard of `ticket`, granted by an acquire of `name` and `key` (for callers that
+    /// need the refusal's wait, which [`RateLimiter::hold_async`] does not give).
+    pub(crate) fn new(
+        limiter: Arc<RateLimiter<S>>,
+        name: &str,
+        key: Option<&str>,
+        limit: Concurrency,
+        ticket: Ticket,
+    ) -> Self {
+        HeldAsync {
+            limiter: Some(limiter),
+            name: name.into(),
+            key: key.map(Into::into),
+            limit,
+            ticket,
+        }
+    }
+
     /// The ticket.
     pub fn ticket(&self) -> Ticket {
         self.ticket

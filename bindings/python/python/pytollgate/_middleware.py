@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, NotRequired, Optional, Tuple, TypedDict, Union
 
-from tollgate_client import TollgateError, TransactionResult
+from tollgate_client import Milliseconds, TollgateError, TransactionResult
+from tollgate_client._units import milliseconds
 
 from . import _native
 from ._common import Name
@@ -139,6 +140,22 @@ class Options(TypedDict, total=False):
     standard_headers: bool
     legacy_headers: bool
     fail_open: bool
+    concurrency: Optional[ConcurrencyRef[Any]]
+    concurrency_status_code: int
+
+
+class ConcurrencyEntry(TypedDict, Generic[Name]):
+    """A concurrency limit a request holds slots of, with a ``count`` other than 1 or a
+    ``ttl`` other than the limit's (milliseconds, or a string with its unit: ``"2m"``)."""
+
+    name: Name
+    count: NotRequired[int]
+    ttl: NotRequired[Milliseconds]
+
+
+#: The concurrency limit a request holds a slot of while it is answered: its name, or
+#: ``{"name": ..., "count": ..., "ttl": ...}``.
+ConcurrencyRef = Union[Name, ConcurrencyEntry[Name]]
 
 
 def limits_of(limits: Names[Any]) -> List[Dict[str, object]]:
@@ -196,7 +213,7 @@ def is_async(function: object) -> bool:
 
 #: Said to the client when the ``"ip"`` key finds no address, and logged once.
 NO_ADDRESS = (
-    "Rate limit {first}: the request has no client address, so its \"ip\" key cannot be "
+    "{label}: the request has no client address, so its \"ip\" key cannot be "
     "found (a server on a unix socket behind a proxy?). Have the server take the client's "
     "address from the proxy's header ({fix}), or give the middleware a key function."
 )
@@ -210,16 +227,18 @@ class Setup:
     def __init__(self) -> None:
         self._said = False
 
-    def no_address(self, first: str, fix: str) -> Verdict:
-        message = NO_ADDRESS.format(first=first, fix=fix)
+    def no_address(self, label: str, fix: str) -> Verdict:
+        message = NO_ADDRESS.format(label=label, fix=fix)
         if not self._said:
             self._said = True
             logger.error("%s Every request keyed by \"ip\" fails with 500 until then.", message)
         return Verdict(False, 500, {}, _json({"error": message}))
 
 
-def missing_key(first: str) -> Verdict:
-    return Verdict(False, 400, {}, _json({"error": f"Rate limit {first}: no key in the request."}))
+def missing_key(label: str) -> Verdict:
+    """``label``: ``Rate limit NAME`` (the first limit), or ``Concurrency limit NAME`` for a
+    middleware with no rate limits."""
+    return Verdict(False, 400, {}, _json({"error": f"{label}: no key in the request."}))
 
 
 class Exempt:
@@ -294,6 +313,43 @@ def _whole(x: float) -> str:
     return str(int(x)) if x == int(x) else str(x)
 
 
+def checked_limiter(limiter: object, asynchronous: Optional[bool], where: str, method: str) -> Tuple[bool, bool]:
+    """Whether ``limiter`` is pytollgate's (in this process) and whether it blocks, checked
+    against the middleware: an async limiter in a sync middleware or the reverse, an object
+    that is no limiter (one without ``method``) raise, naming the fix."""
+    from ._async import AsyncRateLimiter
+    from ._sync import RateLimiter
+
+    in_process = isinstance(limiter, (RateLimiter, AsyncRateLimiter))
+    if in_process:
+        if asynchronous is True and isinstance(limiter, RateLimiter):
+            raise TypeError(
+                f"{where} is async, and pytollgate.RateLimiter blocks the event loop while "
+                "it waits for the store: give it pytollgate.AsyncRateLimiter (the same "
+                "arguments)"
+            )
+        if asynchronous is False and isinstance(limiter, AsyncRateLimiter):
+            raise TypeError(
+                f"{where} is sync and cannot await pytollgate.AsyncRateLimiter: give it "
+                "pytollgate.RateLimiter (the same arguments)"
+            )
+    else:
+        call = getattr(limiter, method, None)
+        if not callable(call):
+            raise TypeError(
+                f"{where} takes a limiter: pytollgate's RateLimiter / AsyncRateLimiter, "
+                f"or tollgate_client's; not {limiter!r}"
+            )
+        awaited = is_async(call)
+        if (awaited and asynchronous is False) or (not awaited and asynchronous is True):
+            wanted = "AsyncRateLimiter" if asynchronous else "RateLimiter"
+            raise TypeError(
+                f"{where} is {'sync' if awaited else 'async'}: give it "
+                f"tollgate_client.{wanted}, not {limiter!r}"
+            )
+    blocking = not (isinstance(limiter, AsyncRateLimiter) or is_async(getattr(limiter, method, None)))
+    return in_process, blocking
+
 
 class Gate:
     """One middleware's limits, resolved when it is made, and its decisions: through the
@@ -315,30 +371,18 @@ class Gate:
         fail_open: bool,
         where: str,
     ) -> None:
-        from ._async import AsyncRateLimiter
-        from ._sync import RateLimiter
-
         self.entries = limits_of(limits)
         self.names = [str(e["name"]) for e in self.entries]
         self.first = self.names[0]
+        #: What the middleware's own answers are about: ``Rate limit NAME``.
+        self.label = f"Rate limit {self.first}"
         if not isinstance(fail_open, bool):
             raise TypeError(f"fail_open is True or False, not {fail_open!r}")
         self.fail_open = fail_open
         self.limiter = limiter
         self.failures = Failures()
-        self.in_process = isinstance(limiter, (RateLimiter, AsyncRateLimiter))
+        self.in_process, self.blocking = checked_limiter(limiter, asynchronous, where, "transaction")
         if self.in_process:
-            if asynchronous is True and isinstance(limiter, RateLimiter):
-                raise TypeError(
-                    f"{where} is async, and pytollgate.RateLimiter blocks the event loop while "
-                    "it waits for the store: give it pytollgate.AsyncRateLimiter (the same "
-                    "arguments)"
-                )
-            if asynchronous is False and isinstance(limiter, AsyncRateLimiter):
-                raise TypeError(
-                    f"{where} is sync and cannot await pytollgate.AsyncRateLimiter: give it "
-                    "pytollgate.RateLimiter (the same arguments)"
-                )
             defined = json.loads(limiter._config)["limits"]  # type: ignore[attr-defined]
             for name in self.names:
                 if name not in defined:
@@ -347,22 +391,12 @@ class Gate:
                         f"limits: {', '.join(sorted(defined)) or 'none'}); define it in "
                         f"the limiter's limits={{...}}, or fix the name"
                     )
-        else:
-            transaction = getattr(limiter, "transaction", None)
-            if not callable(transaction):
-                raise TypeError(
-                    f"{where} takes a limiter: pytollgate's RateLimiter / AsyncRateLimiter, "
-                    f"or tollgate_client's; not {limiter!r}"
-                )
-            awaited = is_async(transaction)
-            if (awaited and asynchronous is False) or (not awaited and asynchronous is True):
-                wanted = "AsyncRateLimiter" if asynchronous else "RateLimiter"
-                raise TypeError(
-                    f"{where} is {'sync' if awaited else 'async'}: give it "
-                    f"tollgate_client.{wanted}, not {limiter!r}"
-                )
-        #: A blocking limiter (RateLimiter, either door): decide_async runs it in a thread.
-        self.blocking = not (isinstance(limiter, AsyncRateLimiter) or is_async(getattr(limiter, "transaction", None)))
+                if defined[name].get("kind") == "concurrency":
+                    raise ValueError(
+                        f"{where}: {name!r} is a concurrency limit, which a request holds a "
+                        f"slot of while it is answered: give it as concurrency={name!r}, not "
+                        "among the limits"
+                    )
         self._engine: object = None
         self._gate: Optional[_native.Gate] = None
         #: The gate's RateLimit-Policy if it has one limit (made once, in the gate), and
@@ -553,6 +587,213 @@ class Failures:
             "" if count == 1 else "s",
             LOG_EVERY,
             detail,
+        )
+
+
+class Slots:
+    """One middleware's concurrency limit (SPEC §6f), resolved when it is made: each request
+    acquires ``count`` slots of it for its key before the handler runs, and gives them back
+    once (:class:`Held`) when its response ends, however it ends. A refusal is answered
+    ``status_code`` (429, or 503 for a server that says it is busy) with ``Retry-After``:
+    the wait until the earliest holder's expiry, in whole seconds up (a release may free a
+    slot sooner). The store's failures are the rate limits': 503, or through with
+    ``fail_open`` (and no slot held).
+
+    Raises at construction, naming the fix: a name the in-process limiter does not define as
+    a concurrency limit, a count above its ``max``, a count or ttl that is no such thing,
+    a limiter of the wrong door (as :class:`Gate`)."""
+
+    def __init__(
+        self,
+        limiter: object,
+        concurrency: ConcurrencyRef[Any],
+        status_code: int,
+        *,
+        asynchronous: Optional[bool],
+        fail_open: bool,
+        where: str,
+    ) -> None:
+        entry: Mapping[str, Any] = {"name": concurrency} if isinstance(concurrency, str) else concurrency
+        name = entry.get("name") if isinstance(entry, Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"concurrency is a concurrency limit's name, or {{'name': ..., 'count': ..., "
+                f"'ttl': ...}}; not {concurrency!r}"
+            )
+        unknown = set(entry) - {"name", "count", "ttl"}
+        if unknown:
+            raise ValueError(f"concurrency: {name!r} has no option {', '.join(sorted(unknown))} (count, ttl)")
+        count = entry.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(
+                f"concurrency: the count of {name!r} is a whole number of slots, at least 1; not {count!r}"
+            )
+        ttl = entry.get("ttl")
+        if ttl is not None:
+            ttl = milliseconds(ttl, f"concurrency: the ttl of {name!r}")
+            if not ttl > 0:
+                raise ValueError(f"concurrency: the ttl of {name!r} is more than 0 ms, not {entry['ttl']!r}")
+        if isinstance(status_code, bool) or not isinstance(status_code, int) or not 400 <= status_code <= 599:
+            raise ValueError(
+                f"concurrency_status_code is an HTTP error status (429, or 503), not {status_code!r}"
+            )
+        if not isinstance(fail_open, bool):
+            raise TypeError(f"fail_open is True or False, not {fail_open!r}")
+        self.in_process, self.blocking = checked_limiter(limiter, asynchronous, where, "acquire")
+        if self.in_process:
+            defined = json.loads(limiter._config)["limits"]  # type: ignore[attr-defined]
+            config = defined.get(name)
+            if config is None or config.get("kind") != "concurrency":
+                names = sorted(n for n, c in defined.items() if c.get("kind") == "concurrency")
+                what = "not defined on the limiter" if config is None else "a rate limit, not a concurrency limit"
+                raise ValueError(
+                    f"{where}: concurrency={name!r} is {what} (its concurrency limits: "
+                    f"{', '.join(names) or 'none'}); define it in the limiter's limits as "
+                    "{'kind': 'concurrency', 'max': ...}, or fix the name"
+                )
+            if count > config.get("max", count):
+                raise ValueError(
+                    f"concurrency: a count of {count} slots of {name!r} could never be granted "
+                    f"(its max is {config['max']})"
+                )
+        self.name, self.count, self.ttl = name, (None if count == 1 else count), ttl
+        self.status = status_code
+        self.fail_open = fail_open
+        self.limiter: Any = limiter
+        self.failures = Failures()
+        #: What the middleware's own answers are about when it has no rate limits.
+        self.label = f"Concurrency limit {name}"
+
+    async def acquire_async(self, key: Optional[str]) -> Union[Held, RateLimit, Verdict, None]:
+        """The request's slots (a :class:`Held`), a refusal (a ``RateLimit`` not ``ok``, its
+        ``retry_after`` in seconds), a failure's answer, or None: through, the store failing
+        and ``fail_open`` set, no slot held."""
+        if self.blocking:
+            engine = self.limiter._engine if self.in_process else None
+            if engine is not None and engine.immediate:
+                return self.acquire(key)
+            return await asyncio.get_running_loop().run_in_executor(None, self.acquire, key)
+        try:
+            got = await self.limiter.acquire(self.name, key, self.count, self.ttl)
+        except Exception as e:  # noqa: BLE001 - any failure fails closed (or open, if asked)
+            return self._failed(e)
+        return self._read(key, got, asyncio.get_running_loop())
+
+    def acquire(self, key: Optional[str]) -> Union[Held, RateLimit, Verdict, None]:
+        """:meth:`acquire_async`, blocking."""
+        try:
+            got = self.limiter.acquire(self.name, key, self.count, self.ttl)
+        except Exception as e:  # noqa: BLE001
+            return self._failed(e)
+        return self._read(key, got, None)
+
+    def _read(self, key: Optional[str], got: Any, loop: Optional[asyncio.AbstractEventLoop]) -> Union[Held, RateLimit]:
+        if got.ok:
+            return Held(self, key, got.ticket, loop)
+        return RateLimit(False, self.name, retry_after=(got.retry_after or 0.0) / 1_000)
+
+    def _failed(self, error: Exception) -> Optional[Verdict]:
+        verdict = self.failures.failed(error)
+        if self.fail_open and verdict.status >= 500:
+            return None
+        return verdict
+
+    def refusal_fields(self, refused: RateLimit) -> List[Tuple[str, str]]:
+        """A refusal's header fields: ``Retry-After`` alone (no rate limit decided)."""
+        return header_fields(refused, False, False)
+
+
+#: The releases under way whose request was cancelled meanwhile: kept here until they end
+#: (the event loop holds only weak references to its tasks).
+_releasing: "set[asyncio.Task[None]]" = set()
+
+
+class Held:
+    """A request's slots, released exactly once, by whichever comes first of the ways its
+    response can end: the last body sent, the app raising, the request cancelled, a stream
+    closed (which may come on another thread: see :meth:`release_soon`). A release that
+    fails is logged, never raised: the slots are free at their ttl all the same."""
+
+    __slots__ = ("slots", "key", "_ticket", "_loop", "_lock")
+
+    def __init__(
+        self, slots: Slots, key: Optional[str], ticket: str, loop: Optional[asyncio.AbstractEventLoop]
+    ) -> None:
+        self.slots, self.key = slots, key
+        self._ticket: Optional[str] = ticket
+        #: The event loop of an async limiter's acquire, where its release is made.
+        self._loop = loop
+        self._lock = threading.Lock()
+
+    def _take(self) -> Optional[str]:
+        """The ticket, the first time only."""
+        with self._lock:
+            ticket, self._ticket = self._ticket, None
+        return ticket
+
+    def release(self) -> None:
+        """Lets the slots go (a blocking limiter), unless done already."""
+        ticket = self._take()
+        if ticket is not None:
+            self._release(ticket)
+
+    def _release(self, ticket: str) -> None:
+        try:
+            self.slots.limiter.release(self.slots.name, self.key, ticket=ticket)
+        except Exception as e:  # noqa: BLE001
+            self._log(e)
+
+    async def release_async(self) -> None:
+        """Lets the slots go, unless done already; a cancellation meanwhile does not stop
+        the release (it goes on in a task of its own)."""
+        ticket = self._take()
+        if ticket is None:
+            return
+        if self._loop is None:  # a blocking limiter
+            engine = self.slots.limiter._engine if self.slots.in_process else None
+            if engine is not None and engine.immediate:
+                self._release(ticket)
+            else:
+                await asyncio.get_running_loop().run_in_executor(None, self._release, ticket)
+            return
+        task = asyncio.ensure_future(self._release_async(ticket))
+        _releasing.add(task)
+        task.add_done_callback(_releasing.discard)
+        await asyncio.shield(task)
+
+    async def _release_async(self, ticket: str) -> None:
+        try:
+            await self.slots.limiter.release(self.slots.name, self.key, ticket=ticket)
+        except Exception as e:  # noqa: BLE001
+            self._log(e)
+
+    def release_soon(self) -> None:
+        """Lets the slots go from wherever this is called (a stream's ``close``, on a thread
+        of Django's or on the event loop): at once for a blocking limiter, else as a task on
+        the loop that acquired them."""
+        loop = self._loop
+        if loop is None:
+            self.release()
+            return
+        ticket = self._take()
+        if ticket is None:
+            return
+
+        def start() -> None:
+            task = loop.create_task(self._release_async(ticket))
+            _releasing.add(task)
+            task.add_done_callback(_releasing.discard)
+
+        try:
+            loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop closed: the slots are free at their ttl
+            pass
+
+    def _log(self, error: Exception) -> None:
+        logger.warning(
+            "the release of a slot of the concurrency limit %r failed (it is free at its ttl): %s",
+            self.slots.name,
+            error.message if isinstance(error, TollgateError) else repr(error),
         )
 
 

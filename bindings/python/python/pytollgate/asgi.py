@@ -21,7 +21,7 @@ import tollgate_client
 from . import _middleware
 from ._async import AsyncRateLimiter
 from ._common import Name
-from ._middleware import DEFAULT_IPV6_SUBNET, Ipv6Subnet, KeySource, Names, RateLimit, RefusalMessage, Verdict
+from ._middleware import DEFAULT_IPV6_SUBNET, ConcurrencyRef, Ipv6Subnet, KeySource, Names, RateLimit, RefusalMessage, Verdict
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -69,6 +69,14 @@ class RateLimitMiddleware:
       as slowapi writes them. ``Retry-After`` on every refusal.
     - ``fail_open`` (default False): while the store fails, requests pass (without header
       fields) instead of 503; each failure is still logged.
+    - ``concurrency``: a concurrency limit's name (or ``{"name", "count", "ttl"}``), keyed
+      by ``key``: each request holds a slot of it from before the rate limits and the app
+      until its response ends, however it ends; released once, as the last of the body goes
+      out (a streaming response holds it to its last chunk), when the app raises, or when
+      the request is cancelled. A refusal is ``concurrency_status_code`` (default 429; 503
+      says the server is busy) with ``Retry-After`` and ``message``'s body (``handler``
+      answers the rate limits' refusals only), and takes no rate limit's token; a request
+      the rate limits refuse gives its slot back at once. ``limits`` may be left out then.
 
     The decision is ``request.state.rate_limit`` (``scope["state"]["rate_limit"]``) for the
     app. ``ipv6_subnet``: the ``"ip"`` key of an IPv6 client is its /56 network (default 56),
@@ -84,7 +92,12 @@ class RateLimitMiddleware:
 
     @overload
     def __init__(
-        self, app: App, *, limiter: AsyncRateLimiter[Name], limits: Names[Name], **options: Unpack[MiddlewareOptions]
+        self,
+        app: App,
+        *,
+        limiter: AsyncRateLimiter[Name],
+        limits: Optional[Names[Name]] = None,
+        **options: Unpack[MiddlewareOptions],
     ) -> None: ...
     @overload
     def __init__(
@@ -92,7 +105,7 @@ class RateLimitMiddleware:
         app: App,
         *,
         limiter: tollgate_client.AsyncRateLimiter,
-        limits: Names[str],
+        limits: Optional[Names[str]] = None,
         **options: Unpack[MiddlewareOptions],
     ) -> None: ...
     def __init__(
@@ -100,7 +113,7 @@ class RateLimitMiddleware:
         app: App,
         *,
         limiter: object,
-        limits: Names[Any],
+        limits: Optional[Names[Any]] = None,
         key: KeySource = "ip",
         ipv6_subnet: Ipv6Subnet = DEFAULT_IPV6_SUBNET,
         exempt: Iterable[str] = (),
@@ -111,11 +124,23 @@ class RateLimitMiddleware:
         standard_headers: bool = True,
         legacy_headers: bool = False,
         fail_open: bool = False,
+        concurrency: Optional[ConcurrencyRef[Any]] = None,
+        concurrency_status_code: int = 429,
     ) -> None:
         self.app = app
-        self.gate = _middleware.Gate(
+        if limits is None and concurrency is None:
+            raise TypeError(
+                "RateLimitMiddleware takes limits (rate limits' names), concurrency (a "
+                "concurrency limit's name), or both"
+            )
+        self.slots = None if concurrency is None else _middleware.Slots(
+            limiter, concurrency, concurrency_status_code,
+            asynchronous=True, fail_open=fail_open, where="RateLimitMiddleware",
+        )
+        self.gate = None if limits is None else _middleware.Gate(
             limiter, limits, asynchronous=True, fail_open=fail_open, where="RateLimitMiddleware"
         )
+        self.label = self.gate.label if self.gate is not None else self.slots.label  # type: ignore[union-attr]
         self.key = _middleware.check_key(key)
         self.ipv6_subnet = _middleware.check_ipv6_subnet(ipv6_subnet)
         self.exempt = _middleware.Exempt(exempt)
@@ -138,7 +163,47 @@ class RateLimitMiddleware:
             if (await skipped) if self.skip_is_async else skipped:
                 await self.app(scope, receive, send)
                 return
-        decided = await self._decide(scope)
+        key = await self._key(scope)
+        if isinstance(key, Verdict):
+            await _answer(send, key.status, key.headers.items(), key.body, "application/json")
+            return
+        if self.slots is None:
+            await self._limited(scope, receive, send, key)
+            return
+        held = await self.slots.acquire_async(key)
+        if isinstance(held, Verdict):
+            await _answer(send, held.status, held.headers.items(), held.body, "application/json")
+            return
+        if isinstance(held, RateLimit):
+            # Refused by the concurrency limit: no rate limit was taken from.
+            body, content_type = self.refusal.body(scope, held)
+            await _answer(send, self.slots.status, self.slots.refusal_fields(held), body, content_type)
+            return
+        if held is None:  # the store failed, and fail_open let the request through
+            await self._limited(scope, receive, send, key)
+            return
+        release = held.release_async
+
+        async def release_then_send(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                # The last of the body is made: the work is done (and a client that reads
+                # the whole answer finds the slot free).
+                await release()
+            await send(message)
+
+        try:
+            await self._limited(scope, receive, release_then_send, key)
+        finally:
+            # The app raised or returned without a last body (a refusal by the rate limits
+            # is sent through release_then_send), or the request was cancelled.
+            await release()
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send, key: Optional[str]) -> None:
+        """The app, behind the rate limits if there are any."""
+        if self.gate is None:
+            await self.app(scope, receive, send)
+            return
+        decided = await self.gate.decide_async(key)
         if isinstance(decided, Verdict):
             await _answer(send, decided.status, decided.headers.items(), decided.body, "application/json")
             return
@@ -167,7 +232,9 @@ class RateLimitMiddleware:
             return any(name == b"access-control-request-method" for name, _ in scope.get("headers", ()))
         return False
 
-    async def _decide(self, scope: Scope) -> Union[RateLimit, Verdict]:
+    async def _key(self, scope: Scope) -> Union[Optional[str], Verdict]:
+        """The request's key (None: the limits' one global value), or the answer to a
+        request without one."""
         client = scope.get("client")
         ip: Optional[str] = client[0] if client else None
         key: Any
@@ -180,12 +247,12 @@ class RateLimitMiddleware:
             if inspect.isawaitable(key):  # an async key function (or one that returns a coroutine)
                 key = await key
         if key is ...:
-            return await self.gate.decide_async(None)
+            return None
         if key is None or key == "":
             if self.key == "ip":
-                return self.setup.no_address(self.gate.first, _FIX)
-            return _middleware.missing_key(self.gate.first)
-        return await self.gate.decide_async(key)
+                return self.setup.no_address(self.label, _FIX)
+            return _middleware.missing_key(self.label)
+        return key if isinstance(key, str) else str(key)  # a user's id, say
 
     async def _refuse(
         self, scope: Scope, receive: Receive, send: Send, decided: RateLimit, fields: List[Tuple[str, str]]

@@ -41,6 +41,14 @@
 //! (this layer's requests pass when the store fails). A limit name the limiter does not
 //! define fails when the layer is made ([`RateLimitLayer::try_new`]).
 //!
+//! # Concurrency limits
+//!
+//! [`RateLimitLayer::with_concurrency`] (or [`RateLimitLayer::concurrency`], for a layer of
+//! slots alone) holds a slot of a concurrency limit ([`ConcurrencySpec`]) while each request
+//! is answered: acquired before the rate limits, released when the response body ends (or
+//! is dropped: a client gone), or when the service fails or its future is dropped. A refusal
+//! is `429` (or the spec's status) with `Retry-After`, and takes no rate limit's token.
+//!
 //! # The header fields
 //!
 //! For each limit, named by its name: `RateLimit-Policy: "name";q=<rate>;w=<period in s>`
@@ -67,10 +75,11 @@ use tower_service::Service;
 pub use info::{LimitInfo, RateLimitInfo};
 pub use key::{DEFAULT_IPV6_SUBNET, Key, MissingKey, TrustedProxies};
 
+use crate::concurrency::{Acquire, Acquired, HeldAsync, SlotsTarget};
 use crate::core::Inline;
 use crate::limiter::{Call, RateLimiter, Target};
 use crate::store::AsyncStore;
-use crate::{Config, Error, Limits, Status, Taken};
+use crate::{Concurrency, Config, Error, Limits, Status, Taken};
 
 type CountFn = dyn Fn(&http::request::Parts) -> f64 + Send + Sync;
 
@@ -170,6 +179,116 @@ impl LimitSpec {
     }
 }
 
+/// The concurrency limit (SPEC §6f) a [`RateLimitLayer`] holds a slot of while each request
+/// is answered: acquired before the rate limits and the service, released when the
+/// response's body ends (its last frame or an error, or the body dropped unread: a client
+/// gone), or when the service's future fails or is dropped before that.
+///
+/// Why the body's end and not the future's: a streamed body (a download, server-sent
+/// events) is work in flight long after the service's future resolves, and a limit of
+/// "4 exports at once" that counted only until the headers would let a fifth start while
+/// four are still streaming. The guard rides in the layer's [`ResponseBody`], which the
+/// server drops when it has sent the last frame or the connection is gone, so the slot
+/// lasts exactly as long as the response does.
+///
+/// A refusal is `429` (or [`status`](ConcurrencySpec::status), such as `503` for a server
+/// that says it is busy) with `Retry-After` (the wait until the earliest holder's expiry,
+/// in whole seconds rounded up; a release may free a slot sooner) and the layer's JSON body,
+/// `{"kind": "RateLimited", "name", "retryAfter": <ms>}` ([`on_refused`](RateLimitLayer::on_refused)
+/// answers the rate limits' refusals only); a request refused so takes no rate limit's
+/// token, and one the rate limits refuse gives its slot back at once. When the store fails,
+/// the answer is the rate limits' `503`, or the request passes without a slot if the layer
+/// [fails open](RateLimitLayer::fail_open).
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use tollgate::tower::{ConcurrencySpec, Key, LimitSpec, RateLimitLayer};
+/// use tollgate::{Concurrency, Config, MemoryStore, RateLimiter, MINUTE};
+///
+/// let limiter = RateLimiter::builder(MemoryStore::new())
+///     .define("exports", Config::token_bucket(60.0, MINUTE))
+///     .define_concurrency("exports at once", Concurrency::new(4))
+///     .build();
+/// let tenant = Key::header("x-tenant");
+/// let layer = RateLimitLayer::new(Arc::new(limiter), LimitSpec::new("exports").key(tenant.clone()))
+///     .with_concurrency(ConcurrencySpec::new("exports at once").key(tenant));
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+pub struct ConcurrencySpec {
+    name: Arc<str>,
+    key: Key,
+    count: Option<u32>,
+    ttl: Option<f64>,
+    status: StatusCode,
+    /// The limit, once a layer has resolved it.
+    limit: Option<Concurrency>,
+}
+
+impl ConcurrencySpec {
+    /// A concurrency limit defined on the limiter
+    /// ([`define_concurrency`](crate::RateLimiterBuilder::define_concurrency)), global until
+    /// a [`key`](ConcurrencySpec::key) is set; one slot per request, held at most the
+    /// limit's `ttl`.
+    pub fn new(name: &str) -> Self {
+        ConcurrencySpec {
+            name: name.into(),
+            key: Key::global(),
+            count: None,
+            ttl: None,
+            status: StatusCode::TOO_MANY_REQUESTS,
+            limit: None,
+        }
+    }
+
+    /// Where each request's key comes from (default: [`Key::global`]). A request without
+    /// one is refused with 400.
+    #[must_use]
+    pub fn key(mut self, key: Key) -> Self {
+        self.key = key;
+        self
+    }
+
+    /// Takes `count` slots per request instead of one.
+    #[must_use]
+    pub fn count(mut self, count: u32) -> Self {
+        self.count = Some(count);
+        self
+    }
+
+    /// Holds them at most `ttl` ms (a request whose server died frees them then), instead
+    /// of the limit's `ttl`.
+    #[must_use]
+    pub fn ttl(mut self, ttl: f64) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// The status of a refusal, instead of `429`: `503` says the server is busy rather
+    /// than that the client asked too often.
+    #[must_use]
+    pub fn status(mut self, status: StatusCode) -> Self {
+        self.status = status;
+        self
+    }
+
+    fn acquire<'k>(&self, key: Option<&'k str>) -> Acquire<'k> {
+        let mut request = Acquire::new();
+        if let Some(key) = key {
+            request = request.key(key);
+        }
+        if let Some(count) = self.count {
+            request = request.count(count);
+        }
+        if let Some(ttl) = self.ttl {
+            request = request.ttl(ttl);
+        }
+        request
+    }
+}
+
 /// A tower [`Layer`] that rate limits every request of the service it wraps.
 ///
 /// With one [`LimitSpec`], each request takes from that limit; with several
@@ -178,7 +297,8 @@ impl LimitSpec {
 /// [`insert_info`](RateLimitLayer::insert_info),
 /// [`legacy_headers`](RateLimitLayer::legacy_headers),
 /// [`fail_open`](RateLimitLayer::fail_open)) are builder methods, resolved when the layer is
-/// made.
+/// made. With a [`ConcurrencySpec`] ([`RateLimitLayer::with_concurrency`]) it also holds a
+/// slot of a concurrency limit for each request, until its response ends.
 pub struct RateLimitLayer<S> {
     limiter: Arc<RateLimiter<S>>,
     setup: Arc<Setup>,
@@ -191,11 +311,27 @@ type RefusalFn = dyn Fn(&http::request::Parts, &RateLimitInfo) -> Response<Bytes
 #[derive(Clone)]
 struct Setup {
     specs: Vec<LimitSpec>,
+    slots: Option<ConcurrencySpec>,
     skip: Option<Arc<SkipFn>>,
     on_refused: Option<Arc<RefusalFn>>,
     insert_info: bool,
     legacy_headers: bool,
     fail_open: bool,
+}
+
+impl Setup {
+    /// The rate limits `specs`, every option at its default.
+    fn of(specs: Vec<LimitSpec>) -> Self {
+        Setup {
+            specs,
+            slots: None,
+            skip: None,
+            on_refused: None,
+            insert_info: false,
+            legacy_headers: false,
+            fail_open: false,
+        }
+    }
 }
 
 /// The header fields' names, parsed once.
@@ -249,15 +385,7 @@ impl<S> RateLimitLayer<S> {
     /// ```
     pub fn try_new(limiter: Arc<RateLimiter<S>>, spec: LimitSpec) -> Result<Self, Error> {
         let spec = spec.resolve(&limiter)?;
-        let setup = Setup {
-            specs: vec![spec],
-            skip: None,
-            on_refused: None,
-            insert_info: false,
-            legacy_headers: false,
-            fail_open: false,
-        };
-        Ok(RateLimitLayer { limiter, setup: Arc::new(setup) })
+        Ok(RateLimitLayer { limiter, setup: Arc::new(Setup::of(vec![spec])) })
     }
 
     /// Also takes `spec`, in the same transaction as the others.
@@ -278,6 +406,42 @@ impl<S> RateLimitLayer<S> {
     pub fn try_with(mut self, spec: LimitSpec) -> Result<Self, Error> {
         let spec = spec.resolve(&self.limiter)?;
         Arc::make_mut(&mut self.setup).specs.push(spec);
+        Ok(self)
+    }
+
+    /// A layer that holds a slot of the concurrency limit `spec` for each request, and
+    /// takes no rate limit (add some with [`RateLimitLayer::with`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`RateLimitLayer::with_concurrency`].
+    pub fn concurrency(limiter: Arc<RateLimiter<S>>, spec: ConcurrencySpec) -> Self {
+        RateLimitLayer { limiter, setup: Arc::new(Setup::of(Vec::new())) }.with_concurrency(spec)
+    }
+
+    /// Also holds a slot of the concurrency limit `spec` while each request is answered
+    /// (see [`ConcurrencySpec`]); it replaces the one given before, if any.
+    ///
+    /// # Panics
+    ///
+    /// If the limiter defines no concurrency limit of that name, or its count is above the
+    /// limit's `max`; [`RateLimitLayer::try_with_concurrency`] returns the error instead.
+    #[must_use]
+    pub fn with_concurrency(self, spec: ConcurrencySpec) -> Self {
+        self.try_with_concurrency(spec).unwrap_or_else(|err| panic!("RateLimitLayer: {err}"))
+    }
+
+    /// [`RateLimitLayer::with_concurrency`], or the error.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotDefined`] for a name the limiter does not define as a concurrency limit,
+    /// [`Error::Invalid`] for a count above its `max` or a ttl that is not positive.
+    pub fn try_with_concurrency(mut self, spec: ConcurrencySpec) -> Result<Self, Error> {
+        let limit = self.limiter.concurrency_of(SlotsTarget::Named(&spec.name))?;
+        // The acquire's own checks (count, ttl), made once here, not per request.
+        spec.acquire(None).op(&limit).validate(&limit)?;
+        Arc::make_mut(&mut self.setup).slots = Some(ConcurrencySpec { limit: Some(limit), ..spec });
         Ok(self)
     }
 
@@ -508,6 +672,9 @@ struct Fields {
 enum Refusal {
     /// Refused by a limit: retry after this many ms; the decision, for a custom refusal.
     Limited { name: Arc<str>, retry_after: f64, info: Option<RateLimitInfo> },
+    /// Refused by the concurrency limit: no slot free for this many ms at most; answered
+    /// with its status.
+    Busy { name: Arc<str>, retry_after: f64, status: StatusCode },
     /// An error (400 for a bad request, 500 for the app's setup).
     Error(StatusCode, String),
     /// The store failed (503): nothing admitted; whether the request may still have taken
@@ -639,7 +806,7 @@ fn verdict(setup: &Setup, keys: &[Taking<'_>], outcome: Result<Decided, Error>) 
     }
 }
 
-impl<S: AsyncStore> RateLimit<S, ()> {
+impl<S: AsyncStore + 'static> RateLimit<S, ()> {
     /// The verdict on a request, on a store that answers at once (see
     /// [`AsyncStore::immediate`]), or `None` for a store that must be awaited.
     fn decide_now(
@@ -661,6 +828,48 @@ impl<S: AsyncStore> RateLimit<S, ()> {
             _ => limiter.transaction_with_status_on(&store, &calls).map(all_decided),
         };
         Some(verdict(setup, &keys, outcome))
+    }
+
+    /// The request's slot of the layer's concurrency limit (None: it has none, or the store
+    /// failed and the layer fails open), or the answer to give instead.
+    async fn hold(
+        limiter: &Arc<RateLimiter<S>>,
+        setup: &Setup,
+        parts: &http::request::Parts,
+    ) -> Result<Option<HeldAsync<S>>, Refusal> {
+        let Some(spec) = &setup.slots else { return Ok(None) };
+        let key = spec.key.of(parts).map_err(|missing| {
+            let message = format!("Concurrency limit {}: {}.", spec.name, missing.0);
+            Refusal::Error(StatusCode::BAD_REQUEST, message)
+        })?;
+        let Some(limit) = spec.limit else { return Ok(None) }; // resolved when the layer was made
+        let target = SlotsTarget::Inline(&spec.name, limit);
+        match limiter.acquire_async(target, spec.acquire(key.as_deref())).await {
+            // No await from here: a future dropped now has the guard, which releases.
+            Ok(Acquired::Granted(ticket)) => Ok(Some(HeldAsync::new(
+                Arc::clone(limiter),
+                &spec.name,
+                key.as_deref(),
+                limit,
+                ticket,
+            ))),
+            Ok(Acquired::Refused { retry_after }) => Err(Refusal::Busy {
+                name: Arc::clone(&spec.name),
+                retry_after,
+                status: spec.status,
+            }),
+            Err(Error::Store(err)) => {
+                log::STORE_FAILURES.note(&err);
+                if setup.fail_open {
+                    return Ok(None);
+                }
+                Err(Refusal::Store(err.may_have_taken()))
+            }
+            Err(err @ Error::NotDefined { .. }) => {
+                Err(Refusal::Error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))
+            }
+            Err(err) => Err(Refusal::Error(StatusCode::BAD_REQUEST, err.to_string())),
+        }
     }
 
     /// The verdict on a request, awaiting the store.
@@ -824,8 +1033,14 @@ where
             let future = self.inner.call(Request::from_parts(parts, body));
             return ResponseFuture { state: State::Inner { future, fields: Fields::default() } };
         }
-        // The memory store answers at once: decided here, with no future of its own.
-        if let Some(verdict) = RateLimit::<S, ()>::decide_now(&self.limiter, &self.setup, &parts) {
+        // The memory store answers at once: decided here, with no future of its own (unless
+        // a slot is to be held, whose guard the future keeps until the response is made).
+        let now = if self.setup.slots.is_none() {
+            RateLimit::<S, ()>::decide_now(&self.limiter, &self.setup, &parts)
+        } else {
+            None
+        };
+        if let Some(verdict) = now {
             let state = match verdict {
                 Verdict::Pass(fields, info) => {
                     if let Some(info) = info {
@@ -848,6 +1063,12 @@ where
         let mut inner = std::mem::replace(&mut self.inner, fresh);
         let (limiter, setup) = (Arc::clone(&self.limiter), Arc::clone(&self.setup));
         let future = async move {
+            // The slot first: a request refused by it takes no token. Dropped with this
+            // future (the client gone) or with the inner service's error, it is released.
+            let held = match RateLimit::<S, ()>::hold(&limiter, &setup, &parts).await {
+                Ok(held) => held,
+                Err(refusal) => return Ok(answer(&setup, &parts, refusal, Fields::default())),
+            };
             match RateLimit::<S, ()>::decide(&limiter, &setup, &parts).await {
                 Verdict::Pass(fields, info) => {
                     if let Some(info) = info {
@@ -855,9 +1076,12 @@ where
                     }
                     let mut response = inner.call(Request::from_parts(parts, body)).await?;
                     insert_fields(response.headers_mut(), fields, false);
-                    Ok(response.map(ResponseBody::inner))
+                    Ok(response.map(|body| ResponseBody::holding(body, held)))
                 }
-                Verdict::Answer(refusal, fields) => Ok(answer(&setup, &parts, refusal, fields)),
+                Verdict::Answer(refusal, fields) => {
+                    drop(held); // refused by the rate limits: the slot goes back at once
+                    Ok(answer(&setup, &parts, refusal, fields))
+                }
             }
         };
         ResponseFuture { state: State::Deciding { future: Box::pin(future) } }
@@ -899,6 +1123,15 @@ fn answer<B>(
                 crate::core::fmt_number(retry_after.ceil())
             );
             (StatusCode::TOO_MANY_REQUESTS, Some(retry_after_header(retry_after)), message, body)
+        }
+        Refusal::Busy { name, retry_after, status } => {
+            let body = serde_json::json!({ "kind": "RateLimited", "name": &*name, "retryAfter": retry_after })
+                .to_string();
+            let message = format!(
+                "Concurrency limit {name}: no slot free; retry after {} ms.",
+                crate::core::fmt_number(retry_after.ceil())
+            );
+            (status, Some(retry_after_header(retry_after)), message, body)
         }
         Refusal::Error(status, message) => {
             let body = error_body(&message);
@@ -985,10 +1218,14 @@ type Deciding<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B
 pin_project_lite::pin_project! {
     /// The body of a [`RateLimit`] response: the inner service's, or the layer's own answer
     /// (a JSON body for HTTP, an empty one for gRPC). Any body the service's own would do
-    /// for axum, hyper or tonic does.
+    /// for axum, hyper or tonic does. With a [`ConcurrencySpec`], the service's body holds
+    /// the request's slot until its last frame, an error, or its drop.
     pub struct ResponseBody<B> {
         #[pin]
         kind: BodyKind<B>,
+        // The slot of the layer's concurrency limit that the response holds until its last
+        // frame, an error, or its drop (a client gone).
+        held: Option<Box<dyn std::any::Any + Send + Sync>>,
     }
 }
 
@@ -1002,7 +1239,12 @@ pin_project_lite::pin_project! {
 
 impl<B> ResponseBody<B> {
     fn inner(body: B) -> Self {
-        ResponseBody { kind: BodyKind::Inner { body } }
+        ResponseBody { kind: BodyKind::Inner { body }, held: None }
+    }
+
+    fn holding<S: AsyncStore + 'static>(body: B, held: Option<HeldAsync<S>>) -> Self {
+        let held = held.map(|held| Box::new(held) as Box<dyn std::any::Any + Send + Sync>);
+        ResponseBody { kind: BodyKind::Inner { body }, held }
     }
 
     fn full(text: String) -> Self {
@@ -1011,7 +1253,7 @@ impl<B> ResponseBody<B> {
 
     fn bytes(bytes: Bytes) -> Self {
         let bytes = (!bytes.is_empty()).then_some(bytes);
-        ResponseBody { kind: BodyKind::Full { bytes } }
+        ResponseBody { kind: BodyKind::Full { bytes }, held: None }
     }
 }
 
@@ -1023,8 +1265,16 @@ impl<B: http_body::Body<Data = Bytes>> http_body::Body for ResponseBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, B::Error>>> {
-        match self.project().kind.project() {
-            BodyKindProj::Inner { body } => body.poll_frame(cx),
+        let this = self.project();
+        match this.kind.project() {
+            BodyKindProj::Inner { body } => {
+                let frame = std::task::ready!(body.poll_frame(cx));
+                if !matches!(frame, Some(Ok(_))) {
+                    // The last frame was sent, or the body failed: the work is over.
+                    *this.held = None;
+                }
+                Poll::Ready(frame)
+            }
             BodyKindProj::Full { bytes } => {
                 Poll::Ready(bytes.take().map(|b| Ok(http_body::Frame::data(b))))
             }
@@ -1112,14 +1362,7 @@ mod tests {
     #[test]
     fn store_errors_that_fail_open_are_logged() {
         let spec = LimitSpec::new(("x", Config::token_bucket(1.0, 1_000.0)));
-        let setup = Setup {
-            specs: vec![spec.clone().fail_open()],
-            skip: None,
-            on_refused: None,
-            insert_info: false,
-            legacy_headers: false,
-            fail_open: false,
-        };
+        let setup = Setup::of(vec![spec.clone().fail_open()]);
         let layer_open = Setup { specs: vec![spec], fail_open: true, ..setup.clone() };
         for setup in [setup, layer_open] {
             let keys = [(&setup.specs[0], None, 1.0)];
