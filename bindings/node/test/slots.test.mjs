@@ -59,6 +59,43 @@ before(async () => {
 after(() => rmSync(dir, { recursive: true, force: true }));
 
 for (const [label, store] of stores()) {
+  test(`a transaction takes a slot and tokens all or nothing on the ${label} store`, { skip: store === undefined && "no URL" }, async () => {
+    const exports = fresh("exports");
+    const send = fresh("send");
+    const limiter = new RateLimiter({ store }, {
+      [exports]: { kind: "concurrency", max: 1, ttl: "1m" },
+      [send]: { kind: "token bucket", rate: 10, period: MINUTE },
+    });
+    try {
+      // One key's slot and tokens (a hash tag: one slot of a Redis Cluster).
+      const key = "{acme}";
+      const both = await limiter.transaction([{ name: exports, key }, { name: send, key, count: 6 }]);
+      assert.equal(both.ok, true, JSON.stringify(both));
+      assert.match(both.ticket, /^\d+$/);
+      assert.equal(typeof both.expiresAt, "number");
+      assert.equal((await limiter.getSlotsValue(exports, { key })).inFlight, 1);
+      // Refused by the tokens: no slot held; by the slots: no token taken.
+      assert.equal(await limiter.release(exports, both.ticket, { key }), true);
+      const short = await limiter.transaction([{ name: exports, key }, { name: send, key, count: 6 }]);
+      assert.equal(short.ok, false);
+      assert.equal(short.ticket, undefined);
+      assert.deepEqual(short.results.map((r) => r.ok), [true, false]);
+      assert.equal((await limiter.getSlotsValue(exports, { key })).inFlight, 0);
+      const held = await limiter.acquire(exports, { key });
+      const full = await limiter.transaction([{ name: exports, key }, { name: send, key, count: 1 }]);
+      assert.deepEqual(full.results.map((r) => r.ok), [false, true]);
+      const left = (await limiter.getValue(send, { key })).value;
+      assert.ok(left < 5, `${left}`);
+      assert.equal(await limiter.release(exports, held.ticket, { key }), true);
+      const again = await limiter.transaction([{ name: send, key, count: 1 }, { name: exports, key }]);
+      assert.equal(again.ok, true);
+      assert.ok((await limiter.getValue(send, { key })).value < left, "the token taken with the slot");
+      assert.equal(await limiter.release(exports, again.ticket, { key }), true);
+    } finally {
+      await limiter.close();
+    }
+  });
+
   test(`concurrency limits on the ${label} store`, { skip: store === undefined && "no URL" }, async () => {
     const exports = fresh("exports");
     const send = fresh("send");

@@ -103,6 +103,35 @@ def test_acquire_release_renew(store: str) -> None:
         assert limiter.get_config()[exports] == {"kind": "concurrency", "max": 2, "ttl": 60_000}
 
 
+def test_a_transaction_takes_a_slot_and_tokens_all_or_nothing(store: str) -> None:
+    exports, send = fresh("exports"), fresh("send")
+    slots = {exports: {"kind": "concurrency", "max": 1, "ttl": "1m"}}
+    rate = {send: {"kind": "token bucket", "rate": 10, "period": MINUTE}}
+    with RateLimiter(store, limits={**slots, **rate}) as limiter:
+        # One key's slot and tokens (a hash tag: one slot of a Redis Cluster).
+        key = "{acme}"
+        both = limiter.transaction([{"name": exports, "key": key}, {"name": send, "key": key, "count": 6}])
+        assert both.ok and both.ticket is not None and both.ticket.isdigit()
+        assert both.expires_at is not None
+        assert limiter.get_slots_value(exports, key).in_flight == 1
+        assert limiter.release(exports, key, ticket=both.ticket) is True
+        # Refused by the tokens: no slot held; by the slots: no token taken.
+        short = limiter.transaction([{"name": exports, "key": key}, {"name": send, "key": key, "count": 6}])
+        assert not short.ok and short.ticket is None
+        assert [r.ok for r in short.results] == [True, False]
+        assert limiter.get_slots_value(exports, key).in_flight == 0
+        held = limiter.acquire(exports, key=key)
+        assert held.ticket is not None
+        full = limiter.transaction([{"name": exports, "key": key}, {"name": send, "key": key}])
+        assert [r.ok for r in full.results] == [False, True] and full.ticket is None
+        left = limiter.get_value(send, key).value
+        assert limiter.release(exports, key, ticket=held.ticket) is True
+        again = limiter.transaction([{"name": send, "key": key}, {"name": exports, "key": key}])
+        assert again.ok and again.ticket is not None
+        assert limiter.get_value(send, key).value < left, "the token taken with the slot"
+        assert limiter.release(exports, key, ticket=again.ticket) is True
+
+
 def test_with_hold_releases_however_the_block_ends(store: str) -> None:
     exports, send = fresh("exports"), fresh("send")
     with RateLimiter(store, limits=limits(exports, send)) as limiter:

@@ -228,6 +228,11 @@ export interface RateLimitResult {
 export interface TransactionResult extends RateLimitResult {
   /** One answer per request, in order. */
   results: RateLimitResult[];
+  /** With a concurrency limit among the requests (at most one), when every limit granted:
+   *  its slot's ticket, taken together with the tokens; release it when the work is done. */
+  ticket?: string;
+  /** With `ticket`: when its slots are free again unless renewed (ms since the epoch). */
+  expiresAt?: number;
   /** With `fields: true`: the answer's rate limit header fields by their lower-case names
    *  (`ratelimit-policy`, `ratelimit`, `retry-after`). */
   fields?: Record<string, string>;
@@ -664,6 +669,12 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
         throw new WrongShape(`not one result per request (${limits.length})`);
       }
       const result: TransactionResult = { ...overall, results: results.map(decisionOf) };
+      const { ticket, expiresAt } = answer as { ticket?: unknown; expiresAt?: unknown };
+      if (ticket !== undefined) {
+        if (typeof ticket !== "string" || !isNumber(expiresAt)) throw new WrongShape("not a transaction: its ticket is not one");
+        result.ticket = ticket;
+        result.expiresAt = expiresAt;
+      }
       if (options?.fields) result.fields = { ...fields };
       return result;
     });

@@ -1083,6 +1083,10 @@ impl Defined {
                 json[at]["expiresAt"] = number(ticket.expires_at);
             }
             let mut answer = decision_json(taken.ok, taken.retry_after);
+            if let Some(ticket) = taken.ticket {
+                answer["ticket"] = Value::String(ticket.id.to_string());
+                answer["expiresAt"] = number(ticket.expires_at);
+            }
             answer["results"] = Value::Array(json);
             Answer::ok(answer)
         };

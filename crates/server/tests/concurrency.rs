@@ -153,6 +153,8 @@ async fn a_transaction_takes_a_slot_and_tokens_all_or_nothing() {
     assert_eq!(both.body["results"][0], json!({ "ok": true }));
     assert_eq!(both.body["results"][1]["expiresAt"], at(10_000.0));
     assert!(both.body["results"][1]["ticket"].is_string());
+    assert_eq!(both.body["ticket"], both.body["results"][1]["ticket"]);
+    assert_eq!(both.body["expiresAt"], at(10_000.0));
     assert_eq!(value("gpu").await.body["inFlight"], json!(1));
     assert_eq!(value("api").await.body["value"], json!(4));
     // The tokens refused (2 short: 12 s at 10 a minute): no slot held, 429 fields.

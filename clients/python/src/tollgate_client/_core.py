@@ -268,11 +268,16 @@ def transaction_result(reply: Reply, count: int, fields: bool = False) -> Transa
     results = body.get("results")
     if not isinstance(results, list) or len(results) != count:
         raise _unexpected(reply, f"not one result per limit ({count})")
+    ticket, expires_at = body.get("ticket"), body.get("expiresAt")
+    if ticket is not None and (not isinstance(ticket, str) or _number(expires_at) is None):
+        raise _unexpected(reply, "not a transaction: its ticket is not one")
     return TransactionResult(
         overall.ok,
         overall.retry_after,
         [decision_of(r, reply) for r in results],
         dict(reply.fields) if fields else None,
+        ticket,
+        _number(expires_at) if ticket is not None else None,
     )
 
 

@@ -75,6 +75,11 @@ class TransactionResult:
     #: ``Retry-After`` header fields by their lower-case names, as the server wrote them
     #: (what the middleware sends).
     fields: Optional[Dict[str, str]] = None
+    #: With a concurrency limit among the limits (at most one), when every limit granted:
+    #: its slot's ticket, taken together with the tokens; release it when the work is done.
+    ticket: Optional[str] = None
+    #: With ``ticket``: when its slots are free again unless renewed (ms since the epoch).
+    expires_at: Optional[float] = None
 
 
 @dataclass(frozen=True)
