@@ -6,8 +6,9 @@
 // Starts the given binary on loopback (memory store), then checks in the page that the
 // configured limits are listed, that tokens taken through the API move the charts and the
 // inspector's value, that a refused request shows as refused, that reset refills, that the
-// inspector's value moves between polls without polling every frame, that a concurrency limit
-// shows its slots in flight, and that with tokens
+// inspector's value moves between polls without polling every frame, that concurrency limits
+// are listed (marked, with their max and ttl) and one picked from the list shows its slots in
+// flight in the inspector, and that with tokens
 // configured nothing shows until one is given. A screenshot of each state goes to
 // target/dashboard-screenshots/.
 import assert from "node:assert/strict";
@@ -59,6 +60,14 @@ try {
   await page.locator('.limit[data-name="signup"]').waitFor();
   assert.equal(await text(page, '.limit[data-name="example"] .words'), "token bucket: 10 a minute, bursts of 3");
   assert.equal(await text(page, '.limit[data-name="signup"] .words'), "fixed window: 100 an hour");
+  // The concurrency limit, listed apart from the rate limits (it has no traffic chart).
+  await page.locator('#slots .limit[data-name="gpu"]').waitFor();
+  assert.ok(await page.locator("#slots-title").isVisible());
+  assert.equal(await text(page, '#slots .limit[data-name="gpu"] .kind'), "concurrency");
+  assert.equal(await text(page, '#slots .limit[data-name="gpu"] .words'),
+    "at most 2 in flight a key, a slot held 1 min unless released");
+  assert.equal(await page.locator("#slots .limit").count(), 1, "only concurrency limits there");
+  assert.equal(await page.locator('#limits .limit[data-name="gpu"]').count(), 0);
   await page.screenshot({ path: join(shots, "1-limits.png") });
 
   // The inspector on (example, alice): full, 3 of 3.
@@ -101,20 +110,25 @@ try {
   assert.equal(await text(page, "#inspector-full"), "full");
   await page.screenshot({ path: join(shots, "4-reset.png") });
 
-  // A concurrency limit in the inspector: the slots in flight of its max, and the holders.
+  // A concurrency limit picked from the list, for the key given: the inspector shows the
+  // slots in flight of its max, and the holders.
   const acquired = await fetch(open.url + "/v1/acquire", {
     method: "POST",
     headers: { "content-type": "application/json" },
     body: JSON.stringify({ name: "gpu", key: "acme" }),
   }).then((r) => r.json());
   assert.equal(acquired.ok, true);
-  await page.fill("#name", "gpu");
   await page.fill("#key", "acme");
-  await page.click("#watch");
+  await page.click('#slots .limit[data-name="gpu"] .name');
+  assert.equal(await page.inputValue("#name"), "gpu");
   await page.waitForFunction(() => document.getElementById("inspector-value").textContent === "1");
   assert.equal(await text(page, "#inspector-capacity"), "in flight of 2");
   assert.equal(await text(page, "#inspector-full"), "1 holder");
   await page.screenshot({ path: join(shots, "4b-in-flight.png") });
+  // A rate limit's name picked from its list opens it as well, for the same key.
+  await page.click('#limits .limit[data-name="signup"] .name');
+  assert.equal(await page.inputValue("#name"), "signup");
+  await page.waitForFunction(() => document.getElementById("inspector-value").textContent === "100.00");
   await page.close();
 
   // ---- with tokens: nothing until one is given ----
@@ -136,6 +150,7 @@ try {
   await guarded.click('#token-form button[type="submit"]');
   await guarded.locator('.limit[data-name="example"]').waitFor();
   assert.equal(await text(guarded, '.limit[data-name="example"] .total-granted'), "1");
+  await guarded.locator('#slots .limit[data-name="gpu"]').waitFor();
   await guarded.screenshot({ path: join(shots, "6-token-given.png") });
   console.log(`dashboard tests: passed (screenshots in ${shots})`);
 } catch (error) {

@@ -139,6 +139,8 @@ mod guide {
     struct LibraryCalls;
     #[doc = include_str!("../../../docs/src/library/middleware.md")]
     struct LibraryMiddleware;
+    #[doc = include_str!("../../../docs/src/migrate/bottleneck.md")]
+    struct MigrateBottleneck;
     #[doc = include_str!("../../../docs/src/migrate/convex.md")]
     struct MigrateConvex;
     #[doc = include_str!("../../../docs/src/migrate/django-ratelimit.md")]
@@ -155,6 +157,8 @@ mod guide {
     struct MigrateLimitador;
     #[doc = include_str!("../../../docs/src/migrate/redis-cell.md")]
     struct MigrateRedisCell;
+    #[doc = include_str!("../../../docs/src/migrate/redis-semaphore.md")]
+    struct MigrateRedisSemaphore;
     #[doc = include_str!("../../../docs/src/migrate/slowapi.md")]
     struct MigrateSlowapi;
     #[doc = include_str!("../../../docs/src/operations/kubernetes.md")]
