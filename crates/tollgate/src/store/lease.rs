@@ -439,6 +439,15 @@ impl Entry {
         self.round_trip() >= FAR_MS
     }
 
+    /// Whether a take it cannot serve is refused here rather than sent to the store: its
+    /// last grant fell short of its demand (the limit spent, or its room leased out to the
+    /// others), and it is a token bucket (a fixed window's refusal waits for its window's
+    /// end, which the store knows).
+    fn refuses_here(&self) -> bool {
+        self.short.load(Ordering::Acquire)
+            && self.config.kind() == tollgate_algebra::Kind::TokenBucket
+    }
+
     fn spend(&self, count: f64) {
         let _ = self.spent.fetch_update(Ordering::AcqRel, Ordering::Acquire, |bits| {
             Some((f64::from_bits(bits) + count).to_bits())
@@ -755,10 +764,7 @@ fn at_once<S: LeaseStore>(
         // this process has its part of it), a request it cannot serve is refused here; one
         // that outran a lease the store gave in full waits for the next, on its way (a fixed
         // window's refusal waits for its window's end, which the store knows: it goes there).
-        if entry.short.load(Ordering::Acquire)
-            && (entry.holder.since().is_finite() || entry.holder.fetching())
-            && entry.config.kind() == tollgate_algebra::Kind::TokenBucket
-        {
+        if entry.refuses_here() && (entry.holder.since().is_finite() || entry.holder.fetching()) {
             if now.is_nan() {
                 now = leases.now(&**store);
             }
@@ -854,11 +860,7 @@ async fn take_served_or_direct<S: LeaseStore>(
     }
     // The lease it waited for fell short (the limit spent, or its room leased out to the
     // others): far from the store, refused here as any take then (see `at_once`).
-    if !one.reserve
-        && entry.far()
-        && entry.short.load(Ordering::Acquire)
-        && entry.config.kind() == tollgate_algebra::Kind::TokenBucket
-    {
+    if !one.reserve && entry.far() && entry.refuses_here() {
         return Ok(refused_here(store, &entry, one.count, leases.now(&**store)));
     }
     entry.direct.fetch_add(1, Ordering::Relaxed);
