@@ -6,7 +6,9 @@
 // limits refuse holds no slot). The handlers wait on gates the tests open, so that "at once"
 // is a state the test sees, not a race it hopes to win.
 import assert from "node:assert/strict";
+import { writeFileSync } from "node:fs";
 import { createServer, get as httpGet } from "node:http";
+import { join } from "node:path";
 import { test } from "node:test";
 
 import { serve } from "@hono/node-server";
@@ -523,4 +525,151 @@ test("express: { name, ttl } holds the slot that long; a concurrency limit the s
   // Said when the server's limits were read (with those it defines), or at the first
   // request that named it, whichever came first.
   assert.match(errors[0], new RegExp(`concurrency limit "${slots}" is not defined by the limiter`));
+});
+
+// A concurrency limit named in `limits` (not `concurrency`): a transaction would acquire its
+// slot per request, and the middleware, holding no ticket, would never release it: the slots
+// would leak until their ttl, and the limit then refuse everyone. An error instead.
+
+test("a concurrency limit in limits, in process: a TypeError when the middleware is made", () => {
+  const { limiter, rate, slots } = limiterOf();
+  const said = new RegExp(`^TypeError: limits: "${slots}" is a concurrency limit: give it as \`concurrency\`, not in \`limits\`$`);
+  for (const limits of [slots, [rate, slots], { name: slots, count: 1 }]) {
+    assert.throws(() => rateLimit({ limiter, limits }), said);
+    assert.throws(() => rateLimit({ limiter, limits, concurrency: slots }), said);
+    assert.throws(() => rateLimitHook({ limiter, limits }), said);
+    assert.throws(() => rateLimiter({ limiter, limits }), said);
+  }
+});
+
+/** `console.error`'s lines while `body` runs. */
+async function errorsOf(body) {
+  const errors = [];
+  const error = console.error;
+  console.error = (line) => errors.push(String(line));
+  try {
+    await body();
+  } finally {
+    console.error = error;
+  }
+  return errors;
+}
+
+/** The slots alice holds of `slots`, once the releases sent have landed (up to 2 s). */
+async function settledInFlight(limiter, slots) {
+  let held = await inFlight(limiter, slots);
+  for (let i = 0; i < 200 && held > 0; i++) {
+    await sleep(10);
+    held = await inFlight(limiter, slots);
+  }
+  return held;
+}
+
+const misplaced = (slots) => new RegExp(`^tollgate: the rate limit middleware takes "${slots}" in limits, which is a concurrency limit of the limiter: its requests are answered 500`);
+
+/** A server's config: the rate limit `rate`, and `slots` as a concurrency limit of `max` 2
+ *  (or, `slotsKind: "rate"`, as a token bucket). */
+function configOf(rate, slots, slotsKind = "concurrency") {
+  return (
+    `[limits.${rate}]\nkind = "token bucket"\nrate = 1\nperiod = "1h"\ncapacity = 100\n` +
+    (slotsKind === "concurrency"
+      ? `[limits.${slots}]\nkind = "concurrency"\nmax = 2\nttl = "30s"\n`
+      : `[limits.${slots}]\nkind = "token bucket"\nrate = 1\nperiod = "1h"\ncapacity = 100\n`)
+  );
+}
+
+test("a concurrency limit in limits, over a server: each request 500, said once, no slot held", async () => {
+  const rate = fresh("perUser");
+  const slots = fresh("inFlight");
+  const server = await startServer({ config: configOf(rate, slots) });
+  const limiter = new RateLimiter({ url: server.url });
+  try {
+    for (const framework of Object.keys(apps)) {
+      const errors = await errorsOf(async () => {
+        const app = await apps[framework]({ limiter, limits: [rate, slots], key: { header: "x-user" } }, gates());
+        try {
+          // More requests than the limit's max: none is refused for slots held by the others.
+          for (let i = 0; i < 4; i++) {
+            const answer = await get(`${app.url}/fast`, user);
+            assert.equal(answer.status, 500, `${framework}: ${answer.body}`);
+            assert.deepEqual(JSON.parse(answer.body), { error: `Concurrency limit ${slots} is given as a rate limit.` });
+          }
+        } finally {
+          await app.close();
+        }
+      });
+      assert.equal(errors.length, 1, `${framework}: ${errors.join("\n")}`);
+      assert.match(errors[0], misplaced(slots));
+      assert.equal(await settledInFlight(limiter, slots), 0, framework);
+    }
+    // Nothing taken of the rate limit either.
+    assert.equal(await tokens(limiter, rate), 100);
+  } finally {
+    await server.stop();
+  }
+});
+
+test("a concurrency limit in limits, over a server whose limits are not read first: each slot a transaction acquired released at once, 500, said once", async () => {
+  const rate = fresh("perUser");
+  const slots = fresh("inFlight");
+  const server = await startServer({ config: configOf(rate, slots) });
+  const limiter = new RateLimiter({ url: server.url });
+  // A limiter whose limits cannot be read: the transaction is the first to say it.
+  limiter.getServerLimits = undefined;
+  const released = releases(limiter);
+  try {
+    const errors = await errorsOf(async () => {
+      const app = await apps.express({ limiter, limits: [rate, slots], key: { header: "x-user" } }, gates());
+      try {
+        for (let i = 0; i < 3; i++) {
+          const answer = await get(`${app.url}/fast`, user);
+          assert.equal(answer.status, 500, answer.body);
+          assert.deepEqual(JSON.parse(answer.body), { error: `Concurrency limit ${slots} is given as a rate limit.` });
+        }
+        // Again after the second a failed check holds: a transaction, its slot released.
+        await sleep(1_100);
+        assert.equal((await get(`${app.url}/fast`, user)).status, 500);
+      } finally {
+        await app.close();
+      }
+    });
+    assert.equal(errors.length, 1, errors.join("\n"));
+    assert.match(errors[0], misplaced(slots));
+    // One transaction at the first request, one after the second: each slot let go.
+    assert.deepEqual(await released.answers(2), [true, true]);
+    assert.equal(await settledInFlight(limiter, slots), 0);
+  } finally {
+    await server.stop();
+  }
+});
+
+test("a rate limit a server's reload makes a concurrency limit: the slot its transaction acquired released at once, 500, said once", async () => {
+  const rate = fresh("perUser");
+  const slots = fresh("inFlight");
+  const server = await startServer({ config: configOf(rate, slots, "rate") });
+  const limiter = new RateLimiter({ url: server.url });
+  const released = releases(limiter);
+  try {
+    const errors = await errorsOf(async () => {
+      const app = await apps.express({ limiter, limits: [rate, slots], key: { header: "x-user" } }, gates());
+      try {
+        assert.equal((await get(`${app.url}/fast`, user)).status, 200);
+        writeFileSync(join(server.dir, "tollgate.toml"), configOf(rate, slots));
+        process.kill(server.pid, "SIGHUP");
+        for (let i = 0; i < 200 && (await limiter.getServerLimits())[slots]?.kind !== "concurrency"; i++) await sleep(10);
+        for (let i = 0; i < 3; i++) {
+          const answer = await get(`${app.url}/fast`, user);
+          assert.equal(answer.status, 500, answer.body);
+        }
+      } finally {
+        await app.close();
+      }
+    });
+    assert.equal(errors.length, 1, errors.join("\n"));
+    assert.match(errors[0], misplaced(slots));
+    assert.deepEqual(await released.answers(1), [true]);
+    assert.equal(await settledInFlight(limiter, slots), 0);
+  } finally {
+    await server.stop();
+  }
 });

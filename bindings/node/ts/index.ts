@@ -21,7 +21,16 @@ import {
   type TransactionResult,
 } from "tollgate-client";
 
-import { type Decision, type LimitStatus, type Taking, concurrencyOf, decisionOfAnswer, policyOf, taking } from "./middleware.js";
+import {
+  type Decision,
+  type LimitStatus,
+  type Taking,
+  concurrencyInLimits,
+  concurrencyOf,
+  decisionOfAnswer,
+  policyOf,
+  taking,
+} from "./middleware.js";
 import { addon, type NativeLimiter, type NativeTake, type NativeTakeAll } from "./native.js";
 
 export * from "tollgate-client";
@@ -365,7 +374,8 @@ function result(r: number | string, name: string, throws: boolean, writes: boole
  * A middleware's `Taking` of `limits` on `engine`: through the addon's function for them
  * (`NativeTakeAll`), no JSON; through the limiter's transaction (`general`) while the engine
  * is not open, and for a key the addon does not take as it is (the transaction says why).
- * Throws a TypeError now for a limit the limiter does not define.
+ * Throws a TypeError now for a limit the limiter does not define, and for a concurrency limit
+ * (its slot, taken with the limits, would never be released: it is `concurrency`'s).
  */
 function limitsTaking(
   engine: Engine,
@@ -373,12 +383,19 @@ function limitsTaking(
   general: (key: string | undefined) => Promise<TransactionResult>,
 ): Taking {
   const names = limits.map((l) => l.name);
+  const defined = (JSON.parse(engine.config) as { limits: Record<string, { kind?: unknown }> }).limits;
+  // Taken by the transaction, a concurrency limit's slot would be acquired per request and
+  // never released (the middleware has no ticket to release): refused here instead.
+  const slots = names.find((n) => Object.hasOwn(defined, n) && defined[n]!.kind === "concurrency");
+  if (slots !== undefined) {
+    throw new TypeError(concurrencyInLimits(slots));
+  }
   const found = addon().policies(engine.config, names);
   const missing = found.findIndex((p) => p === null);
   if (missing >= 0) {
-    const defined = Object.keys((JSON.parse(engine.config) as { limits: object }).limits);
+    const known = Object.keys(defined);
     throw new TypeError(
-      `limits: ${JSON.stringify(names[missing])} is not a limit of the limiter; it has ${defined.length === 0 ? "none" : defined.map((n) => JSON.stringify(n)).join(", ")} (a limit is defined by new RateLimiter(store, { name: config }))`,
+      `limits: ${JSON.stringify(names[missing])} is not a limit of the limiter; it has ${known.length === 0 ? "none" : known.map((n) => JSON.stringify(n)).join(", ")} (a limit is defined by new RateLimiter(store, { name: config }))`,
     );
   }
   const policies = new Map(found.map((p, i) => [names[i]!, policyOf(p!.member, p!.capacity)]));

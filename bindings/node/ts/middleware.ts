@@ -193,7 +193,13 @@ export interface MiddlewareOptions<Req, Limiter extends Transacting = Transactin
   limiter: Limiter;
   /** One limit or several, taken all or nothing: if one refuses, none is taken. A name the
    *  limiter's type does not know does not compile. May be left out when `concurrency` is
-   *  given (then no RateLimit field is written and no `rateLimit` is set on the request). */
+   *  given (then no RateLimit field is written and no `rateLimit` is set on the request).
+   *  Rate limits only: a concurrency limit's slot, taken here, would be held per request and
+   *  never released, so one named here is an error. In process it throws a TypeError when
+   *  the middleware is made; over a server it is said once in the log when the server's
+   *  limits are read, and each request is answered 500 (a slot a transaction acquired
+   *  before that, or after a reload made the name a concurrency limit, is released at
+   *  once). Give it as `concurrency`. */
   limits?: LimitRef<NameOf<Limiter>> | Array<LimitRef<NameOf<Limiter>>>;
   /**
    * A concurrency limit (`kind: "concurrency"`): a slot of it is acquired for the request's
@@ -363,8 +369,9 @@ export interface Middleware<Req, Res = never> {
   passOnStoreError: boolean;
   /** Which responses give their tokens back: failed ones, successful ones. */
   giveBack?: { failed: boolean; successful: boolean };
-  /** Says (once) that the limiter does not define `name`. */
-  undefinedName(name: string): void;
+  /** Says (once) that the limiter does not define `name`; with `concurrency`, that `name`,
+   *  in `limits`, is a concurrency limit of the limiter. */
+  undefinedName(name: string, concurrency?: boolean): void;
 }
 
 /** A middleware's `concurrency`, checked: what each request acquires, and how a refusal is
@@ -519,15 +526,27 @@ export function middleware<Req, Res = never>(
  * soon as the limiter's limits can be read (an in-process limiter's at once, a server's when
  * it answers), or at the first request that names it; such a request is answered 500. The
  * same for its concurrency limit (`slots`), with what else is wrong with it: a rate limit's
- * name, a `count` above its `max` (in process, both are refused when the middleware is made).
+ * name, a `count` above its `max`; and for a concurrency limit named in `limits`, whose slot
+ * a transaction would hold per request (in process, all three are refused when the
+ * middleware is made).
  */
 function undefinedNameOf(
   limiter: Transacting,
   limits: ReadonlyArray<{ name: string }>,
   slots: Pick<Slots, "name" | "count"> | undefined,
-): (name?: string) => void {
+): (name?: string, concurrency?: boolean) => void {
   let said = false;
   let saidSlots = false;
+  let saidMisplaced = false;
+  const sayMisplaced = (name: string) => {
+    if (saidMisplaced) return;
+    saidMisplaced = true;
+    console.error(
+      `tollgate: the rate limit middleware takes ${JSON.stringify(name)} in limits, which is a concurrency limit of the limiter: ` +
+        `its requests are answered 500 (taken with the limits, its slot would be held by each request and never released). ` +
+        `Give it as concurrency (concurrency: ${JSON.stringify(name)}), not in limits.`,
+    );
+  };
   const saySlots = (problem: string) => {
     if (saidSlots) return;
     saidSlots = true;
@@ -551,6 +570,8 @@ function undefinedNameOf(
     read.call(limiter).then(
       (defined) => {
         say(limits.map((l) => l.name).filter((n) => !Object.hasOwn(defined, n)), Object.keys(defined));
+        const misplaced = limits.find((l) => isConcurrency(defined, l.name));
+        if (misplaced !== undefined) sayMisplaced(misplaced.name);
         const problem = slots === undefined ? undefined : slotsProblem(slots, defined);
         if (problem !== undefined) saySlots(problem);
       },
@@ -558,10 +579,16 @@ function undefinedNameOf(
       () => {},
     );
   }
-  return (name) => {
-    if (name !== undefined && name === slots?.name) saySlots("is not defined by the limiter");
+  return (name, concurrency) => {
+    if (name !== undefined && concurrency === true) sayMisplaced(name);
+    else if (name !== undefined && name === slots?.name) saySlots("is not defined by the limiter");
     else say(name === undefined ? [] : [name], undefined);
   };
+}
+
+/** Whether a limiter's limits (`GET /v1/config`) define `name` as a concurrency limit. */
+function isConcurrency(defined: Record<string, unknown>, name: string): boolean {
+  return Object.hasOwn(defined, name) && (defined[name] as { kind?: unknown }).kind === "concurrency";
 }
 
 /** What is wrong with `slots` by a limiter's limits (`GET /v1/config`), if anything. */
@@ -1002,6 +1029,12 @@ function failed<Req, Res>(m: Middleware<Req, Res>, request: Req, e: unknown): Ve
     m.undefinedName(name);
     return { pass: false, status: 500, headers: {}, body: json({ error: `Rate limit ${name} is not defined.` }) };
   }
+  if (e instanceof Misplaced) {
+    // The slots a transaction acquired for it go at once, not at their ttl.
+    for (const held of e.held) releaser(m, held.name, held.ticket, e.key, request)();
+    m.undefinedName(e.limit, true);
+    return { pass: false, status: 500, headers: {}, body: json({ error: `Concurrency limit ${e.limit} is given as a rate limit.` }) };
+  }
   // The limiter's checks refused the request's key (a lone surrogate, say): the request's
   // own fault, answered 400 like a key that is missing; nothing was taken.
   if (e instanceof TypeError) return { pass: false, status: 400, headers: {}, body: json({ error: e.message }) };
@@ -1265,6 +1298,29 @@ class NotDefined extends TypeError {
   }
 }
 
+/**
+ * A concurrency limit among a middleware's `limits`, over a server: found when the server's
+ * limits were read, or by the ticket of its slot in a transaction's answer (a server reloaded
+ * to make the name a concurrency limit, a limiter whose limits cannot be read), with the
+ * tickets to release (`held`) and the key they were acquired with.
+ */
+class Misplaced extends TypeError {
+  constructor(
+    /** The concurrency limit's name. */
+    readonly limit: string,
+    readonly held: ReadonlyArray<{ name: string; ticket: string }> = [],
+    readonly key?: string,
+  ) {
+    super(concurrencyInLimits(limit));
+  }
+}
+
+/** What is said of a concurrency limit named in a middleware's `limits` (in process, by the
+ *  TypeError thrown when the middleware is made). */
+export function concurrencyInLimits(name: string): string {
+  return `limits: ${JSON.stringify(name)} is a concurrency limit: give it as \`concurrency\`, not in \`limits\``;
+}
+
 /** `member`'s name as the fields quote it: the part before its `;q=`. */
 export function policyOf(member: string, capacity: number): Policy {
   return { member, quoted: member.slice(0, member.lastIndexOf(";q=")), capacity };
@@ -1277,13 +1333,17 @@ export function policyOf(member: string, capacity: number): Policy {
  * (`app.use(rateLimit(...))`), and the server may not be up yet when the app starts. An
  * undefined name is the app's error at each request (500, with the names the server
  * defines); the check is made again a second later, as the server's config may be reloaded.
+ * So is a concurrency limit among the names (`Misplaced`); should an answer carry a slot's
+ * ticket all the same (the server's config reloaded since the check, a limiter whose limits
+ * cannot be read), the request fails with it, for the slot to be released at once
+ * (`failed`), and the names are checked again a second later.
  * The numbers are those of the answer's header fields: whole tokens and seconds, and of more
  * than 8 limits the tightest.
  */
 function transactionTaking(limiter: Transacting, limits: ReadonlyArray<{ name: string; count?: number }>): Taking {
   const policies = new Map<string, Policy>();
   const capacities = new Map<string, number>();
-  let checked: { done: boolean; at: number; error?: NotDefined; pending?: Promise<void> } = { done: false, at: -Infinity };
+  let checked: { done: boolean; at: number; error?: NotDefined | Misplaced; pending?: Promise<void> } = { done: false, at: -Infinity };
   const check = async (): Promise<void> => {
     const defined = await limiter.getServerLimits!();
     const missing = limits.find((l) => !Object.hasOwn(defined, l.name));
@@ -1294,19 +1354,23 @@ function transactionTaking(limiter: Transacting, limits: ReadonlyArray<{ name: s
         missing.name,
       );
     }
+    const slots = limits.find((l) => isConcurrency(defined, l.name));
+    if (slots !== undefined) throw new Misplaced(slots.name);
     for (const l of limits) {
       const capacity = (defined[l.name] as { capacity?: unknown }).capacity;
       if (typeof capacity === "number") capacities.set(l.name, capacity);
     }
   };
   const resolved = async (): Promise<void> => {
-    if (checked.done || typeof limiter.getServerLimits !== "function") return;
+    if (checked.done) return;
     if (checked.error !== undefined && Date.now() - checked.at < 1_000) throw checked.error;
+    if (typeof limiter.getServerLimits !== "function") return;
     checked.pending ??= check().then(
       () => void (checked = { done: true, at: Date.now() }),
       (e: unknown) => {
         // The server not reached: the transaction says so; checked at the next request.
-        checked = e instanceof NotDefined ? { done: false, at: Date.now(), error: e } : { done: false, at: -Infinity };
+        checked =
+          e instanceof NotDefined || e instanceof Misplaced ? { done: false, at: Date.now(), error: e } : { done: false, at: -Infinity };
       },
     );
     await checked.pending;
@@ -1316,6 +1380,12 @@ function transactionTaking(limiter: Transacting, limits: ReadonlyArray<{ name: s
     await resolved();
     const requests = key === undefined ? limits : limits.map((l) => ({ ...l, key }));
     const result = await limiter.transaction(requests, { fields: true });
+    const held = result.results.flatMap((r, i) => (r.ticket === undefined ? [] : [{ name: limits[i]!.name, ticket: r.ticket }]));
+    if (held.length > 0) {
+      // Every request fails until the names are checked again, a second from now.
+      checked = { done: false, at: Date.now(), error: new Misplaced(held[0]!.name) };
+      throw new Misplaced(held[0]!.name, held, key);
+    }
     return decisionOfAnswer(result, limits, policies, capacities);
   };
   return { take, policies };

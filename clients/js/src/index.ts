@@ -224,12 +224,22 @@ export interface RateLimitResult {
   retryAfter?: number;
 }
 
+/** One request's answer in a `transaction`'s results. */
+export interface TransactionLimitResult extends RateLimitResult {
+  /** A concurrency limit's (a server takes one among a transaction's limits, named by its
+   *  config), when every limit granted: the ticket that holds its slots, for `release`. */
+  ticket?: string;
+  /** With `ticket`: when its slots are free again unless renewed (ms since the Unix epoch). */
+  expiresAt?: number;
+}
+
 /** The answer of `transaction`: `ok` when every limit granted (then all were taken). */
 export interface TransactionResult extends RateLimitResult {
   /** One answer per request, in order. */
-  results: RateLimitResult[];
+  results: TransactionLimitResult[];
   /** With a concurrency limit among the requests (at most one), when every limit granted:
-   *  its slot's ticket, taken together with the tokens; release it when the work is done. */
+   *  its slot's ticket (as its result's), taken together with the tokens; release it when
+   *  the work is done. */
   ticket?: string;
   /** With `ticket`: when its slots are free again unless renewed (ms since the epoch). */
   expiresAt?: number;
@@ -668,7 +678,7 @@ export class RateLimiter<Limits extends Record<string, RateLimitConfig> = {}> {
       if (!Array.isArray(results) || results.length !== limits.length) {
         throw new WrongShape(`not one result per request (${limits.length})`);
       }
-      const result: TransactionResult = { ...overall, results: results.map(decisionOf) };
+      const result: TransactionResult = { ...overall, results: results.map(transactionResultOf) };
       const { ticket, expiresAt } = answer as { ticket?: unknown; expiresAt?: unknown };
       if (ticket !== undefined) {
         if (typeof ticket !== "string" || !isNumber(expiresAt)) throw new WrongShape("not a transaction: its ticket is not one");
@@ -817,6 +827,20 @@ function decisionOf(answer: unknown): RateLimitResult {
   if (!("retryAfter" in answer)) return { ok: answer.ok };
   if (!isWait(answer.retryAfter)) throw new WrongShape("not a decision: retryAfter is not a wait");
   return { ok: answer.ok, retryAfter: answer.retryAfter };
+}
+
+/** A result of a transaction's answer: a decision, with a concurrency limit's ticket and
+ *  its expiry when it carries them (dropped, it would hold the slots until their ttl). */
+function transactionResultOf(answer: unknown): TransactionLimitResult {
+  const decision: TransactionLimitResult = decisionOf(answer);
+  const { ticket, expiresAt } = answer as Record<string, unknown>;
+  if (ticket === undefined) return decision;
+  if (typeof ticket !== "string" || !/^\d+$/.test(ticket) || !isTime(expiresAt)) {
+    throw new WrongShape("not a transaction's answer: a ticket without its expiry");
+  }
+  decision.ticket = ticket;
+  decision.expiresAt = expiresAt;
+  return decision;
 }
 
 function adjustedOf(answer: unknown): AdjustResult {

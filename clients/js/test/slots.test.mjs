@@ -269,3 +269,26 @@ test("errors: a rate limit's name, an undefined one, a read token, arguments of 
     await assert.rejects(call(), (e) => e instanceof TypeError && pattern.test(e.message));
   }
 });
+
+test("a transaction naming a concurrency limit: its result carries the ticket and its expiry, for release", async () => {
+  const k = key();
+  const now = await limiter.getServerTime();
+  const taken = await limiter.transaction([
+    { name: "sendMessage", key: k },
+    { name: "exports", key: k },
+  ]);
+  assert.equal(taken.ok, true);
+  assert.deepEqual(taken.results[0], { ok: true });
+  const slot = taken.results[1];
+  assert.deepEqual(Object.keys(slot).sort(), ["expiresAt", "ok", "ticket"]);
+  assert.match(slot.ticket, /^\d+$/);
+  assert.ok(slot.expiresAt >= now + 60_000 && slot.expiresAt < now + 65_000, `${slot.expiresAt - now}`);
+  assert.equal((await limiter.getSlotsValue("exports", { key: k })).inFlight, 1);
+  assert.equal(await limiter.release("exports", slot.ticket, { key: k }), true);
+  assert.equal((await limiter.getSlotsValue("exports", { key: k })).inFlight, 0);
+  // Refused (the slots full): no ticket.
+  await limiter.acquire("exports", { key: k, count: 2 });
+  const refused = await limiter.transaction([{ name: "exports", key: k }]);
+  assert.equal(refused.ok, false);
+  assert.equal(refused.results[0].ticket, undefined);
+});
