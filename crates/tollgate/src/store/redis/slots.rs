@@ -125,7 +125,7 @@ impl Seen {
         };
         match (op, reply) {
             (SlotOp::Acquire { .. }, Value::Array(values)) => {
-                let [ok, us, in_flight, earliest, ticket] = values.as_slice() else {
+                let [ok, time, in_flight, earliest, ticket] = values.as_slice() else {
                     return Err(garbage(&format!("{} values for an acquire", values.len())));
                 };
                 let earliest = match earliest {
@@ -141,7 +141,7 @@ impl Seen {
                 };
                 Ok(Seen {
                     ok: flag(ok)?,
-                    now: now(us)?,
+                    now: now(time)?,
                     in_flight: whole(in_flight, "slots held")?,
                     earliest,
                     ticket: whole(ticket, "a ticket")?,
@@ -151,7 +151,7 @@ impl Seen {
             (SlotOp::Release { .. }, flagged) => Ok(Seen { ok: flag(flagged)?, ..none }),
             (SlotOp::Renew { .. }, Value::Array(values)) => match values.as_slice() {
                 [ok] if !flag(ok)? => Ok(none),
-                [ok, us] if flag(ok)? => Ok(Seen { ok: true, now: now(us)?, ..none }),
+                [ok, time] if flag(ok)? => Ok(Seen { ok: true, now: now(time)?, ..none }),
                 _ => Err(garbage(&format!("{values:?} for a renewal"))),
             },
             (SlotOp::Check { .. } | SlotOp::Value | SlotOp::Reset, Value::BulkString(bytes)) => {
