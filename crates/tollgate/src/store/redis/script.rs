@@ -478,6 +478,39 @@ end
 return 1
 "#;
 
+/// Lua for [`SCRIPT_ACQUIRE`] and [`SCRIPT_RENEW`], before they write a holder's expiry,
+/// given `fresh` (no live holder: the keys have no expiry yet): `latest`, the latest score,
+/// read on a Redis before 7 only (see `lua_slots_outlive`).
+macro_rules! lua_slots_latest {
+    () => {
+        r#"
+local latest = not fresh and not redis.REDIS_VERSION_NUM
+  and redis.call('ZRANGE', z, '-1', '-1', 'WITHSCORES')[2]
+"#
+    };
+}
+
+/// Lua for [`SCRIPT_ACQUIRE`] and [`SCRIPT_RENEW`], after they wrote `expiry` for a holder:
+/// the keys made to outlive it and every other holder. Fresh keys are given its expiry; on
+/// Redis 7 (which has `redis.REDIS_VERSION_NUM`) `PEXPIRE`'s `GT` moves theirs later, never
+/// sooner; before 7, which has no `GT`, they are given it if it is the latest (read before
+/// the write), so they may lose the extra time of a holder released since, never a live
+/// holder's.
+macro_rules! lua_slots_outlive {
+    () => {
+        r#"
+local px = string.format('%d', math.min(1e15, math.max(least, math.ceil(expiry - now))))
+if fresh or (latest and expiry >= tonumber(latest)) then
+  redis.call('PEXPIRE', z, px)
+  redis.call('PEXPIRE', h, px)
+elseif redis.REDIS_VERSION_NUM then
+  redis.call('PEXPIRE', z, px, 'GT')
+  redis.call('PEXPIRE', h, px, 'GT')
+end
+"#
+    };
+}
+
 /// Concurrency limits (SPEC §6f), on the holders of a (name, key): a script per frequent
 /// operation ([`SCRIPT_ACQUIRE`], [`SCRIPT_RELEASE`], [`SCRIPT_RENEW`]), each making only the
 /// Redis calls its operation needs, and [`SCRIPT_SLOTS`] for the rare ones (check, value,
@@ -495,8 +528,9 @@ return 1
 /// A holder holds on `[acquired, expiry)`: those scored at most `now` are expired, and hold
 /// nothing (they count in `held` until dropped). A grant drops them, when there are any; a
 /// release, a renewal, a check and a value leave them. The keys expire no sooner than their
-/// latest holder (a grant or a renewal moves their expiry later, never sooner; never in less
-/// than `least` ms, see `lua_save`), so idle keys vanish; the release of the last holder
+/// latest holder (a grant or a renewal moves their expiry later, or on a Redis before 7
+/// gives them its own if it is the latest; never in less than `least` ms, see `lua_save`),
+/// so idle keys vanish; a release leaves their expiry, and the release of the last holder
 /// deletes the set and leaves the hash with `next` alone, for a second.
 ///
 /// A ticket is the larger of the last one plus 1 and Redis `TIME` in microseconds (about
@@ -517,7 +551,8 @@ return 1
 /// Acquire. ARGV: now, the count, the ttl, the limit's max. Answers `{ granted (1 or 0),
 /// now (0: ARGV's), the slots held (live, before it), the earliest live expiry as Redis
 /// wrote it (a refusal's; "" on a grant), the ticket made (0: none) }`.
-pub(super) const SCRIPT_ACQUIRE: &str = r#"
+pub(super) const SCRIPT_ACQUIRE: &str = concat!(
+    r#"
 local z, h = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
 local us = t[1] * 1000000 + t[2]
@@ -555,19 +590,18 @@ end
 local ticket = math.max((tonumber(seen[2]) or 0) + 1, us)
 if ticket >= 9007199254740992 then error('tollgate: ' .. h .. ' has made its last ticket') end
 local id, expiry = string.format('%d', ticket), now + tonumber(ARGV[3])
+local fresh = held == 0
+"#,
+    lua_slots_latest!(),
+    r#"
 redis.call('ZADD', z, expiry % 1 == 0 and string.format('%d', expiry) or expiry, id)
 redis.call('HSET', h, id, ARGV[2], 'held', string.format('%d', held + count), 'next', id)
-local px = string.format('%d', math.min(1e15, math.max(least, math.ceil(expiry - now))))
-if held > 0 then
-  -- Live holders: the keys expire with them, or with this one if it is the later.
-  redis.call('PEXPIRE', z, px, 'GT')
-  redis.call('PEXPIRE', h, px, 'GT')
-else
-  redis.call('PEXPIRE', z, px)
-  redis.call('PEXPIRE', h, px)
-end
+"#,
+    lua_slots_outlive!(),
+    r#"
 return { 1, time, held, '', ticket }
-"#;
+"#
+);
 
 /// Lua for [`SCRIPT_RELEASE`] and [`SCRIPT_RENEW`] (once they know their ticket is held) and
 /// [`SCRIPT_SLOTS`]: `now` (`ARGV[1]`, or Redis `TIME` in whole ms) and `least` as in
@@ -623,11 +657,14 @@ if not score then return { 0 } end
     lua_slots_now!(),
     r#"
 if tonumber(score) <= now then return { 0 } end
-local expiry = now + tonumber(ARGV[3])
+local expiry, fresh = now + tonumber(ARGV[3]), false
+"#,
+    lua_slots_latest!(),
+    r#"
 redis.call('ZADD', z, expiry % 1 == 0 and string.format('%d', expiry) or expiry, id)
-local px = string.format('%d', math.min(1e15, math.max(least, math.ceil(expiry - now))))
-redis.call('PEXPIRE', z, px, 'GT')
-redis.call('PEXPIRE', h, px, 'GT')
+"#,
+    lua_slots_outlive!(),
+    r#"
 return { 1, time }
 "#
 );
