@@ -35,7 +35,8 @@ use group::Grouped;
 #[cfg(feature = "redis-cluster")]
 use script::GIVE_BACK;
 use script::{
-    CAS_READ, CAS_WRITE, SCRIPT, SCRIPT_GROUP, SCRIPT_ONE, SCRIPT_SLOTS, SCRIPT_SLOTS_WITH,
+    CAS_READ, CAS_WRITE, SCRIPT, SCRIPT_ACQUIRE, SCRIPT_GROUP, SCRIPT_ONE, SCRIPT_RELEASE,
+    SCRIPT_RENEW, SCRIPT_SLOTS, SCRIPT_SLOTS_WITH,
 };
 use wire::{
     disagree, garbage, loaded_state, num, one_args, pack_state, parse_num, slot_args, unpack_f64,
@@ -238,6 +239,9 @@ impl RedisStoreBuilder {
             lease: Script::new(lease::SCRIPT_LEASE),
             cas_read: Script::new(CAS_READ),
             cas_write: Script::new(CAS_WRITE),
+            acquire: Script::new(SCRIPT_ACQUIRE),
+            release: Script::new(SCRIPT_RELEASE),
+            renew: Script::new(SCRIPT_RENEW),
             slots: Script::new(SCRIPT_SLOTS),
             slots_with: Script::new(SCRIPT_SLOTS_WITH),
             #[cfg(feature = "redis-cluster")]
@@ -296,9 +300,9 @@ impl RedisStoreBuilder {
 /// The holders of a concurrency limit's (name, key) (SPEC §6f) are a sorted set of their
 /// tickets by expiry and a hash of their counts, under `<prefix>slots:` and one hash tag
 /// (the key's own if it has one, such as `{user42}`, so that on a cluster they sit beside
-/// that key's rate limits), changed by one script per operation on the store's clock. Their
-/// keys expire with the last holder. Slots are never leased: a store built with leases takes
-/// them directly.
+/// that key's rate limits), changed by one script run per operation on the store's clock.
+/// Their keys expire no sooner than their latest holder (idle keys vanish), and with the last
+/// one released. Slots are never leased: a store built with leases takes them directly.
 ///
 /// # Examples
 ///
@@ -337,7 +341,11 @@ struct Inner<C> {
     /// [`CAS_READ`] and [`CAS_WRITE`]: calendar windows, decided here.
     cas_read: Script,
     cas_write: Script,
-    /// [`SCRIPT_SLOTS`]: concurrency limits.
+    /// [`SCRIPT_ACQUIRE`], [`SCRIPT_RELEASE`], [`SCRIPT_RENEW`] and [`SCRIPT_SLOTS`] (check,
+    /// value, reset): concurrency limits.
+    acquire: Script,
+    release: Script,
+    renew: Script,
     slots: Script,
     /// [`SCRIPT_SLOTS_WITH`]: an acquire with rate limits.
     slots_with: Script,

@@ -316,14 +316,16 @@ pub(super) const SCRIPT: &str =
     concat!(lua_now!(), lua_lease!(), "local gate = true\n", lua_plan!(), "return reply\n");
 
 /// An acquire of a concurrency limit's slots and a plan, all or nothing (SPEC §6f;
-/// `Store::slots_with`): the slots decided first, as [`SCRIPT_SLOTS`] decides an acquire; the
+/// `Store::slots_with`): the slots decided first, as [`SCRIPT_ACQUIRE`] decides; the
 /// plan then run as [`SCRIPT`] runs it, as a check if the slots are full; the holder added
 /// only if the plan wrote too.
 ///
-/// KEYS: the plan's states, then the holders' two keys (as [`SCRIPT_SLOTS`]'s). ARGV: the
+/// KEYS: the plan's states, then the holders' two keys (as [`SCRIPT_ACQUIRE`]'s). ARGV: the
 /// plan's (as [`SCRIPT`]'s), then the slots' count, ttl and max. Answers [`SCRIPT`]'s values,
-/// then one more string as [`SCRIPT_SLOTS`] answers an acquire: the byte is 1 if the slots
-/// would be granted (whether taken or not), and a ticket is made only if they were taken.
+/// then one more as [`SCRIPT_ACQUIRE`] answers (its time 0: it is the plan's): granted is 1
+/// if the slots would be granted (whether taken or not), and a ticket is made only if they
+/// were taken. Its time is `lua_now`'s, fractional on Redis `TIME` (an expiry a fraction,
+/// which Redis keeps as text: a little slower to insert beside, never wrong).
 pub(super) const SCRIPT_SLOTS_WITH: &str = concat!(
     lua_now!(),
     lua_lease!(),
@@ -338,22 +340,17 @@ for i = 1, #expired, 1000 do
 end
 local in_flight = tonumber(redis.call('HGET', h, 'held') or '0') - freed
 local holders = redis.call('ZCARD', z) - #expired
-local earliest = 0 / 0
-if holders > 0 then
-  earliest = tonumber(redis.call('ZRANGE', z, #expired, #expired, 'WITHSCORES')[2])
-end
 local gate = in_flight + count <= max
 "#,
     lua_plan!(),
     r#"
-local ticket, expiry = 0, 0 / 0
+local ticket = 0
 if all_ok and writes then
   local t = redis.call('TIME')
   ticket = math.max(tonumber(redis.call('HGET', h, 'next') or '0') + 1,
     tonumber(t[1]) * 1000000 + tonumber(t[2]))
   if ticket >= 9007199254740992 then error('tollgate: ' .. h .. ' has made its last ticket') end
-  local id = string.format('%.0f', ticket)
-  expiry = now + ttl
+  local id, expiry = string.format('%d', ticket), now + ttl
   for i = 1, #expired, 1000 do
     redis.call('HDEL', h, unpack(expired, i, math.min(i + 999, #expired)))
   end
@@ -365,8 +362,10 @@ if all_ok and writes then
   redis.call('PEXPIRE', z, px)
   redis.call('PEXPIRE', h, px)
 end
-reply[#reply + 1] = struct.pack('<Bdddddd', gate and 1 or 0, now, in_flight, holders, earliest,
-  ticket, expiry)
+-- The slots' answer, as SCRIPT_ACQUIRE's (its time is the plan's, the first value).
+local first = ''
+if not gate and holders > 0 then first = redis.call('ZRANGE', z, #expired, #expired, 'WITHSCORES')[2] end
+reply[#reply + 1] = { gate and 1 or 0, 0, in_flight, first, ticket }
 return reply
 "#
 );
@@ -544,26 +543,60 @@ end
 return 1
 "#;
 
-/// Concurrency limits (SPEC §6f): one operation on the holders of a (name, key), decided as
-/// `tollgate_algebra::slots::decide` decides (the store reads the answer back from what this
-/// answers, see `slots.rs`). One script for the six operations: they share most of it (the
-/// time, the holders expired by now, the slots the others hold, the keys' expiry after a
-/// write), a branch on the operation costs nothing beside its Redis calls, and one script is
-/// one SHA to load again after a `NOSCRIPT`.
+/// Lua for [`SCRIPT_ACQUIRE`] and [`SCRIPT_RENEW`], before they write a holder's expiry,
+/// given `fresh` (no live holder: the keys have no expiry yet): `latest`, the latest score,
+/// read on a Redis before 7 only (see `lua_slots_outlive`).
+macro_rules! lua_slots_latest {
+    () => {
+        r#"
+local latest = not fresh and not redis.REDIS_VERSION_NUM
+  and redis.call('ZRANGE', z, '-1', '-1', 'WITHSCORES')[2]
+"#
+    };
+}
+
+/// Lua for [`SCRIPT_ACQUIRE`] and [`SCRIPT_RENEW`], after they wrote `expiry` for a holder:
+/// the keys made to outlive it and every other holder. Fresh keys are given its expiry; on
+/// Redis 7 (which has `redis.REDIS_VERSION_NUM`) `PEXPIRE`'s `GT` moves theirs later, never
+/// sooner; before 7, which has no `GT`, they are given it if it is the latest (read before
+/// the write), so they may lose the extra time of a holder released since, never a live
+/// holder's.
+macro_rules! lua_slots_outlive {
+    () => {
+        r#"
+local px = string.format('%d', math.min(1e15, math.max(least, math.ceil(expiry - now))))
+if fresh or (latest and expiry >= tonumber(latest)) then
+  redis.call('PEXPIRE', z, px)
+  redis.call('PEXPIRE', h, px)
+elseif redis.REDIS_VERSION_NUM then
+  redis.call('PEXPIRE', z, px, 'GT')
+  redis.call('PEXPIRE', h, px, 'GT')
+end
+"#
+    };
+}
+
+/// Concurrency limits (SPEC §6f), on the holders of a (name, key): a script per frequent
+/// operation ([`SCRIPT_ACQUIRE`], [`SCRIPT_RELEASE`], [`SCRIPT_RENEW`]), each making only the
+/// Redis calls its operation needs, and [`SCRIPT_SLOTS`] for the rare ones (check, value,
+/// reset). Each decides as `tollgate_algebra::slots::decide` decides; the store reads the
+/// answer back from what they answer (see `slots.rs`).
 ///
-/// KEYS: the tickets by expiry (a sorted set, scores in ms on the store's clock) and the
-/// holders' counts (a hash: ticket -> count, and the fields `held`, the slots its tickets
-/// hold, and `next`, the last ticket made), both under one hash tag. ARGV: now ("" = Redis
-/// `TIME`), the operation (`a` acquire, `r` release, `n` renew, `c` check, `v` value, `x`
-/// reset), the count (acquire, check) or the ticket (release, renew) in decimal, the ttl
-/// (acquire, renew) and the limit's max. Numbers come in as the shortest text that reads
-/// back exactly and go to Redis as Lua numbers (which Redis writes with 17 digits: exact).
+/// KEYS, for all four: the tickets by expiry (a sorted set, scores in ms on the store's
+/// clock) and the holders' counts (a hash: ticket -> count, and the fields `held`, the slots
+/// its tickets hold, expired or not, and `next`, the last ticket made), both under one hash
+/// tag. `ARGV[1]` is now ("" = Redis `TIME`, read only by an operation that needs it); the
+/// others come in as the shortest text that reads back exactly; a number made of them goes
+/// to Redis as text of its digits if whole, else as a Lua number (which Redis writes with 17
+/// digits: exact).
 ///
-/// A holder holds on `[acquired, expiry)`: those scored at most `now` are expired. Only a
-/// grant, a release and a renewal of a live ticket, and a reset, write; they drop the expired
-/// holders first, so that `held` counts live holders again. Then the keys expire with their
-/// last holder (never in less than `least` ms, see `lua_save`), so idle keys vanish; with no
-/// holder left the set is deleted and the hash keeps only `next`, for a second.
+/// A holder holds on `[acquired, expiry)`: those scored at most `now` are expired, and hold
+/// nothing (they count in `held` until dropped). A grant drops them, when there are any; a
+/// release, a renewal, a check and a value leave them. The keys expire no sooner than their
+/// latest holder (a grant or a renewal moves their expiry later, or on a Redis before 7
+/// gives them its own if it is the latest; never in less than `least` ms, see `lua_save`),
+/// so idle keys vanish; a release leaves their expiry, and the release of the last holder
+/// deletes the set and leaves the hash with `next` alone, for a second.
 ///
 /// A ticket is the larger of the last one plus 1 and Redis `TIME` in microseconds (about
 /// 1.8e15, below 2^53 until the year 2255): ever larger on one (name, key) while its keys
@@ -571,109 +604,174 @@ return 1
 /// grant by at least a ms, so `TIME` has moved on by then, unless Redis's clock is stepped
 /// back), so that a ticket released or renewed late never names a later holder.
 ///
-/// Answers one string: a byte (1: granted, free, released or renewed; else 0), then as
-/// little-endian doubles the time it used, the slots held and the holders (live, before the
-/// write), the earliest live expiry (NaN: none), the ticket made (0: none) and the expiry
-/// written (NaN: none).
+/// On Redis `TIME`, these scripts' now is in whole milliseconds (rounded down), and their
+/// answer carries it (0 on a test's own time, which the store knows), so that the store
+/// makes the expiry `now + ttl` as the script did. Whole: an expiry of a whole ttl is then a
+/// whole number, which Redis keeps in a small sorted set as an integer; a fraction is kept
+/// as text, parsed again at every comparison of an insertion (a `ZADD` among 64 holders took
+/// 4.0 us so, 1.1 us with whole numbers: measured). Whole numbers also go to Redis as text
+/// made with `%d`: a Lua number is written by Redis with `%.17g`, 0.3 to 0.5 us slower a
+/// number (measured).
+///
+/// Acquire. ARGV: now, the count, the ttl, the limit's max. Answers `{ granted (1 or 0),
+/// now (0: ARGV's), the slots held (live, before it), the earliest live expiry as Redis
+/// wrote it (a refusal's; "" on a grant), the ticket made (0: none) }`.
+pub(super) const SCRIPT_ACQUIRE: &str = concat!(
+    r#"
+local z, h = KEYS[1], KEYS[2]
+local t = redis.call('TIME')
+local us = t[1] * 1000000 + t[2]
+local now, at, least, time = tonumber(ARGV[1]), ARGV[1], 10000, 0
+if not now then
+  now = t[1] * 1000 + math.floor(t[2] / 1000)
+  at, least, time = string.format('%d', now), 1, now
+end
+local count = tonumber(ARGV[2])
+local seen = redis.call('HMGET', h, 'held', 'next')
+local held = tonumber(seen[1]) or 0
+-- Expired holders (by score the first), if any holder is: their counts taken from `held`.
+-- (HMGET and HDEL take at most 1000 fields a call: `unpack` has a limit.) None held: the
+-- set is gone.
+local expired
+if held > 0 and redis.call('ZRANGEBYSCORE', z, '-inf', at, 'LIMIT', '0', '1')[1] then
+  expired = redis.call('ZRANGEBYSCORE', z, '-inf', at)
+  for i = 1, #expired, 1000 do
+    local counts = redis.call('HMGET', h, unpack(expired, i, math.min(i + 999, #expired)))
+    for j = 1, #counts do held = held - (tonumber(counts[j]) or 0) end
+  end
+end
+if held + count > tonumber(ARGV[4]) then
+  -- Refused: the earliest live expiry, for the wait.
+  local live = expired and string.format('%d', #expired) or '0'
+  local first = redis.call('ZRANGE', z, live, live, 'WITHSCORES')
+  return { 0, time, held, first[2] or '', 0 }
+end
+if expired then
+  for i = 1, #expired, 1000 do
+    redis.call('HDEL', h, unpack(expired, i, math.min(i + 999, #expired)))
+  end
+  redis.call('ZREMRANGEBYSCORE', z, '-inf', at)
+end
+local ticket = math.max((tonumber(seen[2]) or 0) + 1, us)
+if ticket >= 9007199254740992 then error('tollgate: ' .. h .. ' has made its last ticket') end
+local id, expiry = string.format('%d', ticket), now + tonumber(ARGV[3])
+local fresh = held == 0
+"#,
+    lua_slots_latest!(),
+    r#"
+redis.call('ZADD', z, expiry % 1 == 0 and string.format('%d', expiry) or expiry, id)
+redis.call('HSET', h, id, ARGV[2], 'held', string.format('%d', held + count), 'next', id)
+"#,
+    lua_slots_outlive!(),
+    r#"
+return { 1, time, held, '', ticket }
+"#
+);
+
+/// Lua for [`SCRIPT_RELEASE`] and [`SCRIPT_RENEW`] (once they know their ticket is held) and
+/// [`SCRIPT_SLOTS`]: `now` (`ARGV[1]`, or Redis `TIME` in whole ms) and `least` as in
+/// `lua_now`, and `time`, the time read (0 when `ARGV[1]` gave it).
+macro_rules! lua_slots_now {
+    () => {
+        r#"
+local now, least, time = tonumber(ARGV[1]), 10000, 0
+if not now then
+  local t = redis.call('TIME')
+  now = t[1] * 1000 + math.floor(t[2] / 1000)
+  least, time = 1, now
+end
+"#
+    };
+}
+
+/// Release. ARGV: now, the ticket. Answers 1 if the ticket was live and is released, else 0
+/// (unknown, or expired: then left for a grant to drop). Reads the time only for a ticket it
+/// finds.
+pub(super) const SCRIPT_RELEASE: &str = concat!(
+    r#"
+local z, h, id = KEYS[1], KEYS[2], ARGV[2]
+local score = redis.call('ZSCORE', z, id)
+if not score then return 0 end
+"#,
+    lua_slots_now!(),
+    r#"
+if tonumber(score) <= now then return 0 end
+local seen = redis.call('HMGET', h, id, 'held')
+local held = (tonumber(seen[2]) or 0) - (tonumber(seen[1]) or 0)
+redis.call('ZREM', z, id)
+if held > 0 then
+  redis.call('HDEL', h, id)
+  redis.call('HSET', h, 'held', string.format('%d', held))
+else
+  -- The last holder: the set is gone with it; the hash keeps `next` for a second.
+  redis.call('HDEL', h, id, 'held')
+  redis.call('PEXPIRE', h, 1000)
+end
+return 1
+"#
+);
+
+/// Renew. ARGV: now, the ticket, the ttl. Answers `{ 1, now (0: ARGV's) }` when the ticket
+/// was live (its expiry now + ttl), else `{ 0 }`.
+pub(super) const SCRIPT_RENEW: &str = concat!(
+    r#"
+local z, h, id = KEYS[1], KEYS[2], ARGV[2]
+local score = redis.call('ZSCORE', z, id)
+if not score then return { 0 } end
+"#,
+    lua_slots_now!(),
+    r#"
+if tonumber(score) <= now then return { 0 } end
+local expiry, fresh = now + tonumber(ARGV[3]), false
+"#,
+    lua_slots_latest!(),
+    r#"
+redis.call('ZADD', z, expiry % 1 == 0 and string.format('%d', expiry) or expiry, id)
+"#,
+    lua_slots_outlive!(),
+    r#"
+return { 1, time }
+"#
+);
+
+/// Check, value and reset. ARGV: now, the operation (`c` check, `v` value, `x` reset), the
+/// count (check) and the limit's max. Answers one string: a byte (1: free, or reset; else
+/// 0), then as little-endian doubles the time it used, the slots held and the holders (live),
+/// the earliest live expiry (NaN: none).
 pub(super) const SCRIPT_SLOTS: &str = concat!(
-    lua_now!(),
+    lua_slots_now!(),
     r#"
 local z, h, op = KEYS[1], KEYS[2], ARGV[2]
--- HMGET and HDEL take at most this many fields a call: `unpack` has a limit.
-local batch = 1000
-
-local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
-local freed = 0
-for i = 1, #expired, batch do
-  local counts = redis.call('HMGET', h, unpack(expired, i, math.min(i + batch - 1, #expired)))
-  for j = 1, #counts do freed = freed + (tonumber(counts[j]) or 0) end
-end
-local in_flight = tonumber(redis.call('HGET', h, 'held') or '0') - freed
-local holders = redis.call('ZCARD', z) - #expired
-local earliest = 0 / 0
-if holders > 0 then
-  -- By score, the expired come first.
-  earliest = tonumber(redis.call('ZRANGE', z, #expired, #expired, 'WITHSCORES')[2])
-end
-
-local function answer(ok, ticket, expiry)
-  return struct.pack('<Bdddddd', ok and 1 or 0, now, in_flight, holders, earliest, ticket or 0,
-    expiry or 0 / 0)
-end
-
-local function empty()
+local ok = false
+local in_flight, holders, earliest = 0, 0, 0 / 0
+if op == 'x' then
   local last = redis.call('HGET', h, 'next')
   redis.call('DEL', z, h)
   if last then
     redis.call('HSET', h, 'next', last)
     redis.call('PEXPIRE', h, 1000)
   end
-end
-
--- Before a write: the expired holders dropped (they hold nothing).
-local function drop_expired()
-  if #expired == 0 then return end
-  for i = 1, #expired, batch do
-    redis.call('HDEL', h, unpack(expired, i, math.min(i + batch - 1, #expired)))
+  ok = true
+else
+  local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
+  local freed = 0
+  -- HMGET takes at most this many fields a call: `unpack` has a limit.
+  for i = 1, #expired, 1000 do
+    local counts = redis.call('HMGET', h, unpack(expired, i, math.min(i + 999, #expired)))
+    for j = 1, #counts do freed = freed + (tonumber(counts[j]) or 0) end
   end
-  redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
-end
-
--- After a write: `held` slots held; the keys expire with the last holder.
-local function keep(held)
-  if redis.call('ZCARD', z) == 0 then
-    empty()
-    return
+  in_flight = tonumber(redis.call('HGET', h, 'held') or '0') - freed
+  holders = redis.call('ZCARD', z) - #expired
+  if holders > 0 then
+    -- By score, the expired come first.
+    earliest = tonumber(redis.call('ZRANGE', z, #expired, #expired, 'WITHSCORES')[2])
   end
-  redis.call('HSET', h, 'held', held)
-  local latest = tonumber(redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')[2])
-  local px = string.format('%d', math.min(1e15, math.max(least, math.ceil(latest - now))))
-  redis.call('PEXPIRE', z, px)
-  redis.call('PEXPIRE', h, px)
+  if op == 'c' then
+    ok = in_flight + tonumber(ARGV[3]) <= tonumber(ARGV[4])
+  elseif op ~= 'v' then
+    error('tollgate: no such operation on slots: ' .. op)
+  end
 end
-
--- The live holder of ARGV[3], if any: its count.
-local function live()
-  local score = redis.call('ZSCORE', z, ARGV[3])
-  if score and tonumber(score) > now then return tonumber(redis.call('HGET', h, ARGV[3])) end
-end
-
-if op == 'a' then
-  local count, ttl, max = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-  if in_flight + count > max then return answer(false) end
-  local t = redis.call('TIME')
-  local ticket = math.max(tonumber(redis.call('HGET', h, 'next') or '0') + 1,
-    tonumber(t[1]) * 1000000 + tonumber(t[2]))
-  if ticket >= 9007199254740992 then error('tollgate: ' .. h .. ' has made its last ticket') end
-  local id, expiry = string.format('%.0f', ticket), now + ttl
-  drop_expired()
-  redis.call('ZADD', z, expiry, id)
-  redis.call('HSET', h, id, count, 'next', id)
-  keep(in_flight + count)
-  return answer(true, ticket, expiry)
-elseif op == 'r' then
-  local count = live()
-  if not count then return answer(false) end
-  drop_expired()
-  redis.call('ZREM', z, ARGV[3])
-  redis.call('HDEL', h, ARGV[3])
-  keep(in_flight - count)
-  return answer(true)
-elseif op == 'n' then
-  if not live() then return answer(false) end
-  local expiry = now + tonumber(ARGV[4])
-  drop_expired()
-  redis.call('ZADD', z, expiry, ARGV[3])
-  keep(in_flight)
-  return answer(true, 0, expiry)
-elseif op == 'c' then
-  return answer(in_flight + tonumber(ARGV[3]) <= tonumber(ARGV[5]))
-elseif op == 'v' then
-  return answer(false)
-elseif op == 'x' then
-  empty()
-  return answer(true)
-end
-error('tollgate: no such operation on slots: ' .. op)
+return struct.pack('<Bdddd', ok and 1 or 0, now, in_flight, holders, earliest)
 "#
 );

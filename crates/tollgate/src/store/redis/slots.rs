@@ -1,9 +1,11 @@
 //! Concurrency limits on Redis (SPEC §6f): the holders of a (name, key) are a sorted set of
 //! their tickets by expiry and a hash of their counts, under one hash tag (so that a cluster
-//! keeps them in one slot), changed by one run of [`SCRIPT_SLOTS`](super::script::SCRIPT_SLOTS) per operation. The script
-//! decides, as it must to be atomic; the answer is `tollgate_algebra::slots::decide`'s, on
-//! what the script saw, and a script that wrote where the algebra would not (or the other way
-//! round) is an error.
+//! keeps them in one slot), changed by one script run per operation: a lean script each for
+//! an acquire, a release and a renewal ([`SCRIPT_ACQUIRE`](super::script::SCRIPT_ACQUIRE)
+//! and its neighbours), one for the rest. The scripts decide, as they must to be atomic; an
+//! acquire's or a check's answer is `tollgate_algebra::slots::decide`'s, on what the script
+//! saw, and a script that granted where the algebra would not (or the other way round) is an
+//! error.
 //!
 //! Slots are never leased: a store built with leases runs every operation here, directly.
 
@@ -16,7 +18,7 @@ use tollgate_algebra::{Clock, Outcome, Plan};
 #[cfg(feature = "redis-cluster")]
 use super::cluster::hash_slot;
 use super::keys::hash_tag;
-use super::wire::{disagree, garbage, num, unpack_f64};
+use super::wire::{disagree, garbage, num, unpack_f64, unpack_time};
 use super::{Inner, RedisStore, Writes, plan_ran};
 use crate::error::StoreError;
 use crate::store::seam::slots_with_answer;
@@ -51,9 +53,10 @@ impl<C> Inner<C> {
 }
 
 impl<C: Clock> RedisStore<C> {
-    /// Runs `op` on (name, key)'s holders in one round trip (see [`SCRIPT_SLOTS`](super::script::SCRIPT_SLOTS)). An
-    /// operation that may write (an acquire, a release, a renewal, a reset) whose reply never
-    /// came says it may have run: an acquire may then hold slots until its ttl ends.
+    /// Runs `op` on (name, key)'s holders in one round trip, by its script (see
+    /// [`SCRIPT_ACQUIRE`](super::script::SCRIPT_ACQUIRE)). An operation that may write (an
+    /// acquire, a release, a renewal, a reset) whose reply never came says it may have run:
+    /// an acquire may then hold slots until its ttl ends.
     pub(super) async fn slots(
         &self,
         name: &str,
@@ -64,17 +67,24 @@ impl<C: Clock> RedisStore<C> {
         op.validate(limit).map_err(|e| StoreError::new(e.message()))?;
         let inner = &self.inner;
         let [tickets, counts] = inner.slot_keys(name, key);
-        let mut invocation = inner.slots.prepare_invoke();
-        invocation.key(&tickets).key(&counts).arg(inner.now_arg());
-        let (code, which, ttl) = match *op {
-            SlotOp::Acquire { count, ttl } => ("a", u64::from(count), Some(ttl)),
-            SlotOp::Release { ticket } => ("r", ticket, None),
-            SlotOp::Renew { ticket, ttl } => ("n", ticket, Some(ttl)),
-            SlotOp::Check { count } => ("c", u64::from(count), None),
-            SlotOp::Value => ("v", 0, None),
-            SlotOp::Reset => ("x", 0, None),
+        // A test's own time; `None`: Redis `TIME`, read by the script if it needs the time.
+        let clock = inner.clock.as_ref().map(Clock::now);
+        let script = match op {
+            SlotOp::Acquire { .. } => &inner.acquire,
+            SlotOp::Release { .. } => &inner.release,
+            SlotOp::Renew { .. } => &inner.renew,
+            SlotOp::Check { .. } | SlotOp::Value | SlotOp::Reset => &inner.slots,
         };
-        invocation.arg(code).arg(which).arg(ttl.map(num).unwrap_or_default()).arg(limit.max());
+        let mut invocation = script.prepare_invoke();
+        invocation.key(&tickets).key(&counts).arg(clock.map(num).unwrap_or_default());
+        match *op {
+            SlotOp::Acquire { count, ttl } => invocation.arg(count).arg(num(ttl)).arg(limit.max()),
+            SlotOp::Release { ticket } => invocation.arg(ticket),
+            SlotOp::Renew { ticket, ttl } => invocation.arg(ticket).arg(num(ttl)),
+            SlotOp::Check { count } => invocation.arg("c").arg(count).arg(limit.max()),
+            SlotOp::Value => invocation.arg("v"),
+            SlotOp::Reset => invocation.arg("x"),
+        };
         let writes = if op.writes() { Writes::Yes } else { Writes::No };
         let reply: Value = inner
             .on_connection(
@@ -82,7 +92,7 @@ impl<C: Clock> RedisStore<C> {
                 |mut conn| async move { invocation.invoke_async(&mut conn).await },
             )
             .await?;
-        Seen::unpack(&reply)?.answer(limit, op)
+        Seen::read(&reply, op, clock)?.answer(limit, op)
     }
 
     /// Runs an acquire of (name, key)'s slots with `plan`, all or nothing, in one round trip
@@ -129,57 +139,102 @@ impl<C: Clock> RedisStore<C> {
                 invocation.invoke_async(&mut conn).await
             })
             .await?;
-        let seen = Seen::unpack(&reply.pop().ok_or_else(|| garbage("no answer for slots"))?)?;
-        // The slots' answer is decide's on what the script saw; the plan is then decided as
-        // the script ran it, a check unless the slots were granted.
-        let holders = seen.holders_for(op)?;
-        let (answer, _) = decide(limit, &holders, seen.now, op, seen.ticket.max(1))
-            .map_err(|e| StoreError::new(e.message()))?;
+        let slots = reply.pop().ok_or_else(|| garbage("no answer for slots"))?;
+        let now = unpack_time(reply.first().ok_or_else(|| garbage("no time"))?)?;
+        let seen = Seen::read(&slots, op, Some(now))?;
+        // The slots' answer is decide's on what the script saw (a ticket stands in for one
+        // the script did not make); the plan is then decided as the script ran it, a check
+        // unless the slots were granted.
+        let made = seen.ticket;
+        let answer = Seen { ticket: made.max(1), ..seen }.answer(limit, op)?;
         let granted = matches!(answer, SlotAnswer::Acquired { .. });
         let checking;
-        let ran = plan_ran(
-            if granted {
-                plan
-            } else {
-                checking = plan.checking();
-                &checking
-            },
-            reply,
-        )?;
-        let wrote = granted && ran.outcome.ok;
-        let made = (1..TICKETS_END).contains(&seen.ticket) && seen.expiry == seen.now + ttl;
-        if granted != seen.ok || wrote != (seen.ticket != 0) || (wrote && !made) {
+        let taken = if granted {
+            plan
+        } else {
+            checking = plan.checking();
+            &checking
+        };
+        let ran = plan_ran(taken, reply)?;
+        if (granted && ran.outcome.ok) != (made != 0) {
             return Err(disagree());
         }
         Ok((slots_with_answer(answer, &ran.outcome), ran.outcome))
     }
 }
 
-/// What a run of [`SCRIPT_SLOTS`](super::script::SCRIPT_SLOTS) saw and did.
+/// What a script run on slots saw and did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Seen {
-    /// Granted, free, released, renewed (as the operation goes).
+    /// Granted, free, released, renewed, reset (as the operation goes).
     ok: bool,
+    /// The time it used (NaN: a release's, which the store does not need).
     now: f64,
     /// Slots held by live holders, before the write.
     in_flight: u64,
-    /// Live holders, before the write.
+    /// Live holders (a value's and a check's; 0 for the others, which do not count them).
     holders: u64,
-    /// The earliest live holder's expiry.
+    /// The earliest live holder's expiry (not said by an acquire granted).
     earliest: Option<f64>,
     /// The ticket made (0: none).
     ticket: u64,
-    /// The expiry written (NaN: none).
-    expiry: f64,
 }
 
 impl Seen {
-    /// Reads the script's answer: a byte, then six little-endian doubles.
-    fn unpack(reply: &Value) -> Result<Seen, StoreError> {
-        let Value::BulkString(bytes) = reply else {
-            return Err(garbage("not a string for slots"));
+    /// Reads what `op`'s script answered (see the scripts); `clock` is the time the store
+    /// gave it, if any.
+    fn read(reply: &Value, op: &SlotOp, clock: Option<f64>) -> Result<Seen, StoreError> {
+        let none =
+            Seen { ok: false, now: f64::NAN, in_flight: 0, holders: 0, earliest: None, ticket: 0 };
+        // The time a script used: the store's, or Redis `TIME` in whole ms.
+        let now = |ms: &Value| match (clock, ms) {
+            (Some(now), _) => Ok(now),
+            #[allow(clippy::cast_precision_loss)]
+            (None, Value::Int(ms)) if (1..1 << 53).contains(ms) => Ok(*ms as f64),
+            _ => Err(garbage(&format!("{ms:?} for the time"))),
         };
-        if bytes.len() != 49 || bytes[0] > 1 {
+        match (op, reply) {
+            (SlotOp::Acquire { .. }, Value::Array(values)) => {
+                let [ok, time, in_flight, earliest, ticket] = values.as_slice() else {
+                    return Err(garbage(&format!("{} values for an acquire", values.len())));
+                };
+                let earliest = match earliest {
+                    Value::BulkString(b) if b.is_empty() => None,
+                    Value::BulkString(b) => Some(
+                        std::str::from_utf8(b)
+                            .ok()
+                            .and_then(|s| s.parse::<f64>().ok())
+                            .filter(|e| e.is_finite())
+                            .ok_or_else(|| garbage("the earliest expiry"))?,
+                    ),
+                    other => return Err(garbage(&format!("{other:?} for the earliest expiry"))),
+                };
+                Ok(Seen {
+                    ok: flag(ok)?,
+                    now: now(time)?,
+                    in_flight: whole(in_flight, "slots held")?,
+                    earliest,
+                    ticket: whole(ticket, "a ticket")?,
+                    ..none
+                })
+            }
+            (SlotOp::Release { .. }, flagged) => Ok(Seen { ok: flag(flagged)?, ..none }),
+            (SlotOp::Renew { .. }, Value::Array(values)) => match values.as_slice() {
+                [ok] if !flag(ok)? => Ok(none),
+                [ok, time] if flag(ok)? => Ok(Seen { ok: true, now: now(time)?, ..none }),
+                _ => Err(garbage(&format!("{values:?} for a renewal"))),
+            },
+            (SlotOp::Check { .. } | SlotOp::Value | SlotOp::Reset, Value::BulkString(bytes)) => {
+                Seen::unpack(bytes)
+            }
+            (_, other) => Err(garbage(&format!("{other:?} for slots"))),
+        }
+    }
+
+    /// Reads the answer of the script for a check, a value and a reset: a byte, then four
+    /// little-endian doubles.
+    fn unpack(bytes: &[u8]) -> Result<Seen, StoreError> {
+        if bytes.len() != 33 || bytes[0] > 1 {
             return Err(garbage(&format!("{} bytes for slots", bytes.len())));
         }
         let double = |i: usize| unpack_f64(&bytes[1 + 8 * i..]).unwrap_or(f64::NAN);
@@ -199,52 +254,60 @@ impl Seen {
             in_flight: whole(double(1), "slots held")?,
             holders: whole(double(2), "holders")?,
             earliest: (!earliest.is_nan()).then_some(earliest),
-            ticket: whole(double(4), "a ticket")?,
-            expiry: double(5),
+            ticket: 0,
         })
     }
 
-    /// The live holders `decide` needs to answer `op` as on all of them: for an acquire or a
-    /// check, one holding every slot held until the earliest expiry (decide reads nothing
-    /// else of them); for a release or a renewal, the ticket's if it was live (with a count
-    /// and an expiry those answers do not read); for a reset, none.
-    fn holders_for(&self, op: &SlotOp) -> Result<Vec<Holder>, StoreError> {
-        Ok(match *op {
-            SlotOp::Acquire { .. } | SlotOp::Check { .. } => match self.earliest {
-                Some(expiry) if self.in_flight > 0 => {
-                    let count = u32::try_from(self.in_flight)
-                        .map_err(|_| garbage(&format!("{} slots held", self.in_flight)))?;
-                    vec![Holder { ticket: 0, count, expiry }]
-                }
-                _ => Vec::new(),
-            },
-            SlotOp::Release { ticket } | SlotOp::Renew { ticket, .. } if self.ok => {
-                vec![Holder { ticket, count: 1, expiry: f64::INFINITY }]
-            }
-            _ => Vec::new(),
-        })
-    }
-
-    /// The answer to `op`, `decide`'s on what the script saw; an error if the script wrote
-    /// otherwise than it says (a bug).
+    /// The answer to `op`: for an acquire and a check, `decide`'s on what the script saw,
+    /// and an error if the script granted otherwise (a bug); for the others, what the script
+    /// did.
     fn answer(&self, limit: &Concurrency, op: &SlotOp) -> Result<SlotAnswer, StoreError> {
-        if *op == SlotOp::Value {
-            let Seen { in_flight, holders, earliest, .. } = *self;
-            return Ok(SlotAnswer::Value { in_flight, holders, earliest });
-        }
-        let holders = self.holders_for(op)?;
-        let (answer, write) = decide(limit, &holders, self.now, op, self.ticket)
-            .map_err(|e| StoreError::new(e.message()))?;
-        let agrees = match (write, answer) {
-            (Write::Add(holder), _) => {
-                self.ok && holder.expiry == self.expiry && (1..TICKETS_END).contains(&holder.ticket)
+        let Seen { ok, now, in_flight, holders, earliest, ticket } = *self;
+        match *op {
+            SlotOp::Acquire { .. } | SlotOp::Check { .. } => {
+                // One holder holding every slot held until the earliest expiry: decide reads
+                // nothing else of them, and no expiry of a grant (whose script leaves it out).
+                let count = u32::try_from(in_flight)
+                    .map_err(|_| garbage(&format!("{in_flight} slots held")))?;
+                let summary = match earliest {
+                    _ if count == 0 => Vec::new(),
+                    Some(expiry) => vec![Holder { ticket: 0, count, expiry }],
+                    None if ok => vec![Holder { ticket: 0, count, expiry: f64::INFINITY }],
+                    None => return Err(garbage("a refusal without an expiry")),
+                };
+                let (answer, write) = decide(limit, &summary, now, op, ticket)
+                    .map_err(|e| StoreError::new(e.message()))?;
+                let agrees = match write {
+                    Write::Add(holder) => ok && (1..TICKETS_END).contains(&holder.ticket),
+                    _ => ok == (answer == SlotAnswer::Free),
+                };
+                if agrees { Ok(answer) } else { Err(disagree()) }
             }
-            (Write::Expiry(_, expiry), _) => self.ok && expiry == self.expiry,
-            (Write::Remove(_) | Write::Clear, _) | (Write::Nothing, SlotAnswer::Free) => self.ok,
-            (Write::Nothing, _) => !self.ok,
-        };
-        if agrees { Ok(answer) } else { Err(disagree()) }
+            SlotOp::Release { .. } => Ok(SlotAnswer::Released(ok)),
+            SlotOp::Renew { ttl, .. } => Ok(SlotAnswer::Renewed(ok.then_some(now + ttl))),
+            SlotOp::Value => Ok(SlotAnswer::Value { in_flight, holders, earliest }),
+            SlotOp::Reset if ok => Ok(SlotAnswer::Reset),
+            SlotOp::Reset => Err(disagree()),
+        }
     }
+}
+
+/// A script's 1 or 0.
+fn flag(v: &Value) -> Result<bool, StoreError> {
+    match v {
+        Value::Int(0) => Ok(false),
+        Value::Int(1) => Ok(true),
+        other => Err(garbage(&format!("{other:?} for a yes or no"))),
+    }
+}
+
+/// A count or a ticket a script answered: a whole number below 2^53.
+fn whole(v: &Value, what: &str) -> Result<u64, StoreError> {
+    match v {
+        Value::Int(n) => u64::try_from(*n).ok().filter(|n| *n < TICKETS_END),
+        _ => None,
+    }
+    .ok_or_else(|| garbage(&format!("{v:?} for {what}")))
 }
 
 #[cfg(test)]
@@ -255,28 +318,30 @@ mod tests {
 
     const NOW: f64 = 1_700_000_000_000.25;
 
-    /// What the script answers for `op` on `holders` at `now`, written out from its Lua.
+    /// What the script of `op` answers on `holders` at `now`, as [`Seen::read`] reads it,
+    /// written out from its Lua.
     fn as_the_script(limit: &Concurrency, holders: &[Holder], op: &SlotOp, ticket: u64) -> Seen {
         let live: Vec<&Holder> = holders.iter().filter(|h| h.expiry > NOW).collect();
         let in_flight: u64 = live.iter().map(|h| u64::from(h.count)).sum();
         let fits = |count: u32| in_flight + u64::from(count) <= u64::from(limit.max());
         let found = |ticket: u64| live.iter().any(|h| h.ticket == ticket);
-        let (ok, ticket, expiry) = match *op {
-            SlotOp::Acquire { count, ttl } if fits(count) => (true, ticket, NOW + ttl),
-            SlotOp::Check { count } => (fits(count), 0, f64::NAN),
-            SlotOp::Release { ticket } => (found(ticket), 0, f64::NAN),
-            SlotOp::Renew { ticket, ttl } if found(ticket) => (true, 0, NOW + ttl),
-            SlotOp::Reset => (true, 0, f64::NAN),
-            _ => (false, 0, f64::NAN),
-        };
-        Seen {
-            ok,
-            now: NOW,
-            in_flight,
-            holders: live.len() as u64,
-            earliest: live.iter().map(|h| h.expiry).reduce(f64::min),
-            ticket,
-            expiry,
+        let earliest = live.iter().map(|h| h.expiry).reduce(f64::min);
+        let none =
+            Seen { ok: false, now: f64::NAN, in_flight: 0, holders: 0, earliest: None, ticket: 0 };
+        let summed = Seen { now: NOW, in_flight, earliest, ..none };
+        match *op {
+            SlotOp::Acquire { count, .. } if fits(count) => {
+                Seen { ok: true, ticket, earliest: None, ..summed }
+            }
+            SlotOp::Acquire { .. } => summed,
+            SlotOp::Release { ticket } => Seen { ok: found(ticket), ..none },
+            SlotOp::Renew { ticket, .. } if found(ticket) => Seen { ok: true, now: NOW, ..none },
+            SlotOp::Renew { .. } => none,
+            SlotOp::Check { count } => {
+                Seen { ok: fits(count), holders: live.len() as u64, ..summed }
+            }
+            SlotOp::Value => Seen { holders: live.len() as u64, ..summed },
+            SlotOp::Reset => Seen { ok: true, now: NOW, ..none },
         }
     }
 
@@ -373,12 +438,18 @@ mod tests {
         let acquire = SlotOp::Acquire { count: 1, ttl: 10.0 };
         let granted = as_the_script(&limit, &[], &acquire, 5);
         assert!(granted.answer(&limit, &acquire).is_ok());
-        for wrong in [
-            Seen { ok: false, ..granted },
-            Seen { expiry: NOW + 11.0, ..granted },
-            Seen { ticket: 0, ..granted },
+        let full = [Holder { ticket: 1, count: 2, expiry: NOW + 5.0 }];
+        let refused = as_the_script(&limit, &full, &acquire, 0);
+        assert!(refused.answer(&limit, &acquire).is_ok());
+        let check = SlotOp::Check { count: 1 };
+        let free = as_the_script(&limit, &[], &check, 0);
+        for (wrong, op) in [
+            (Seen { ok: false, ..granted }, acquire),
+            (Seen { ticket: 0, ..granted }, acquire),
+            (Seen { ok: true, ticket: 6, ..refused }, acquire),
+            (Seen { ok: false, ..free }, check),
         ] {
-            let error = wrong.answer(&limit, &acquire).unwrap_err();
+            let error = wrong.answer(&limit, &op).unwrap_err();
             assert!(error.message().contains("disagree"), "{error}");
         }
         let release = SlotOp::Release { ticket: 5 };
@@ -388,14 +459,52 @@ mod tests {
 
     #[test]
     fn answers_are_read_exactly_or_refused() {
-        let pack = |flag: u8, numbers: [f64; 6]| {
+        let int = |n: i64| Value::Int(n);
+        let text = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        let acquire = SlotOp::Acquire { count: 1, ttl: 60e3 };
+        let (ms, us) = (1_800_000_000_000, 1_800_000_000_000_123);
+        #[allow(clippy::cast_precision_loss)]
+        let time = ms as f64;
+        let granted =
+            Value::Array(vec![int(1), int(ms), int(3), text("1800000000500.25"), int(us)]);
+        let none =
+            Seen { ok: false, now: f64::NAN, in_flight: 0, holders: 0, earliest: None, ticket: 0 };
+        assert_eq!(
+            Seen::read(&granted, &acquire, None).unwrap(),
+            Seen {
+                ok: true,
+                now: time,
+                in_flight: 3,
+                earliest: Some(1_800_000_000_500.25),
+                ticket: 1_800_000_000_000_123,
+                ..none
+            }
+        );
+        // On a test's clock the script says 0 for the time: the store's is used.
+        let first = Value::Array(vec![int(1), int(0), int(0), text(""), int(us)]);
+        let seen = Seen::read(&first, &acquire, Some(NOW)).unwrap();
+        assert_eq!((seen.now, seen.earliest), (NOW, None));
+        assert!(Seen::read(&int(1), &SlotOp::Release { ticket: 1 }, None).unwrap().ok);
+        let renew = SlotOp::Renew { ticket: 1, ttl: 5.5 };
+        let renewed = Seen::read(&Value::Array(vec![int(1), int(ms)]), &renew, None).unwrap();
+        assert_eq!(
+            renewed.answer(&Concurrency::new(1), &renew).unwrap(),
+            SlotAnswer::Renewed(Some(time + 5.5))
+        );
+        let expired = Seen::read(&Value::Array(vec![int(0)]), &renew, None).unwrap();
+        assert_eq!(
+            expired.answer(&Concurrency::new(1), &renew).unwrap(),
+            SlotAnswer::Renewed(None)
+        );
+
+        let pack = |flag: u8, numbers: [f64; 4]| {
             let mut bytes = vec![flag];
             for x in numbers {
                 bytes.extend_from_slice(&x.to_le_bytes());
             }
             Value::BulkString(bytes)
         };
-        let seen = Seen::unpack(&pack(1, [NOW, 3.0, 2.0, NOW + 0.5, 1.8e15, NOW + 60e3])).unwrap();
+        let seen = Seen::read(&pack(1, [NOW, 3.0, 2.0, NOW + 0.5]), &SlotOp::Value, None).unwrap();
         assert_eq!(
             seen,
             Seen {
@@ -404,21 +513,29 @@ mod tests {
                 in_flight: 3,
                 holders: 2,
                 earliest: Some(NOW + 0.5),
-                ticket: 1_800_000_000_000_000,
-                expiry: NOW + 60e3,
+                ticket: 0
             }
         );
-        let none = Seen::unpack(&pack(0, [NOW, 0.0, 0.0, f64::NAN, 0.0, f64::NAN])).unwrap();
-        assert_eq!(none.earliest, None);
-        for garbage in [
-            pack(2, [NOW, 0.0, 0.0, f64::NAN, 0.0, f64::NAN]),
-            pack(1, [NOW, 1.5, 1.0, NOW, 0.0, f64::NAN]),
-            pack(1, [NOW, -1.0, 1.0, NOW, 0.0, f64::NAN]),
-            pack(1, [NOW, 1.0, 1.0, NOW, 2f64.powi(53), f64::NAN]),
-            Value::BulkString(vec![1; 48]),
-            Value::Int(1),
-        ] {
-            assert!(Seen::unpack(&garbage).is_err(), "{garbage:?}");
+        let empty = Seen::read(&pack(0, [NOW, 0.0, 0.0, f64::NAN]), &SlotOp::Value, None).unwrap();
+        assert_eq!(empty.earliest, None);
+
+        let garbage = [
+            (pack(2, [NOW, 0.0, 0.0, f64::NAN]), SlotOp::Value),
+            (pack(1, [NOW, 1.5, 1.0, NOW]), SlotOp::Value),
+            (pack(1, [NOW, -1.0, 1.0, NOW]), SlotOp::Value),
+            (Value::BulkString(vec![1; 48]), SlotOp::Reset),
+            (int(1), SlotOp::Value),
+            (int(2), SlotOp::Release { ticket: 1 }),
+            (Value::Array(vec![int(1)]), renew),
+            (Value::Array(vec![int(0), int(ms)]), renew),
+            (Value::Array(vec![int(1), int(ms), int(3), text("x"), int(us)]), acquire),
+            (Value::Array(vec![int(1), int(ms), int(-1), text(""), int(us)]), acquire),
+            (Value::Array(vec![int(1), int(ms), int(0), text(""), int(1 << 53)]), acquire),
+            (Value::Array(vec![int(1), int(0), int(0), text(""), int(us)]), acquire),
+            (Value::Array(vec![int(1), int(ms), int(0), Value::Nil]), acquire),
+        ];
+        for (reply, op) in garbage {
+            assert!(Seen::read(&reply, &op, None).is_err(), "{reply:?} for {op:?}");
         }
     }
 }
@@ -432,9 +549,10 @@ mod on_redis_tests {
     use super::*;
     use crate::store::testing::T0;
 
-    /// The keys expire with their last holder, renewed or not; with none left the set is
-    /// gone and the hash keeps only the last ticket, for a second; a refusal, a check and a
-    /// value write nothing.
+    /// The keys expire no sooner than their latest holder, renewed or not (a grant or a
+    /// renewal may move their expiry, never before a live holder's; a release leaves it);
+    /// with none left the set is gone and the hash keeps only the last ticket, for a second;
+    /// a refusal, a check and a value write nothing.
     #[tokio::test]
     async fn the_keys_live_as_long_as_the_last_holder() {
         let Some(url) = crate::store::testing::backend_url("TOLLGATE_REDIS_URL") else { return };
@@ -471,9 +589,22 @@ mod on_redis_tests {
             SlotAnswer::Value { in_flight: 2, holders: 2, earliest: Some(T0 + 30.0 * SECOND) }
         );
         assert!((49_000..=50_000).contains(&pttl(&counts)), "{}", pttl(&counts));
-        // The one renewed released: the keys live as long as the other.
+        // The one renewed released: the keys keep their expiry (a release never moves it).
         assert_eq!(run(SlotOp::Release { ticket: one }).await, SlotAnswer::Released(true));
-        assert!((29_000..=30_000).contains(&pttl(&tickets)), "{}", pttl(&tickets));
+        assert!((49_000..=50_000).contains(&pttl(&tickets)), "{}", pttl(&tickets));
+        // The latest holder renewed sooner: the keys outlive it (Redis 7 keeps their later
+        // expiry; before 7 they are given the holder's).
+        let renewed = run(SlotOp::Renew { ticket: two, ttl: 40.0 * SECOND }).await;
+        assert_eq!(renewed, SlotAnswer::Renewed(Some(T0 + 40.0 * SECOND)));
+        assert!((39_000..=50_000).contains(&pttl(&counts)), "{}", pttl(&counts));
+        // A grant, or a renewal, expiring sooner than the latest holder leaves them so.
+        let short = granted(run(SlotOp::Acquire { count: 1, ttl: 20.0 * SECOND }).await);
+        let renewed = run(SlotOp::Renew { ticket: short, ttl: 30.0 * SECOND }).await;
+        assert_eq!(renewed, SlotAnswer::Renewed(Some(T0 + 30.0 * SECOND)));
+        for key in [&tickets, &counts] {
+            assert!((39_000..=50_000).contains(&pttl(key)), "{key}: {}", pttl(key));
+        }
+        assert_eq!(run(SlotOp::Release { ticket: short }).await, SlotAnswer::Released(true));
         // None left: the set gone, the hash holding the last ticket alone, for a second.
         assert_eq!(run(SlotOp::Release { ticket: two }).await, SlotAnswer::Released(true));
         assert_eq!(pttl(&tickets), -2, "no such key");
