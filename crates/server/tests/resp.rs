@@ -422,6 +422,37 @@ fn tg_concurrency_commands() {
     assert!(e.contains("ticket"), "{e}");
 }
 
+/// TG.TRANSACTION naming a concurrency limit: its slot and the tokens, all or nothing, the
+/// ticket in the reply (SPEC §6f), as `POST /v1/transaction` answers.
+#[test]
+fn tg_transaction_takes_a_slot_with_the_tokens() {
+    let toml = "[limits.gpu]\nkind = \"concurrency\"\nmax = 1\n\n\
+                [limits.api]\nkind = \"token bucket\"\nrate = 2\nperiod = \"1m\"\n";
+    let served = Served::start("memory", toml, &[]);
+    let mut c = served.client();
+    let key = unique("slotsWith");
+    let transaction = |c: &mut redis::Connection| -> Value {
+        let args = ["LIMIT", "gpu", "KEY", &key, "LIMIT", "api", "KEY", &key];
+        let reply: R = redis::cmd("TG.TRANSACTION").arg(&args[..]).query(c).unwrap();
+        json_of(&reply)
+    };
+    let both = transaction(&mut c);
+    assert_eq!(both["ok"], json!(1), "{both}");
+    let ticket = both["ticket"].as_f64().expect("a ticket of digits").to_string();
+    assert_eq!(both["results"][0]["ticket"], both["ticket"], "{both}");
+    // The slot held: the next is refused by it, and takes no token.
+    let full = transaction(&mut c);
+    assert_eq!(full["ok"], json!(0), "{full}");
+    assert!(full.get("ticket").is_none(), "{full}");
+    let (_, value) = served.post("/v1/value", &json!({ "name": "api", "key": key }));
+    assert_eq!(value["value"], json!(1), "one token taken, with the slot");
+    let released: R = redis::cmd("TG.RELEASE")
+        .arg(&["gpu", "TICKET", &ticket, "KEY", &key])
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(json_of(&released), json!({ "released": 1 }));
+}
+
 /// Whether an array reads as fields and values: even, with a name at every even place.
 fn is_fields(items: &[R]) -> bool {
     const FIELDS: [&str; 18] = [
