@@ -522,6 +522,7 @@ impl Engine {
             sum.local += s.local;
             sum.direct += s.direct;
             sum.refused += s.refused;
+            sum.waited += s.waited;
             sum.held += s.held;
             sum.elsewhere += s.elsewhere;
             sum.holders = sum.holders.max(s.holders);
@@ -543,6 +544,7 @@ impl Engine {
                 "local": s.local,
                 "direct": s.direct,
                 "refused": s.refused,
+                "waited": s.waited,
                 "held": number(s.held),
                 "roundTrip": number(s.round_trip),
                 "elsewhere": number(s.elsewhere),
@@ -928,6 +930,22 @@ impl Defined {
         request
     }
 
+    /// The targets of a transaction's rate limits and their calls, in the body's order (or
+    /// the answer that says which limit is unknown or badly configured).
+    #[allow(clippy::type_complexity)]
+    fn calls<'l>(
+        &self,
+        limits: &[&'l LimitBody<'_>],
+    ) -> Result<(Vec<(&'l str, Target<'l>)>, Vec<Call<'l>>), Answer> {
+        let targets = limits
+            .iter()
+            .map(|l| Ok((&*l.name, self.target(&l.name, l.config.as_ref())?)))
+            .collect::<Result<Vec<_>, Answer>>()?;
+        let calls =
+            limits.iter().zip(&targets).map(|(l, (_, t))| t.with(Self::request(l))).collect();
+        Ok((targets, calls))
+    }
+
     async fn single(
         &self,
         body: LimitBody<'_>,
@@ -996,30 +1014,14 @@ impl Defined {
             }
             return self.transaction_with_slot(&body, at, stats).await;
         }
-        let targets = body
-            .limits
-            .iter()
-            .map(|l| Ok((&*l.name, self.target(&l.name, l.config.as_ref())?)))
-            .collect::<Result<Vec<_>, Answer>>()?;
-        let calls: Vec<Call<'_>> =
-            body.limits.iter().zip(&targets).map(|(l, (_, t))| t.with(Self::request(l))).collect();
+        let limits: Vec<&LimitBody<'_>> = body.limits.iter().collect();
+        let (targets, calls) = self.calls(&limits)?;
         let taken =
             self.limiter.transaction_with_status_async(&calls).await.map_err(|e| self.error(e))?;
         let t = &taken.decision;
-        let now = now_ms();
-        for (l, result) in body.limits.iter().zip(&t.results) {
-            // A refused transaction takes nothing: only the limits that refused it count.
-            if t.ok || !result.ok {
-                stats.record(
-                    &l.name,
-                    crate::stats::Taken::of(result.ok && t.ok, result.retry_after),
-                    now,
-                );
-            }
-        }
-        let mut answer = if !t.ok && body.limits.iter().any(|l| l.throws) {
-            let i = tollgate::core::longest_refusal(&t.results).unwrap_or(0);
-            rate_limited(&body.limits[i].name, t.results[i].retry_after.unwrap_or(0.0))
+        record_transaction(stats, &limits, &t.results, t.ok);
+        let mut answer = if let Some(refusal) = thrown(&body.limits, &t.results, t.ok) {
+            refusal
         } else {
             let results: Vec<Value> =
                 t.results.iter().map(|d| decision_json(d.ok, d.retry_after)).collect();
@@ -1049,32 +1051,18 @@ impl Defined {
         let request = acquire_request(slot.key.as_deref(), slot.count)?;
         let rates: Vec<&LimitBody<'_>> =
             body.limits.iter().enumerate().filter(|(i, _)| *i != at).map(|(_, l)| l).collect();
-        let targets = rates
-            .iter()
-            .map(|l| Ok((&*l.name, self.target(&l.name, l.config.as_ref())?)))
-            .collect::<Result<Vec<_>, Answer>>()?;
-        let calls: Vec<Call<'_>> =
-            rates.iter().zip(&targets).map(|(l, (_, t))| t.with(Self::request(l))).collect();
+        let (targets, calls) = self.calls(&rates)?;
         let taken = self
             .limiter
             .acquire_with_async((&*slot.name, limit), request, &calls)
             .await
             .map_err(|e| self.error(e))?;
-        let now = now_ms();
-        let limits = &taken.limits.decision;
-        for (l, result) in rates.iter().zip(&limits.results) {
-            // Taken only if all were: only the limits that refused count otherwise.
-            if taken.ok || !result.ok {
-                let counted = crate::stats::Taken::of(result.ok && taken.ok, result.retry_after);
-                stats.record(&l.name, counted, now);
-            }
-        }
+        record_transaction(stats, &rates, &taken.limits.decision.results, taken.ok);
         // The results in the body's order, the slot's at its place.
-        let mut results: Vec<tollgate::Decision> = limits.results.to_vec();
+        let mut results: Vec<tollgate::Decision> = taken.limits.decision.results.to_vec();
         results.insert(at, taken.slot);
-        let mut answer = if !taken.ok && body.limits.iter().any(|l| l.throws) {
-            let i = tollgate::core::longest_refusal(&results).unwrap_or(at);
-            rate_limited(&body.limits[i].name, results[i].retry_after.unwrap_or(0.0))
+        let mut answer = if let Some(refusal) = thrown(&body.limits, &results, taken.ok) {
+            refusal
         } else {
             let mut json: Vec<Value> =
                 results.iter().map(|d| decision_json(d.ok, d.retry_after)).collect();
@@ -1388,6 +1376,36 @@ pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Counts a transaction's rate limits in `stats`: each taken if the whole was (`ok`), else
+/// only those that refused it (a refused transaction takes nothing).
+fn record_transaction(
+    stats: &crate::stats::Stats,
+    limits: &[&LimitBody<'_>],
+    results: &[tollgate::Decision],
+    ok: bool,
+) {
+    let now = now_ms();
+    for (l, result) in limits.iter().zip(results) {
+        if ok || !result.ok {
+            stats.record(
+                &l.name,
+                crate::stats::Taken::of(result.ok && ok, result.retry_after),
+                now,
+            );
+        }
+    }
+}
+
+/// The 429 of a refused transaction any of whose limits `throws`: named after the limit
+/// with the longest wait (`results` in the body's order).
+fn thrown(limits: &[LimitBody<'_>], results: &[tollgate::Decision], ok: bool) -> Option<Answer> {
+    if ok || !limits.iter().any(|l| l.throws) {
+        return None;
+    }
+    let i = tollgate::core::longest_refusal(results).unwrap_or(0);
+    Some(rate_limited(&limits[i].name, results[i].retry_after.unwrap_or(0.0)))
 }
 
 /// A refusal as an error, for requests with `throws`: `429 { kind, name, retryAfter }`.
