@@ -101,6 +101,53 @@ impl Log {
     }
 }
 
+/// Offers requests until `until` (ns since the epoch) or the log is full, and logs each with
+/// the times it was sent and answered: whenever `room(issued, on_their_way)` says so, one
+/// more is sent (`send()`, which answers admitted, refused, or `None` for an error). What is
+/// on its way at `until` is waited for, then the log is written out.
+///
+/// # Panics
+///
+/// If the log cannot be written out.
+pub async fn offer<F, Fut>(
+    log: &mut Log,
+    until: u64,
+    mut room: impl FnMut(u64, usize) -> bool,
+    send: F,
+) where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Option<bool>>,
+{
+    use futures_util::StreamExt;
+    let mut issued = 0u64;
+    let mut pending = futures_util::stream::FuturesUnordered::new();
+    let timed = || {
+        let sent = real_ns();
+        let decided = send();
+        async move {
+            let admitted = decided.await;
+            (sent, real_ns(), admitted)
+        }
+    };
+    while real_ns() < until && !log.full() {
+        while room(issued, pending.len()) {
+            issued += 1;
+            pending.push(timed());
+        }
+        tokio::select! {
+            biased;
+            Some((sent, answered, admitted)) = pending.next(), if !pending.is_empty() => {
+                log.record(sent, answered, admitted);
+            }
+            () = tokio::time::sleep(Duration::from_millis(1)) => {}
+        }
+    }
+    while let Some((sent, answered, admitted)) = pending.next().await {
+        log.record(sent, answered, admitted);
+    }
+    log.flush();
+}
+
 /// A request as logged: sent and answered (ms since the run's start), admitted, failed.
 #[derive(Clone, Copy)]
 pub struct Logged {

@@ -85,14 +85,18 @@ async fn a_far_holder_refuses_from_its_lease_and_fails_at_once_when_cut() {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    // Each failure now is the lease's word that its last request got no answer, not a wait
-    // for the store's timeout.
+    eprintln!("the first failure while cut off: {failed}");
+    fails_at_once_then_heals(&limiter, &proxy).await;
+}
+
+/// While cut off, each failure is the lease's word that its last request got no answer (not
+/// a wait for the store's timeout); healed, the limiter comes back by itself.
+async fn fails_at_once_then_heals(limiter: &RateLimiter<RedisStore>, proxy: &Proxy) {
+    let take = || limiter.limit_async("hot", Request::new().key("k"));
     for answer in join_all((0..50).map(|_| take())).await {
         let error = answer.expect_err("fail closed while cut off").to_string();
-        assert!(error.contains("got no answer"), "{error} (first: {failed})");
+        assert!(error.contains("got no answer"), "{error}");
     }
-
-    // Healed: it comes back by itself.
     proxy.heal();
     let healed_at = Instant::now();
     loop {
@@ -103,6 +107,42 @@ async fn a_far_holder_refuses_from_its_lease_and_fails_at_once_when_cut() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let _ = limiter.store().release_leases().await;
+}
+
+/// A process started while its store is cut off (a region's server restarted during a
+/// partition): its key's first take fails within the store's timeout, however many wait for
+/// it; after that, takes fail at once with the lease's word (no wait for the store); healed,
+/// it comes back by itself. (Before, its requests waited for the store's connection one
+/// after the other until the heal.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_started_while_cut_off_fails_in_time_and_comes_back() {
+    let Some(redis) = redis() else { return };
+    let proxy = Proxy::start(redis, Duration::from_millis(10));
+    proxy.cut();
+    let prefix = format!("far-leases-cut:{}:{}:", std::process::id(), tollgate_bench_seed());
+    let options = LeaseOptions::new().hot_after(1).term(Duration::from_millis(1_000));
+    let timeout = Duration::from_millis(300);
+    let store = RedisStore::builder()
+        .prefix(prefix)
+        .timeout(timeout)
+        .lease("hot", options)
+        .open(&format!("redis://{}", proxy.addr))
+        .unwrap();
+    let limiter = RateLimiter::builder(store)
+        .define("hot", Config::token_bucket(200.0, 1_000.0).with_capacity(50.0))
+        .build();
+    let take = || limiter.limit_async("hot", Request::new().key("k"));
+
+    let started = Instant::now();
+    let answers = join_all((0..100).map(|_| take())).await;
+    let first = started.elapsed();
+    for answer in answers {
+        answer.expect_err("fail closed while cut off");
+    }
+    // Within the timeout and the probe's wait, with room for a loaded machine; they
+    // waited until the heal before (never, here).
+    assert!(first < 10 * timeout, "the first takes answered after {first:?}");
+    fails_at_once_then_heals(&limiter, &proxy).await;
 }
 
 /// A number that differs between runs, for the key prefix.

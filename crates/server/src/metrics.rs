@@ -227,7 +227,7 @@ pub fn render_leases(
     out: &mut String,
     stats: &[(String, Option<String>, tollgate::store::LeaseStats)],
 ) {
-    let series: [Series<'_, tollgate::store::LeaseStats>; 9] = [
+    let series: [Series<'_, tollgate::store::LeaseStats>; 10] = [
         (
             "tollgate_lease_grants_total",
             "counter",
@@ -258,6 +258,13 @@ pub fn render_leases(
             "Requests refused from this process's lease with no store call (a store far away \
              and empty at the last grant).",
             |s| s.refused as f64,
+        ),
+        (
+            "tollgate_lease_waited_total",
+            "counter",
+            "Requests that found this process's lease spent and waited for the next, on its way \
+             (a round trip at most).",
+            |s| s.waited as f64,
         ),
         ("tollgate_lease_tokens_held", "gauge", "Tokens this process holds in leases now.", |s| {
             s.held

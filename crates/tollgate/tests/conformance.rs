@@ -131,6 +131,14 @@ mod on_redis {
         builder().open_with_clock(url, clock).unwrap()
     }
 
+    /// Through Sentinels or over TLS, with a timeout of 5 s: a first connection there asks
+    /// the Sentinels, then shakes hands, and under CI's load (hundreds of tests at once, each
+    /// store connecting afresh) took over the default 1 s now and then. The suite is about
+    /// what the store answers, not how fast.
+    fn open_slow(url: &str, clock: ManualClock) -> RedisStore<ManualClock> {
+        builder().timeout(std::time::Duration::from_secs(5)).open_with_clock(url, clock).unwrap()
+    }
+
     pub(crate) fn open(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
         open_on(&url().expect("checked"), clock)
     }
@@ -245,21 +253,21 @@ mod on_redis {
 
     #[cfg(feature = "redis-tls")]
     pub(crate) fn open_tls(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
-        open_on(&tls_url().expect("checked"), clock)
+        open_slow(&tls_url().expect("checked"), clock)
     }
 
     pub(crate) fn open_sentinel(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
-        open_on(&sentinel_url().expect("checked"), clock)
+        open_slow(&sentinel_url().expect("checked"), clock)
     }
 
     #[cfg(feature = "redis-tls")]
     pub(crate) fn open_sentinel_tls(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
-        open_on(&sentinel_tls_url().expect("checked"), clock)
+        open_slow(&sentinel_tls_url().expect("checked"), clock)
     }
 
     #[cfg(all(feature = "redis-cluster", feature = "redis-tls"))]
     pub(crate) fn open_cluster_tls(_: &Runtime, clock: ManualClock) -> RedisStore<ManualClock> {
-        open_on(&cluster_tls_url().expect("checked"), clock)
+        open_slow(&cluster_tls_url().expect("checked"), clock)
     }
 
     /// Behind Sentinel, with `replicas=1`: the user made on the primary and every replica
@@ -297,7 +305,7 @@ mod on_redis {
             }
             format!("{}?replicas=1", as_user(&admin))
         });
-        open_on(url, clock)
+        open_slow(url, clock)
     }
 
     /// On Redis Cluster, each state placed by its own key: the shards of a limit spread

@@ -30,14 +30,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
+use std::cell::RefCell;
 use std::sync::Arc;
 use tollgate::store::{AsyncStore, LeaseOptions, LeaseStats, PgStore, RedisStore};
 
 use tollgate::core::{OneTake, Slot, State, splitmix64};
 use tollgate::{Config, RateLimiter, Request};
-use tollgate_bench::admissions::{Log, Logged, OwnRedis, flag, read_log, real_ns, worst_interval};
+use tollgate_bench::admissions::{
+    Log, Logged, OwnRedis, flag, offer, read_log, real_ns, worst_interval,
+};
 use tollgate_bench::proxy::Proxy;
 
 /// Requests a process keeps on their way at once.
@@ -149,9 +150,6 @@ impl Leasing for PgStore {
     }
 }
 
-/// A request's send and answer times, and its answer.
-type Answered = (u64, u64, Result<tollgate::Decision, tollgate::Error>);
-
 /// A process's load: requests at `offered` a second until `until`, each logged.
 struct Drive {
     log: Log,
@@ -166,50 +164,33 @@ impl Drive {
         let Drive { mut log, slots, offered, until, key } = self;
         let limiter = Arc::new(limiter);
         let t0 = Instant::now();
-        let mut issued = 0u64;
-        let mut pending = FuturesUnordered::new();
-        let send = |limiter: &Arc<RateLimiter<S>>| {
-            let sent = real_ns();
-            let limiter = Arc::clone(limiter);
-            let key = key.clone();
+        // The errors seen (at most 8 kinds), each with its count.
+        let errors: RefCell<Vec<(String, u64)>> = RefCell::new(Vec::new());
+        let send = || {
+            let limiter = Arc::clone(&limiter);
+            let (key, errors) = (key.clone(), &errors);
             async move {
-                let answer = limiter.limit_async("hot", Request::new().key(&key)).await;
-                (sent, real_ns(), answer)
-            }
-        };
-        let mut errors: Vec<(String, u64)> = Vec::new();
-        let mut record = |log: &mut Log, (sent, answered, answer): Answered| {
-            let admitted = match answer {
-                Ok(decision) => Some(decision.ok),
-                Err(e) => {
-                    let e = e.to_string();
-                    if !errors.iter().any(|(seen, _)| *seen == e) && errors.len() < 8 {
-                        errors.push((e.clone(), 0));
+                match limiter.limit_async("hot", Request::new().key(&key)).await {
+                    Ok(decision) => Some(decision.ok),
+                    Err(e) => {
+                        let e = e.to_string();
+                        let mut errors = errors.borrow_mut();
+                        if let Some((_, n)) = errors.iter_mut().find(|(seen, _)| *seen == e) {
+                            *n += 1;
+                        } else if errors.len() < 8 {
+                            errors.push((e, 1));
+                        }
+                        None
                     }
-                    if let Some((_, n)) = errors.iter_mut().find(|(seen, _)| *seen == e) {
-                        *n += 1;
-                    }
-                    None
                 }
-            };
-            log.record(sent, answered, admitted);
+            }
         };
-        while real_ns() < until {
+        let room = |issued: u64, pending: usize| {
             let due = (offered * t0.elapsed().as_secs_f64()) as u64;
-            while issued < due && pending.len() < IN_FLIGHT && (issued as usize) < slots {
-                issued += 1;
-                pending.push(send(&limiter));
-            }
-            tokio::select! {
-                biased;
-                Some(done) = pending.next(), if !pending.is_empty() => record(&mut log, done),
-                () = tokio::time::sleep(Duration::from_millis(1)) => {}
-            }
-        }
-        while let Some(done) = pending.next().await {
-            record(&mut log, done);
-        }
-        log.flush();
+            issued < due && pending < IN_FLIGHT && (issued as usize) < slots
+        };
+        offer(&mut log, until, room, send).await;
+        let errors = errors.into_inner();
         if std::env::var_os("LEASE_FAULTS_ERRORS").is_some() {
             for (error, n) in &errors {
                 eprintln!("{n} x {error}");

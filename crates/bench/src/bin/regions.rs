@@ -50,11 +50,11 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
 use tollgate::store::{AsyncStore, LeaseOptions, MemoryStore, RedisStore};
 use tollgate::{Config, RateLimiter, Request};
-use tollgate_bench::admissions::{Log, Logged, OwnRedis, flag, read_log, real_ns, worst_interval};
+use tollgate_bench::admissions::{
+    Log, Logged, OwnRedis, flag, offer, read_log, real_ns, worst_interval,
+};
 use tollgate_bench::proxy::Proxy;
 use tonic::transport::Endpoint;
 
@@ -251,44 +251,14 @@ impl Drive {
         Fut: Future<Output = Option<bool>>,
     {
         let Drive { mut log, load, start, until, key: _ } = self;
-        let mut issued = 0u64;
-        let mut pending = FuturesUnordered::new();
-        let send = || {
-            let sent = real_ns();
-            let decided = decide();
-            async move {
-                let admitted = decided.await;
-                (sent, real_ns(), admitted)
+        let room = |issued: u64, pending: usize| match &load {
+            Load::Open(schedule) => {
+                let elapsed = (real_ns().saturating_sub(start)) as f64 / 1e9;
+                issued < due(schedule, elapsed) as u64 && pending < IN_FLIGHT
             }
+            Load::Closed(n) => pending < *n,
         };
-        while real_ns() < until && !log.full() {
-            match &load {
-                Load::Open(schedule) => {
-                    let elapsed = (real_ns().saturating_sub(start)) as f64 / 1e9;
-                    let due = due(schedule, elapsed) as u64;
-                    while issued < due && pending.len() < IN_FLIGHT {
-                        issued += 1;
-                        pending.push(send());
-                    }
-                }
-                Load::Closed(n) => {
-                    while pending.len() < *n {
-                        pending.push(send());
-                    }
-                }
-            }
-            tokio::select! {
-                biased;
-                Some((sent, answered, admitted)) = pending.next(), if !pending.is_empty() => {
-                    log.record(sent, answered, admitted);
-                }
-                () = tokio::time::sleep(Duration::from_millis(1)) => {}
-            }
-        }
-        while let Some((sent, answered, admitted)) = pending.next().await {
-            log.record(sent, answered, admitted);
-        }
-        log.flush();
+        offer(&mut log, until, room, decide).await;
     }
 }
 
@@ -863,8 +833,11 @@ fn throughput_serve(
          wrk.body = '{\"name\":\"hot\",\"key\":\"global\"}'\n",
     )
     .unwrap();
+    // A store 150 ms away needs a deadline above a round trip or two (a request may wait for
+    // a lease on its way, then take directly): the default (250 ms) is for a store nearby.
     let limit = format!(
-        "[limits.hot]\nkind = \"token bucket\"\nrate = {}\nperiod = 1000\ncapacity = {}\n",
+        "[server]\nstoreDeadline = \"1s\"\n\n[limits.hot]\nkind = \"token bucket\"\nrate = {}\n\
+         period = 1000\ncapacity = {}\n",
         plan.rate, plan.capacity
     );
     let leased = dir.join("leased.toml");
@@ -902,7 +875,12 @@ fn throughput_serve(
                         .arg("--config")
                         .arg(config)
                         .stdout(Stdio::null())
-                        .stderr(Stdio::null())
+                        .stderr(if std::env::var_os("REGIONS_LEASE_COUNTS").is_some() {
+                            let log = format!("/tmp/regions-serve-r{region}-{port}.log");
+                            Stdio::from(std::fs::File::create(log).unwrap())
+                        } else {
+                            Stdio::null()
+                        })
                         .spawn()
                         .expect("tollgate serve");
                     wait_for_port(port, "tollgate serve");
@@ -911,7 +889,13 @@ fn throughput_serve(
             }
             let wrk = |port: u16, secs: u64| {
                 Command::new("wrk")
-                    .args(["-t1", &format!("-c{connections}"), &format!("-d{secs}s"), "-s"])
+                    .args([
+                        "-t1",
+                        &format!("-c{connections}"),
+                        &format!("-d{secs}s"),
+                        "--latency",
+                        "-s",
+                    ])
                     .arg(&lua)
                     .arg(format!("http://127.0.0.1:{port}/v1/limit"))
                     .stdout(Stdio::piped())
@@ -927,9 +911,15 @@ fn throughput_serve(
             let runs: Vec<(usize, Child)> =
                 servers.iter().map(|(region, port, _)| (*region, wrk(*port, secs))).collect();
             let mut served = vec![0.0f64; plan.trips.len()];
+            let mut p99s = vec![String::new(); plan.trips.len()];
             for (region, child) in runs {
                 let out = child.wait_with_output().unwrap();
                 let text = String::from_utf8_lossy(&out.stdout);
+                if std::env::var_os("REGIONS_LEASE_COUNTS").is_some() {
+                    println!("    region {region}: {}", text.replace('\n', " / "));
+                }
+                let p99 = text.lines().find_map(|l| l.trim().strip_prefix("99%"));
+                p99s[region] += &format!(" {}", p99.unwrap_or("?").trim());
                 let rate = text
                     .lines()
                     .find_map(|l| l.strip_prefix("Requests/sec:"))
@@ -937,16 +927,31 @@ fn throughput_serve(
                     .unwrap_or_else(|| panic!("wrk said no rate: {text}"));
                 served[region] += rate;
             }
+            if !on_memory && std::env::var_os("REGIONS_LEASE_COUNTS").is_some() {
+                for (region, port, _) in &servers {
+                    let out = Command::new("curl")
+                        .args(["-s", &format!("http://127.0.0.1:{port}/metrics")])
+                        .output()
+                        .unwrap();
+                    let text = String::from_utf8_lossy(&out.stdout);
+                    let counts: Vec<&str> = text
+                        .lines()
+                        .filter(|l| l.starts_with("tollgate_lease_") && !l.starts_with('#'))
+                        .collect();
+                    println!("    region {region} :{port}: {}", counts.join(" | "));
+                }
+            }
             for (_, _, mut child) in servers {
                 let _ = child.kill();
                 let _ = child.wait();
             }
             let rates: Vec<String> = served.iter().map(|r| format!("{r:.0}")).collect();
             println!(
-                "  round {} {}: {}",
+                "  round {} {}: {} (p99 per server:{})",
                 round + 1,
                 if on_memory { "memory" } else { "leased" },
-                rates.join(", ")
+                rates.join(", "),
+                p99s.join(",")
             );
             for (sum, r) in sums.iter_mut().zip(&served) {
                 sum[way] += r;

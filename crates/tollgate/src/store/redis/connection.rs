@@ -67,6 +67,8 @@ impl Source {
         timeout: Duration,
     ) -> redis::RedisResult<MultiplexedConnection> {
         match self {
+            // redis-rs bounds the whole of it (the TCP connect and the handshake) by the
+            // config's connection timeout, `timeout`.
             Source::Fixed(client) => {
                 client.get_multiplexed_async_connection_with_config(config).await
             }
@@ -115,15 +117,31 @@ impl<T> Default for Connection<T> {
 
 impl<T: Clone> Connection<T> {
     /// The connection (a cheap handle to it) and its generation, connecting with `connect`
-    /// if there is none.
-    async fn get<F>(&self, connect: impl FnOnce() -> F) -> Result<(T, u64), StoreError>
+    /// if there is none. A request waits for another's attempt to connect only within
+    /// `timeout` (the store's, counted from here), then fails, so that each request is
+    /// answered within about twice the timeout even when every attempt takes all of it:
+    /// waiting their turn, requests behind a store that never answered waited for each
+    /// attempt before theirs, one after the other (a server started while its network was
+    /// cut off answered nothing for 15 s). One whose turn comes in time makes an attempt of
+    /// its own, so a slow connect that succeeds on a second try still serves it.
+    async fn get<F>(
+        &self,
+        connect: impl FnOnce() -> F,
+        timeout: Duration,
+    ) -> Result<(T, u64), StoreError>
     where
         F: Future<Output = redis::RedisResult<T>>,
     {
         if let (Some(conn), generation) = &*self.current.lock() {
             return Ok((conn.clone(), *generation));
         }
-        let _connecting = self.connecting.lock().await;
+        let Ok(_connecting) = tokio::time::timeout(timeout, self.connecting.lock()).await else {
+            return Err(StoreError::new(format!(
+                "redis: cannot connect: another request's attempt to connect has not ended \
+                 within the store's timeout ({timeout:?})"
+            ))
+            .unavailable());
+        };
         if let (Some(conn), generation) = &*self.current.lock() {
             return Ok((conn.clone(), *generation));
         }
@@ -151,12 +169,13 @@ pub(super) async fn run_on<K: Clone, T, G, F>(
     connect: impl FnOnce() -> G,
     request: impl FnOnce(K) -> F,
     writes: Writes,
+    timeout: Duration,
 ) -> Result<T, StoreError>
 where
     G: Future<Output = redis::RedisResult<K>>,
     F: Future<Output = redis::RedisResult<T>>,
 {
-    let (conn, generation) = slot.get(connect).await?;
+    let (conn, generation) = slot.get(connect, timeout).await?;
     request(conn).await.map_err(|e| {
         let broken = e.is_io_error()
             || e.is_timeout()
@@ -240,6 +259,7 @@ impl<C: Clock> Inner<C> {
                         connect,
                         |c| request(AnyConnection::One(c)),
                         writes,
+                        self.timeout,
                     )
                     .await;
                 }
@@ -252,6 +272,7 @@ impl<C: Clock> Inner<C> {
                         async move { Ok((request(AnyConnection::One(c)).await?, kept)) }
                     },
                     writes,
+                    self.timeout,
                 )
                 .await?;
                 self.acknowledged(conn, started).await?;
@@ -260,7 +281,8 @@ impl<C: Clock> Inner<C> {
             #[cfg(feature = "redis-cluster")]
             Server::Cluster { client, connection } => {
                 let connect = || client.get_async_connection();
-                run_on(connection, connect, |c| request(AnyConnection::Cluster(c)), writes).await
+                let request = |c| request(AnyConnection::Cluster(c));
+                run_on(connection, connect, request, writes, self.timeout).await
             }
         }
     }

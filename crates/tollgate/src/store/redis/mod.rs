@@ -959,6 +959,49 @@ mod on_redis_tests {
         plain.delete_async("t", None, 1).await.unwrap();
     }
 
+    /// A Redis address that takes connections and never answers (a network cut off on the
+    /// way): every request fails closed within about twice the store's timeout from its own
+    /// start (checked at five, with room for a loaded machine), however many come while
+    /// attempts to connect are on their way; nothing is taken. Waiting their turn for the
+    /// attempt before theirs, the sixteen reads here, 40 ms apart on one connection, took
+    /// up to 3 s each (the last waited for fifteen attempts of 200 ms).
+    #[tokio::test]
+    async fn a_store_that_never_answers_fails_each_request_in_time() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Accepts every connection and holds it, reading nothing.
+        let held = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let timeout = Duration::from_millis(200);
+        let redis = RedisStore::builder()
+            .timeout(timeout)
+            .connections(1)
+            .open_with_clock(&format!("redis://{addr}"), ManualClock::new(T0))
+            .unwrap();
+        let take = Take { name: "t", key: None, config: FOREIGN, count: 1.0, reserve: false };
+        let answers = futures_util::future::join_all((0..16u32).map(|i| {
+            let (redis, take) = (&redis, &take);
+            async move {
+                tokio::time::sleep(i * Duration::from_millis(40)).await;
+                let started = std::time::Instant::now();
+                // A read: a request of its own (takes go in groups, a few at a time).
+                let answer = redis.read_async(&[writing(take).slot]).await.map(drop);
+                (answer, started.elapsed())
+            }
+        }))
+        .await;
+        for (answer, elapsed) in answers {
+            let error = answer.unwrap_err();
+            assert!(error.is_unavailable() && !error.may_have_taken(), "{error}");
+            assert!(elapsed < 5 * timeout, "answered after {elapsed:?}: {error}");
+        }
+        held.abort();
+    }
+
     /// The config of the takes of [`with_a_foreign_value`].
     const FOREIGN: Config = Config::token_bucket(10.0, MINUTE);
 
