@@ -266,6 +266,52 @@ for (const framework of frameworks) {
   }
 }
 
+/**
+ * A response over before the middleware's take ended: its client gone (the socket destroyed
+ * by a middleware that then waits for the close), or answered by a middleware of its own
+ * (503, as a timeout does). Its token comes back with skipFailedRequests: a failed request
+ * either way. Before, the middleware listened for `finish`/`close` after both had fired, and
+ * the token was never given back.
+ */
+for (const framework of ["express", "fastify"]) {
+  test(`${framework}: skipFailedRequests gives back the token of a request over before the take ended`, async () => {
+    for (const ending of ["client gone", "answered by another"]) {
+      const { name, limiter } = windowOf(2, "over-first");
+      const over = (req, res, done) => {
+        if (ending === "answered by another") {
+          res.statusCode = 503;
+          res.end("busy");
+          return done();
+        }
+        res.once("close", () => done());
+        req.socket.destroy();
+      };
+      const options = { limiter, limits: name, key: { header: "x-user" }, skipFailedRequests: true };
+      let server;
+      if (framework === "express") {
+        const app = express();
+        app.use((req, res, next) => over(req, res, () => next()));
+        app.use(rateLimit(options));
+        app.get("/", (_req, res) => res.send("hello"));
+        server = await listening(createServer(app));
+      } else {
+        const app = Fastify();
+        app.addHook("onRequest", (request, reply, done) => over(request.raw, reply.raw, () => done()));
+        app.addHook("onRequest", rateLimitHook(options));
+        app.get("/", async () => "hello");
+        server = { url: await app.listen({ port: 0, host: "127.0.0.1" }), close: () => app.close() };
+      }
+      try {
+        for (let i = 0; i < 3; i++) await get(`${server.url}/`, alice).catch(() => undefined);
+        // Three requests against a window of two: each token came back (none refused).
+        await tokensBack(limiter, name, "alice", 2);
+      } finally {
+        await server.close();
+      }
+    }
+  });
+}
+
 test("the drafts as express-rate-limit writes them: the same fields, side by side, for the same limit and key", async () => {
   for (const standardHeaders of ["draft-6", "draft-7", "draft-8"]) {
     const { name, limiter } = windowOf(3, "side");

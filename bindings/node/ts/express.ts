@@ -99,15 +99,14 @@ export function rateLimit<
       .then(async (verdict) => {
         // First, so that nothing after (a throw included) can leave the slot held.
         if (verdict.release !== undefined) releaseWhenOver(verdict.release, response);
+        // Settled however the response ends, this one's or another's.
+        if (verdict.pass) settleWhenOver(verdict, response, request, response, options.requestWasSuccessful);
         // The response went out while the limits were taken (a timeout middleware answered
         // first): the decision stands, taken as it was, and nothing more is written or run.
         if (response.headersSent) return;
         if (verdict.info !== undefined) (request as Record<string, unknown>)[property] = verdict.info;
         response.set(verdict.headers);
-        if (verdict.pass) {
-          settleWhenOver(verdict, response, request, response, options.requestWasSuccessful);
-          return next();
-        }
+        if (verdict.pass) return next();
         if (verdict.limited && !verdict.busy && handler !== undefined) return handler(request, response, next, verdict.info!);
         const { body, type } = await refusalBody(m, request, verdict);
         if (!response.headersSent) response.status(verdict.status).type(type).send(body);

@@ -86,15 +86,16 @@ export function rateLimitHook<
       if (reply.raw !== undefined) releaseWhenOver(verdict.release, reply.raw);
       else verdict.release();
     }
+    // Settled however the reply ends, this one's or another's.
+    if (verdict.pass && reply.raw !== undefined) {
+      settleWhenOver(verdict, reply.raw, request, reply, options.requestWasSuccessful);
+    }
     // Answered while the limits were taken (a timeout hook): the decision stands, nothing more
     // is written, and the reply returned ends the hooks.
     if (reply.sent) return reply;
     if (verdict.info !== undefined) (request as Record<string, unknown>)[property] = verdict.info;
     reply.headers(verdict.headers);
-    if (verdict.pass) {
-      if (reply.raw !== undefined) settleWhenOver(verdict, reply.raw, request, reply, options.requestWasSuccessful);
-      return undefined;
-    }
+    if (verdict.pass) return undefined;
     if (verdict.limited && !verdict.busy && handler !== undefined) {
       await handler(request, reply, verdict.info!);
       return reply;

@@ -1211,7 +1211,9 @@ export function releaseWhenOver(release: () => void, response: NodeResponse): vo
 /**
  * Calls `settle` once `response` is over: with whether it succeeded when it finished
  * (`successful`, default its status below 400), with false when the connection closed
- * before it was written whole, as express-rate-limit counts a failed request.
+ * before it was written whole, as express-rate-limit counts a failed request. At once if it
+ * is over already (the client left, or another middleware answered, while the limits were
+ * taken): neither event would come again, and its tokens were never given back.
  */
 export function settleWhenOver<Req, Res>(
   verdict: Verdict,
@@ -1222,12 +1224,15 @@ export function settleWhenOver<Req, Res>(
 ): void {
   const settle = verdict.settle;
   if (settle === undefined) return;
-  response.once("finish", () => {
+  const finished = () => {
     if (successful === undefined) return settle(response.statusCode < 400);
     Promise.resolve()
       .then(() => successful(request, res))
       .then(settle, () => settle(false));
-  });
+  };
+  if (response.writableFinished) return finished();
+  if (response.destroyed) return settle(false);
+  response.once("finish", finished);
   response.once("close", () => {
     if (!response.writableEnded) settle(false);
   });

@@ -1032,7 +1032,8 @@ fn fetch_if_low_at<S: LeaseStore>(store: &Arc<S>, entry: &Arc<Entry>, now: f64) 
             .filter(|(holder, lease)| *holder != id && lease.expiry > store_now)
             .map(|(_, lease)| lease.tokens)
             .sum();
-        entry.elsewhere.store(elsewhere.to_bits(), Ordering::Release);
+        // Tokens are never negative: `abs` makes an empty sum (-0) read 0 (`/metrics` said -0).
+        entry.elsewhere.store(elsewhere.abs().to_bits(), Ordering::Release);
         let kept = entry.holder.granted(asked, grant, store_now);
         if !kept {
             // The lease was given back while this grant was on its way (a limit near its
