@@ -26,7 +26,10 @@
 //!   serves of a saturated global limit against what it serves on its memory store.
 //! - `throughput-serve` (only with `--only throughput-serve`; needs `wrk` and the `tollgate`
 //!   binary, `--tollgate PATH`): the same with `tollgate serve` as each region's servers,
-//!   each driven over HTTP by a wrk of its own.
+//!   each driven over HTTP by a wrk of its own (`storeDeadline = "1s"`, as the guide says for
+//!   a store in another region). With `REGIONS_LEASE_COUNTS=1` it also prints wrk's whole
+//!   report and each leased server's `tollgate_lease_*` lines from its `/metrics`, and keeps
+//!   each server's log in `/tmp/regions-serve-r{REGION}-{PORT}.log`.
 //! - `limitador` and `limitador-cut` (with `--limitador PATH`, a limitador-server binary):
 //!   the loads of `saturated` and `cut`, each server a client (Envoy's gRPC protocol) of a
 //!   limitador-server of its own, whose `redis_cached` storage reaches the Redis through the
