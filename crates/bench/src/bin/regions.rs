@@ -828,6 +828,8 @@ fn throughput_serve(
     assert!(tollgate.is_file(), "no tollgate binary at {}", tollgate.display());
     let secs = if plan.short { 3 } else { 8 };
     let connections: usize = flag(args, "--connections").unwrap_or(16);
+    // Each server's lease counters, wrk's whole report and the servers' logs, to look into.
+    let verbose = std::env::var_os("REGIONS_LEASE_COUNTS").is_some();
     let rounds = 3;
     let lua = dir.join("limit.lua");
     std::fs::write(
@@ -878,7 +880,7 @@ fn throughput_serve(
                         .arg("--config")
                         .arg(config)
                         .stdout(Stdio::null())
-                        .stderr(if std::env::var_os("REGIONS_LEASE_COUNTS").is_some() {
+                        .stderr(if verbose {
                             let log = format!("/tmp/regions-serve-r{region}-{port}.log");
                             Stdio::from(std::fs::File::create(log).unwrap())
                         } else {
@@ -918,7 +920,7 @@ fn throughput_serve(
             for (region, child) in runs {
                 let out = child.wait_with_output().unwrap();
                 let text = String::from_utf8_lossy(&out.stdout);
-                if std::env::var_os("REGIONS_LEASE_COUNTS").is_some() {
+                if verbose {
                     println!("    region {region}: {}", text.replace('\n', " / "));
                 }
                 let p99 = text.lines().find_map(|l| l.trim().strip_prefix("99%"));
@@ -930,7 +932,7 @@ fn throughput_serve(
                     .unwrap_or_else(|| panic!("wrk said no rate: {text}"));
                 served[region] += rate;
             }
-            if !on_memory && std::env::var_os("REGIONS_LEASE_COUNTS").is_some() {
+            if !on_memory && verbose {
                 for (region, port, _) in &servers {
                     let out = Command::new("curl")
                         .args(["-s", &format!("http://127.0.0.1:{port}/metrics")])
